@@ -1,0 +1,26 @@
+"""specbus wire protocol: message models, packed arrays, msgpack codec, subjects, error codes."""
+
+from schemas.arrays import (MAX_ARRAY_BYTES, IdMatrix, LogprobMatrix, LogprobVector, Packed, ProbMatrix, Ranks,
+                            TokenIds)
+from schemas.codec import DEFAULT_MAX_BYTES, decode, decode_any, encode, error_reply, field_path, validate
+from schemas.errors import CodecError, ErrorCode, SpecbusError
+from schemas.messages import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
+                              MESSAGE_TYPES, PROTOCOL_VERSION, CancelRequest, Commit, DraftRequest, DraftResponse,
+                              DraftResult, DraftRow, Error, GenerateRequest, Heartbeat, LogprobArrays,
+                              LogprobOptions, Message, Proposal, RowSampling, SamplingMask, SamplingParams,
+                              SideChannelRecord, SpeculativeOptions, StopNotice, StreamChunk, TokenLogprob, Usage,
+                              VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, check_limits, new_request_id)
+from schemas.subjects import DEFAULT_PREFIX, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
+
+__all__ = [
+    "MAX_ARRAY_BYTES", "IdMatrix", "LogprobMatrix", "LogprobVector", "Packed", "ProbMatrix", "Ranks", "TokenIds",
+    "DEFAULT_MAX_BYTES", "decode", "decode_any", "encode", "error_reply", "field_path", "validate",
+    "CodecError", "ErrorCode", "SpecbusError",
+    "DEGRADED_REASONS", "MAX_SPECULATIVE_TOKENS", "MAX_TOKENS_CAP", "MAX_TOP_LOGPROBS", "MESSAGE_TYPES",
+    "PROTOCOL_VERSION", "CancelRequest", "Commit", "DraftRequest", "DraftResponse", "DraftResult", "DraftRow",
+    "Error", "GenerateRequest", "Heartbeat", "LogprobArrays", "LogprobOptions", "Message", "Proposal",
+    "RowSampling", "SamplingMask", "SamplingParams", "SideChannelRecord", "SpeculativeOptions", "StopNotice",
+    "StreamChunk", "TokenLogprob", "Usage", "VerifyRequest", "VerifyResponse", "VerifyResult", "VerifyRow",
+    "check_limits", "new_request_id",
+    "DEFAULT_PREFIX", "SCHEDULER_QUEUE_GROUP", "Subjects", "check_instance_id",
+]

@@ -1,0 +1,142 @@
+"""Configuration of every service, in one place.
+
+Each service has a dataclass; `load_config(cls, **overrides)` fills it from, in order of
+precedence: explicit overrides (CLI flags, tests), environment variables `SPECBUS_<FIELD>`
+(read when called, never at import), then the defaults below. Unknown override names and values
+that do not parse are a `SpecbusError` naming the field.
+
+Timeouts are seconds. Defaults are sized for the shipped CPU model pair on loopback NATS.
+"""
+
+import dataclasses
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.subjects import DEFAULT_PREFIX, check_instance_id
+
+REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
+ENV_PREFIX = "SPECBUS_"
+
+
+def default_instance_id(role: str) -> str:
+    """A fresh id per process: role, host and a random suffix (ids are subject tokens)."""
+    host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:24]
+    return f"{role}-{host}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclasses.dataclass
+class BusConfig:
+    """How to reach NATS. Credentials come from the environment or flags, never defaults."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    prefix: str = DEFAULT_PREFIX
+    nats_user: str | None = None
+    nats_password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout_s: float = 5.0
+
+
+@dataclasses.dataclass
+class InstanceConfig(BusConfig):
+    instance_id: str = ""  # empty: default_instance_id(role) at load time
+    heartbeat_interval_s: float = 0.5
+    metrics_port: int = 0  # 0 = no Prometheus endpoint
+
+
+@dataclasses.dataclass
+class SchedulerConfig(InstanceConfig):
+    max_queue: int = 64  # admitted but not yet running; beyond it: `overloaded`
+    max_running: int = 64  # requests decoding at once
+    max_batch_rows: int = 64  # rows in one step's batch per verifier
+    max_step_tokens: int = 1024  # new tokens per verifier per step (prefill is chunked to fit)
+    max_tokens_cap: int = 4096
+    draft_timeout_s: float = 0.5
+    verify_timeout_s: float = 10.0
+    verify_retries: int = 1
+    heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
+
+
+@dataclasses.dataclass
+class VerifierConfig(InstanceConfig):
+    target_model: str = str(REPO_MODELS / "target")
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_slots: int = 64
+    max_seq_len: int = 2048
+    prefill_chunk: int = 512  # tokens per forward for a long prompt
+    slot_idle_ttl_s: float = 300.0  # a slot untouched this long is freed (its scheduler is gone)
+
+
+@dataclasses.dataclass
+class DrafterConfig(InstanceConfig):
+    draft_model: str = str(REPO_MODELS / "draft")
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_slots: int = 64
+    max_seq_len: int = 2048
+    slot_idle_ttl_s: float = 300.0
+
+
+@dataclasses.dataclass
+class PostprocessorConfig(InstanceConfig):
+    tokenizer: str = str(REPO_MODELS / "target")  # a directory holding tokenizer.json
+    side_channel_timeout_s: float = 2.0
+    max_requests: int = 1024
+
+
+ROLES: dict[str, type] = {
+    "scheduler": SchedulerConfig,
+    "verifier": VerifierConfig,
+    "drafter": DrafterConfig,
+    "postprocessor": PostprocessorConfig,
+}
+
+C = TypeVar("C")
+
+
+def _parse(field: dataclasses.Field, raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    if "None" in kind and raw == "":
+        return None
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    if kind.startswith("bool"):
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(f"{raw!r} is not a boolean")
+        return raw.lower() in ("1", "true", "yes")
+    return raw
+
+
+def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides: Any) -> C:
+    """cls filled from overrides (None values ignored), then SPECBUS_<FIELD> env vars, then defaults."""
+    env = os.environ if env is None else env
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(overrides) - set(fields)
+    if unknown:
+        raise SpecbusError(ErrorCode.invalid_field, f"unknown setting {sorted(unknown)[0]!r}", sorted(unknown)[0])
+    values = {}
+    for name, field in fields.items():
+        raw = overrides.get(name)
+        if raw is None:
+            raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        try:
+            values[name] = _parse(field, raw)
+        except ValueError as exc:
+            raise SpecbusError(ErrorCode.invalid_field, f"{name}: {exc}", name) from None
+    config = cls(**values)
+    if hasattr(config, "instance_id"):
+        role = next((r for r, c in ROLES.items() if c is cls), "instance")
+        config.instance_id = check_instance_id(config.instance_id or default_instance_id(role), "instance_id")
+    return config
