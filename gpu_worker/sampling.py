@@ -1,0 +1,234 @@
+"""Per-row sampling: temperature, top-k, top-p, min-p, and counter-based uniforms.
+
+Pipeline of `process_logits` / `sample`, per row, in this order (the order of transformers'
+logits warpers: temperature, top-k, top-p, min-p; vLLM v1 applies min-p before top-k/top-p):
+
+1. temperature: scaled = logits / temperature. Greedy rows (temperature 0) skip 2-5: their
+   distribution is the one-hot of argmax(logits), lowest id on ties, and K = {argmax}.
+2. one stable descending sort of the scaled logits; rank r = position in that order, so tied
+   logits are ordered by lower token id first. Everything below is decided on this order.
+3. top-k (0 = off): keep ranks r < top_k. A tie at the boundary keeps the lower ids only.
+4. top-p (1 = off): renormalise over the top-k survivors, keep rank r while the mass of the
+   ranks before it is < top_p (the smallest prefix reaching top_p; rank 0 is always kept).
+5. min-p (0 = off): keep tokens with prob >= min_p * max prob (a ratio, so it does not matter
+   whether it is taken before or after renormalising).
+   K = the kept prefix of the sorted order: `candidate_ids[..., :num_candidates]`.
+6. processed probs = softmax(scaled logits over K), 0 outside K: renormalised exactly once.
+7. the token is drawn from the processed probs by inverse CDF in vocabulary order with one
+   float64 uniform per (row, position), so the draw depends on that uniform and that row only.
+
+Outputs: `probs` are processed (what the token is drawn from, and the `target_probs` of the
+rejection sampler); raw logprobs are the logprob module's business (log_softmax of logits).
+
+Uniforms are counter-based: u = hash(seed, stream, absolute position), splitmix64 built from
+torch int64 ops, so a request's draws do not depend on its batch, its row, or how its positions
+are split into steps. Draft sampling, target sampling, the acceptance test and residual
+sampling each use their own stream id.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+STREAM_DRAFT = 0
+STREAM_TARGET = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
+
+
+class SamplingInputError(ValueError):
+    """Bad tensor handed to the sampling / rejection / logprob kernels; names the argument."""
+
+
+def check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise SamplingInputError(f"{name}: {message}")
+
+
+def check_shape(x: torch.Tensor, shape: tuple, name: str) -> None:
+    check(tuple(x.shape) == tuple(shape), name, f"expected shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _int64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)
+_MIX1 = _int64(0xBF58476D1CE4E5B9)
+_MIX2 = _int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic on signed ints)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser (Steele, Lea, Flood 2014) on int64 tensors, wrapping arithmetic.
+
+    A bijection on 64-bit words: distinct inputs give distinct outputs.
+    """
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def make_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in [0, 1), float64, one per (row, position): [B, T].
+
+    seeds: [B] int64, the request seeds. positions: [B, T] int64, absolute token positions.
+    u = top 53 bits of splitmix64(splitmix64(splitmix64(seed) ^ stream) ^ position) / 2**53.
+    Each splitmix64 is a bijection, so for one seed distinct (stream, position) never share bits.
+    """
+    check(seeds.dim() == 1 and seeds.dtype == torch.int64, "seeds", "expected int64 [B]")
+    check_shape(positions, (seeds.shape[0], positions.shape[-1]), "positions")
+    check(positions.dtype == torch.int64, "positions", "expected int64")
+    key = splitmix64(splitmix64(seeds) ^ stream)  # (B,)
+    bits = splitmix64(key[:, None] ^ positions)  # (B, T)
+    return _shr(bits, 11).double() * (2.0**-53)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters. temperature [B] (0 = greedy), top_k [B] (0 = off),
+    top_p [B] in (0, 1] (1 = off), min_p [B] in [0, 1] (0 = off)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    def __post_init__(self):
+        (B,) = self.temperature.shape
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            check_shape(getattr(self, name), (B,), name)
+        check(self.top_k.dtype == torch.int64, "top_k", "expected int64")
+        t = self.temperature
+        check(bool(((t >= 0) & torch.isfinite(t)).all()), "temperature", "must be finite and >= 0")
+        check(bool((self.top_k >= 0).all()), "top_k", "must be >= 0")
+        check(bool(((self.top_p > 0) & (self.top_p <= 1)).all()), "top_p", "must be in (0, 1]")
+        check(bool(((self.min_p >= 0) & (self.min_p <= 1)).all()), "min_p", "must be in [0, 1]")
+
+    @classmethod
+    def build(cls, temperature, top_k=None, top_p=None, min_p=None, device=None):
+        """From Python lists (None = off for every row)."""
+        B = len(temperature)
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k if top_k is not None else [0] * B, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p if top_p is not None else [1.0] * B, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p if min_p is not None else [0.0] * B, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature == 0
+
+    def index(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The parameters of the given rows (e.g. one entry per emitted token)."""
+        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
+
+
+@dataclass
+class ProcessedLogits:
+    """probs [B, T, V] float32: processed distribution (one-hot of argmax for greedy rows).
+    candidate_ids [B, T, C] int64: token ids in descending processed order (stable: lower id first
+    on ties); K is the prefix of length num_candidates. C == V when the batch was sorted, else 1.
+    num_candidates [B, T] int64: |K|; V means K is the whole vocabulary (no filter on that row)."""
+
+    probs: torch.Tensor
+    candidate_ids: torch.Tensor
+    num_candidates: torch.Tensor
+
+
+def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, ..., V] / temperature [B]; greedy rows (0) are left at temperature 1."""
+    temperature = torch.where(temperature == 0, 1.0, temperature).to(torch.float32)
+    if bool((temperature == 1).all()):
+        return logits.float()
+    return logits.float() / temperature.view(-1, *([1] * (logits.dim() - 1)))
+
+
+def select_candidates(scaled: torch.Tensor, params: SamplingTensors):
+    """Steps 2-5 of the pipeline on scaled logits [B, T, V].
+
+    Returns candidate_ids [B, T, C], num_candidates [B, T] and in_k [B, T, V] bool, or None for
+    in_k when no row filters (then K is everything for sampled rows and C == 1).
+    """
+    B, T, V = scaled.shape
+    greedy = params.greedy
+    filters = ~greedy & (((params.top_k > 0) & (params.top_k < V)) | (params.top_p < 1) | (params.min_p > 0))
+    if not bool(filters.any()):
+        argmax = scaled.argmax(-1)  # (B, T); first (lowest) id among maxima
+        num_candidates = torch.where(greedy, 1, V).view(B, 1).expand(B, T).contiguous()
+        return argmax[..., None], num_candidates, None
+
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # (B, T, V)
+    sorted_probs = sorted_logits.softmax(-1)
+    rank = torch.arange(V, device=scaled.device)
+    top_k = torch.where(params.top_k > 0, params.top_k, V).view(B, 1, 1)
+    keep = rank < top_k
+    probs_k = sorted_probs.masked_fill(~keep, 0.0)
+    cum = probs_k.cumsum(-1)
+    # mass before rank r, over the renormalised top-k survivors: (cum - p) / cum[-1] < top_p
+    before_ok = (cum - probs_k) < params.top_p.view(B, 1, 1) * cum[..., -1:]
+    keep = keep & (before_ok | (params.top_p >= 1).view(B, 1, 1))
+    keep &= sorted_probs >= params.min_p.view(B, 1, 1) * sorted_probs[..., :1]
+    keep |= ~filters.view(B, 1, 1)
+    num_candidates = torch.where(greedy.view(B, 1), 1, keep.sum(-1))
+    # greedy rows: K = {argmax}; the stable sort already put argmax first
+    keep &= rank < num_candidates[..., None]
+    in_k = torch.zeros_like(keep).scatter_(-1, sorted_ids, keep)
+    return sorted_ids, num_candidates, in_k
+
+
+def process_logits(logits: torch.Tensor, params: SamplingTensors) -> ProcessedLogits:
+    """Pipeline steps 1-6 on logits [B, T, V] (any float dtype; computed in float32)."""
+    check(logits.dim() == 3, "logits", f"expected [B, T, V], got {tuple(logits.shape)}")
+    B, T, V = logits.shape
+    check(params.temperature.shape[0] == B, "params", f"{params.temperature.shape[0]} rows for {B} logits rows")
+    # amax propagates NaN, so one pass catches NaN, +inf and rows that are all -inf
+    check(bool(torch.isfinite(logits.amax(-1)).all()), "logits", "a row has NaN, +inf or no finite value")
+    scaled = scale_logits(logits, params.temperature)
+    candidate_ids, num_candidates, in_k = select_candidates(scaled, params)
+    if in_k is not None:
+        scaled = scaled.masked_fill(~in_k, float("-inf"))
+    probs = scaled.softmax(-1)
+    greedy = params.greedy
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, candidate_ids[..., :1], 1.0)
+        probs = torch.where(greedy.view(B, 1, 1), one_hot, probs)
+    return ProcessedLogits(probs, candidate_ids, num_candidates)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw in vocabulary order: probs [..., V] >= 0 (need not sum to 1),
+    uniforms [...] float64 in [0, 1). Returns ids [...] int64; -1 where the row has no mass.
+
+    Never returns a zero-probability id: the pick is the first id whose cumulative sum exceeds
+    u * total, and the cumulative sum only rises at ids with positive mass.
+    """
+    cdf = probs.float().cumsum(-1)
+    total = cdf[..., -1:].contiguous()
+    x = (uniforms[..., None] * total.double()).to(cdf.dtype)
+    ids = torch.searchsorted(cdf, x, right=True)
+    # u * total may round up to total in float32: cap at the first id reaching the total
+    last = torch.searchsorted(cdf, total, right=False)
+    ids = torch.minimum(ids, last).squeeze(-1)
+    return torch.where(total.squeeze(-1) > 0, ids, -1)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor):
+    """logits [B, T, V], params for B rows, uniforms [B, T] float64 (`make_uniforms`).
+
+    Returns (ProcessedLogits, token_ids [B, T] int64). Greedy rows return argmax and do not
+    consume their uniforms.
+    """
+    check_shape(uniforms, logits.shape[:2], "uniforms")
+    check(uniforms.dtype == torch.float64, "uniforms", "expected float64")
+    processed = process_logits(logits, params)
+    token_ids = sample_from_probs(processed.probs, uniforms)
+    token_ids = torch.where(params.greedy.view(-1, 1), processed.candidate_ids[..., 0], token_ids)
+    return processed, token_ids

@@ -1,0 +1,207 @@
+import math
+
+import pytest
+import torch
+
+from gpu_worker.sampling import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESIDUAL,
+    STREAM_TARGET,
+    SamplingInputError,
+    SamplingTensors,
+    make_uniforms,
+    process_logits,
+    sample,
+    sample_from_probs,
+    splitmix64,
+)
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64_reference(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def logits_from_probs(probs, rows=1, positions=1):
+    """[rows, positions, V] logits whose softmax is exactly `probs` (powers of two stay exact)."""
+    return torch.tensor(probs).log().expand(rows, positions, -1).contiguous()
+
+
+def positions_for(rows, steps):
+    return torch.arange(steps).expand(rows, steps).contiguous()
+
+
+# --- counter-based uniforms ---------------------------------------------------------------
+
+
+def test_splitmix64_matches_published_first_output_and_reference():
+    assert splitmix64(torch.tensor([0])).item() & MASK64 == 0xE220A8397B1DCDAF
+    xs = [1, 12345, (1 << 63) - 1, -1, -(1 << 63), 0x0123456789ABCDEF]
+    got = splitmix64(torch.tensor(xs)).tolist()
+    assert [g & MASK64 for g in got] == [splitmix64_reference(x & MASK64) for x in xs]
+
+
+def test_uniforms_depend_only_on_seed_stream_and_position():
+    seeds = torch.tensor([7, 8, 9])
+    u = make_uniforms(seeds, positions_for(3, 6), STREAM_TARGET)
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    alone = make_uniforms(torch.tensor([8]), torch.tensor([[3, 4, 5]]), STREAM_TARGET)
+    assert torch.equal(alone[0], u[1, 3:])
+    streams = [make_uniforms(seeds, positions_for(3, 6), s) for s in (STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL)]
+    for other in streams:
+        assert not bool((other == u).any())
+
+
+def test_uniforms_look_uniform():
+    u = make_uniforms(torch.arange(200), positions_for(200, 100), STREAM_TARGET).flatten()
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    expected = u.numel() / 10
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 40  # 9 degrees of freedom: p < 1e-5 beyond 40
+
+
+# --- greedy -------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties_and_one_hot_probs():
+    logits = torch.tensor([[[1.0, 3.0, 3.0, 0.0], [5.0, 1.0, 2.0, 5.0]]])
+    params = SamplingTensors.build([0.0], top_k=[2], top_p=[0.5])
+    processed, token_ids = sample(logits, params, torch.zeros(1, 2, dtype=torch.float64))
+    assert token_ids.tolist() == [[1, 0]]
+    assert processed.probs.tolist() == [[[0, 1, 0, 0], [1, 0, 0, 0]]]
+    assert processed.num_candidates.tolist() == [[1, 1]]
+    assert processed.candidate_ids[..., 0].tolist() == [[1, 0]]
+
+
+# --- filters, worked by hand --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p, expected_k",
+    [
+        (2, 1.0, 0.0, [0, 1]),
+        (0, 0.75, 0.0, [0, 1]),  # mass before rank 2 is exactly 0.75: not < 0.75
+        (0, 0.76, 0.0, [0, 1, 2]),
+        (0, 1.0, 0.3, [0, 1]),  # keep prob >= 0.3 * 0.5
+        (0, 1.0, 0.25, [0, 1, 2, 3]),
+        (3, 0.7, 0.0, [0, 1]),
+        (0, 1.0, 0.0, None),  # no filter: K is the whole vocabulary
+    ],
+)
+def test_filters_keep_the_hand_worked_candidate_set(top_k, top_p, min_p, expected_k):
+    logits = logits_from_probs([0.5, 0.25, 0.125, 0.125])
+    params = SamplingTensors.build([1.0], top_k=[top_k], top_p=[top_p], min_p=[min_p])
+    processed = process_logits(logits, params)
+    n = processed.num_candidates[0, 0].item()
+    if expected_k is None:
+        assert n == 4
+        assert torch.allclose(processed.probs[0, 0], torch.tensor([0.5, 0.25, 0.125, 0.125]))
+        return
+    assert sorted(processed.candidate_ids[0, 0, :n].tolist()) == expected_k
+    probs = torch.zeros(4)
+    probs[expected_k] = torch.tensor([0.5, 0.25, 0.125, 0.125])[expected_k]
+    assert torch.allclose(processed.probs[0, 0], probs / probs.sum())
+
+
+def test_top_p_works_on_the_renormalised_top_k_distribution():
+    # top-2 of [0.4, 0.3, 0.2, 0.1] renormalises to [4/7, 3/7]; 4/7 >= 0.5 so top_p drops rank 1
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1])
+    processed = process_logits(logits, SamplingTensors.build([1.0], top_k=[2], top_p=[0.5]))
+    assert processed.num_candidates.item() == 1
+    assert processed.probs[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_tie_at_top_k_boundary_keeps_lower_ids():
+    logits = torch.tensor([[[1.0, 2.0, 2.0, 2.0, 0.0]]])
+    processed = process_logits(logits, SamplingTensors.build([1.0], top_k=[2]))
+    assert processed.candidate_ids[0, 0, :2].tolist() == [1, 2]
+    assert processed.probs[0, 0].tolist() == [0.0, 0.5, 0.5, 0.0, 0.0]
+
+
+def test_temperature_scales_logits_before_softmax():
+    logits = torch.tensor([[[1.0, 2.0, 0.5]]])
+    processed = process_logits(logits, SamplingTensors.build([0.5]))
+    assert torch.allclose(processed.probs[0, 0], (logits[0, 0] / 0.5).softmax(-1))
+
+
+# --- drawing ------------------------------------------------------------------------------
+
+
+def test_sample_from_probs_never_picks_zero_mass_ids():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.0] * 6, [0.0, 0.0, 0.0, 0.0, 0.0, 1e-30]])
+    top = torch.tensor([1 - 2.0**-53] * 3, dtype=torch.float64)
+    assert sample_from_probs(probs, top).tolist() == [3, -1, 5]
+    bottom = torch.zeros(3, dtype=torch.float64)
+    assert sample_from_probs(probs, bottom).tolist() == [1, -1, 5]
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (6, 0.9, 0.05)])
+def test_sampled_tokens_follow_the_processed_distribution(top_k, top_p, min_p):
+    rows, V = 12000, 12
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(3)).expand(rows, 1, V).contiguous()
+    params = SamplingTensors.build([0.8] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows, min_p=[min_p] * rows)
+    uniforms = make_uniforms(torch.arange(rows), torch.zeros(rows, 1, dtype=torch.int64), STREAM_TARGET)
+    processed, token_ids = sample(logits, params, uniforms)
+    expected = processed.probs[0, 0].double() * rows
+    counts = torch.bincount(token_ids.flatten(), minlength=V).double()
+    assert bool((counts[expected == 0] == 0).all())
+    z = (counts - expected) / (expected * (1 - expected / rows)).sqrt().clamp_min(1e-9)
+    assert float(z[expected > 0].abs().max()) < 4.5
+
+
+# --- determinism --------------------------------------------------------------------------
+
+
+def test_row_draws_do_not_depend_on_batch_or_step_split():
+    V, T = 50, 6
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(8, T, V, generator=gen)
+    seeds = torch.arange(100, 108)
+    params = SamplingTensors.build(
+        [0.9, 0.0, 1.3, 0.7, 1.0, 0.5, 2.0, 1.1],
+        top_k=[0, 0, 7, 0, 20, 0, 3, 0],
+        top_p=[1.0, 1.0, 1.0, 0.9, 1.0, 0.6, 1.0, 1.0],
+        min_p=[0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0],
+    )
+    batch = sample(logits, params, make_uniforms(seeds, positions_for(8, T), STREAM_TARGET))[1]
+
+    row = 3
+    alone = SamplingTensors.build([0.7], top_p=[0.9])
+    whole = sample(logits[row : row + 1], alone, make_uniforms(seeds[row : row + 1], positions_for(1, T), STREAM_TARGET))[1]
+    assert torch.equal(whole[0], batch[row])
+    first = sample(logits[row : row + 1, :2], alone, make_uniforms(seeds[row : row + 1], torch.tensor([[0, 1]]), STREAM_TARGET))[1]
+    rest_positions = torch.arange(2, T)[None]
+    rest = sample(logits[row : row + 1, 2:], alone, make_uniforms(seeds[row : row + 1], rest_positions, STREAM_TARGET))[1]
+    assert torch.equal(torch.cat([first, rest], 1)[0], batch[row])
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=[-1.0]), "temperature"),
+        (dict(temperature=[math.inf]), "temperature"),
+        (dict(temperature=[1.0], top_p=[0.0]), "top_p"),
+        (dict(temperature=[1.0], min_p=[1.5]), "min_p"),
+        (dict(temperature=[1.0], top_k=[-2]), "top_k"),
+    ],
+)
+def test_bad_params_fail_naming_the_field(kwargs, match):
+    with pytest.raises(SamplingInputError, match=match):
+        SamplingTensors.build(**kwargs)
+
+
+def test_nan_logits_and_bad_uniforms_fail_fast():
+    params = SamplingTensors.build([1.0])
+    logits = torch.tensor([[[0.0, float("nan"), 1.0]]])
+    with pytest.raises(SamplingInputError, match="logits"):
+        process_logits(logits, params)
+    with pytest.raises(SamplingInputError, match="uniforms"):
+        sample(torch.zeros(1, 1, 3), params, torch.zeros(1, 1))
