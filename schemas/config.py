@@ -60,6 +60,7 @@ class SchedulerConfig(InstanceConfig):
     verify_timeout_s: float = 10.0
     verify_retries: int = 1
     heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
+    tokenizer: str = str(REPO_MODELS / "target")  # the verifiers' tokenizer: text prompts, EOS ids
 
 
 @dataclasses.dataclass

@@ -1,0 +1,255 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) for inference with a slot KV cache.
+
+The model is weights only (a dataclass of tensors); every piece of per-request state lives in
+the `KVCache`. `forward` is the one function the verifier and the drafter call: it appends a
+ragged batch of new tokens to the cache and returns logits.
+
+Letters in shapes: B batch rows, T tokens per row, M selected positions per row, V vocabulary,
+H query heads, Hkv key/value heads, D head dim, E hidden size, I MLP size, W attention window.
+
+RoPE layout: Hugging Face Llama "rotate-half". The D dims of a head form two halves
+(x1 = x[:D/2], x2 = x[D/2:]) and dim i is paired with dim i + D/2, both rotated by angle
+pos * theta^(-2i/D):  rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1).
+(Meta's original checkpoints interleave pairs (2i, 2i+1) instead; HF conversion permutes
+q/k weights into the half layout, which is what the safetensors files hold.) We fold the sign
+into the sine table, so rotate_half(x) * sin == x.roll(D/2) * signed_sin: one op instead of
+three.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A config.json this runtime cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout).
+
+        `sliding_window` (Mistral, Qwen2) is ignored: attention is always full, which equals
+        sliding-window attention while a sequence stays within the window.
+        """
+        architectures = hf.get("architectures") or []
+        supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if len(architectures) != 1 or not supported:
+            raise ConfigError(f"unsupported architectures {architectures!r} in config.json; "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        architecture = supported[0]
+
+        def field(name):
+            if hf.get(name) is None:
+                raise ConfigError(f"config.json lacks required field {name!r}")
+            return hf[name]
+
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias=true is not supported")
+        # transformers 5.x: rope_parameters={rope_theta, rope_type}; 4.x: rope_theta at the top
+        # and rope_scaling=None or {type|rope_type: ...}.
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"rope scaling type {rope_type!r} is not supported (only 'default')")
+        num_heads = field("num_attention_heads")
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=field("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or field("hidden_size") // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+            max_position_embeddings=field("max_position_embeddings"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and no o_proj bias; Llama's attention_bias covers all four.
+            qkv_bias=architecture == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=architecture != "Qwen2ForCausalLM" and attention_bias,
+        )
+
+
+@dataclass
+class Layer:
+    """Projection weights are stored as (in, out) for `x @ w`: transposed views of the
+    checkpoint's contiguous (out, in) tensors, so no per-call transpose and BLAS reads rows."""
+    attn_norm: torch.Tensor        # (E,)
+    wqkv: torch.Tensor             # (E, (H + 2*Hkv) * D): q, k, v projections fused at load
+    bqkv: torch.Tensor | None      # ((H + 2*Hkv) * D,)
+    wo: torch.Tensor               # (H*D, E)
+    bo: torch.Tensor | None        # (E,)
+    mlp_norm: torch.Tensor         # (E,)
+    w_gate_up: torch.Tensor        # (E, 2*I): gate and up projections fused at load
+    w_down: torch.Tensor           # (I, E)
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    embed: torch.Tensor            # (V, E)
+    layers: list[Layer]
+    norm: torch.Tensor             # (E,)
+    lm_head: torch.Tensor          # (E, V); a view of `embed` when tied
+    rope_cos: torch.Tensor         # (P, D) for positions 0..P-1
+    rope_sin: torch.Tensor         # (P, D) with the rotate-half sign folded in: (-sin, sin)
+
+
+def weight_names(config: ModelConfig) -> list[str]:
+    """Names `build_model` expects, in our scheme (`layers.{i}.wq`, ...)."""
+    per_layer = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if config.qkv_bias:
+        per_layer += ["bq", "bk", "bv"]
+    if config.o_bias:
+        per_layer += ["bo"]
+    names = ["embed", "norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
+    return names + [f"layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
+
+
+def rope_tables(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin), each (P, D) float32, computed as HF Llama's default rotary embedding."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
+    return torch.cat([freqs, freqs], -1).cos(), torch.cat([-freqs, freqs], -1).sin()
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
+                dtype=torch.float32, max_seq_len: int | None = None) -> Model:
+    """Fuse per-projection weights (named as `weight_names`) into a `Model` on `device`.
+
+    RoPE tables cover positions 0..max_seq_len-1 (default: max_position_embeddings; a
+    smaller value keeps the tables small for configs that allow 128k positions).
+    """
+    num_positions = max_seq_len or config.max_position_embeddings
+    if num_positions > config.max_position_embeddings:
+        raise ConfigError(f"max_seq_len {num_positions} exceeds max_position_embeddings "
+                          f"{config.max_position_embeddings}")
+
+    def get(name):
+        return weights[name].to(device=device, dtype=dtype)
+
+    def cat(*names):  # (out, in) pieces -> one (in, out_total) view
+        return torch.cat([get(n) for n in names]).t()
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        layers.append(Layer(
+            attn_norm=get(p + "attn_norm"),
+            wqkv=cat(p + "wq", p + "wk", p + "wv"),
+            bqkv=cat(p + "bq", p + "bk", p + "bv") if config.qkv_bias else None,
+            wo=get(p + "wo").t(),
+            bo=get(p + "bo") if config.o_bias else None,
+            mlp_norm=get(p + "mlp_norm"),
+            w_gate_up=cat(p + "w_gate", p + "w_up"),
+            w_down=get(p + "w_down").t(),
+        ))
+    embed = get("embed")
+    cos, sin = rope_tables(config, num_positions)
+    return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
+                 lm_head=(embed if config.tie_word_embeddings else get("lm_head")).t(),
+                 rope_cos=cos.to(device=device, dtype=dtype),
+                 rope_sin=sin.to(device=device, dtype=dtype))
+
+
+@torch.inference_mode()
+def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor,
+            num_new: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Append new tokens to each row's cache slot, attend causally, return logits.
+
+    slots: (B,) int64, distinct allocated cache slots (CPU tensor: bookkeeping is on CPU).
+    token_ids: (B, T) int64. Row b's new tokens are token_ids[b, :num_new[b]]; the rest of
+        the row is padding (any valid id).
+    num_new: (B,) int64 on CPU, 0 <= num_new[b] <= T. A row with 0 leaves its slot untouched.
+    logits_index: (B, M) int64 positions in [0, T) whose logits to return, or None for all.
+    Returns (B, T, V) or (B, M, V) logits in the model's dtype.
+
+    New token t of row b sits at position cache.lengths[slot_b] + t and sees the slot's
+    committed prefix plus new tokens 0..t. Logits at padding positions (t >= num_new[b]) are
+    unspecified; padding never touches a slot's committed prefix (its cache writes land in
+    a scratch column). On return cache.lengths[slots] has advanced by num_new. Raises
+    CacheCapacityError (nothing written) when a row would pass cache.max_seq_len.
+    """
+    cfg = model.config
+    B, T = token_ids.shape
+    assert slots.shape == (B,) and num_new.shape == (B,), (slots.shape, num_new.shape, B)
+    if cache.max_seq_len > model.rope_cos.shape[0]:
+        raise ValueError(f"cache max_seq_len {cache.max_seq_len} exceeds the model's RoPE table "
+                         f"({model.rope_cos.shape[0]} positions); load with a larger max_seq_len")
+    if (cache.k.dtype, cache.k.device) != (model.embed.dtype, model.embed.device):
+        raise ValueError(f"cache is {cache.k.dtype} on {cache.k.device}, model is "
+                         f"{model.embed.dtype} on {model.embed.device}")
+    plan = cache.plan(slots, num_new, T)
+    device = model.embed.device
+    H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    dev_slots = slots.to(device)
+    cos = model.rope_cos[plan.rope_pos].unsqueeze(2)                 # (B, T, 1, D)
+    sin = model.rope_sin[plan.rope_pos].unsqueeze(2)                 # (B, T, 1, D)
+
+    x = model.embed[token_ids.to(device).view(-1)]                   # (B*T, E)
+    for i, layer in enumerate(model.layers):
+        h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
+        qkv = torch.mm(h, layer.wqkv) if layer.bqkv is None else \
+            torch.addmm(layer.bqkv, h, layer.wqkv)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        qk = qkv[:, :, :H + Hkv]                                     # (B, T, H+Hkv, D)
+        qk = qk * cos + qk.roll(D // 2, -1) * sin
+        cache.update(i, dev_slots, plan.write_pos, qk[:, :, H:], qkv[:, :, H + Hkv:])
+        k, v = cache.window(i, dev_slots, plan)                      # (B, Hkv, W, D)
+        o = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), k, v,
+                                           attn_mask=plan.mask, enable_gqa=H != Hkv)  # (B, H, T, D)
+        x = torch.addmm(x, o.transpose(1, 2).reshape(B * T, H * D), layer.wo)
+        if layer.bo is not None:
+            x += layer.bo
+        h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
+        gate_up = torch.mm(h, layer.w_gate_up)                       # (B*T, 2I)
+        gate, up = gate_up.chunk(2, -1)
+        x = torch.addmm(x, F.silu(gate) * up, layer.w_down)
+    cache.commit(slots, num_new)
+
+    x = x.view(B, T, E)
+    if logits_index is not None:
+        assert logits_index.shape[0] == B and logits_index.dim() == 2, logits_index.shape
+        index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
+        x = x.gather(1, index)                                       # (B, M, E)
+    return F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) @ model.lm_head

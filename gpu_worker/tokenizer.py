@@ -1,0 +1,112 @@
+"""Tokenizer loading and incremental detokenization. Torch-free: the postprocessor uses it.
+
+Incremental detokenization follows the prefix/read-offset scheme of HF text-generation-
+inference and vLLM: decode a short window of already-emitted tokens (the prefix) with and
+without the new tokens and emit the difference, so tokenizers whose decoding of a token
+depends on its left neighbour (byte-level BPE split characters, SentencePiece leading spaces)
+stream the same text as one full decode. Text ending in U+FFFD (an incomplete UTF-8
+sequence) is held back until later tokens complete it.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    hf: HFTokenizer
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, without special tokens (no BOS is added)."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        """Text of ids; special tokens (BOS/EOS, ...) are skipped."""
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+def tokenizer_id(path) -> str:
+    """The first 16 hex digits of the sha256 of path/tokenizer.json. Instances are paired only
+    when these match (their heartbeats carry it as model_ids["tokenizer"])."""
+    return hashlib.sha256((Path(path) / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _special_ids(hf: HFTokenizer, tokenizer_config: dict, other_configs: list[dict],
+                 key: str) -> list[int]:
+    """Ids for "bos"/"eos": tokenizer_config.json's token string wins, then the first of
+    generation_config.json / config.json that sets `<key>_token_id` (an int or a list)."""
+    token = tokenizer_config.get(f"{key}_token")
+    if isinstance(token, dict):  # older files: {"content": "</s>", ...}
+        token = token.get("content")
+    if token is not None and hf.token_to_id(token) is not None:
+        return [hf.token_to_id(token)]
+    for config in other_configs:
+        value = config.get(f"{key}_token_id")
+        if value is not None:
+            return list(value) if isinstance(value, list) else [value]
+    return []
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """Load path/tokenizer.json; bos/eos ids from tokenizer_config.json, else
+    generation_config.json, else config.json (first file that names one wins)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer_config = _read_json(path / "tokenizer_config.json")
+    others = [_read_json(path / "generation_config.json"), _read_json(path / "config.json")]
+    bos = _special_ids(hf, tokenizer_config, others, "bos")
+    return Tokenizer(hf=hf, bos_id=bos[0] if bos else None,
+                     eos_ids=tuple(_special_ids(hf, tokenizer_config, others, "eos")))
+
+
+@dataclass
+class DetokenizerState:
+    """Plain data (msgpack: `dataclasses.asdict(state)` / `DetokenizerState(**d)`).
+
+    ids: the tokens still needed: the emitted prefix window, then tokens not yet emitted.
+        (vLLM's all_ids[prefix_offset:]; older tokens are dropped, so the state stays small.)
+    read_offset: index in ids where the not-yet-emitted tokens begin.
+    """
+    ids: list[int] = field(default_factory=list)
+    read_offset: int = 0
+
+
+def new_detokenizer_state(context_ids=(), context_window: int = 5) -> DetokenizerState:
+    """Start a stream after context_ids (e.g. the prompt); only its last tokens are kept, as
+    the prefix that decides how the first new token renders."""
+    ids = list(context_ids)[-context_window:] if context_window else []
+    return DetokenizerState(ids=ids, read_offset=len(ids))
+
+
+def detokenize_step(tokenizer: Tokenizer, state: DetokenizerState, new_ids,
+                    final: bool = False) -> tuple[DetokenizerState, str]:
+    """Append new_ids; return (new state, text delta). `state` is not modified.
+
+    Text that ends in an incomplete UTF-8 character is held back; `final=True` (end of stream)
+    flushes it as decode() would show it, U+FFFD included.
+    """
+    ids = state.ids + list(new_ids)
+    prefix_text = tokenizer.decode(ids[:state.read_offset])
+    text = tokenizer.decode(ids)
+    if len(text) > len(prefix_text) and (final or not text.endswith(REPLACEMENT_CHAR)):
+        return DetokenizerState(ids=ids[state.read_offset:], read_offset=len(ids) - state.read_offset), \
+            text[len(prefix_text):]
+    return DetokenizerState(ids=ids, read_offset=state.read_offset), ""

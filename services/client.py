@@ -1,0 +1,421 @@
+"""The specbus client library: send a GenerateRequest, read its StreamChunks.
+
+    async with Client("nats://127.0.0.1:4222") as client:
+        async for chunk in client.stream(make_request("def main():", max_tokens=32)):
+            print(chunk.text, end="", flush=True)
+        result = await client.generate(make_request("x = 1", max_tokens=8, logprobs=5))
+        scores = await client.generate(score_request([5, 17, 42, 9]))  # prompt logprobs only
+        print(json.dumps(result.to_json()))
+
+Protocol (PIPELINE contract): subscribe a fresh inbox, publish the request to `<p>.generate`
+with reply=inbox, read StreamChunks until the final one. Chunks are reordered by seq,
+duplicates dropped, and a final chunk that arrives with earlier seqs missing waits `gap_grace_s`
+for them, then raises StreamBroken. Every wait is bounded: the whole request by timeout_s +
+timeout_margin_s, the gap between two chunks by idle_timeout_s (after the first one); a
+timeout raises StreamTimeout and sends a CancelRequest. An Error chunk raises RequestError
+(Overloaded when the scheduler refused the request for lack of room).
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import numpy as np
+import structlog
+
+from schemas.codec import decode, encode, validate
+from schemas.errors import CodecError, ErrorCode, SpecbusError
+from schemas.messages import (CancelRequest, Error, GenerateRequest, LogprobOptions, SamplingMask, SamplingParams,
+                              SpeculativeOptions, StreamChunk, TokenLogprob, Usage, new_request_id)
+from schemas.subjects import DEFAULT_PREFIX, Subjects
+from services.bus import BusError, connect, publish
+
+log = structlog.get_logger(__name__)
+
+MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missing seq
+NO_RESPONDERS_STATUS = "503"
+
+
+class ClientError(SpecbusError):
+    """Base of the errors the client library raises."""
+
+
+class RequestError(ClientError):
+    """The service ended the request with an Error (StreamChunk.error). `partial` is what
+    generate() had collected before it (None from stream())."""
+
+    def __init__(self, code: ErrorCode | str, message: str, field: str | None = None, request_id: str | None = None):
+        super().__init__(code, message, field)
+        self.request_id = request_id
+        self.partial: GenerationResult | None = None
+
+    @classmethod
+    def from_error(cls, error: Error, request_id: str) -> RequestError:
+        kind = Overloaded if error.code == ErrorCode.overloaded else RequestError
+        return kind(error.code, error.message, error.field, request_id)
+
+
+class Overloaded(RequestError):
+    """The scheduler's queue is full; retry later."""
+
+
+class StreamTimeout(ClientError):
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.timeout, message)
+
+
+class StreamBroken(ClientError):
+    """The stream cannot be completed: chunks missing before the final one."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.internal, message)
+
+
+def tls_context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext | None:
+    """A client TLS context from file paths (ca: verify the server; cert+key: client certificate)."""
+    if ca is None and cert is None:
+        return None
+    context = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+# ---------------------------------------------------------------------------------------------
+# building requests
+
+REQUEST_FIELDS = {"request_id", "timeout_s", "stream"}
+GROUPS = {"sampling": SamplingParams, "logprobs": LogprobOptions, "speculative": SpeculativeOptions}
+
+
+def make_request(prompt: str | Sequence[int] | np.ndarray, **options: Any) -> GenerateRequest:
+    """A GenerateRequest from a prompt (text, or token ids) and flat options: any field of
+    SamplingParams (max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids,
+    ignore_eos), LogprobOptions (logprobs, prompt_logprobs, logprobs_mode, logprob_token_ids,
+    sampling_mask, max_mask_size), SpeculativeOptions (num_speculative_tokens, draft_mode),
+    and request_id, timeout_s, stream. Options given as None keep their defaults.
+    Raises CodecError naming the field (e.g. "sampling.top_p") for a bad value or name.
+    """
+    raw: dict[str, Any] = {"request_id": new_request_id(), **{group: {} for group in GROUPS}}
+    if isinstance(prompt, str):
+        raw["prompt"] = prompt
+    else:
+        raw["prompt_token_ids"] = np.asarray(prompt)
+    for name, value in options.items():
+        if value is None:
+            continue
+        group = next((g for g, model in GROUPS.items() if name in model.model_fields), None)
+        if group is not None:
+            raw[group][name] = value
+        elif name in REQUEST_FIELDS:
+            raw[name] = value
+        else:
+            raise CodecError(ErrorCode.invalid_field, f"unknown request option {name!r}", name)
+    return validate(GenerateRequest, raw)
+
+
+def score_request(prompt: str | Sequence[int] | np.ndarray, prompt_logprobs: int = 0,
+                  **options: Any) -> GenerateRequest:
+    """A request that generates nothing and returns the logprob of every prompt token
+    (max_tokens=0 with prompt_logprobs): scores a sequence."""
+    return make_request(prompt, max_tokens=0, prompt_logprobs=prompt_logprobs, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class GenerationResult:
+    """Everything a request produced, gathered from its chunks. Per completion token:
+    token_ids, from_draft, and (when asked) logprobs / sampling_masks, None where a chunk came
+    without them (flagged `logprobs_timeout` in degraded)."""
+
+    request_id: str
+    requested_ids: list[int] = field(default_factory=list)  # the request's logprob_token_ids
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    sampling_masks: list[SamplingMask | None] | None = None
+    from_draft: list[bool] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    degraded: list[str] = field(default_factory=list)  # every reason seen, in order
+    num_chunks: int = 0
+
+    def add(self, chunk: StreamChunk) -> None:
+        num_before, num_new = len(self.token_ids), len(chunk.token_ids)
+        self.logprobs = extend_per_token(self.logprobs, chunk.logprobs, num_before, num_new)
+        self.sampling_masks = extend_per_token(self.sampling_masks, chunk.sampling_masks, num_before, num_new)
+        self.token_ids += chunk.token_ids.tolist()
+        self.from_draft += chunk.from_draft
+        self.text += chunk.text
+        self.degraded += [reason for reason in chunk.degraded if reason not in self.degraded]
+        if chunk.prompt_token_ids is not None:
+            self.prompt_token_ids = chunk.prompt_token_ids.tolist()
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.final:
+            self.finish_reason, self.usage = chunk.finish_reason, chunk.usage
+        self.num_chunks += 1
+
+    def to_json(self) -> dict:
+        """The CLI's `--json` shape (plain JSON: a logprob of -inf, i.e. outside the
+        candidate set, is written as null):
+
+        {"request_id", "text", "token_ids", "prompt_token_ids", "finish_reason",
+         "logprobs": [{"token_id", "token", "logprob", "rank",
+                       "top": [{"token_id", "logprob"}, ...],
+                       "requested": [{"token_id", "logprob"}, ...]} or null, ...] or null,
+         "prompt_logprobs": [null, {...same...}, ...] or null,
+         "sampling_masks": [{"all", "size", "truncated", "token_ids"} or null, ...] or null,
+         "from_draft": [bool, ...], "degraded": [str, ...], "usage": {Usage fields} or null}
+        """
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_token_ids": self.prompt_token_ids,
+            "finish_reason": self.finish_reason,
+            "logprobs": self._entries_json(self.logprobs),
+            "prompt_logprobs": self._entries_json(self.prompt_logprobs),
+            "sampling_masks": None if self.sampling_masks is None else [
+                None if mask is None else {"all": mask.all_tokens, "size": mask.size, "truncated": mask.truncated,
+                                           "token_ids": mask.token_ids.tolist()}
+                for mask in self.sampling_masks],
+            "from_draft": self.from_draft,
+            "degraded": self.degraded,
+            "usage": None if self.usage is None else self.usage.model_dump(mode="json"),
+        }
+
+    def _entries_json(self, entries: list[TokenLogprob | None] | None) -> list | None:
+        if entries is None:
+            return None
+        return [None if entry is None else {
+            "token_id": entry.token_id,
+            "token": entry.token,
+            "logprob": json_logprob(entry.logprob),
+            "rank": entry.rank,
+            "top": [{"token_id": i, "logprob": json_logprob(v)} for i, v in entry.top],
+            "requested": [{"token_id": i, "logprob": json_logprob(v)}
+                          for i, v in zip(self.requested_ids, entry.requested_logprobs.tolist())],
+        } for entry in entries]
+
+
+def extend_per_token(existing: list | None, new: list | None, num_before: int, num_new: int) -> list | None:
+    """Append a chunk's per-token list; a chunk without one contributes None per token."""
+    if existing is None and new is None:
+        return None
+    existing = [None] * num_before if existing is None else existing
+    return existing + (list(new) if new is not None else [None] * num_new)
+
+
+def json_logprob(value: float) -> float | None:
+    return None if math.isinf(value) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# the stream of one request
+
+
+class Stream:
+    """The chunks of one request, in seq order: `async for chunk in stream`. Made by
+    Client.open_stream (subscribed and request sent); `close()` unsubscribes and, if the
+    stream did not finish, cancels the request."""
+
+    def __init__(self, client: Client, request: GenerateRequest, subscription: Any):
+        self.client = client
+        self.request = request
+        self.subscription = subscription
+        self.deadline = time.monotonic() + request.timeout_s + client.timeout_margin_s
+        self.next_seq = 0
+        self.buffered: dict[int, StreamChunk] = {}
+        self.final_seq: int | None = None
+        self.final_arrived = 0.0
+        self.last_chunk_at: float | None = None
+        self.finished = False  # the final chunk (or an Error) has been read
+        self.closed = False
+        self.num_duplicates = 0
+        self.num_ignored = 0
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self.finished:
+            raise StopAsyncIteration
+        while self.next_seq not in self.buffered:
+            await self._receive()
+        chunk = self.buffered.pop(self.next_seq)
+        self.next_seq += 1
+        if chunk.error is not None:
+            self.finished = True
+            raise RequestError.from_error(chunk.error, self.request.request_id)
+        self.finished = chunk.final
+        return chunk
+
+    async def _receive(self) -> None:
+        """Wait for one more message within the tightest bound that applies, and buffer it."""
+        now = time.monotonic()
+        waits = {"deadline": self.deadline - now}
+        if self.last_chunk_at is not None:
+            waits["idle"] = self.last_chunk_at + self.client.idle_timeout_s - now
+        if self.final_seq is not None:
+            waits["gap"] = self.final_arrived + self.client.gap_grace_s - now
+        bound = min(waits, key=waits.get)
+        try:
+            if waits[bound] <= 0:
+                raise nats.errors.TimeoutError
+            msg = await self.subscription.next_msg(timeout=waits[bound])
+        except nats.errors.TimeoutError:
+            raise await self._timeout_error(bound) from None
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+            self.finished = True
+            raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.subjects.generate!r}",
+                               request_id=self.request.request_id)
+        try:
+            chunk = decode(msg.data, StreamChunk)
+        except CodecError as exc:
+            self.num_ignored += 1
+            log.warning("bad_chunk_ignored", request_id=self.request.request_id, error=str(exc))
+            return
+        self._buffer(chunk)
+
+    def _buffer(self, chunk: StreamChunk) -> None:
+        if chunk.request_id != self.request.request_id or (self.final_seq is not None and chunk.seq > self.final_seq):
+            self.num_ignored += 1
+            log.warning("foreign_chunk_ignored", request_id=self.request.request_id, chunk_request_id=chunk.request_id,
+                        seq=chunk.seq)
+            return
+        if chunk.seq < self.next_seq or chunk.seq in self.buffered:
+            self.num_duplicates += 1
+            log.warning("duplicate_chunk_dropped", request_id=self.request.request_id, seq=chunk.seq)
+            return
+        if len(self.buffered) >= MAX_BUFFERED_CHUNKS:
+            self.finished = True
+            raise StreamBroken(f"request {self.request.request_id}: more than {MAX_BUFFERED_CHUNKS} chunks arrived "
+                               f"while waiting for seq {self.next_seq}")
+        self.buffered[chunk.seq] = chunk
+        self.last_chunk_at = time.monotonic()
+        if chunk.final or chunk.error is not None:
+            self.final_seq, self.final_arrived = chunk.seq, self.last_chunk_at
+
+    async def _timeout_error(self, bound: str) -> ClientError:
+        """The error for a wait that ran out; a timed-out request is cancelled first."""
+        request_id = self.request.request_id
+        if bound == "gap":
+            missing = sorted(set(range(self.next_seq, self.final_seq)) - set(self.buffered))
+            final = self.buffered[self.final_seq]
+            self.finished = True
+            if final.error is not None:
+                return RequestError.from_error(final.error, request_id)
+            return StreamBroken(f"request {request_id}: the stream ended at seq {self.final_seq} but seqs "
+                                f"{missing[:10]} never arrived")
+        await self.close()
+        if bound == "idle":
+            return StreamTimeout(f"request {request_id}: no chunk for {self.client.idle_timeout_s} s "
+                                 "(idle timeout); cancelled")
+        return StreamTimeout(f"request {request_id}: not finished within timeout_s {self.request.timeout_s} s + "
+                             f"{self.client.timeout_margin_s} s; cancelled")
+
+    async def close(self) -> None:
+        """Unsubscribe; cancel the request if it did not finish. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self.subscription.unsubscribe()
+        except nats.errors.Error as exc:
+            log.warning("unsubscribe_failed", request_id=self.request.request_id, error=type(exc).__name__)
+        if not self.finished:
+            await self.client.cancel(self.request.request_id)
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the client
+
+
+class Client:
+    """A connection to a specbus deployment: `async with Client(url) as client: ...`."""
+
+    def __init__(self, url: str | list[str] = "nats://127.0.0.1:4222", *, prefix: str = DEFAULT_PREFIX,
+                 user: str | None = None, password: str | None = None, tls: ssl.SSLContext | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 name: str = "specbus-client", connect_timeout_s: float = 5.0, timeout_margin_s: float = 5.0,
+                 idle_timeout_s: float = 30.0, gap_grace_s: float = 1.0):
+        self.url = url
+        self.subjects = Subjects(prefix)
+        self.user, self.password = user, password
+        self.tls = tls if tls is not None else tls_context(tls_ca, tls_cert, tls_key)
+        self.name = name
+        self.connect_timeout_s = connect_timeout_s
+        self.timeout_margin_s = timeout_margin_s
+        self.idle_timeout_s = idle_timeout_s
+        self.gap_grace_s = gap_grace_s
+        self.nc = None
+
+    async def __aenter__(self) -> Client:
+        self.nc = await connect(self.url, self.name, connect_timeout_s=self.connect_timeout_s,
+                                initial_connect_timeout_s=self.connect_timeout_s, user=self.user,
+                                password=self.password, tls=self.tls)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        nc, self.nc = self.nc, None
+        if nc is not None:
+            await nc.close()
+
+    async def open_stream(self, request: GenerateRequest) -> Stream:
+        """Subscribe a fresh inbox and send the request; the caller iterates and closes
+        (`async with await client.open_stream(request) as stream:`)."""
+        inbox = self.nc.new_inbox()
+        subscription = await self.nc.subscribe(inbox)
+        stream = Stream(self, request, subscription)
+        try:
+            await publish(self.nc, self.subjects.generate, encode(request), reply=inbox)
+        except BaseException:
+            stream.finished = True  # never sent: nothing to cancel
+            await stream.close()
+            raise
+        return stream
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """The request's chunks in order, the final one last. Leaving the loop early cancels
+        the request (wrap in contextlib.aclosing to make that immediate)."""
+        async with await self.open_stream(request) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def generate(self, request: GenerateRequest) -> GenerationResult:
+        """Run the request to its end and gather the result. A RequestError carries what
+        was gathered before it as `.partial`."""
+        result = GenerationResult(request.request_id, requested_ids=request.logprobs.logprob_token_ids.tolist())
+        async with await self.open_stream(request) as stream:
+            try:
+                async for chunk in stream:
+                    result.add(chunk)
+            except RequestError as exc:
+                exc.partial = result
+                raise
+        return result
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the schedulers to stop a request (best effort: a failure to send is logged)."""
+        try:
+            await publish(self.nc, self.subjects.cancel, encode(CancelRequest(request_id=request_id)))
+        except BusError as exc:
+            log.warning("cancel_not_sent", request_id=request_id, error=str(exc))

@@ -1,0 +1,312 @@
+"""The scheduler service (DESIGN.md sections 2, 3, 6): admission on `<p>.generate`, the step
+loop (draft -> verify -> commit), cancel and stop notices, heartbeats in and out.
+
+The decisions live in services/scheduling.py (`SchedulerState`); this module moves messages.
+
+    await run_scheduler(load_config(SchedulerConfig), stop)
+
+Subjects: `<p>.generate` (queue group "schedulers"; the reply subject is the client inbox),
+`<p>.cancel` (every scheduler; the owner acts), `<p>.heartbeat` (in and out),
+`stop_notice(instance_id)` (a nats.micro endpoint, so $SRV.STATS.scheduler shows the counters).
+
+On stop: admission closes, the step in flight finishes, then every running or queued request
+ends with finish_reason "error" (a final commit, or a final error chunk when it has no live
+postprocessor) so no client waits for a scheduler that is gone.
+"""
+
+import asyncio
+import ssl
+import time
+
+import msgpack
+import structlog
+from nats.aio.client import Client
+from pydantic import TypeAdapter, ValidationError
+
+from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
+from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
+from schemas.config import SchedulerConfig
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import (CancelRequest, DraftRequest, DraftResponse, Error, GenerateRequest, Heartbeat,
+                              RequestId, StopNotice, StreamChunk, VerifyRequest, VerifyResponse, check_limits)
+from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
+from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint, add_micro_service, connect,
+                          heartbeat_loop, publish, request, serve)
+from services.logs import log_context
+from services.scheduling import Outbox, SchedulerState, StepPlan, prompt_token_ids
+
+log = structlog.get_logger(__name__)
+
+VERSION = "0.1.0"
+IDLE_WAIT_S = 0.05  # how often an idle loop re-checks deadlines, queued requests and dead instances
+# Error replies a retry or another verifier may cure; any other code means the message itself
+# was refused, and its requests end with "error".
+RETRYABLE_CODES = {ErrorCode.timeout, ErrorCode.unavailable, ErrorCode.no_capacity, ErrorCode.internal}
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The request_id of a GenerateRequest that failed validation elsewhere, when that field
+    itself is valid, so the error chunk names the request."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
+        return TypeAdapter(RequestId).validate_python(raw.get("request_id"))
+    except (ValueError, AttributeError, ValidationError):
+        return None
+
+
+def tls_context(config: SchedulerConfig) -> ssl.SSLContext | None:
+    if config.tls_ca is None and config.tls_cert is None:
+        return None
+    context = ssl.create_default_context(cafile=config.tls_ca)
+    if config.tls_cert is not None:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
+
+
+class Scheduler:
+    """Subscriptions, the step loop task and the heartbeat task around one SchedulerState."""
+
+    def __init__(self, config: SchedulerConfig, nc: Client, state: SchedulerState):
+        self.config = config
+        self.nc = nc
+        self.state = state
+        self.subjects = Subjects(config.prefix)
+        self.wakeup = asyncio.Event()
+        self.closing = False
+        self.stopping = False
+        self.plan: StepPlan | None = None
+        self.handlers: list[BoundedHandler] = []
+        self.subscriptions = []
+        self.tasks: list[asyncio.Task] = []
+        self.service = None
+
+    async def start(self) -> None:
+        subjects = self.subjects
+        self.subscriptions.append(await self.nc.subscribe(subjects.heartbeat, cb=self.on_heartbeat))
+        self.subscriptions.append(await self.nc.subscribe(subjects.cancel, cb=self.on_cancel))
+        self.service = await add_micro_service(
+            self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
+            endpoints={"stop": Endpoint(subjects.stop_notice(self.config.instance_id), self.on_stop_notice)},
+            metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.stats())
+        self.tasks.append(asyncio.create_task(self.step_loop(), name="scheduler-steps"))
+        self.tasks.append(asyncio.create_task(heartbeat_loop(
+            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat"))
+        self.handlers.append(await serve(self.nc, subjects.generate, self.on_generate, queue=SCHEDULER_QUEUE_GROUP,
+                                         max_concurrency=4, max_pending=4 * self.config.max_queue + 64))
+        log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
+
+    async def stop(self) -> None:
+        """Close admission, let the step in flight finish, end every request, stop. Idempotent."""
+        if self.stopping:
+            return
+        self.stopping = True
+        for handler in self.handlers:
+            await handler.stop(timeout_s=2.0)
+        self.closing = True
+        self.wakeup.set()
+        step_loop, heartbeat = self.tasks or (None, None)
+        if step_loop is not None:
+            step_budget_s = self.config.draft_timeout_s + self.config.verify_timeout_s * (self.config.verify_retries + 1)
+            done, _ = await asyncio.wait({step_loop}, timeout=step_budget_s + 1.0)
+            if not done:
+                step_loop.cancel()
+                log.warning("step_loop_cancelled_on_stop")
+        await self.send(self.state.drain(time.time()))
+        if heartbeat is not None:
+            heartbeat.cancel()
+        for subscription in self.subscriptions:
+            await subscription.unsubscribe()
+        if self.service is not None:
+            await self.service.stop()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        log.info("scheduler_stopped", **self.state.stats())
+
+    def stats(self) -> dict:
+        return {**self.state.stats(), **{f"generate_{k}": v for h in self.handlers for k, v in h.stats().items()}}
+
+    def heartbeat(self) -> bytes:
+        config = self.config
+        return encode(Heartbeat(instance_id=config.instance_id, role="scheduler",
+                                capacity=config.max_running + config.max_queue, load=self.state.load,
+                                model_ids={"tokenizer": self.state.tokenizer_hash}, sent_at=time.time(),
+                                interval_s=config.heartbeat_interval_s))
+
+    # ------------------------------------------------------------------ handlers
+
+    async def on_generate(self, msg) -> None:
+        if not msg.reply:
+            self.state.counters["dropped_generate_no_reply"] += 1
+            log.warning("generate_without_reply_subject", dropped=self.state.counters["dropped_generate_no_reply"])
+            return
+        request_id = None
+        try:
+            generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": self.config.max_tokens_cap})
+            request_id = generate.request_id
+            check_limits(generate, max_tokens_cap=self.config.max_tokens_cap)
+            prompt_ids = prompt_token_ids(generate, self.state.tokenizer)
+            self.state.admit(generate, msg.reply, prompt_ids, time.time())
+        except SpecbusError as exc:
+            if request_id is None and exc.code not in (ErrorCode.malformed, ErrorCode.too_large):
+                request_id = request_id_of(msg.data)
+            self.state.counters[f"refused_{exc.code.value}"] += 1
+            log.warning("generate_refused", request_id=request_id, code=exc.code.value, field=exc.field,
+                        message=exc.message)
+            chunk = StreamChunk(request_id=request_id or "unknown", seq=0, finish_reason="error",
+                                error=Error.from_exception(exc, request_id))
+            await self.publish(msg.reply, encode(chunk))
+            return
+        self.wakeup.set()
+
+    async def on_cancel(self, msg) -> None:
+        cancel = self.decode_or_drop(msg, CancelRequest)
+        if cancel is not None and self.state.cancel(cancel.request_id):
+            self.wakeup.set()
+
+    async def on_stop_notice(self, msg) -> None:
+        notice = self.decode_or_drop(msg, StopNotice)
+        if notice is not None and self.state.stop_notice(notice.request_id):
+            log.info("stop_notice", request_id=notice.request_id, reason=notice.reason,
+                     postprocessor_id=notice.postprocessor_id)
+            self.wakeup.set()
+
+    async def on_heartbeat(self, msg) -> None:
+        heartbeat = self.decode_or_drop(msg, Heartbeat)
+        if heartbeat is not None and heartbeat.instance_id != self.config.instance_id \
+                and self.state.observe(heartbeat):
+            self.wakeup.set()  # a new instance: queued requests may start now
+
+    def decode_or_drop(self, msg, message_type):
+        """The message, or None for a bad one (counted and logged; these subjects have no reply)."""
+        try:
+            return decode(msg.data, message_type)
+        except SpecbusError as exc:
+            kind = message_type.model_fields["type"].default
+            self.state.counters[f"dropped_bad_{kind}"] += 1
+            log.warning("bad_message_dropped", kind=kind, code=exc.code.value, field=exc.field, message=exc.message)
+            return None
+
+    # ------------------------------------------------------------------ the step loop
+
+    async def step_loop(self) -> None:
+        while not self.closing:
+            try:
+                busy = await self.step()
+            except Exception:
+                log.exception("step_failed", batch_ids=self.plan and [m.batch_id for m in self.plan.verify_requests.values()])
+                await self.fail_step()
+                busy = False
+            finally:
+                self.plan = None
+            if not busy:
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), timeout=IDLE_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def fail_step(self) -> None:
+        """After an unexpected exception: the step's requests end with "error"; others go on."""
+        if self.plan is None:
+            return
+        outbox = Outbox()
+        for rows in self.plan.rows.values():
+            for planned in rows:
+                if planned.request.request_id in self.state.running:
+                    outbox.extend(self.state.end(planned.request, "error", time.time()))
+        try:
+            await self.send(outbox)
+        except Exception:
+            log.exception("fail_step_send_failed")
+
+    async def step(self) -> bool:
+        """One step; False when there was nothing to verify (the loop then idles briefly)."""
+        state = self.state
+        await self.send(state.boundary(time.time()))
+        self.plan = plan = state.plan_step(time.time())
+        drafts = state.draft_batches(plan, time.time())
+        replies = await asyncio.gather(*(self.draft(d, m) for d, m in drafts.items()))
+        for (drafter_id, message), reply in zip(drafts.items(), replies):
+            state.apply_draft(plan, drafter_id, message, reply)
+        verifies = state.verify_batches(plan, time.time())
+        replies = await asyncio.gather(*(self.verify(v, m, plan) for v, m in verifies.items()))
+        for verifier_id, reply in zip(verifies, replies):
+            await self.send(state.apply_verify(plan, verifier_id, reply, time.time()))
+        return not plan.empty
+
+    async def draft(self, drafter_id: str, message: DraftRequest) -> DraftResponse | None:
+        """The drafter's answer, or None when it was late, gone or answered with an error."""
+        subject = self.subjects.draft(drafter_id)
+        try:
+            msg = await request(self.nc, subject, encode(message), timeout_s=self.config.draft_timeout_s)
+            reply = decode_any(msg.data)
+        except SpecbusError as exc:
+            self.state.counters["draft_failures"] += 1
+            log.warning("draft_failed", drafter_id=drafter_id, batch_id=message.batch_id, code=exc.code.value,
+                        message=exc.message)
+            return None
+        if not isinstance(reply, DraftResponse) or reply.batch_id != message.batch_id:
+            self.state.counters["draft_failures"] += 1
+            log.warning("draft_unexpected_reply", drafter_id=drafter_id, batch_id=message.batch_id,
+                        reply=getattr(reply, "code", reply.type))
+            return None
+        return reply
+
+    async def verify(self, verifier_id: str, message: VerifyRequest, plan: StepPlan) -> VerifyResponse | Error | None:
+        """The verifier's answer after at most verify_retries re-sends of the same message (rows
+        flagged is_retry); None when it never answered usefully."""
+        subject = self.subjects.verify(verifier_id)
+        for attempt in range(self.config.verify_retries + 1):
+            if attempt:
+                plan.retried.add(verifier_id)
+                message = message.model_copy(update={"rows": [r.model_copy(update={"is_retry": True})
+                                                              for r in message.rows]})
+            with log_context(verifier_id=verifier_id, batch_id=message.batch_id, attempt=attempt):
+                try:
+                    msg = await request(self.nc, subject, encode(message), timeout_s=self.config.verify_timeout_s,
+                                        deadline=message.deadline)
+                    reply = decode_any(msg.data)
+                except BusDeadlineExpired:
+                    break
+                except SpecbusError as exc:
+                    self.state.counters["verify_failures"] += 1
+                    log.warning("verify_failed", code=exc.code.value, message=exc.message)
+                    continue
+                if isinstance(reply, VerifyResponse) and reply.batch_id == message.batch_id:
+                    return reply
+                if isinstance(reply, Error) and reply.code not in RETRYABLE_CODES:
+                    return reply
+                self.state.counters["verify_failures"] += 1
+                log.warning("verify_unexpected_reply", reply=getattr(reply, "code", reply.type))
+        return None
+
+    # ------------------------------------------------------------------ output
+
+    async def send(self, outbox: Outbox) -> None:
+        for postprocessor_id, commit in outbox.commits:
+            await self.publish(self.subjects.post_commit(postprocessor_id), encode(commit))
+        for inbox, chunk in outbox.chunks:
+            await self.publish(inbox, encode(chunk))
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        try:
+            await publish(self.nc, subject, payload)
+        except BusError as exc:
+            self.state.counters["dropped_publish_failed"] += 1
+            log.warning("publish_failed", subject=subject, code=exc.code.value, message=exc.message)
+
+
+async def run_scheduler(config: SchedulerConfig, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set, then drain (module docstring)."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    state = SchedulerState(config, tokenizer, tokenizer_id(config.tokenizer))
+    nc = await connect(config.nats_url, config.instance_id, connect_timeout_s=config.connect_timeout_s,
+                       user=config.nats_user, password=config.nats_password, tls=tls_context(config))
+    scheduler = Scheduler(config, nc, state)
+    try:
+        await scheduler.start()
+        stop_wait = asyncio.create_task(stop.wait())
+        await asyncio.wait({stop_wait, scheduler.tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+    finally:
+        await scheduler.stop()
+        await nc.drain()

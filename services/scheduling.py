@@ -1,0 +1,699 @@
+"""Scheduler logic without NATS: request state, admission, pinning, batch building under a token
+budget with chunked prefill, commit/finish rules, usage accounting and fallback decisions.
+
+`SchedulerState` is driven by one task (services/scheduler.py), one step at a time:
+
+    outbox = state.boundary(now)                  cancels, stop notices, deadlines, dead instances,
+                                                  queued requests started and pinned
+    plan = state.plan_step(now)                   rows per verifier under max_batch_rows and
+                                                  max_step_tokens: decode rows first, then prefill
+                                                  chunks of what remains
+    state.draft_batches(plan, now)                one DraftRequest per drafter (+ release-only)
+    state.apply_draft(plan, drafter_id, reply)    reply None: the drafter was late -> k=0 rows
+    state.verify_batches(plan, now)               one VerifyRequest per verifier
+    state.apply_verify(plan, verifier_id, reply)  commits; reply None after the retry: migrate
+
+Every method returns an `Outbox` of Commits (to a postprocessor) and StreamChunks (straight to a
+client inbox, used only when a request ends with no live postprocessor to tell it). Deadlines
+are wall-clock `time.time()` seconds, as on the wire; liveness uses the registry's monotonic
+clock. Interpretations of the contract (PIPELINE.md) are listed in `SchedulerState`'s docstring.
+"""
+
+import hashlib
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from gpu_worker.tokenizer import Tokenizer
+from schemas.config import SchedulerConfig
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import (MAX_BATCH_ROWS, PROTOCOL_VERSION, Commit, DraftRequest, DraftResponse, DraftRow,
+                              DraftTokens, Error, FinishReason, GenerateRequest, Heartbeat, LogprobOptions,
+                              RowSampling, SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
+                              VerifyResponse, VerifyRow)
+from services.bus import InstanceRegistry
+
+log = structlog.get_logger(__name__)
+
+SEED_MASK = 2**63 - 1
+REPLAY_COMMITS = 32  # commits kept per request to replay to a replacement postprocessor
+
+
+def seed_from_request_id(request_id: str) -> int:
+    """A stable seed for a sampled request that gave none: the same id always draws the same tokens."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & SEED_MASK
+
+
+def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt as token ids: given ids checked against the vocabulary, text encoded without BOS."""
+    if request.prompt_token_ids is not None:
+        ids = request.prompt_token_ids.tolist()
+        too_big = [i for i in ids if i >= tokenizer.vocab_size]
+        if too_big:
+            raise SpecbusError(ErrorCode.invalid_field,
+                               f"token id {too_big[0]} is outside the vocabulary of {tokenizer.vocab_size}",
+                               "prompt_token_ids")
+        return ids
+    ids = tokenizer.encode(request.prompt)
+    if not ids:
+        raise SpecbusError(ErrorCode.invalid_field, "the prompt encodes to no tokens", "prompt")
+    return ids
+
+
+@dataclass
+class Request:
+    """One admitted request. `history` is prompt + completion, append-only; verifier_len and
+    drafter_len are how many history tokens the pinned verifier / drafter hold."""
+
+    request_id: str
+    client_inbox: str
+    history: list[int]
+    prompt_len: int
+    sampling: SamplingParams  # seed filled for sampled requests
+    logprobs: LogprobOptions
+    speculative: SpeculativeOptions
+    stream: bool
+    deadline: float  # time.time() seconds
+    verifier_id: str | None = None
+    drafter_id: str | None = None
+    postprocessor_id: str | None = None
+    verifier_len: int = 0
+    drafter_len: int = 0
+    step: int = 0  # the step number its next verify row carries; a retry repeats it
+    seq: int = 0  # seq of its next Commit
+    last_batch_id: int = 0
+    last_planned: int = -1  # the plan number it last had a row in: fairness when rows are scarce
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    num_steps: int = 0
+    degraded_steps: Counter = field(default_factory=Counter)
+    carried_degraded: list[str] = field(default_factory=list)  # from steps that committed nothing
+    sent: deque = field(default_factory=lambda: deque(maxlen=REPLAY_COMMITS))  # (commit, completion_len before)
+    end_reason: FinishReason | None = None  # cancel, applied at the next step boundary
+    stopped: bool = False  # a StopNotice came: end without any further commit
+
+    @property
+    def completion(self) -> list[int]:
+        return self.history[self.prompt_len:]
+
+    @property
+    def pending_len(self) -> int:
+        """History tokens the verifier has not seen; 1 for a request in its decode phase."""
+        return len(self.history) - self.verifier_len
+
+    @property
+    def scoring(self) -> bool:
+        return self.sampling.max_tokens == 0
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not delivered yet: the verifier accumulates them over the
+        prefill chunks and sends them with the record of the row that completes the prompt."""
+        return self.logprobs.prompt_logprobs is not None and self.seq == 0
+
+    def row_logprobs(self) -> LogprobOptions:
+        """What the verifier must compute: prompt logprobs only until the first commit delivered them."""
+        if self.logprobs.prompt_logprobs is None or self.awaits_prompt_logprobs:
+            return self.logprobs
+        return self.logprobs.model_copy(update={"prompt_logprobs": None})
+
+    def usage(self) -> Usage:
+        proposed, accepted = self.num_draft_proposed, self.num_draft_accepted
+        return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.completion),
+                     draft_tokens_proposed=proposed, draft_tokens_accepted=accepted,
+                     acceptance_rate=accepted / proposed if proposed else 0.0, steps=self.num_steps,
+                     degraded_steps=dict(self.degraded_steps))
+
+
+@dataclass
+class PlannedRow:
+    """One request's part in a step: new_token_ids = history[cached_len:end]."""
+
+    request: Request
+    cached_len: int
+    end: int
+    emit: bool
+    num_draft: int  # planned; set to what the drafter delivered once it answered
+    draft: DraftTokens = field(default_factory=DraftTokens)
+    degraded: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    rows: dict[str, list[PlannedRow]]  # verifier_id -> rows
+    draft_rows: dict[str, list[PlannedRow]]  # drafter_id -> rows to draft for
+    verify_requests: dict[str, VerifyRequest] = field(default_factory=dict)
+    retried: set[str] = field(default_factory=set)  # verifiers whose batch needed the retry
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class Outbox:
+    commits: list[tuple[str, Commit]] = field(default_factory=list)  # (postprocessor_id, commit)
+    chunks: list[tuple[str, StreamChunk]] = field(default_factory=list)  # (client inbox, chunk)
+
+    def extend(self, other: "Outbox") -> "Outbox":
+        self.commits += other.commits
+        self.chunks += other.chunks
+        return self
+
+
+def cut_tokens(tokens: list[int], num_completion: int, sampling: SamplingParams,
+               eos_ids: tuple[int, ...]) -> tuple[list[int], FinishReason | None]:
+    """Emitted tokens kept and why the request ends: cut at max_tokens ("length"), after an EOS
+    ("eos", unless ignore_eos) or after a stop token ("stop"). The EOS / stop token itself is
+    kept in token_ids (its text is the postprocessor's business: special tokens decode to "")."""
+    stop_ids = set(sampling.stop_token_ids.tolist())
+    kept: list[int] = []
+    for token in tokens:
+        if num_completion + len(kept) >= sampling.max_tokens:
+            return kept, "length"
+        kept.append(token)
+        if token in eos_ids and not sampling.ignore_eos:
+            return kept, "eos"
+        if token in stop_ids:
+            return kept, "stop"
+    return kept, "length" if num_completion + len(kept) >= sampling.max_tokens else None
+
+
+class SchedulerState:
+    """Every request this scheduler owns, the instances it has heard of, and the step counters.
+
+    Choices where the contract is silent (documented here once):
+    - A request is pinned when it starts running (leaves the queue), not on arrival: the
+      verifier with the most free slots (min of its reported free_slots and its capacity less
+      our requests on it), a compatible drafter and postprocessor likewise. Compatible = same
+      protocol version and the same tokenizer hash as this scheduler's own tokenizer (so text
+      prompts, EOS ids and every instance agree). No live verifier/postprocessor with room: the
+      request waits in the queue until its deadline, then ends with `timeout` (a stack that is
+      still starting, or a verifier that restarts, does not refuse work).
+    - A request wanting drafts but without a live drafter runs k=0 flagged `draft_timeout`.
+    - Prompt logprobs are asked of the verifier until the first commit delivered them; after a
+      migration the re-prefill does not recompute them.
+    - Scoring (max_tokens=0): prefill with emit=False, then a final commit of zero tokens,
+      finish "length".
+    - Degraded reasons of a step that committed nothing (`resync`, `migrated`) travel on the
+      request's next commit; usage.degraded_steps counts each reason once per step.
+      usage.steps counts verify steps the request took part in, prefill chunks included.
+      draft_tokens_accepted counts what the verifier accepted (before a max_tokens/EOS cut).
+    - A verifier that failed a batch twice is avoided for heartbeat_timeout_s and all its
+      requests move (not only those of the failed batch).
+    - A StopNotice ends the request without a further commit; reason "error" too.
+    - Postprocessor lost: commits are fire-and-forget, so the scheduler cannot know which ones
+      reached the client. It replays its last REPLAY_COMMITS commits of the request to the new
+      postprocessor, the first carrying resume_token_ids (the completion before it); the client
+      drops the seqs it already has. Replays expect no side channel (the records went to the
+      dead one): one that expected it is flagged logprobs_timeout.
+    """
+
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, tokenizer_hash: str,
+                 monotonic: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.tokenizer_hash = tokenizer_hash
+        self.eos_ids = tokenizer.eos_ids
+        self.monotonic = monotonic
+        self.registry = InstanceRegistry(config.heartbeat_timeout_s)
+        self.running: dict[str, Request] = {}  # in start order: decode order within a step
+        self.waiting: deque[Request] = deque()
+        self.releases: dict[str, list[str]] = {}  # instance_id -> request ids whose slots to free
+        self.avoid_until: dict[str, float] = {}  # verifier_id -> monotonic time it is usable again
+        self.pinned_since_beat: Counter = Counter()  # requests pinned to an instance since its last heartbeat
+        self.next_batch_id = 0
+        self.num_plans = 0
+        self.counters: Counter = Counter()
+
+    # ------------------------------------------------------------------ instances
+
+    def observe(self, heartbeat: Heartbeat) -> bool:
+        """Record a heartbeat; True for an instance not known before."""
+        self.pinned_since_beat.pop(heartbeat.instance_id, None)
+        return self.registry.observe(heartbeat.instance_id, heartbeat, role=heartbeat.role, now=self.monotonic())
+
+    def compatible(self, role: str) -> list:
+        now = self.monotonic()
+        return [inst for inst in self.registry.alive(role, now=now)
+                if inst.info.protocol_version == PROTOCOL_VERSION
+                and inst.info.model_ids.get("tokenizer") == self.tokenizer_hash
+                and self.avoid_until.get(inst.instance_id, 0.0) <= now]
+
+    def pinned_count(self, instance_id: str) -> int:
+        return sum(instance_id in (r.verifier_id, r.drafter_id, r.postprocessor_id) for r in self.running.values())
+
+    def pick(self, role: str, exclude: str | None = None) -> str | None:
+        """The compatible live instance of `role` with the most room, or None when none has any.
+        Room: its reported free slots less what we pinned there since that report, and at most
+        its capacity less our requests on it (a burst of admissions between two heartbeats
+        must not overfill it)."""
+        best, best_free = None, 0
+        for inst in self.compatible(role):
+            if inst.instance_id == exclude:
+                continue
+            heartbeat = inst.info
+            reported = heartbeat.free_slots if heartbeat.free_slots is not None else heartbeat.capacity - heartbeat.load
+            free = min(reported - self.pinned_since_beat[inst.instance_id],
+                       heartbeat.capacity - self.pinned_count(inst.instance_id))
+            if free > best_free:
+                best, best_free = inst.instance_id, free
+        return best
+
+    def took(self, instance_id: str | None) -> str | None:
+        """Count a new pin on instance_id (until its next heartbeat reports it); returns it."""
+        if instance_id is not None:
+            self.pinned_since_beat[instance_id] += 1
+        return instance_id
+
+    def alive(self, instance_id: str | None) -> bool:
+        return instance_id is not None and self.registry.is_alive(instance_id, now=self.monotonic())
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def admit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int], now: float) -> Request:
+        """Queue a valid request; SpecbusError `overloaded` beyond max_running + max_queue, or
+        `invalid_field` for a limit of this scheduler."""
+        if self.load >= self.config.max_running + self.config.max_queue:
+            raise SpecbusError(ErrorCode.overloaded,
+                               f"{self.load} requests running or queued, the limit is "
+                               f"{self.config.max_running} running + {self.config.max_queue} queued")
+        if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
+            raise SpecbusError(ErrorCode.invalid_field, f"request {request.request_id} is already running",
+                               "request_id")
+        sampling = request.sampling
+        if not sampling.greedy and sampling.seed is None:
+            sampling = sampling.model_copy(update={"seed": seed_from_request_id(request.request_id)})
+        state = Request(request_id=request.request_id, client_inbox=client_inbox, history=list(prompt_ids),
+                        prompt_len=len(prompt_ids), sampling=sampling, logprobs=request.logprobs,
+                        speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s)
+        self.waiting.append(state)
+        self.counters["admitted"] += 1
+        return state
+
+    def cancel(self, request_id: str) -> bool:
+        """Mark for the next step boundary; False when this scheduler does not own the request."""
+        request = self.running.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
+        if request is None:
+            return False
+        request.end_reason = "cancelled"
+        return True
+
+    def stop_notice(self, request_id: str) -> bool:
+        request = self.running.get(request_id)
+        if request is None:
+            return False
+        request.stopped = True
+        return True
+
+    # ------------------------------------------------------------------ step boundary
+
+    def boundary(self, now: float) -> Outbox:
+        """Between steps: apply cancels, stop notices and deadlines; replace dead instances;
+        start queued requests while there is room."""
+        outbox = Outbox()
+        for instance in self.registry.reap(now=self.monotonic()):
+            self.releases.pop(instance.instance_id, None)
+            self.avoid_until.pop(instance.instance_id, None)
+        for request in list(self.running.values()):
+            if request.stopped:
+                self.end(request, None, now)
+            elif request.end_reason is not None:
+                outbox.extend(self.end(request, request.end_reason, now))
+            elif now >= request.deadline:
+                outbox.extend(self.end(request, "timeout", now))
+            else:
+                outbox.extend(self.replace_dead(request, now))
+        still_waiting = deque()
+        for request in self.waiting:
+            if request.end_reason is not None or now >= request.deadline:
+                reason = request.end_reason or "timeout"
+                outbox.extend(self.end(request, reason, now))
+            elif len(self.running) < self.config.max_running and self.start(request):
+                self.running[request.request_id] = request
+            else:
+                still_waiting.append(request)
+        self.waiting = still_waiting
+        return outbox
+
+    def start(self, request: Request) -> bool:
+        """Pin a verifier, a postprocessor and (when it wants drafts) a drafter; False: wait."""
+        verifier_id = self.pick("verifier")
+        postprocessor_id = self.pick("postprocessor")
+        if verifier_id is None or postprocessor_id is None:
+            return False
+        request.verifier_id, request.postprocessor_id = self.took(verifier_id), self.took(postprocessor_id)
+        if request.speculative.num_speculative_tokens > 0:
+            request.drafter_id = self.took(self.pick("drafter"))
+        return True
+
+    def replace_dead(self, request: Request, now: float) -> Outbox:
+        outbox = Outbox()
+        if not self.alive(request.postprocessor_id):
+            new_id = self.pick("postprocessor")
+            if new_id is not None:
+                log.warning("postprocessor_replaced", request_id=request.request_id, old=request.postprocessor_id,
+                            new=new_id, replayed=len(request.sent))
+                request.postprocessor_id = self.took(new_id)
+                outbox.commits += [(new_id, commit) for commit in self.replay(request)]
+                self.counters["postprocessor_repinned"] += 1
+        if request.speculative.num_speculative_tokens > 0 and not self.alive(request.drafter_id):
+            request.drafter_id, request.drafter_len = self.took(self.pick("drafter")), 0
+        if not self.alive(request.verifier_id):
+            outbox.extend(self.migrate(request, now))
+        return outbox
+
+    def replay(self, request: Request) -> list[Commit]:
+        replays = []
+        for index, (commit, completion_len) in enumerate(request.sent):
+            update = {"expect_side_channel": False}
+            if commit.expect_side_channel:
+                update["degraded"] = list(dict.fromkeys([*commit.degraded, "logprobs_timeout"]))
+            if index == 0:
+                update["resume_token_ids"] = np.array(request.completion[:completion_len], dtype=np.int32)
+            replays.append(commit.model_copy(update=update))
+        return replays
+
+    def migrate(self, request: Request, now: float) -> Outbox:
+        """Move to another verifier, re-prefilled from history; none with room: finish "error"."""
+        old_id = request.verifier_id
+        new_id = self.pick("verifier", exclude=old_id)
+        if new_id is None:
+            log.warning("no_verifier_to_migrate_to", request_id=request.request_id, verifier_id=old_id)
+            return self.end(request, "error", now)
+        self.release(old_id, request.request_id)
+        request.verifier_id, request.verifier_len = self.took(new_id), 0
+        request.step += 1
+        request.carried_degraded.append("migrated")
+        self.count_degraded(request, ["migrated"])
+        self.counters["migrated"] += 1
+        log.warning("request_migrated", request_id=request.request_id, old=old_id, new=new_id)
+        return Outbox()
+
+    def verifier_failed(self, verifier_id: str, now: float) -> Outbox:
+        """A batch was not answered after the retry: avoid that verifier for a while and move
+        every request pinned to it."""
+        self.avoid_until[verifier_id] = self.monotonic() + self.config.heartbeat_timeout_s
+        outbox = Outbox()
+        for request in [r for r in self.running.values() if r.verifier_id == verifier_id]:
+            if now >= request.deadline:
+                outbox.extend(self.end(request, "timeout", now))
+            else:
+                outbox.extend(self.migrate(request, now))
+        return outbox
+
+    def release(self, instance_id: str | None, request_id: str) -> None:
+        if instance_id is not None:
+            self.releases.setdefault(instance_id, []).append(request_id)
+
+    def take_releases(self, instance_id: str) -> list[str]:
+        pending = self.releases.pop(instance_id, [])
+        if len(pending) > MAX_BATCH_ROWS:
+            self.releases[instance_id] = pending[MAX_BATCH_ROWS:]
+        return pending[:MAX_BATCH_ROWS]
+
+    def restore_releases(self, instance_id: str, request_ids: list[str]) -> None:
+        """Releases whose batch got no answer go out again with the next one (receivers ignore
+        unknown ids), unless the instance is gone."""
+        if request_ids and self.alive(instance_id):
+            self.releases.setdefault(instance_id, [])[:0] = request_ids
+
+    # ------------------------------------------------------------------ finishing
+
+    def end(self, request: Request, reason: FinishReason | None, now: float, *, batch_id: int | None = None,
+            tokens: list[int] = (), num_draft: int = 0, num_accepted: int = 0, degraded: list[str] = (),
+            expect_side_channel: bool = False) -> Outbox:
+        """Remove the request, free its slots on the next batches, and send its final commit
+        (reason None: a StopNotice ended it, nothing is sent)."""
+        self.running.pop(request.request_id, None)
+        self.release(request.verifier_id, request.request_id)
+        self.release(request.drafter_id, request.request_id)
+        self.counters[f"finished_{reason or 'stop_notice'}"] += 1
+        if reason is None:
+            return Outbox()
+        if not self.alive(request.postprocessor_id):
+            return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason))])
+        return Outbox(commits=[(request.postprocessor_id, self.commit(
+            request, batch_id if batch_id is not None else request.last_batch_id, tokens, num_draft, num_accepted,
+            degraded, reason, expect_side_channel))])
+
+    def direct_final_chunk(self, request: Request, reason: FinishReason) -> StreamChunk:
+        """A request ending with no live postprocessor: the client still gets a final chunk."""
+        code = {"timeout": ErrorCode.timeout, "cancelled": ErrorCode.cancelled}.get(reason, ErrorCode.unavailable)
+        error = Error(code=code, message=f"request ended ({reason}) with no postprocessor available",
+                      request_id=request.request_id)
+        chunk = StreamChunk(request_id=request.request_id, seq=request.seq, finish_reason=reason, error=error,
+                            usage=request.usage())
+        request.seq += 1
+        return chunk
+
+    def commit(self, request: Request, batch_id: int, tokens: list[int], num_draft: int, num_accepted: int,
+               degraded: list[str], finish_reason: FinishReason | None, expect_side_channel: bool) -> Commit:
+        """The Commit for tokens already appended to the history (seq numbered here)."""
+        first = request.seq == 0
+        completion_len = len(request.completion) - len(tokens)
+        commit = Commit(request_id=request.request_id, batch_id=batch_id, step=request.step, seq=request.seq,
+                        scheduler_id=self.config.instance_id, client_inbox=request.client_inbox, token_ids=tokens,
+                        num_draft=num_draft, num_accepted=num_accepted, finish_reason=finish_reason,
+                        degraded=list(dict.fromkeys(degraded)), expect_side_channel=expect_side_channel,
+                        usage=request.usage() if finish_reason else None,
+                        prompt_token_ids=request.history[:request.prompt_len] if first else None,
+                        logprobs=request.logprobs, stop=request.sampling.stop, stream=request.stream)
+        request.seq += 1
+        request.sent.append((commit, completion_len))
+        return commit
+
+    def drain(self, now: float) -> Outbox:
+        """On shutdown: every running and queued request ends with finish_reason "error"."""
+        outbox = Outbox()
+        for request in [*self.running.values(), *self.waiting]:
+            outbox.extend(self.end(request, "error", now))
+        self.waiting.clear()
+        return outbox
+
+    # ------------------------------------------------------------------ building a step
+
+    def plan_step(self, now: float) -> StepPlan:
+        """Rows per verifier: the max_batch_rows requests that waited longest for a row; among
+        them decode rows first (1 new token + planned drafts each), then prefill rows get chunks
+        of the tokens left in max_step_tokens."""
+        rows: dict[str, list[PlannedRow]] = {}
+        draft_rows: dict[str, list[PlannedRow]] = {}
+        by_verifier: dict[str, list[Request]] = {}
+        for request in self.running.values():
+            if self.alive(request.postprocessor_id):  # else it waits for a postprocessor (or its deadline)
+                by_verifier.setdefault(request.verifier_id, []).append(request)
+        self.num_plans += 1
+        for verifier_id, requests in by_verifier.items():
+            budget = self.config.max_step_tokens
+            planned: list[PlannedRow] = []
+            requests = sorted(requests, key=lambda r: r.last_planned)[:self.config.max_batch_rows]
+            decode = [r for r in requests if r.pending_len == 1 and not r.scoring]
+            prefill = [r for r in requests if r.pending_len > 1 or (r.scoring and r.pending_len >= 1)]
+            for request in decode:
+                if budget < 1:
+                    break
+                row = self.plan_decode_row(request, budget)
+                budget -= 1 + row.num_draft
+                planned.append(row)
+                if row.num_draft:
+                    draft_rows.setdefault(request.drafter_id, []).append(row)
+            for request in prefill:
+                if budget < 1:
+                    break
+                chunk = min(request.pending_len, budget)
+                end = request.verifier_len + chunk
+                planned.append(PlannedRow(request, request.verifier_len, end,
+                                          emit=end == len(request.history) and not request.scoring, num_draft=0))
+                budget -= chunk
+            for row in planned:
+                row.request.last_planned = self.num_plans
+            if planned:
+                rows[verifier_id] = planned
+        return StepPlan(rows, draft_rows)
+
+    def plan_decode_row(self, request: Request, budget: int) -> PlannedRow:
+        remaining = request.sampling.max_tokens - len(request.completion)
+        wanted = min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1)
+        row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=max(wanted, 0))
+        if row.num_draft and not self.alive(request.drafter_id):
+            row.num_draft = 0
+            row.degraded.append("draft_timeout")
+        return row
+
+    def new_batch_id(self) -> int:
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        return batch_id
+
+    def draft_batches(self, plan: StepPlan, now: float) -> dict[str, DraftRequest]:
+        """One DraftRequest per drafter with rows, plus release-only batches for drafters with
+        slots to free and nothing else to do."""
+        batches = {}
+        deadline = now + self.config.draft_timeout_s
+        drafters = set(plan.draft_rows) | {i for i in self.releases if self.alive(i) and self.is_role(i, "drafter")}
+        for drafter_id in sorted(drafters):
+            rows = []
+            for index, planned in enumerate(plan.draft_rows.get(drafter_id, [])):
+                request = planned.request
+                rows.append(DraftRow(request_id=request.request_id, row=index, step=request.step,
+                                     cached_len=request.drafter_len, new_token_ids=request.history[request.drafter_len:],
+                                     num_draft=planned.num_draft, draft_mode=request.speculative.draft_mode,
+                                     sampling=request.sampling.row_sampling()))
+            batches[drafter_id] = DraftRequest(batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id,
+                                               deadline=deadline, rows=rows, release=self.take_releases(drafter_id))
+        return batches
+
+    def is_role(self, instance_id: str, role: str) -> bool:
+        instance = self.registry.instances.get(instance_id)
+        return instance is not None and instance.role == role
+
+    def apply_draft(self, plan: StepPlan, drafter_id: str, request: DraftRequest,
+                    response: DraftResponse | None) -> None:
+        """Drafts into the plan. No answer (late, dead, error reply): its rows run k=0 flagged
+        draft_timeout; a need_resync row runs k=0 flagged resync and is resent whole next step."""
+        if response is None:
+            self.restore_releases(drafter_id, request.release)
+        results = {} if response is None else {r.request_id: r for r in response.rows}
+        for planned in plan.draft_rows.get(drafter_id, []):
+            request = planned.request
+            result = results.get(request.request_id)
+            if result is None:
+                planned.num_draft = 0
+                planned.degraded.append("draft_timeout")
+            elif result.need_resync:
+                request.drafter_len = 0
+                planned.num_draft = 0
+                planned.degraded.append("resync")
+            else:
+                request.drafter_len = len(request.history)  # unchanged since the draft batch was built
+                if len(result.draft_token_ids) > planned.num_draft:
+                    self.counters["dropped_excess_drafts"] += 1
+                    log.warning("drafts_over_plan", request_id=request.request_id, drafter_id=drafter_id,
+                                num_draft=len(result.draft_token_ids), planned=planned.num_draft)
+                    planned.num_draft = 0
+                else:
+                    planned.num_draft = len(result.draft_token_ids)
+                    planned.draft = DraftTokens(draft_token_ids=result.draft_token_ids, proposal=result.proposal)
+
+    def verify_batches(self, plan: StepPlan, now: float) -> dict[str, VerifyRequest]:
+        """One VerifyRequest per verifier with rows (or only slots to release). The deadline
+        covers the first try and the retries, so the retry can re-send the same message."""
+        deadline = now + self.config.verify_timeout_s * (self.config.verify_retries + 1)
+        verifiers = set(plan.rows) | {i for i in self.releases if self.alive(i) and self.is_role(i, "verifier")}
+        for verifier_id in sorted(verifiers):
+            rows = []
+            for index, planned in enumerate(plan.rows.get(verifier_id, [])):
+                request = planned.request
+                wants_side = request.logprobs.wants_side_channel
+                rows.append(VerifyRow(request_id=request.request_id, row=index, step=request.step,
+                                      cached_len=planned.cached_len,
+                                      new_token_ids=request.history[planned.cached_len:planned.end],
+                                      draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
+                                      sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
+                                      postprocessor_id=request.postprocessor_id if wants_side else None,
+                                      prompt_len=request.prompt_len, emit=planned.emit))
+            plan.verify_requests[verifier_id] = VerifyRequest(
+                batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id, deadline=deadline, rows=rows,
+                release=self.take_releases(verifier_id))
+        return plan.verify_requests
+
+    # ------------------------------------------------------------------ committing a step
+
+    def apply_verify(self, plan: StepPlan, verifier_id: str, response: VerifyResponse | Error | None,
+                     now: float) -> Outbox:
+        """Commit a verifier's answer. None (no answer after the retry): migrate its requests.
+        An Error reply (the verifier refused the message itself): its requests end with "error"."""
+        request_message = plan.verify_requests[verifier_id]
+        if response is None:
+            self.restore_releases(verifier_id, request_message.release)
+            return self.verifier_failed(verifier_id, now)
+        if isinstance(response, Error):
+            log.error("verify_batch_refused", verifier_id=verifier_id, batch_id=request_message.batch_id,
+                      code=response.code.value, field=response.field, message=response.message)
+            outbox = Outbox()
+            for planned in plan.rows.get(verifier_id, []):
+                outbox.extend(self.end(planned.request, "error", now))
+            return outbox
+        self.counters["steps"] += bool(plan.rows.get(verifier_id))
+        results = {r.request_id: r for r in response.rows}
+        outbox = Outbox()
+        for planned in plan.rows.get(verifier_id, []):
+            request = planned.request
+            if request.request_id not in self.running:  # ended while the step ran (cannot today; cheap guard)
+                continue
+            result = results.get(request.request_id)
+            request.last_batch_id = request_message.batch_id
+            if result is None or result.step != request.step:
+                self.counters["dropped_missing_results"] += 1
+                log.warning("verify_result_missing", request_id=request.request_id, verifier_id=verifier_id,
+                            batch_id=request_message.batch_id)
+                request.step += 1
+                continue
+            outbox.extend(self.commit_result(planned, result, request_message.batch_id,
+                                             verifier_id in plan.retried, now))
+        return outbox
+
+    def commit_result(self, planned: PlannedRow, result, batch_id: int, retried: bool, now: float) -> Outbox:
+        request = planned.request
+        request.step += 1
+        request.num_steps += 1
+        degraded = planned.degraded + (["verifier_retry"] if retried else [])
+        if result.error is not None:
+            log.warning("verify_row_failed", request_id=request.request_id, code=result.error.code.value,
+                        field=result.error.field, message=result.error.message)
+            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded)
+        if result.need_resync:
+            request.verifier_len = 0
+            request.carried_degraded += [*degraded, "resync"]
+            self.count_degraded(request, [*degraded, "resync"])
+            return Outbox()
+        tokens = result.token_ids.tolist()
+        if planned.emit != bool(tokens) or result.num_draft != planned.num_draft:
+            self.counters["bad_verify_results"] += 1
+            log.warning("verify_result_inconsistent", request_id=request.request_id, emit=planned.emit,
+                        num_tokens=len(tokens), num_draft=result.num_draft, planned=planned.num_draft)
+            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded)
+        request.verifier_len = planned.end + result.num_accepted
+        request.num_draft_proposed += planned.num_draft
+        request.num_draft_accepted += result.num_accepted
+        if result.residual_fallback:
+            degraded.append("residual_fallback")
+        kept, finish_reason = [], None
+        if tokens:
+            kept, finish_reason = cut_tokens(tokens, len(request.completion), request.sampling, self.eos_ids)
+        request.history += kept
+        if finish_reason is None and request.scoring and request.pending_len == 0:
+            finish_reason = "length"
+        if finish_reason is None and now >= request.deadline:
+            finish_reason = "timeout"
+        if not kept and finish_reason is None:
+            request.carried_degraded += degraded
+            self.count_degraded(request, degraded)
+            return Outbox()
+        self.count_degraded(request, degraded)
+        degraded = request.carried_degraded + degraded
+        request.carried_degraded = []
+        expect_side = request.logprobs.wants_side_channel and (bool(kept) or request.awaits_prompt_logprobs)
+        num_accepted = min(result.num_accepted, len(kept))
+        if finish_reason is not None:
+            return self.end(request, finish_reason, now, batch_id=batch_id, tokens=kept, num_draft=planned.num_draft,
+                            num_accepted=num_accepted, degraded=degraded, expect_side_channel=expect_side)
+        return Outbox(commits=[(request.postprocessor_id, self.commit(
+            request, batch_id, kept, planned.num_draft, num_accepted, degraded, None, expect_side))])
+
+    def count_degraded(self, request: Request, reasons: list[str]) -> None:
+        for reason in set(reasons):
+            request.degraded_steps[reason] += 1
+            self.counters[f"degraded_{reason}"] += 1
+
+    def stats(self) -> dict:
+        return {"running": len(self.running), "queued": len(self.waiting), **self.counters}

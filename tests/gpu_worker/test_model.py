@@ -1,0 +1,153 @@
+"""Decoder equivalence with transformers on tiny random checkpoints, and the batched forward."""
+
+import pytest
+import torch
+
+from gpu_worker.checkpoint import load_model
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import ConfigError, ModelConfig, forward
+from tests.gpu_worker.conftest import write_hf_model
+
+V = 97  # conftest TINY vocab_size
+
+
+def hf_logits(hf_model, ids):
+    """transformers' logits for one full sequence ids (T,) -> (T, V)."""
+    with torch.no_grad():
+        return hf_model(ids[None]).logits[0]
+
+
+def append(model, cache, slot, ids):
+    """Append ids (T,) to one slot; logits (T, V)."""
+    return forward(model, cache, torch.tensor([slot]), ids[None], torch.tensor([len(ids)]))[0]
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"attention_bias": True, "num_key_value_heads": 4}),
+    ("qwen2", {}),
+    ("mistral", {"num_key_value_heads": 1, "head_dim": 16}),
+])
+def test_full_sequence_logits_match_transformers(tmp_path, family, overrides):
+    hf = write_hf_model(tmp_path, family, **overrides)
+    model, config = load_model(tmp_path)
+    ids = torch.randint(0, V, (24,), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(config, max_slots=2, max_seq_len=32)
+    torch.testing.assert_close(append(model, cache, cache.allocate(), ids), hf_logits(hf, ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_incremental_decoding_equals_full_forward(tmp_path, family):
+    hf = write_hf_model(tmp_path, family)
+    model, config = load_model(tmp_path)
+    ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(config, max_slots=1, max_seq_len=16)
+    slot = cache.allocate()
+    steps = [append(model, cache, slot, ids[:6])]
+    steps += [append(model, cache, slot, ids[t:t + 1]) for t in range(6, 16)]
+    torch.testing.assert_close(torch.cat(steps), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    assert int(cache.lengths[slot]) == 16
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]], ids=["consecutive", "scattered"])
+def test_ragged_batch_equals_each_row_alone(tmp_path, order):
+    write_hf_model(tmp_path, "llama")
+    model, config = load_model(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(0, V, (n,), generator=g) for n in (0, 9, 4)]
+    new = torch.randint(0, V, (3, 6), generator=g)
+    num_new = torch.tensor([6, 5, 0])  # a prefill chunk, a verify row, a row that adds nothing
+
+    alone, batched = KVCache(config, 3, 24), KVCache(config, 3, 24)
+    expected = []
+    for slot, prefix, row, n in zip(range(3), prefixes, new, num_new.tolist()):
+        for cache in (alone, batched):
+            assert cache.allocate() == slot
+            if len(prefix):
+                append(model, cache, slot, prefix)
+        expected.append(append(model, alone, slot, row[:n]) if n else None)
+    untouched_k = batched.k[:, 2, :, :24].clone()  # the scratch column 24 may change
+
+    rows = torch.tensor(order)
+    logits = forward(model, batched, rows, new[rows], num_new[rows])
+    for b, slot in enumerate(order):
+        n = int(num_new[slot])
+        if n:
+            torch.testing.assert_close(logits[b, :n], expected[slot], atol=1e-5, rtol=1e-5)
+    assert batched.lengths.tolist() == [6, 14, 4]
+    assert torch.equal(batched.k[:, 2, :, :24], untouched_k)
+
+
+def test_truncate_then_append_equals_never_appending_rejected(tmp_path):
+    write_hf_model(tmp_path, "qwen2")
+    model, config = load_model(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    prefix, drafts, recovered = (torch.randint(0, V, (n,), generator=g) for n in (7, 4, 2))
+    spec, plain = KVCache(config, 1, 16), KVCache(config, 1, 16)
+    slot = spec.allocate()
+    assert plain.allocate() == slot
+    append(model, spec, slot, prefix)
+    append(model, spec, slot, drafts)
+    spec.truncate(slot, 7 + 1)  # one draft accepted, three rejected
+    got = append(model, spec, slot, recovered)
+    append(model, plain, slot, torch.cat([prefix, drafts[:1]]))
+    torch.testing.assert_close(got, append(model, plain, slot, recovered), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_equals_one_shot(tmp_path):
+    write_hf_model(tmp_path, "llama")
+    model, config = load_model(tmp_path)
+    prompt = torch.randint(0, V, (20,), generator=torch.Generator().manual_seed(5))
+    chunked, one_shot = KVCache(config, 1, 24), KVCache(config, 1, 24)
+    slot = chunked.allocate()
+    assert one_shot.allocate() == slot
+    last = [append(model, chunked, slot, prompt[i:i + 7])[-1] for i in range(0, 20, 7)][-1]
+    torch.testing.assert_close(last, append(model, one_shot, slot, prompt)[-1], atol=1e-5, rtol=1e-5)
+    next_token = prompt[:1]
+    torch.testing.assert_close(append(model, chunked, slot, next_token),
+                               append(model, one_shot, slot, next_token), atol=1e-5, rtol=1e-5)
+
+
+def test_logits_index_selects_positions(tmp_path):
+    write_hf_model(tmp_path, "llama")
+    model, config = load_model(tmp_path)
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(6))
+    full_cache, picked_cache = KVCache(config, 2, 8), KVCache(config, 2, 8)
+    for cache in (full_cache, picked_cache):
+        cache.allocate(), cache.allocate()
+    slots, num_new = torch.tensor([0, 1]), torch.tensor([5, 3])
+    full = forward(model, full_cache, slots, ids, num_new)
+    index = torch.tensor([[4], [2]])  # each row's last new token
+    picked = forward(model, picked_cache, slots, ids, num_new, logits_index=index)
+    assert picked.shape == (2, 1, V)
+    torch.testing.assert_close(picked[:, 0], torch.stack([full[0, 4], full[1, 2]]))
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10})
+
+
+def test_unsupported_rope_scaling_is_refused():
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+          "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "max_position_embeddings": 64, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ConfigError, match="yarn"):
+        ModelConfig.from_hf(hf)
+
+
+def test_transformers_4_config_layout():
+    config = ModelConfig.from_hf({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 64, "rope_theta": 1e6,
+        "rope_scaling": None, "sliding_window": 32})
+    assert (config.rope_theta, config.head_dim, config.qkv_bias, config.o_bias) == (1e6, 4, True, False)
+
+
+def test_missing_field_is_named():
+    with pytest.raises(ConfigError, match="hidden_size"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
+                             "num_attention_heads": 2})

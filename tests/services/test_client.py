@@ -1,0 +1,195 @@
+"""Client library against a real nats-server; the test plays the service side, publishing
+StreamChunks to the inbox each GenerateRequest names as its reply subject."""
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from schemas.codec import decode, encode
+from schemas.errors import CodecError
+from schemas.messages import (CancelRequest, Error, GenerateRequest, SamplingMask, StreamChunk, TokenLogprob,
+                              Usage)
+from services.client import (Client, GenerationResult, Overloaded, RequestError, StreamBroken, StreamTimeout,
+                             make_request, score_request)
+
+
+@pytest.fixture
+async def service(nc):
+    """(generate requests, cancel requests) queues: what the client sent."""
+    generate, cancel = asyncio.Queue(), asyncio.Queue()
+    await nc.subscribe("specbus.generate", cb=generate.put)
+    await nc.subscribe("specbus.cancel", cb=cancel.put)
+    await nc.flush(timeout=2)
+    return generate, cancel
+
+
+@pytest.fixture
+async def client(nats_server):
+    async with Client(nats_server.url, timeout_margin_s=0.2, idle_timeout_s=5.0, gap_grace_s=0.2) as c:
+        yield c
+
+
+def chunk(seq, text="", request_id="req-1", **fields):
+    return StreamChunk(request_id=request_id, seq=seq, text=text, **fields)
+
+
+async def answer(nc, generate, *chunks):
+    """Receive the client's request, publish chunks to its inbox; returns the request."""
+    msg = await asyncio.wait_for(generate.get(), timeout=5)
+    for item in chunks:
+        await nc.publish(msg.reply, encode(item))
+    await nc.flush(timeout=2)
+    return decode(msg.data, GenerateRequest)
+
+
+async def test_stream_reorders_by_seq_and_drops_duplicates(nc, service, client):
+    generate, _ = service
+    request = make_request("hi", request_id="req-1")
+    async with await client.open_stream(request) as stream:
+        sent = await answer(nc, generate, chunk(1, "b"), chunk(0, "a"), chunk(0, "a"),
+                            chunk(2, "c", finish_reason="length"))
+        received = [item async for item in stream]
+    assert sent == request
+    assert [(item.seq, item.text) for item in received] == [(0, "a"), (1, "b"), (2, "c")]
+    assert stream.num_duplicates == 1
+
+
+async def test_generate_gathers_tokens_logprobs_masks_and_usage(nc, service, client):
+    generate, _ = service
+    request = make_request([3, 4], request_id="req-1", logprobs=1, logprob_token_ids=[7], sampling_mask=True)
+    entry = TokenLogprob(token_id=5, logprob=-0.5, rank=1, token="x", top_ids=[5], top_logprobs=[-0.5],
+                         requested_logprobs=[-math.inf])
+    usage = Usage(prompt_tokens=2, completion_tokens=3, steps=2)
+    generation = asyncio.create_task(client.generate(request))
+    await answer(nc, generate,
+                 chunk(0, "xy", token_ids=[5, 6], from_draft=[True, False], logprobs=[entry, entry],
+                       sampling_masks=[SamplingMask(all_tokens=True, size=9), SamplingMask(token_ids=[6], size=1)],
+                       prompt_token_ids=[3, 4], prompt_logprobs=[None, entry]),
+                 chunk(1, "z", token_ids=[8], from_draft=[False], degraded=["logprobs_timeout"],
+                       finish_reason="eos", usage=usage))
+    result = await asyncio.wait_for(generation, timeout=5)
+    assert (result.text, result.token_ids, result.prompt_token_ids) == ("xyz", [5, 6, 8], [3, 4])
+    assert result.logprobs == [entry, entry, None] and result.sampling_masks[2] is None
+    assert result.from_draft == [True, False, False] and result.degraded == ["logprobs_timeout"]
+    assert result.finish_reason == "eos" and result.usage == usage
+    out = json.loads(json.dumps(result.to_json(), allow_nan=False))  # plain JSON: no Infinity
+    assert {"text", "token_ids", "prompt_token_ids", "logprobs", "prompt_logprobs", "sampling_masks",
+            "finish_reason", "usage"} <= out.keys()
+    assert out["logprobs"][0] == {"token_id": 5, "token": "x", "logprob": -0.5, "rank": 1,
+                                  "top": [{"token_id": 5, "logprob": -0.5}],
+                                  "requested": [{"token_id": 7, "logprob": None}]}
+    assert out["logprobs"][2] is None and out["prompt_logprobs"][0] is None
+    assert out["sampling_masks"][0] == {"all": True, "size": 9, "truncated": False, "token_ids": []}
+    assert out["usage"]["completion_tokens"] == 3
+
+
+async def test_gap_before_the_final_chunk_raises_stream_broken(nc, service, client):
+    generate, _ = service
+    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+    await answer(nc, generate, chunk(0, "a"), chunk(2, "c", finish_reason="length"))
+    with pytest.raises(StreamBroken, match=r"seqs \[1\] never arrived"):
+        await asyncio.wait_for(generation, timeout=5)
+
+
+async def test_request_timeout_raises_and_cancels(nc, service, client):
+    generate, cancel = service
+    started = time.monotonic()
+    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1", timeout_s=0.3)))
+    await answer(nc, generate)  # the service stays silent
+    with pytest.raises(StreamTimeout, match="timeout_s 0.3"):
+        await asyncio.wait_for(generation, timeout=5)
+    assert 0.5 <= time.monotonic() - started < 2.5  # timeout_s + margin
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
+
+
+async def test_idle_timeout_between_chunks_raises_and_cancels(nc, service, nats_server):
+    generate, cancel = service
+    async with Client(nats_server.url, idle_timeout_s=0.3) as client:
+        generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+        await answer(nc, generate, chunk(0, "a"))
+        with pytest.raises(StreamTimeout, match="idle"):
+            await asyncio.wait_for(generation, timeout=5)
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
+
+
+async def test_error_chunk_raises_request_error_naming_the_field(nc, service, client):
+    generate, _ = service
+    error = Error(code="invalid_field", message="top_p must be > 0", field="sampling.top_p")
+    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+    await answer(nc, generate, chunk(0, "a"), chunk(1, finish_reason="error", error=error))
+    with pytest.raises(RequestError, match="sampling.top_p") as caught:
+        await asyncio.wait_for(generation, timeout=5)
+    assert caught.value.code == "invalid_field" and caught.value.field == "sampling.top_p"
+    assert caught.value.partial.text == "a"
+
+
+async def test_overloaded_is_its_own_error_type(nc, service, client):
+    generate, _ = service
+    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+    await answer(nc, generate, chunk(0, finish_reason="error", error=Error(code="overloaded", message="queue full")))
+    with pytest.raises(Overloaded, match="queue full"):
+        await asyncio.wait_for(generation, timeout=5)
+
+
+async def test_no_scheduler_fails_fast(client):
+    started = time.monotonic()
+    with pytest.raises(RequestError, match="no scheduler") as caught:
+        await client.generate(make_request("hi", timeout_s=30))
+    assert caught.value.code == "unavailable" and time.monotonic() - started < 2
+
+
+async def test_leaving_a_stream_early_cancels_the_request(nc, service, client):
+    generate, cancel = service
+    stream = client.stream(make_request("hi", request_id="req-1"))
+    async with contextlib.aclosing(stream):
+        first = asyncio.create_task(anext(stream))
+        await answer(nc, generate, chunk(0, "a"))
+        assert (await asyncio.wait_for(first, timeout=5)).text == "a"
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
+
+
+async def test_cancel_publishes_a_cancel_request(service, client):
+    _, cancel = service
+    await client.cancel("req-9")
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-9"
+
+
+def test_make_request_fills_the_nested_fields():
+    request = make_request("hello", max_tokens=5, temperature=0, stop=["\n"], logprobs=3, logprobs_mode="processed",
+                           num_speculative_tokens=2, draft_mode="sample", timeout_s=9, stream=False, seed=None)
+    assert request.prompt == "hello" and request.prompt_token_ids is None
+    assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.stop) == (5, 0, ["\n"])
+    assert request.sampling.seed is None
+    assert (request.logprobs.logprobs, request.logprobs.logprobs_mode) == (3, "processed")
+    assert (request.speculative.num_speculative_tokens, request.speculative.draft_mode) == (2, "sample")
+    assert (request.timeout_s, request.stream) == (9, False)
+    ids = make_request(np.array([1, 2, 3]))
+    assert ids.prompt is None and ids.prompt_token_ids.tolist() == [1, 2, 3]
+
+
+def test_score_request_asks_for_prompt_logprobs_and_no_tokens():
+    request = score_request([1, 2, 3], prompt_logprobs=2, logprobs_mode="processed", temperature=0.7)
+    assert request.sampling.max_tokens == 0 and request.logprobs.prompt_logprobs == 2
+    assert request.logprobs.logprobs_mode == "processed" and request.sampling.temperature == 0.7
+
+
+def test_bad_request_options_name_the_field():
+    with pytest.raises(CodecError, match="sampling.top_p") as caught:
+        make_request("hi", top_p=0)
+    assert caught.value.field == "sampling.top_p"
+    with pytest.raises(CodecError, match="unknown request option 'topp'"):
+        make_request("hi", topp=0.5)
+    with pytest.raises(CodecError, match="prompt_token_ids"):
+        make_request([])
+
+
+def test_result_of_a_stream_without_logprobs_has_none():
+    result = GenerationResult("r")
+    result.add(chunk(0, "a", request_id="r", token_ids=[1], from_draft=[False], finish_reason="length"))
+    out = result.to_json()
+    assert out["logprobs"] is None and out["sampling_masks"] is None and out["token_ids"] == [1]
