@@ -77,6 +77,9 @@ class NatsServerConfig:
             raise ValueError("tls_cert/tls_key: give both or neither")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("tls_ca: needs tls_cert and tls_key")
+        for user in self.users:
+            if not user.password:  # nats-server lets anyone in as that user with an empty password
+                raise ValueError(f"users: {user.user!r} has an empty password")
         names = [u.user for u in self.users]
         if len(set(names)) != len(names):
             raise ValueError(f"users: duplicate user names in {names}")
@@ -117,11 +120,16 @@ def render_config(config: NatsServerConfig, port: int, ports_file_dir: Path) -> 
     if config.users:
         out["authorization"] = {"users": [render_user(u) for u in config.users]}
     if config.tls_cert is not None:
-        tls = {"cert_file": str(config.tls_cert), "key_file": str(config.tls_key)}
-        if config.tls_ca is not None:
-            tls |= {"ca_file": str(config.tls_ca), "verify": True}
-        out["tls"] = tls
+        out["tls"] = render_tls(config.tls_cert, config.tls_key, config.tls_ca)
     return out
+
+
+def render_tls(cert: str | Path, key: str | Path, ca: str | Path | None = None) -> dict:
+    """The `tls` block; with a CA, clients must present a certificate signed by it."""
+    tls = {"cert_file": str(cert), "key_file": str(key)}
+    if ca is not None:
+        tls |= {"ca_file": str(ca), "verify": True}
+    return tls
 
 
 def render_user(user: NatsUser) -> dict:
