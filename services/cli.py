@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import importlib
 import json
+import os
 import signal
 import sys
 import time
@@ -18,12 +21,16 @@ from dataclasses import dataclass
 
 import structlog
 
-from schemas.codec import decode, decode_any, encode, error_reply
+from gpu_worker.tokenizer import load_tokenizer
+from schemas.codec import validate
+from schemas.config import ENV_PREFIX, REPO_MODELS, ROLES, BusConfig, load_config
 from schemas.errors import SpecbusError
-from schemas.messages import GenerateRequest, SamplingParams
-from services.bus import BoundedHandler, Endpoint, add_micro_service, connect, request
+from schemas.messages import GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk, new_request_id
+from schemas.subjects import DEFAULT_PREFIX
+from services.client import Client
 from services.logs import LEVELS, configure_logging
-from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig
+from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig, NatsServerError
+from services.stack import PARENT_PID_ENV, Stack, StackConfig, StackError
 
 log = structlog.get_logger(__name__)
 
@@ -62,54 +69,375 @@ async def run_nats(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# specbus serve <role>
+
+# role -> (module, function): imported only when that role runs, so `generate` never loads torch.
+RUNNERS = {
+    "scheduler": ("services.scheduler", "run_scheduler"),
+    "verifier": ("gpu_worker.verifier", "run_verifier"),
+    "drafter": ("services.drafter", "run_drafter"),
+    "postprocessor": ("services.postprocess", "run_postprocessor"),
+}
+# Settings only the environment may give: a flag would show in `ps` and shell history.
+ENV_ONLY_FIELDS = {"nats_password"}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """One sub-command per role, one flag per field of its config dataclass (--max-queue for
+    max_queue, ...). A flag left out falls back to SPECBUS_<FIELD>, then to the default."""
+    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    for role, config_cls in ROLES.items():
+        role_parser = roles.add_parser(role, help=f"run one {role}", description=f"run one {role} until SIGINT/SIGTERM")
+        for config_field in dataclasses.fields(config_cls):
+            if config_field.name in ENV_ONLY_FIELDS:
+                continue
+            env_name = ENV_PREFIX + config_field.name.upper()
+            role_parser.add_argument(
+                "--" + config_field.name.replace("_", "-"), dest=config_field.name, default=None,
+                metavar=str(config_field.type).split(" ")[0].upper(),  # INT, FLOAT, STR
+                help=f"default {config_field.default!r} (env {env_name})",
+            )
+
+
+def serve_config(args: argparse.Namespace):
+    """The role's config from flags, env and defaults (SpecbusError naming a bad field)."""
+    config_cls = ROLES[args.role]
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(config_cls)}
+    return load_config(config_cls, **overrides)
+
+
+async def stop_when_parent_exits(parent_pid: int, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    """Set stop once we are re-parented: the stack that started us died without stopping us."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            log.warning("parent_exited", parent_pid=parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(interval_s)
+
+
+async def run_serve(args: argparse.Namespace) -> int:
+    """Run one service until SIGINT/SIGTERM: `run_<role>(config, stop)`."""
+    try:
+        config = serve_config(args)
+    except SpecbusError as exc:
+        print_error(exc)
+        return 2
+    module_name, function_name = RUNNERS[args.role]
+    run_role = getattr(importlib.import_module(module_name), function_name)
+    stop = shutdown_event()
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ENV_ONLY_FIELDS}
+    log.info("serve_starting", role=args.role, **settings)
+    async with AsyncExitStack() as stack:
+        parent_pid = os.environ.get(PARENT_PID_ENV)
+        if parent_pid:
+            watchdog = asyncio.create_task(stop_when_parent_exits(int(parent_pid), stop))
+            stack.callback(watchdog.cancel)
+        await run_role(config, stop)
+    log.info("serve_stopped", role=args.role, instance_id=config.instance_id)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# specbus up
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=4222, help="NATS port on loopback; 0 picks a free one (default 4222)")
+    add_stack_arguments(parser)
+
+
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix", default=None, help=f"subject prefix (default {DEFAULT_PREFIX!r}, env SPECBUS_PREFIX)")
+    parser.add_argument("--target-model", default=None,
+                        help="HF-layout target dir (env SPECBUS_TARGET_MODEL; default: the shipped models/target)")
+    parser.add_argument("--draft-model", default=None,
+                        help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: the shipped models/draft)")
+    for role in ROLES:
+        parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
+    parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
+    parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
+
+
+def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
+    """Model dirs are passed on only when given: the children read SPECBUS_* themselves."""
+    return StackConfig(
+        **{f"{role}s": getattr(args, f"{role}s") for role in ROLES},
+        # from the environment too, so the scheduler and postprocessor get the target's tokenizer
+        target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
+        draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
+        prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
+        nats=NatsServerConfig(port=port),
+        log_dir=args.log_dir,
+        log_level=args.log_level,
+        ready_timeout_s=args.ready_timeout,
+    )
+
+
+async def until_stopped(awaitable: Awaitable, stop: asyncio.Event) -> bool:
+    """Await awaitable unless stop is set first (then cancel it); True when it finished."""
+    task = asyncio.ensure_future(awaitable)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task in done:
+        task.result()  # re-raise its error
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
+
+
+async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: AsyncExitStack) -> Stack | None:
+    """Start server and services, printing the URL then a ready line. None when Ctrl-C came
+    first or a part failed to start (its error printed)."""
+    stack = Stack(config)
+    exit_stack.push_async_callback(stack.stop)
+    try:
+        if not await until_stopped(stack.start_server(), stop):
+            return None
+        print(stack.url, flush=True)
+        if not await until_stopped(stack.start_services(), stop):
+            return None
+    except (StackError, NatsServerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES)
+    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
+    return stack
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    """Run the embedded stack until Ctrl-C; exit 1 when a service process dies."""
+    stop = shutdown_event()
+    async with AsyncExitStack() as exit_stack:
+        stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
+        if stack is None:
+            return 0 if stop.is_set() else 1
+        exits = {asyncio.ensure_future(p.process.wait()): p for p in stack.processes.values()}
+        stopping = asyncio.ensure_future(stop.wait())
+        done, pending = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if stopping in done:
+            print("stopping", flush=True)
+            return 0
+        dead = exits[next(iter(done))]
+        print(f"error: {dead.instance_id} exited with code {dead.process.returncode}; stopping the stack. "
+              f"Its log ends with:\n{dead.log_tail()}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# specbus generate
+
+ANSI_DRAFT = "\x1b[32m"  # accepted draft tokens: green
+ANSI_RESET = "\x1b[0m"
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None, help="NATS url (env SPECBUS_NATS_URL; default nats://127.0.0.1:4222)")
+    parser.add_argument("--prefix", default=None, help=f"subject prefix (env SPECBUS_PREFIX; default {DEFAULT_PREFIX!r})")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=int_list, help="prompt token ids, e.g. 1,2,3")
+    parser.add_argument("--request-id", default=None, help="default: a fresh random id")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=None, help="0 with --prompt-logprobs scores the prompt")
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--min-p", type=float, default=None)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
+    sampling.add_argument("--stop-token-ids", type=int_list, default=None, help="e.g. 0,13 (the stop token is kept)")
+    sampling.add_argument("--ignore-eos", action="store_true", default=None)
+    speculative = parser.add_argument_group("speculative decoding")
+    speculative.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="0 = plain decoding")
+    speculative.add_argument("--draft-mode", choices=["greedy", "sample"], default=None)
+    logprobs = parser.add_argument_group("logprobs and masks")
+    logprobs.add_argument("--logprobs", type=int, default=None, metavar="N", help="top-N logprobs per token (0: its own)")
+    logprobs.add_argument("--logprobs-mode", choices=["raw", "processed"], default=None)
+    logprobs.add_argument("--prompt-logprobs", type=int, default=None, metavar="N")
+    logprobs.add_argument("--logprob-token-ids", type=int_list, default=None, help="logprobs of these ids everywhere")
+    logprobs.add_argument("--sampling-mask", action="store_true", default=None, help="return each token's candidate set")
+    logprobs.add_argument("--max-mask-size", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=None, help="request timeout in seconds (default 60)")
+    parser.add_argument("--json", action="store_true", help="print the final result as JSON instead of streaming text")
+    parser.add_argument("--color", nargs="?", const="auto", default="never", choices=["auto", "always", "never"],
+                        help="colour accepted draft tokens: auto = when stdout is a terminal")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir for --color (default: the target model's)")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
+    """The request from the flags; unset flags keep the schema's defaults. Raises CodecError
+    (invalid_field) naming the bad field."""
+    fields = {
+        "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                     "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
+                     "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos},
+        "speculative": {"num_speculative_tokens": args.num_speculative_tokens, "draft_mode": args.draft_mode},
+        "logprobs": {"logprobs": args.logprobs, "logprobs_mode": args.logprobs_mode,
+                     "prompt_logprobs": args.prompt_logprobs, "logprob_token_ids": args.logprob_token_ids,
+                     "sampling_mask": args.sampling_mask, "max_mask_size": args.max_mask_size},
+    }
+    raw = {group: {k: v for k, v in values.items() if v is not None} for group, values in fields.items()}
+    raw |= {"request_id": args.request_id or new_request_id(), "prompt": args.prompt,
+            "prompt_token_ids": args.prompt_ids}
+    if args.timeout is not None:
+        raw["timeout_s"] = args.timeout
+    return validate(GenerateRequest, raw)
+
+
+def print_error(exc: SpecbusError) -> None:
+    where = f" (field: {exc.field})" if exc.field else ""
+    print(f"error: {exc.code.value}: {exc.message}{where}", file=sys.stderr)
+
+
+def split_draft_text(tokenizer, completion_ids: list[int], chunk: StreamChunk) -> tuple[str, str]:
+    """chunk.text as (text of its accepted draft tokens, the rest). Accepted drafts come first
+    in a chunk; when their text cannot be told apart (a character split across tokens, a stop
+    string cut) everything counts as the rest."""
+    num_draft = sum(chunk.from_draft)
+    if not num_draft:
+        return "", chunk.text
+    before = tokenizer.decode(completion_ids)
+    with_drafts = tokenizer.decode([*completion_ids, *chunk.token_ids[:num_draft].tolist()])
+    draft_text = with_drafts[len(before):]
+    if not with_drafts.startswith(before) or not chunk.text.startswith(draft_text):
+        return "", chunk.text
+    return draft_text, chunk.text[len(draft_text):]
+
+
+def wants_color(when: str) -> bool:
+    return when == "always" or (when == "auto" and sys.stdout.isatty())
+
+
+async def run_generate(args: argparse.Namespace) -> int:
+    """Stream the completion's text to stdout (or print the final result with --json)."""
+    tokenizer = None
+    if wants_color(args.color) and not args.json:
+        tokenizer = load_tokenizer(args.tokenizer or os.environ.get(ENV_PREFIX + "TOKENIZER", str(REPO_MODELS / "target")))
+    try:
+        request = build_generate_request(args)
+        # url, prefix, credentials and TLS files: flags, then the SPECBUS_* variables the services read
+        bus = load_config(BusConfig, nats_url=args.url, prefix=args.prefix)
+        client = Client(bus.nats_url, prefix=bus.prefix, user=bus.nats_user, password=bus.nats_password,
+                        tls_ca=bus.tls_ca, tls_cert=bus.tls_cert, tls_key=bus.tls_key,
+                        connect_timeout_s=bus.connect_timeout_s)
+        async with client:
+            if args.json:
+                result = await client.generate(request)
+                print(json.dumps(result.to_json()), flush=True)
+                return 0
+            completion_ids: list[int] = []
+            async for chunk in client.stream(request):
+                if tokenizer is None:
+                    sys.stdout.write(chunk.text)
+                else:
+                    draft_text, rest = split_draft_text(tokenizer, completion_ids, chunk)
+                    sys.stdout.write(f"{ANSI_DRAFT}{draft_text}{ANSI_RESET}{rest}" if draft_text else rest)
+                    completion_ids += chunk.token_ids.tolist()
+                sys.stdout.flush()
+            print(flush=True)
+            return 0
+    except SpecbusError as exc:
+        print_error(exc)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------
 # specbus demo
+
+# Held-out-style prompts: openings of Python standard-library-like code.
+DEMO_PROMPTS = (
+    'import os\nimport sys\n\n\ndef main(argv=None):\n    """',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
+)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds allowed for each step")
+    parser.add_argument("--port", type=int, default=0, help="NATS port on loopback (default 0: a free one)")
+    add_stack_arguments(parser)
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per generation")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per generation")
+
+
+@dataclass
+class DemoRun:
+    name: str
+    speculative: SpeculativeOptions
+    sampling: SamplingParams
+    results: list = dataclasses.field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> str:
+        usages = [r.usage for r in self.results]
+        completion = sum(u.completion_tokens for u in usages)
+        proposed = sum(u.draft_tokens_proposed for u in usages)
+        accepted = sum(u.draft_tokens_accepted for u in usages)
+        steps = sum(u.steps for u in usages)
+        acceptance = f"{accepted / proposed:.2f}" if proposed else "-"
+        return (f"{self.name:<22} {completion:>6} tokens {completion / max(self.wall_s, 1e-9):>8.1f} tokens/s   "
+                f"acceptance {acceptance:>4}   tokens/step {completion / max(steps, 1):.2f}")
+
+
+def demo_runs(max_tokens: int) -> list[DemoRun]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=max_tokens)
+    return [
+        DemoRun("greedy, k=0 (plain)", SpeculativeOptions(num_speculative_tokens=0), greedy),
+        DemoRun("greedy, k=4", SpeculativeOptions(num_speculative_tokens=4), greedy),
+        DemoRun("sampled, k=4, seed", SpeculativeOptions(num_speculative_tokens=4, draft_mode="sample"), sampled),
+    ]
+
+
+async def generate_demo_runs(client: Client, runs: list[DemoRun], timeout_s: float) -> None:
+    """Each run over every demo prompt, one request at a time, printing each completion."""
+    for run in runs:
+        for index, prompt in enumerate(DEMO_PROMPTS):
+            request = GenerateRequest(request_id=f"demo-{new_request_id()}", prompt=prompt, sampling=run.sampling,
+                                      speculative=run.speculative, timeout_s=timeout_s)
+            started = time.perf_counter()
+            result = await client.generate(request)
+            run.wall_s += time.perf_counter() - started
+            run.results.append(result)
+            print(f"--- {run.name} | prompt {index} | {result.finish_reason}\n{prompt}{result.text}\n", flush=True)
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    """Start an embedded nats-server, round-trip a GenerateRequest through it, stop it.
-
-    A micro service endpoint (bounded concurrency) decodes, and so validates, the request and
-    answers it re-encoded, or with an Error; the client checks it got the same message back
-    and that `$SRV.PING` finds the service.
-    """
-    sent = GenerateRequest(request_id="demo-1", prompt_token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=8))
-    payload = encode(sent)
-    async with AsyncExitStack() as stack:
-        server = await stack.enter_async_context(NatsServer())
-        print(f"started nats-server {server.url}")
-        nc = await connect(server.url, "specbus-demo", initial_connect_timeout_s=args.timeout)
-        stack.push_async_callback(nc.close)
-
-        async def echo(req) -> None:
-            try:
-                await req.respond(encode(decode(req.data, GenerateRequest)))
-            except SpecbusError as exc:
-                await req.respond(error_reply(exc))
-
-        echo_handler = BoundedHandler(echo, name="demo.echo", max_concurrency=2, max_pending=8)
-        stack.push_async_callback(echo_handler.stop)
-        service = await add_micro_service(
-            nc, "specbus-demo", "0.1.0", "echoes GenerateRequests",
-            endpoints={"echo": Endpoint(subject="specbus.demo.echo", handler=echo_handler.dispatch)},
-        )
-        stack.push_async_callback(service.stop)
-        print("registered micro service specbus-demo, endpoint specbus.demo.echo")
-
-        started = time.perf_counter()
-        reply = await request(nc, "specbus.demo.echo", payload, deadline=time.time() + args.timeout)
-        elapsed_ms = (time.perf_counter() - started) * 1e3
-        received = decode_any(reply.data)  # the GenerateRequest back, or an Error
-        same = received == sent
-        print(f"round-tripped a GenerateRequest ({len(payload)} bytes of msgpack) in {elapsed_ms:.2f} ms: "
-              f"{'identical' if same else f'got {received!r}'}")
-        ping = json.loads((await request(nc, "$SRV.PING.specbus-demo", b"", timeout_s=args.timeout)).data)
-        print(f"$SRV.PING.specbus-demo answered by instance {ping['id']} (version {ping['version']})")
-    print("stopped nats-server")
-    return 0 if same else 1
+    """`up` on a free port, a few generations (greedy k=0 and k=4, one sampled), a summary of
+    speed and acceptance, then a clean shutdown. Exit 1 when greedy k=4 differs from k=0."""
+    stop = shutdown_event()
+    runs = demo_runs(args.max_tokens)
+    async with AsyncExitStack() as exit_stack:
+        stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
+        if stack is None:
+            return 1
+        client = await exit_stack.enter_async_context(Client(stack.url, prefix=stack.config.prefix))
+        try:
+            if not await until_stopped(generate_demo_runs(client, runs, args.timeout), stop):
+                return 1
+        except SpecbusError as exc:
+            print_error(exc)
+            return 1
+    print("summary (one request at a time):")
+    for run in runs:
+        print("  " + run.summary())
+    same = [a.token_ids == b.token_ids for a, b in zip(runs[0].results, runs[1].results)]
+    print(f"greedy k=4 vs k=0: {'identical' if all(same) else 'DIFFERENT'} on {sum(same)}/{len(same)} prompts")
+    print("stopped", flush=True)
+    return 0 if all(same) else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +452,13 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "demo": Command("start nats-server, round-trip a schema message, stop", add_demo_arguments, run_demo),
+    "up": Command("run nats-server and every service (each a process) until Ctrl-C", add_up_arguments, run_up),
+    "serve": Command("run one service (scheduler, verifier, drafter or postprocessor)", add_serve_arguments,
+                     run_serve),
+    "generate": Command("send one generate request; stream its text (or --json)", add_generate_arguments,
+                        run_generate),
+    "demo": Command("up on a free port, a few generations, a speed/acceptance summary, stop", add_demo_arguments,
+                    run_demo),
     "nats": Command("run an embedded nats-server until Ctrl-C", add_nats_arguments, run_nats),
 }
 

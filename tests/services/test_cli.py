@@ -1,23 +1,28 @@
-"""The `specbus` CLI as a user runs it: separate processes, real server, real signals."""
+"""The `specbus` CLI as a user runs it: separate processes, real server, real signals.
+
+The full pipeline through the CLI (`up`, `generate`, `demo`) is in tests/test_pipeline.py.
+"""
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
+import pytest
+
+from gpu_worker.tokenizer import load_tokenizer
+from schemas.config import REPO_MODELS
+from schemas.messages import StreamChunk
 from services.bus import connect
+from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
+from services.stack import Stack, StackConfig, StackError
 
 
 def specbus(*args):
     return [sys.executable, "-m", "services.cli", *args]
-
-
-def test_demo_round_trips_a_message_and_stops_the_server():
-    done = subprocess.run(specbus("demo"), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "round-tripped a GenerateRequest" in done.stdout and "identical" in done.stdout
-    assert "$SRV.PING.specbus-demo answered" in done.stdout
-    assert done.stdout.rstrip().endswith("stopped nats-server")
 
 
 async def test_nats_command_serves_until_sigterm():
@@ -37,3 +42,176 @@ async def test_nats_command_serves_until_sigterm():
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_serve_builds_the_role_config_from_flags_then_env(monkeypatch):
+    monkeypatch.setenv("SPECBUS_TARGET_MODEL", "/models/from-env")
+    monkeypatch.setenv("SPECBUS_MAX_SLOTS", "7")
+    args = build_parser().parse_args(["serve", "verifier", "--nats-url", "nats://h:1", "--instance-id", "v-1",
+                                      "--device", "cuda", "--max-slots", "3"])
+    config = serve_config(args)
+    assert (config.nats_url, config.instance_id, config.device) == ("nats://h:1", "v-1", "cuda")
+    assert config.max_slots == 3  # the flag beats the environment
+    assert config.target_model == "/models/from-env"
+
+
+def test_serve_takes_the_nats_password_only_from_the_environment(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "scheduler", "--nats-password", "secret"])
+    assert "unrecognized arguments: --nats-password" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_setting_naming_the_field():
+    done = subprocess.run(specbus("serve", "scheduler", "--max-queue", "many"), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "error: invalid_field:" in done.stderr and "(field: max_queue)" in done.stderr
+
+
+def test_generate_request_has_every_flag():
+    args = build_parser().parse_args([
+        "generate", "--prompt-ids", "5,6,7", "--max-tokens", "9", "--temperature", "0.7", "--top-k", "40",
+        "--top-p", "0.9", "--min-p", "0.05", "--seed", "11", "--stop", "\n\n", "--stop", "END",
+        "--stop-token-ids", "0,13", "--ignore-eos", "-k", "3", "--draft-mode", "sample", "--logprobs", "2",
+        "--logprobs-mode", "processed", "--prompt-logprobs", "1", "--logprob-token-ids", "4,5",
+        "--sampling-mask", "--max-mask-size", "64", "--timeout", "12", "--request-id", "cli-1",
+    ])
+    request = build_generate_request(args)
+    assert request.request_id == "cli-1" and request.prompt is None
+    assert request.prompt_token_ids.tolist() == [5, 6, 7]
+    sampling = request.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+            sampling.seed, sampling.ignore_eos) == (9, 0.7, 40, 0.9, 0.05, 11, True)
+    assert sampling.stop == ["\n\n", "END"] and sampling.stop_token_ids.tolist() == [0, 13]
+    assert (request.speculative.num_speculative_tokens, request.speculative.draft_mode) == (3, "sample")
+    options = request.logprobs
+    assert (options.logprobs, options.logprobs_mode, options.prompt_logprobs, options.sampling_mask,
+            options.max_mask_size) == (2, "processed", 1, True, 64)
+    assert options.logprob_token_ids.tolist() == [4, 5] and request.timeout_s == 12
+
+
+def test_generate_refuses_a_bad_request_naming_the_field():
+    done = subprocess.run(specbus("generate", "--url", "nats://127.0.0.1:1", "--prompt", "x", "--top-p", "2"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: invalid_field: ") and done.stderr.rstrip().endswith("(field: sampling.top_p)")
+
+
+def test_generate_says_when_nats_is_unreachable():
+    done = subprocess.run(specbus("generate", "--url", "nats://127.0.0.1:1", "--prompt", "x", "--timeout", "3"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("error: unavailable: cannot connect to NATS at nats://127.0.0.1:1")
+
+
+def test_draft_tokens_are_split_from_the_rest_of_a_chunk():
+    tokenizer = load_tokenizer(REPO_MODELS / "target")
+    before = tokenizer.encode("def main(")
+    drafts, rest = tokenizer.encode("argv"), tokenizer.encode("):")
+    ids = np.array(drafts + rest, dtype=np.int32)
+    chunk = StreamChunk(request_id="r", seq=1, token_ids=ids, text="argv):",
+                        from_draft=[True] * len(drafts) + [False] * len(rest))
+    assert split_draft_text(tokenizer, before, chunk) == ("argv", "):")
+    plain = StreamChunk(request_id="r", seq=1, token_ids=ids, text="argv):", from_draft=[False] * len(ids))
+    assert split_draft_text(tokenizer, before, plain) == ("", "argv):")
+
+
+async def test_stack_start_fails_with_the_log_of_a_process_that_died(tmp_path):
+    config = StackConfig(schedulers=1, verifiers=0, drafters=0, postprocessors=1, log_dir=tmp_path,
+                         role_args={"scheduler": ["--max-queue", "many"]}, ready_timeout_s=60)
+    stack = Stack(config)
+    with pytest.raises(StackError, match=r"(?s)scheduler-0 exited with code 2 while starting.*field: max_queue"):
+        await stack.start()
+    assert not any(p.running for p in stack.processes.values())
+    assert stack.server is not None and not stack.server.running
+    assert (tmp_path / "scheduler-0.log").exists()  # a given log dir is kept
+
+
+def test_stack_config_refuses_unknown_roles():
+    with pytest.raises(ValueError, match="unknown role 'gpu'"):
+        StackConfig(role_args={"gpu": []})
+
+
+def only_postprocessors(count=1, **options) -> StackConfig:
+    """A stack of torch-free services only: starts in seconds."""
+    return StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=count, ready_timeout_s=60, **options)
+
+
+async def test_stack_kills_and_restarts_instances():
+    async with Stack(only_postprocessors()) as stack:
+        first = stack.processes["postprocessor-0"]
+        stack.kill("postprocessor-0", signal.SIGKILL)
+        assert await stack.wait_exit("postprocessor-0") == -signal.SIGKILL
+        second = await stack.start_instance("postprocessor")
+        assert second.instance_id == "postprocessor-1" and stack.heartbeats["postprocessor-1"].role == "postprocessor"
+        again = await stack.start_instance("postprocessor", "postprocessor-0")  # same id, fresh process
+        assert again.running and again.process.pid != first.process.pid
+        assert [p.instance_id for p in stack.by_role("postprocessor")] == ["postprocessor-0", "postprocessor-1"]
+        running = [p.process for p in stack.processes.values()]
+    assert all(process.returncode is not None for process in running)
+
+
+async def test_up_exits_1_when_a_service_dies():
+    process = await asyncio.create_subprocess_exec(
+        *specbus("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
+        ready = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
+        assert ready.startswith(f"ready: 0 scheduler, 0 verifier, 0 drafter, 1 postprocessor on {url}")
+        child = pids_with_arg(url)[0]
+        os.kill(child, signal.SIGKILL)
+        assert await asyncio.wait_for(process.wait(), timeout=30) == 1
+        assert b"error: postprocessor-0 exited with code -9; stopping the stack" in await process.stderr.read()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def pids_with_arg(text: str) -> list[int]:
+    """Pids whose command line contains text."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+async def test_services_stop_by_themselves_when_the_stack_is_killed():
+    process = await asyncio.create_subprocess_exec(
+        *specbus("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0"),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
+        await asyncio.wait_for(process.stdout.readline(), timeout=60)  # ready
+        service_pid = pids_with_arg(url)[0]
+        server_pids = [pid for pid in children_of(process.pid) if pid != service_pid]
+        process.kill()
+        await process.wait()
+        for _ in range(100):  # the service polls its parent every second
+            if not pids_with_arg(url):
+                break
+            await asyncio.sleep(0.1)
+        assert not pids_with_arg(url), "the service outlived its stack"
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    for pid in server_pids:  # the orphaned nats-server has no such watchdog
+        os.kill(pid, signal.SIGTERM)
+
+
+def children_of(parent_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ")"
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent_pid:
+                pids.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return pids

@@ -1,0 +1,291 @@
+"""The embedded stack: a nats-server and every service, each a separate process.
+
+    async with Stack(StackConfig(verifiers=1, drafters=1)) as stack:
+        print(stack.url)                       # clients connect here
+        stack.kill("drafter-0", signal.SIGKILL)  # fault injection
+        await stack.start_instance("drafter")  # a fresh drafter-1, back once it heartbeats
+
+Each service runs as `python -m services.cli serve <role> --instance-id <role>-<n> ...` (the
+same command a container runs), with its stdout/stderr in a log file under `log_dir`. Start-up
+waits until every instance has published a heartbeat on `<prefix>.heartbeat`; a process that
+exits first, or an instance still silent after ready_timeout_s, fails the start with the tail
+of that process's log. Stopping sends SIGTERM to every process, waits stop_timeout_s, then
+SIGKILLs the rest; the server stops last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from nats.aio.client import Client
+
+from schemas.codec import decode
+from schemas.config import ROLES as CONFIGS
+from schemas.errors import SpecbusError
+from schemas.messages import Heartbeat
+from schemas.subjects import DEFAULT_PREFIX, Subjects
+from services.bus import connect
+from services.natsserver import STDERR_TAIL_CHARS, NatsServer, NatsServerConfig
+
+log = structlog.get_logger(__name__)
+
+# Every role the stack runs, in start order (docker-compose.yml runs the same set).
+ROLES = tuple(CONFIGS)  # scheduler, verifier, drafter, postprocessor
+# Set for every service: `specbus serve` stops by itself once that process is gone (a stack
+# killed with SIGKILL cannot stop its children).
+PARENT_PID_ENV = "SPECBUS_PARENT_PID"
+
+
+class StackError(RuntimeError):
+    """A service process died or stayed silent while the stack was starting."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to run. counts: instances per role. target_model/draft_model None: the services'
+    defaults (the shipped pair, or SPECBUS_TARGET_MODEL / SPECBUS_DRAFT_MODEL).
+    role_args: extra `serve <role>` flags, e.g. {"scheduler": ["--max-queue", "4"]}.
+    role_env: extra environment per role (credentials: SPECBUS_NATS_USER/_PASSWORD).
+    nats_user/nats_password: the stack's own connection (it watches heartbeats)."""
+
+    schedulers: int = 1
+    verifiers: int = 1
+    drafters: int = 1
+    postprocessors: int = 1
+    target_model: str | None = None
+    draft_model: str | None = None
+    prefix: str = DEFAULT_PREFIX
+    nats: NatsServerConfig = field(default_factory=NatsServerConfig)
+    role_args: dict[str, list[str]] = field(default_factory=dict)
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    nats_user: str | None = None
+    nats_password: str | None = None
+    log_dir: str | Path | None = None  # None: a temporary dir, removed on stop
+    log_level: str = "info"
+    ready_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            if self.count(role) < 0:
+                raise ValueError(f"{role}s: must be >= 0, got {self.count(role)}")
+        unknown = (set(self.role_args) | set(self.role_env)) - set(ROLES)
+        if unknown:
+            raise ValueError(f"role_args/role_env: unknown role {sorted(unknown)[0]!r}, expected one of {ROLES}")
+
+    def count(self, role: str) -> int:
+        return getattr(self, f"{role}s")
+
+
+def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfig) -> list[str]:
+    """The argv that runs one service instance (as a container would, plus the stack's flags)."""
+    argv = [sys.executable, "-m", "services.cli", "--log-level", config.log_level, "serve", role,
+            "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
+    # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
+    model_dirs = {"target_model": config.target_model, "tokenizer": config.target_model,
+                  "draft_model": config.draft_model}
+    for config_field in dataclasses.fields(CONFIGS[role]):
+        if model_dirs.get(config_field.name) is not None:
+            argv += ["--" + config_field.name.replace("_", "-"), str(model_dirs[config_field.name])]
+    return argv + list(config.role_args.get(role, []))
+
+
+@dataclass
+class ServiceProcess:
+    role: str
+    instance_id: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    started_at: float  # time.monotonic()
+
+    @property
+    def running(self) -> bool:
+        return self.process.returncode is None
+
+    def log_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return text if len(text) <= chars else text[-chars:].split("\n", 1)[-1]  # from a line start
+
+
+@dataclass
+class Stack:
+    config: StackConfig = field(default_factory=StackConfig)
+    server: NatsServer | None = field(default=None, init=False)
+    processes: dict[str, ServiceProcess] = field(default_factory=dict, init=False)  # instance id -> process
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict, init=False)  # instance id -> last beat
+    heartbeat_seen_at: dict[str, float] = field(default_factory=dict, init=False)  # time.monotonic()
+    num_bad_heartbeats: int = field(default=0, init=False)
+    nc: Client | None = field(default=None, init=False, repr=False)
+    log_dir: Path | None = field(default=None, init=False)
+    next_index: dict[str, int] = field(default_factory=dict, init=False)
+    exit_stack: AsyncExitStack = field(default_factory=AsyncExitStack, init=False, repr=False)
+    owns_log_dir: bool = field(default=False, init=False)
+
+    @property
+    def url(self) -> str:
+        if self.server is None:
+            raise StackError("stack not started: no url yet")
+        return self.server.url
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.config.prefix)
+
+    def by_role(self, role: str) -> list[ServiceProcess]:
+        return [p for p in self.processes.values() if p.role == role]
+
+    async def start(self) -> Stack:
+        """Server, then every instance; returns once all have heartbeated (StackError if not)."""
+        await self.start_server()
+        await self.start_services()
+        return self
+
+    async def start_server(self) -> str:
+        """The nats-server and the stack's heartbeat watcher; returns the url."""
+        try:
+            self.prepare_log_dir()
+            self.server = await self.exit_stack.enter_async_context(NatsServer(self.config.nats))
+            self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0,
+                                    user=self.config.nats_user, password=self.config.nats_password)
+            self.exit_stack.push_async_callback(self.nc.close)
+            await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+        except BaseException:
+            await self.stop()
+            raise
+        return self.server.url
+
+    async def start_services(self) -> None:
+        """Every configured instance, at once; returns when all have heartbeated."""
+        try:
+            started = [await self.spawn(role) for role in ROLES for _ in range(self.config.count(role))]
+            await self.wait_ready(started)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def prepare_log_dir(self) -> None:
+        if self.config.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="specbus-stack-"))
+            self.owns_log_dir = True
+        else:
+            self.log_dir = Path(self.config.log_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    async def on_heartbeat(self, msg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except SpecbusError as exc:
+            self.num_bad_heartbeats += 1
+            log.warning("stack_bad_heartbeat", error=str(exc), count=self.num_bad_heartbeats)
+            return
+        self.heartbeats[beat.instance_id] = beat
+        self.heartbeat_seen_at[beat.instance_id] = time.monotonic()
+
+    async def spawn(self, role: str, instance_id: str | None = None) -> ServiceProcess:
+        """Start one instance of role (id `<role>-<n>` unless given); does not wait for it."""
+        if role not in ROLES:
+            raise ValueError(f"role: unknown role {role!r}, expected one of {ROLES}")
+        if instance_id is None:
+            index = self.next_index.get(role, 0)
+            self.next_index[role] = index + 1
+            instance_id = f"{role}-{index}"
+        known = self.processes.get(instance_id)
+        if known is not None and known.running:
+            raise StackError(f"{instance_id} is already running (pid {known.process.pid})")
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{instance_id}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()),
+               **self.config.role_env.get(role, {})}
+        argv = serve_command(role, instance_id, self.url, self.config)
+        with log_path.open("ab") as log_file:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
+                start_new_session=True,  # Ctrl-C in a terminal reaches the stack only; it stops the children
+            )
+        self.heartbeats.pop(instance_id, None)
+        self.heartbeat_seen_at.pop(instance_id, None)
+        started = ServiceProcess(role, instance_id, process, log_path, time.monotonic())
+        self.processes[instance_id] = started
+        log.info("stack_process_started", role=role, instance_id=instance_id, pid=process.pid)
+        return started
+
+    async def start_instance(self, role: str, instance_id: str | None = None,
+                             timeout_s: float | None = None) -> ServiceProcess:
+        """Start one more instance of role (or restart a dead one by id) and wait for its heartbeat."""
+        started = await self.spawn(role, instance_id)
+        await self.wait_ready([started], timeout_s)
+        return started
+
+    async def wait_ready(self, started: list[ServiceProcess], timeout_s: float | None = None) -> None:
+        """Until each instance has heartbeated since it started; StackError with its log tail
+        when one exits first or the time runs out."""
+        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        waiting = list(started)
+        while waiting:
+            for proc in waiting:
+                if not proc.running:
+                    raise StackError(f"{proc.instance_id} exited with code {proc.process.returncode} while "
+                                     f"starting; its log ({proc.log_path}) ends with:\n{proc.log_tail()}")
+            waiting = [p for p in waiting if self.heartbeat_seen_at.get(p.instance_id, -1.0) < p.started_at]
+            if waiting and time.monotonic() > deadline:
+                silent = waiting[0]
+                raise StackError(f"no heartbeat from {', '.join(p.instance_id for p in waiting)} within "
+                                 f"{timeout_s:.0f} s; the log of {silent.instance_id} ({silent.log_path}) "
+                                 f"ends with:\n{silent.log_tail()}")
+            await asyncio.sleep(0.05)
+        log.info("stack_ready", instances=sorted(p.instance_id for p in started))
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
+        """Send sig to one instance (SIGKILL: a crash; SIGTERM: a polite stop)."""
+        proc = self.processes.get(instance_id)
+        if proc is None:
+            raise KeyError(f"instance_id: no process {instance_id!r}; known: {sorted(self.processes)}")
+        if proc.running:
+            proc.process.send_signal(sig)
+            log.info("stack_process_signalled", instance_id=instance_id, signal=signal.Signals(sig).name)
+
+    async def wait_exit(self, instance_id: str, timeout_s: float = 10.0) -> int:
+        """The exit code of an instance, waiting up to timeout_s (asyncio.TimeoutError after)."""
+        return await asyncio.wait_for(self.processes[instance_id].process.wait(), timeout=timeout_s)
+
+    async def stop_process(self, proc: ServiceProcess) -> None:
+        if not proc.running:
+            return
+        proc.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.process.wait(), timeout=self.config.stop_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("stack_process_killed", instance_id=proc.instance_id, after_s=self.config.stop_timeout_s)
+            proc.process.kill()
+            await asyncio.wait_for(proc.process.wait(), timeout=self.config.stop_timeout_s)
+        log.info("stack_process_stopped", instance_id=proc.instance_id, returncode=proc.process.returncode)
+
+    async def stop(self) -> None:
+        """SIGTERM every process (then SIGKILL), then close the connection and stop the server.
+        Idempotent; keeps the log dir when it was given, removes a temporary one."""
+        await asyncio.gather(*(self.stop_process(p) for p in self.processes.values()))
+        await self.exit_stack.aclose()
+        if self.owns_log_dir and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.owns_log_dir = False
+
+    async def __aenter__(self) -> Stack:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()

@@ -1,0 +1,100 @@
+"""docker-compose.yml without a Docker engine: it parses, each service runs a command the real
+CLI parser accepts, its settings are real config fields, and it runs the roles the embedded
+stack runs."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.config import ENV_PREFIX, ROLES as CONFIGS
+from services.cli import build_parser
+from services.stack import ROLES, StackConfig, serve_command
+
+REPO = Path(__file__).resolve().parent.parent
+NOT_CONFIG_ENV = {"SPECBUS_LOG_JSON"}  # read by the CLI's logging, not a service setting
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """Compose's own merge tags (`!reset`, `!override`) as (tag, value) pairs."""
+
+
+def construct_tagged(loader, tag_suffix, node):
+    if isinstance(node, yaml.MappingNode):
+        return tag_suffix, loader.construct_mapping(node, deep=True)
+    if isinstance(node, yaml.SequenceNode):
+        return tag_suffix, loader.construct_sequence(node, deep=True)
+    return tag_suffix, yaml.safe_load(node.value)
+
+
+ComposeLoader.add_multi_constructor("!", construct_tagged)
+
+
+def load(name):
+    return yaml.load((REPO / name).read_text(), Loader=ComposeLoader)
+
+
+@pytest.fixture(scope="module")
+def services():
+    return load("docker-compose.yml")["services"]
+
+
+def role_services(services):
+    return {name: svc for name, svc in services.items() if name != "nats"}
+
+
+def test_every_service_command_is_a_serve_the_cli_accepts(services):
+    parser = build_parser()
+    for name, svc in role_services(services).items():
+        command = svc["command"]
+        assert command[:2] == ["specbus", "serve"], name
+        args = parser.parse_args(command[1:])
+        assert (args.command, args.role) == ("serve", name)
+
+
+def test_compose_runs_the_same_roles_as_the_embedded_stack(services):
+    parser = build_parser()
+    stack_roles = {parser.parse_args(serve_command(role, f"{role}-0", "nats://127.0.0.1:4222", StackConfig())[3:]).role
+                   for role in ROLES}
+    compose_roles = {parser.parse_args(svc["command"][1:]).role for svc in role_services(services).values()}
+    assert compose_roles == stack_roles == set(ROLES)
+
+
+def test_services_wait_for_a_healthy_nats_and_are_configured_by_env(services):
+    for name, svc in role_services(services).items():
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        env = svc["environment"]
+        assert env["SPECBUS_NATS_URL"] == "nats://nats:4222", name
+        fields = {f.name for f in dataclasses.fields(CONFIGS[name])}
+        for key in set(env) - NOT_CONFIG_ENV:
+            assert key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in fields, f"{name}: {key}"
+        # Credentials only from the host's environment; nothing baked in.
+        assert env["SPECBUS_NATS_PASSWORD"].startswith("${") and env["SPECBUS_NATS_PASSWORD"].endswith(":-}"), name
+
+
+def test_nats_is_the_official_image_with_a_healthz_healthcheck(services):
+    nats = services["nats"]
+    assert nats["image"].split(":")[0] == "nats"
+    assert any("/healthz" in part and ":8222" in part for part in nats["healthcheck"]["test"])
+    conf_host_path = nats["volumes"][0].split(":")[0]
+    conf = (REPO / conf_host_path).read_text()
+    assert "http_port: 8222" in conf and "max_payload: 8MB" in conf
+    assert nats["command"][-1] == nats["volumes"][0].split(":")[1]
+
+
+def test_verifier_reserves_a_gpu_that_the_cpu_override_switches_off(services):
+    devices = services["verifier"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    cpu = load("docker-compose.cpu.yml")["services"]["verifier"]
+    assert cpu["deploy"] == ("reset", None)
+    assert cpu["environment"]["SPECBUS_DEVICE"] == "cpu"
+
+
+def test_dockerfile_ships_the_models_the_services_default_to():
+    dockerfile = (REPO / "ops/Dockerfile").read_text()
+    assert "COPY models models" in dockerfile
+    for setting in ("SPECBUS_TARGET_MODEL=/app/models/target", "SPECBUS_DRAFT_MODEL=/app/models/draft"):
+        assert setting in dockerfile
+    build = load("docker-compose.yml")["x-specbus"]["build"]
+    assert build["dockerfile"] == "ops/Dockerfile" and (REPO / build["context"] / build["dockerfile"]).is_file()

@@ -1,0 +1,354 @@
+"""End to end (issue 5, Done means): every service a separate process (services.stack.Stack), a
+real nats-server, the shipped model pair.
+
+The models in models/ are being retrained and overwritten by checkpoints, so the module copies
+them once and every stack here loads that copy: all processes see the same weights, and no
+assertion depends on how good they are (greedy equality holds for any weights).
+
+Two stacks: `stack` is shared by the tests that disturb nothing; `fault_stack` is small (a
+scheduler admitting 2 running + 2 queued requests) and restricted (its verifier's NATS user may
+not publish side-channel records, so they are really withheld) and its drafter is killed last.
+"""
+
+import asyncio
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from gpu_worker.tokenizer import load_tokenizer
+from ops.train_models import read_text, source_files
+from schemas.codec import decode
+from schemas.config import REPO_MODELS
+from schemas.errors import ErrorCode
+from schemas.messages import GenerateRequest, StreamChunk
+from services.bus import connect
+from services.client import Client, Overloaded, RequestError, make_request, score_request
+from services.natsserver import NatsServerConfig, NatsUser
+from services.stack import Stack, StackConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_TOKENS = 24
+PROMPT_TOKENS = 24
+NUM_PROMPTS = 16
+TIMEOUT_S = 120.0
+
+
+def specbus(*args):
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("models")
+    for name in ("target", "draft"):
+        shutil.copytree(REPO_MODELS / name, root / name)
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def prompts(models) -> list[list[int]]:
+    """PROMPT_TOKENS tokens from the middle of each of the first held-out stdlib files."""
+    tokenizer = load_tokenizer(models[0])
+    _, held_out = source_files()
+    found = []
+    for path in held_out:
+        ids = tokenizer.encode(read_text(path))
+        window = ids[len(ids) // 2:len(ids) // 2 + PROMPT_TOKENS]
+        if len(window) == PROMPT_TOKENS and window not in found:
+            found.append(window)
+        if len(found) == NUM_PROMPTS:
+            return found
+    raise AssertionError(f"only {len(found)} held-out files give a {PROMPT_TOKENS}-token prompt")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(models, tmp_path_factory):
+    # A generous draft timeout: on a loaded 2-core machine a late drafter would make steps run
+    # with k=0, and a sampled request's tokens depend on the drafts it was offered (the rejection
+    # sampler keeps the distribution, not the draw), so the equality tests below would not hold.
+    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]),
+                         log_dir=tmp_path_factory.mktemp("stack-logs"),
+                         role_args={"scheduler": ["--max-tokens-cap", "256", "--draft-timeout-s", "5"]})
+    async with Stack(config) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(stack):
+    async with Client(stack.url, prefix=stack.config.prefix) as connected:
+        yield connected
+
+
+def greedy(prompt, k, max_tokens=MAX_TOKENS, **options):
+    return make_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, num_speculative_tokens=k,
+                        timeout_s=TIMEOUT_S, **options)
+
+
+def sampled(prompt, seed, k=4, max_tokens=MAX_TOKENS, **options):
+    return make_request(prompt, max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True,
+                        num_speculative_tokens=k, draft_mode="sample", timeout_s=TIMEOUT_S, **options)
+
+
+async def generate_all(client, requests):
+    return await asyncio.gather(*(client.generate(request) for request in requests))
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared stack
+
+
+async def test_greedy_speculative_decoding_equals_plain_greedy(client, prompts):
+    outputs = {}
+    for k in (0, 1, 4, 8):
+        results = await generate_all(client, [greedy(prompt, k) for prompt in prompts[:10]])
+        assert [r.finish_reason for r in results] == ["length"] * 10
+        outputs[k] = [r.token_ids for r in results]
+        proposed = sum(r.usage.draft_tokens_proposed for r in results)
+        assert proposed > 0 if k else proposed == 0
+    for k in (1, 4, 8):
+        for index, (plain, speculative) in enumerate(zip(outputs[0], outputs[k])):
+            assert speculative == plain, f"k={k}, prompt {index}"
+
+
+async def test_seeded_sampling_is_the_same_twice_and_among_concurrent_requests(client, prompts):
+    alone = await client.generate(sampled(prompts[0], seed=7))
+    again = await client.generate(sampled(prompts[0], seed=7))
+    assert again.token_ids == alone.token_ids and len(alone.token_ids) == MAX_TOKENS, again.degraded
+    crowd = await generate_all(client, [sampled(prompts[0], seed=7), sampled(prompts[0], seed=8),
+                                        *(sampled(prompt, seed=100 + i) for i, prompt in enumerate(prompts[1:7]))])
+    assert crowd[0].token_ids == alone.token_ids, crowd[0].degraded
+    assert crowd[1].token_ids != alone.token_ids  # the seed matters: the test above can fail
+
+
+async def test_concurrent_requests_each_get_their_output_alone(stack, client, prompts):
+    """Greedy and sampled rows, k from 0 to 8, arriving together: the verifier batches (and
+    reorders) them, yet every request gets exactly what it gets alone."""
+    requests = [greedy(p, k=i % 9, max_tokens=12) if i % 2 else sampled(p, seed=i, k=i % 5, max_tokens=12)
+                for i, p in enumerate(prompts)]
+    alone = [await client.generate(request) for request in requests]
+    before = await verifier_counters(stack)
+    together = await generate_all(client, [r.model_copy(update={"request_id": r.request_id + "-b"}) for r in requests])
+    after = await verifier_counters(stack)
+    for index, (one, many) in enumerate(zip(alone, together)):
+        assert many.token_ids == one.token_ids, f"request {index}, degraded {one.degraded} / {many.degraded}"
+    # Rows shared batches. The verifier runs each batch's rows sorted by chunk length (prefill,
+    # then k+1 tokens for each k), not in row order (gpu_worker/verify_step.pack_chunks); no
+    # counter exposes that order, so what is asserted is that batches held many rows.
+    assert after["rows"] - before["rows"] > 2 * (after["batches"] - before["batches"])
+
+
+async def verifier_counters(stack) -> dict:
+    """The verifier's counters from `$SRV.STATS.verifier` (nats.micro)."""
+    reply = await stack.nc.request("$SRV.STATS.verifier", b"", timeout=5)
+    return json.loads(reply.data)["endpoints"][0]["data"]
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+async def test_logprobs_of_speculative_tokens_equal_a_scoring_pass(client, prompts, mode):
+    params = dict(temperature=0.8, top_k=5, top_p=0.9, seed=3, logprobs_mode=mode)
+    probe_ids = list(range(8))
+    result = await client.generate(make_request(
+        prompts[1], max_tokens=MAX_TOKENS, ignore_eos=True, num_speculative_tokens=4, draft_mode="sample",
+        logprobs=5, logprob_token_ids=probe_ids, sampling_mask=True, timeout_s=TIMEOUT_S, **params))
+    assert result.usage.draft_tokens_proposed > 0 and not result.degraded
+    sequence = prompts[1] + result.token_ids
+    scored = await client.generate(score_request(sequence, prompt_logprobs=5, timeout_s=TIMEOUT_S, **params))
+    assert scored.token_ids == [] and scored.prompt_token_ids == sequence
+    from_scoring = [entry.logprob for entry in scored.prompt_logprobs[len(prompts[1]):]]
+    from_decoding = [entry.logprob for entry in result.logprobs]
+    np.testing.assert_allclose(from_decoding, from_scoring, rtol=0, atol=1e-4)
+
+    for position, (entry, mask) in enumerate(zip(result.logprobs, result.sampling_masks)):
+        in_mask = set(mask.token_ids.tolist())
+        assert not mask.all_tokens and 1 <= len(in_mask) <= 5 and entry.token_id in in_mask, position
+        if mode == "processed":
+            top = dict(entry.top)
+            assert in_mask <= set(top), position  # K is within the top-5 (top_k=5)
+            mask_logprobs = np.array([top[token_id] for token_id in in_mask])
+            assert abs(np.logaddexp.reduce(mask_logprobs)) < 1e-4, position
+            outside = [lp for token_id, lp in [*top.items(), *zip(probe_ids, entry.requested_logprobs.tolist())]
+                       if token_id not in in_mask]
+            assert all(lp == -math.inf for lp in outside), position
+
+
+async def test_a_request_over_the_schedulers_cap_is_refused_naming_the_field(client, prompts):
+    with pytest.raises(RequestError, match="max_tokens 300 is above the cap 256") as refused:
+        await client.generate(make_request(prompts[0], max_tokens=300))
+    assert (refused.value.code, refused.value.field) == (ErrorCode.invalid_field, "sampling.max_tokens")
+
+
+async def test_a_malformed_request_gets_an_error_chunk_naming_the_field(stack, prompts):
+    raw = GenerateRequest(request_id="bad-top-p", prompt_token_ids=prompts[0]).model_dump()
+    raw["sampling"]["top_p"] = 2.0  # what a client without validation could send
+    nc = await connect(stack.url, "pytest-raw")
+    try:
+        inbox = nc.new_inbox()
+        subscription = await nc.subscribe(inbox)
+        await nc.publish(stack.subjects.generate, msgpack.packb(raw, use_bin_type=True), reply=inbox)
+        chunk = decode((await subscription.next_msg(timeout=10)).data, StreamChunk)
+    finally:
+        await nc.close()
+    assert chunk.finish_reason == "error" and chunk.error is not None
+    assert (chunk.error.code, chunk.error.field) == (ErrorCode.invalid_field, "sampling.top_p")
+
+
+async def test_cli_generate_prints_the_result_json_and_streams_text(stack, client, prompts):
+    request = greedy(prompts[2], k=4, logprobs=1)
+    expected = await client.generate(request)
+    ids = ",".join(map(str, prompts[2]))
+    common = ["generate", "--url", stack.url, "--prompt-ids", ids, "--max-tokens", str(MAX_TOKENS),
+              "--temperature", "0", "--ignore-eos", "-k", "4"]
+    done = await run_cli(*common, "--logprobs", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for key in ("text", "token_ids", "prompt_token_ids", "logprobs", "prompt_logprobs", "sampling_masks",
+                "finish_reason", "usage"):
+        assert key in result
+    assert result["token_ids"] == expected.token_ids and result["text"] == expected.text
+    assert result["prompt_token_ids"] == prompts[2] and result["finish_reason"] == "length"
+    assert [entry["token_id"] for entry in result["logprobs"]] == expected.token_ids
+    assert result["usage"]["completion_tokens"] == MAX_TOKENS
+
+    streamed = await run_cli(*common, "--color", "always")
+    assert streamed.returncode == 0, streamed.stderr
+    plain = streamed.stdout.replace("\x1b[32m", "").replace("\x1b[0m", "")
+    assert plain == expected.text + "\n"
+    assert ("\x1b[32m" in streamed.stdout) == any(expected.from_draft[:-1])
+
+
+async def run_cli(*args, timeout_s=120):
+    """The CLI in a subprocess, without blocking the event loop the stack's watcher runs on."""
+    return await asyncio.to_thread(subprocess.run, specbus(*args), capture_output=True, text=True, timeout=timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# the small, restricted stack whose parts get withheld and killed
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fault_stack(models, tmp_path_factory):
+    password = secrets.token_hex(16)
+    users = (
+        NatsUser("service", password),
+        # May answer requests and heartbeat, but not publish side-channel records.
+        NatsUser("verifier", password, publish=("specbus.heartbeat",), allow_responses=True),
+    )
+    service_env = {"SPECBUS_NATS_USER": "service", "SPECBUS_NATS_PASSWORD": password}
+    config = StackConfig(
+        target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("fault-logs"),
+        nats=NatsServerConfig(users=users), nats_user="service", nats_password=password,
+        role_env={"scheduler": service_env, "drafter": service_env, "postprocessor": service_env,
+                  "verifier": {"SPECBUS_NATS_USER": "verifier", "SPECBUS_NATS_PASSWORD": password}},
+        role_args={"scheduler": ["--max-running", "2", "--max-queue", "2"],
+                   "postprocessor": ["--side-channel-timeout-s", "0.3"]},
+    )
+    async with Stack(config) as running:
+        async with Client(running.url, user="service", password=password) as fault_client:
+            yield running, fault_client
+
+
+async def test_withheld_side_channel_gives_chunks_flagged_logprobs_timeout(fault_stack, prompts):
+    _, client = fault_stack
+    reference = await client.generate(greedy(prompts[3], k=4))
+    started = time.monotonic()
+    result = await client.generate(greedy(prompts[3], k=4, logprobs=0))
+    assert time.monotonic() - started < 30  # 0.3 s per chunk at most, no hang
+    assert result.token_ids == reference.token_ids and result.finish_reason == "length"
+    assert result.usage.degraded_steps["logprobs_timeout"] == result.usage.steps  # every chunk, as none came
+    assert all(entry is None for entry in result.logprobs or [])
+
+
+async def test_a_full_queue_refuses_at_once_with_overloaded(fault_stack, prompts):
+    _, client = fault_stack
+
+    async def timed(request):
+        started = time.monotonic()
+        try:
+            return await client.generate(request)
+        except Overloaded as exc:
+            return exc, time.monotonic() - started
+
+    outcomes = await asyncio.gather(*(timed(greedy(p, k=4)) for p in prompts[:8]))
+    refused = [outcome for outcome in outcomes if isinstance(outcome, tuple)]
+    finished = [outcome for outcome in outcomes if not isinstance(outcome, tuple)]
+    assert len(refused) >= 4 and len(finished) >= 2  # 2 running + 2 queued fit
+    assert all(exc.code == ErrorCode.overloaded and elapsed < 5 for exc, elapsed in refused)
+    assert all(result.finish_reason == "length" for result in finished)
+
+
+async def test_a_killed_drafter_leaves_greedy_outputs_unchanged_flagged_draft_timeout(fault_stack, prompts):
+    stack, client = fault_stack
+    requests = [make_request(p, max_tokens=64, temperature=0.0, ignore_eos=True, num_speculative_tokens=4,
+                             timeout_s=TIMEOUT_S) for p in prompts[4:6]]
+    reference = await generate_all(client, requests)
+    first_chunk = [asyncio.Event() for _ in requests]
+
+    async def read(index, request):
+        token_ids, degraded = [], set()
+        async for chunk in client.stream(request.model_copy(update={"request_id": request.request_id + "-k"})):
+            token_ids += chunk.token_ids.tolist()
+            degraded.update(chunk.degraded)
+            first_chunk[index].set()
+        return token_ids, degraded, chunk.finish_reason
+
+    readers = [asyncio.create_task(read(i, r)) for i, r in enumerate(requests)]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in first_chunk)), timeout=60)
+    stack.kill("drafter-0", signal.SIGKILL)
+    outcomes = await asyncio.wait_for(asyncio.gather(*readers), timeout=TIMEOUT_S)
+    assert await stack.wait_exit("drafter-0") == -signal.SIGKILL
+    for (token_ids, degraded, finish_reason), expected in zip(outcomes, reference):
+        assert finish_reason == "length" and token_ids == expected.token_ids
+    assert any("draft_timeout" in degraded for _, degraded, _ in outcomes)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI's own stack commands
+
+
+async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, prompts):
+    process = await asyncio.create_subprocess_exec(
+        *specbus("up", "--port", "0", "--log-dir", str(tmp_path), "--target-model", str(models[0]),
+                 "--draft-model", str(models[1])),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
+        assert url.startswith("nats://127.0.0.1:")
+        ready = (await asyncio.wait_for(process.stdout.readline(), timeout=120)).decode()
+        assert ready.startswith("ready: 1 scheduler, 1 verifier, 1 drafter, 1 postprocessor on " + url)
+        async with Client(url) as client:
+            result = await client.generate(greedy(prompts[0], k=4))
+        assert len(result.token_ids) == MAX_TOKENS
+        process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), timeout=60) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    logs = sorted(tmp_path.iterdir())
+    assert [path.name for path in logs] == ["drafter-0.log", "postprocessor-0.log", "scheduler-0.log", "verifier-0.log"]
+    for path in logs:  # each stopped on SIGTERM by itself, none was SIGKILLed
+        assert "serve_stopped" in path.read_text(), path.name
+
+
+async def test_demo_runs_generations_and_prints_a_summary(models):
+    env = {**os.environ, "SPECBUS_TARGET_MODEL": str(models[0]), "SPECBUS_DRAFT_MODEL": str(models[1])}
+    done = await asyncio.to_thread(subprocess.run, specbus("demo", "--max-tokens", "8"), capture_output=True,
+                                   text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.startswith("nats://127.0.0.1:")
+    assert "tokens/s" in done.stdout and "acceptance" in done.stdout and "tokens/step" in done.stdout
+    assert "greedy k=4 vs k=0: identical on 3/3 prompts" in done.stdout
+    assert done.stdout.rstrip().endswith("stopped")
