@@ -64,24 +64,28 @@ class SchedulerConfig(InstanceConfig):
 
 
 @dataclasses.dataclass
-class VerifierConfig(InstanceConfig):
-    target_model: str = str(REPO_MODELS / "target")
+class ModelServiceConfig(InstanceConfig):
+    """What the verifier and the drafter share: a model, its KV cache slots, torch threads."""
+
     device: str = "cpu"
     dtype: str = "float32"
     max_slots: int = 64
     max_seq_len: int = 2048
     prefill_chunk: int = 512  # tokens per forward for a long prompt
     slot_idle_ttl_s: float = 300.0  # a slot untouched this long is freed (its scheduler is gone)
+    # torch intra-op threads; 0 leaves torch's default (one per core). On a small machine running
+    # several model processes, 1 avoids oversubscribing the cores.
+    torch_threads: int = 0
 
 
 @dataclasses.dataclass
-class DrafterConfig(InstanceConfig):
+class VerifierConfig(ModelServiceConfig):
+    target_model: str = str(REPO_MODELS / "target")
+
+
+@dataclasses.dataclass
+class DrafterConfig(ModelServiceConfig):
     draft_model: str = str(REPO_MODELS / "draft")
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_slots: int = 64
-    max_seq_len: int = 2048
-    slot_idle_ttl_s: float = 300.0
 
 
 @dataclasses.dataclass

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from gpu_worker.verify_step import evict_idle, load_verifier, verify_batch
+from gpu_worker.slots import evict_idle
+from gpu_worker.verify_step import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.errors import ErrorCode
 from schemas.messages import LogprobOptions, Proposal, RowSampling, VerifyRequest, VerifyRow

@@ -1,0 +1,113 @@
+"""Request slots of a model's KV cache, kept the same way by the verifier
+(gpu_worker/verify_step.py) and the drafter (services/drafter.py).
+
+Both own a model, a KVCache and `requests: request_id -> state`, where each state holds its
+cache `slot` and `last_used` (time.monotonic()). Slots are freed when the scheduler releases
+them (PIPELINE.md, "Slot release"), when idle longer than slot_idle_ttl_s (their scheduler is
+gone), and heartbeats report capacity = max_slots, load = slots in use, free_slots.
+`load_model_and_cache` loads the model with its cache from the settings both configs share
+(schemas/config.py ModelServiceConfig).
+Counters: `slots_<reason>` per freed slot, `release_unknown` per released id without a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Protocol
+
+import structlog
+import torch
+
+from gpu_worker.checkpoint import load_model
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import Model
+from schemas.config import ModelServiceConfig
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import Heartbeat
+
+log = structlog.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SlotState(Protocol):
+    slot: int
+    last_used: float
+
+
+class SlotOwner(Protocol):
+    """What the functions below need of a Verifier or a Drafter."""
+
+    instance_id: str
+    cache: KVCache
+    model_ids: dict[str, str]
+    slot_idle_ttl_s: float
+    requests: dict[str, SlotState]
+    counters: Counter
+
+
+def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Model, KVCache]:
+    """The model in model_dir and a KV cache of config.max_slots slots (device, dtype from
+    config); applies config.torch_threads first. SpecbusError naming the field for a bad value."""
+    if config.dtype not in DTYPES:
+        raise SpecbusError(ErrorCode.invalid_field, f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}", "dtype")
+    if config.prefill_chunk < 1:
+        raise SpecbusError(ErrorCode.invalid_field, f"prefill_chunk must be >= 1, got {config.prefill_chunk}",
+                           "prefill_chunk")
+    if config.torch_threads < 0:
+        raise SpecbusError(ErrorCode.invalid_field, f"torch_threads must be >= 0, got {config.torch_threads}",
+                           "torch_threads")
+    if config.torch_threads:
+        # process-wide; worker threads (asyncio.to_thread) pick it up on their first parallel op
+        torch.set_num_threads(config.torch_threads)
+    dtype = DTYPES[config.dtype]
+    model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len)
+    return model, KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype)
+
+
+def free_request(owner: SlotOwner, request_id: str, reason: str) -> bool:
+    """Free request_id's slot if it has one, counted as `slots_<reason>`. True when freed."""
+    state = owner.requests.pop(request_id, None)
+    if state is None:
+        return False
+    owner.cache.free(state.slot)
+    owner.counters[f"slots_{reason}"] += 1
+    return True
+
+
+def release(owner: SlotOwner, request_ids: list[str]) -> None:
+    """Free the slots of finished / cancelled / migrated requests; ids without a slot (already
+    evicted, or never seen) are counted."""
+    for request_id in request_ids:
+        if not free_request(owner, request_id, "released"):
+            owner.counters["release_unknown"] += 1
+
+
+def evict_idle(owner: SlotOwner, now: float | None = None) -> int:
+    """Free slots untouched for slot_idle_ttl_s (their scheduler is gone); returns how many.
+    now: time.monotonic() (tests pass a later one)."""
+    now = time.monotonic() if now is None else now
+    idle = [rid for rid, state in owner.requests.items() if now - state.last_used > owner.slot_idle_ttl_s]
+    for request_id in idle:
+        free_request(owner, request_id, "evicted")
+    if idle:
+        log.info("slots_evicted", count=len(idle), free_slots=owner.cache.num_free)
+    return len(idle)
+
+
+async def evict_idle_loop(owner: SlotOwner, lock: asyncio.Lock) -> None:
+    """Free idle slots while no batches arrive, so heartbeats show the capacity back. lock:
+    the one the service holds while a batch runs."""
+    interval_s = min(max(owner.slot_idle_ttl_s / 4, 0.05), 10.0)
+    while True:
+        await asyncio.sleep(interval_s)
+        async with lock:
+            evict_idle(owner)
+
+
+def instance_heartbeat(owner: SlotOwner, role: str, interval_s: float) -> Heartbeat:
+    return Heartbeat(instance_id=owner.instance_id, role=role, capacity=owner.cache.max_slots,
+                     load=len(owner.requests), free_slots=owner.cache.num_free, model_ids=owner.model_ids,
+                     sent_at=time.time(), interval_s=interval_s)

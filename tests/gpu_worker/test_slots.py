@@ -1,0 +1,119 @@
+"""Request slots (gpu_worker/slots.py) over the KV cache of a tiny random Llama written to disk."""
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.slots import evict_idle, evict_idle_loop, instance_heartbeat, load_model_and_cache, release
+from schemas.config import DrafterConfig, VerifierConfig, load_config
+from schemas.errors import SpecbusError
+from tests.gpu_worker.conftest import write_hf_model
+
+MAX_SLOTS = 3
+
+
+@dataclass
+class Slot:
+    slot: int
+    last_used: float
+
+
+@dataclass
+class Owner:
+    """The fields the slot functions read, as a Verifier or a Drafter has them."""
+
+    cache: KVCache
+    slot_idle_ttl_s: float
+    instance_id: str = "owner-test"
+    model_ids: dict[str, str] = field(default_factory=lambda: {"target": "tiny"})
+    requests: dict[str, Slot] = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    write_hf_model(path, "llama", seed=1)
+    return path
+
+
+def config(model_dir, **overrides):
+    return load_config(VerifierConfig, env={}, target_model=str(model_dir), instance_id="verifier-test",
+                       max_slots=MAX_SLOTS, max_seq_len=32, **overrides)
+
+
+@pytest.fixture
+def owner(model_dir):
+    _, cache = load_model_and_cache(str(model_dir), config(model_dir))
+    return Owner(cache=cache, slot_idle_ttl_s=60.0)
+
+
+def take(owner, request_id, last_used):
+    owner.requests[request_id] = Slot(owner.cache.allocate(), last_used)
+
+
+def test_release_frees_named_slots_and_counts_unknown_ids(owner):
+    now = time.monotonic()
+    take(owner, "a", now)
+    take(owner, "b", now)
+    release(owner, ["a", "never-seen"])
+    assert sorted(owner.requests) == ["b"] and owner.cache.num_free == MAX_SLOTS - 1
+    assert owner.counters == Counter(slots_released=1, release_unknown=1)
+
+
+def test_evict_idle_frees_only_slots_idle_past_the_ttl(owner):
+    now = time.monotonic()
+    take(owner, "old", now - 61)
+    take(owner, "fresh", now - 59)
+    assert evict_idle(owner, now) == 1
+    assert sorted(owner.requests) == ["fresh"] and owner.counters["slots_evicted"] == 1
+    assert evict_idle(owner, now + 2) == 1 and owner.cache.num_free == MAX_SLOTS
+
+
+def test_heartbeat_reports_capacity_load_and_free_slots(owner):
+    take(owner, "a", time.monotonic())
+    beat = instance_heartbeat(owner, "verifier", 0.5)
+    assert (beat.role, beat.instance_id, beat.capacity, beat.load, beat.free_slots) == \
+        ("verifier", "owner-test", MAX_SLOTS, 1, MAX_SLOTS - 1)
+    assert beat.model_ids == {"target": "tiny"} and beat.interval_s == 0.5
+
+
+async def test_evict_idle_loop_gives_capacity_back_without_batches(owner):
+    owner.slot_idle_ttl_s = 0.05
+    take(owner, "a", time.monotonic())
+    task = asyncio.create_task(evict_idle_loop(owner, asyncio.Lock()))
+    try:
+        deadline = time.monotonic() + 5.0
+        while owner.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+    assert not owner.requests and owner.cache.num_free == MAX_SLOTS
+
+
+def test_torch_threads_is_applied_at_load(model_dir):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so the test fails if loading leaves the count alone
+    try:
+        load_model_and_cache(str(model_dir), config(model_dir, torch_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("setting, value", [("dtype", "float8"), ("prefill_chunk", 0), ("torch_threads", -1)])
+def test_bad_settings_are_refused_by_field(model_dir, setting, value):
+    with pytest.raises(SpecbusError, match=setting) as raised:
+        load_model_and_cache(str(model_dir), config(model_dir, **{setting: value}))
+    assert raised.value.field == setting
+
+
+def test_drafter_config_has_prefill_chunk_and_torch_threads_from_env():
+    drafter = load_config(DrafterConfig, env={"SPECBUS_TORCH_THREADS": "1", "SPECBUS_PREFILL_CHUNK": "64"})
+    assert (drafter.prefill_chunk, drafter.torch_threads) == (64, 1)
+    assert load_config(VerifierConfig, env={}).torch_threads == 0  # 0: torch's default
