@@ -13,21 +13,20 @@ pings keep flowing, reply with the VerifyResponse, then publish the side records
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from contextlib import AsyncExitStack
 
-import nats.errors
 import structlog
 
-from gpu_worker.verify_step import Verifier, evict_idle, load_verifier, verify_batch
+from gpu_worker.slots import evict_idle_loop, instance_heartbeat
+from gpu_worker.verify_step import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode, error_reply
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import Heartbeat, VerifyRequest
 from schemas.subjects import Subjects
-from services.bus import (BoundedHandler, BusError, Endpoint, add_micro_service, check_payload_size, connect,
-                          heartbeat_loop, publish)
+from services.bus import (BoundedHandler, BusError, Endpoint, add_micro_service, connect_service, heartbeat_loop,
+                          publish, respond)
 from services.logs import log_context
 
 log = structlog.get_logger(__name__)
@@ -38,39 +37,13 @@ MAX_PENDING_MESSAGES = 64
 
 
 def heartbeat(verifier: Verifier, interval_s: float) -> Heartbeat:
-    return Heartbeat(instance_id=verifier.instance_id, role="verifier", capacity=verifier.cache.max_slots,
-                     load=len(verifier.requests), free_slots=verifier.cache.num_free, model_ids=verifier.model_ids,
-                     sent_at=time.time(), interval_s=interval_s)
-
-
-def tls_context(config: VerifierConfig) -> ssl.SSLContext | None:
-    if not (config.tls_ca or config.tls_cert):
-        return None
-    context = ssl.create_default_context(cafile=config.tls_ca)
-    if config.tls_cert:
-        context.load_cert_chain(config.tls_cert, config.tls_key)
-    return context
-
-
-async def respond(verifier: Verifier, nc, msg, payload: bytes) -> None:
-    """Reply to msg (a micro Request); a reply that cannot go out is logged and counted."""
-    try:
-        check_payload_size(nc, "verify reply", payload, None)
-    except BusError as exc:
-        verifier.counters["reply_too_large"] += 1
-        log.warning("verify_reply_too_large", error=str(exc))
-        payload = error_reply(exc)
-    try:
-        await msg.respond(payload)
-    except (ValueError, nats.errors.Error) as exc:  # ValueError: the message had no reply subject
-        verifier.counters["reply_failed"] += 1
-        log.warning("verify_reply_failed", error=str(exc) or type(exc).__name__)
+    return instance_heartbeat(verifier, "verifier", interval_s)
 
 
 async def refuse(verifier: Verifier, nc, msg, counter: str, exc: SpecbusError) -> None:
     verifier.counters[counter] += 1
     log.warning(f"verify_request_{counter}", code=exc.code.value, field=exc.field, error=exc.message)
-    await respond(verifier, nc, msg, error_reply(exc))
+    await respond(nc, msg, error_reply(exc), verifier.counters)
 
 
 def expired(request: VerifyRequest) -> SpecbusError | None:
@@ -99,11 +72,11 @@ async def handle_verify(verifier: Verifier, nc, subjects: Subjects, lock: asynci
             except Exception as exc:
                 verifier.counters["failed_batches"] += 1
                 log.exception("verify_batch_failed")
-                await respond(verifier, nc, msg, error_reply(exc))
+                await respond(nc, msg, error_reply(exc), verifier.counters)
                 return
         if time.time() > request.deadline:
             verifier.counters["late_replies"] += 1  # sent anyway: the scheduler may still use it
-        await respond(verifier, nc, msg, encode(response))
+        await respond(nc, msg, encode(response), verifier.counters)
         for postprocessor_id, record in records:
             try:
                 await publish(nc, subjects.post_side(postprocessor_id), encode(record))
@@ -112,15 +85,6 @@ async def handle_verify(verifier: Verifier, nc, subjects: Subjects, lock: asynci
                 log.warning("side_record_dropped", request_id=record.request_id, error=str(exc))
             else:
                 verifier.counters["side_records_published"] += 1
-
-
-async def evict_idle_loop(verifier: Verifier, lock: asyncio.Lock) -> None:
-    """Free idle slots while no batches arrive, so heartbeats show the capacity back."""
-    interval_s = min(max(verifier.slot_idle_ttl_s / 4, 0.05), 10.0)
-    while True:
-        await asyncio.sleep(interval_s)
-        async with lock:
-            evict_idle(verifier)
 
 
 async def cancel_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> None:
@@ -137,9 +101,7 @@ async def run_verifier(config: VerifierConfig, stop: asyncio.Event) -> None:
     log.info("verifier_loaded", instance_id=config.instance_id, model=config.target_model, device=config.device,
              dtype=config.dtype, max_slots=config.max_slots, **verifier.model_ids)
     async with AsyncExitStack() as stack:
-        nc = await connect(config.nats_url, f"verifier-{config.instance_id}",
-                           connect_timeout_s=config.connect_timeout_s, user=config.nats_user,
-                           password=config.nats_password, tls=tls_context(config))
+        nc = await connect_service(config, f"verifier-{config.instance_id}")
         stack.push_async_callback(nc.drain)
 
         async def handle(msg) -> None:

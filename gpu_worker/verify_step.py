@@ -3,7 +3,8 @@
 `load_verifier(config) -> Verifier`; `verify_batch(verifier, request) -> (VerifyResponse,
 [(postprocessor_id, SideChannelRecord)])`. In order (PIPELINE.md, "Protocol semantics"):
 
-1. free the slots `request.release` names (idle slots: `evict_idle`, called by the service);
+1. free the slots `request.release` names (idle slots: gpu_worker/slots.py `evict_idle`, called
+   by the service);
 2. per row: a row with the (request_id, step) of the stored answer is a retry and gets that
    answer and side record again. Otherwise the row is checked (token ids inside the
    vocabulary, proposal, room in the slot) and the receiver rule applied: an unknown request
@@ -33,7 +34,6 @@ log_softmax(logits / T) with logz_k, the reader subtracting logz_k (ids outside 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,13 +42,14 @@ import numpy as np
 import structlog
 import torch
 
-from gpu_worker.checkpoint import load_model, model_id
+from gpu_worker.checkpoint import model_id
 from gpu_worker.kv_cache import CacheFullError, KVCache
 from gpu_worker.logprobs import TokenLogprobs, gather_logprobs
 from gpu_worker.model import Model, forward
 from gpu_worker.rejection import proposal_to_draft_probs, rejection_sample
 from gpu_worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, ProcessedLogits,
-                                 SamplingInputError, SamplingTensors, make_uniforms, sample)
+                                 SamplingInputError, SamplingTensors, make_uniforms, request_seed, sample)
+from gpu_worker.slots import load_model_and_cache, release
 from gpu_worker.tokenizer import tokenizer_id
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
@@ -57,7 +58,6 @@ from schemas.messages import (Error, LogprobArrays, SamplingMask, SideChannelRec
 
 log = structlog.get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Chunks share a padded forward while the padding stays under this many tokens plus a quarter
 # of the real ones (see step 3 of the module docstring for the measurement behind it).
 FREE_PADDING_TOKENS = 32
@@ -143,49 +143,15 @@ class RowWork:
 
 
 # ---------------------------------------------------------------------------------------------
-# loading and slots
+# loading
 
 
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
-    if config.dtype not in DTYPES:
-        raise SpecbusError(ErrorCode.invalid_field, f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}", "dtype")
-    if config.prefill_chunk < 1:
-        raise SpecbusError(ErrorCode.invalid_field, f"prefill_chunk must be >= 1, got {config.prefill_chunk}",
-                           "prefill_chunk")
-    dtype = DTYPES[config.dtype]
-    model, model_config = load_model(config.target_model, config.device, dtype, config.max_seq_len)
-    cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype)
+    model, cache = load_model_and_cache(config.target_model, config)
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model)}
     return Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
                     prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
-
-
-def free_request(verifier: Verifier, request_id: str, reason: str) -> bool:
-    state = verifier.requests.pop(request_id, None)
-    if state is None:
-        return False
-    verifier.cache.free(state.slot)
-    verifier.counters[f"slots_{reason}"] += 1
-    return True
-
-
-def release(verifier: Verifier, request_ids: list[str]) -> None:
-    """Free the slots of finished / cancelled / migrated requests; unknown ids are counted."""
-    for request_id in request_ids:
-        if not free_request(verifier, request_id, "released"):
-            verifier.counters["release_unknown"] += 1
-
-
-def evict_idle(verifier: Verifier, now: float | None = None) -> int:
-    """Free slots untouched for slot_idle_ttl_s (their scheduler is gone); returns how many."""
-    now = time.monotonic() if now is None else now
-    idle = [rid for rid, state in verifier.requests.items() if now - state.last_used > verifier.slot_idle_ttl_s]
-    for request_id in idle:
-        free_request(verifier, request_id, "evicted")
-    if idle:
-        log.info("slots_evicted", count=len(idle), free_slots=verifier.cache.num_free)
-    return len(idle)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,14 +190,6 @@ def check_row(verifier: Verifier, row: VerifyRow, prefix: str) -> None:
         raise invalid(f"a dense proposal over {proposal.draft_vocab_size} draft ids needs a d2t map; this "
                       f"verifier takes dense proposals over the target vocabulary ({V}) only",
                       f"{prefix}.proposal.draft_vocab_size")
-
-
-def row_seed(row: VerifyRow) -> int:
-    """The request's seed; a sampled row without one (the scheduler normally fills it) gets a
-    stable one from its request id, so retries still draw the same tokens."""
-    if row.sampling.seed is not None:
-        return row.sampling.seed
-    return int.from_bytes(hashlib.blake2b(row.request_id.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def row_params(row: VerifyRow, device) -> SamplingTensors:
@@ -418,7 +376,8 @@ def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
     logits = torch.stack(logits)  # (B, K+1, V); slots past a row's drafts repeat its last logits
     params = SamplingTensors(*(torch.cat([getattr(w.params, name) for w in works])
                                for name in ("temperature", "top_k", "top_p", "min_p")))
-    seeds = torch.tensor([row_seed(w.row) for w in works], dtype=torch.long, device=device)
+    seeds = torch.tensor([request_seed(w.row.sampling.seed, w.row.request_id) for w in works], dtype=torch.long,
+                         device=device)
     first = torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)
     positions = first[:, None] + torch.arange(K + 1, device=device)  # (B, K+1): where each sample lands
     processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))

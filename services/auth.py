@@ -93,8 +93,7 @@ class PermissionDenied(SpecbusError):
     """The server refused a publish or a subscription of this connection."""
 
     def __init__(self, message: str):
-        # ErrorCode has no `forbidden` yet; bad_request says "do not retry this".
-        super().__init__(ErrorCode.bad_request, message)
+        super().__init__(ErrorCode.forbidden, message)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+import weakref
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +26,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.service import EndpointConfig, EndpointStats, Service, ServiceConfig
 
+from schemas.codec import error_reply
+from schemas.config import BusConfig
 from schemas.errors import ErrorCode, SpecbusError
+from services.auth import PermissionWatch, inbox_prefix
 
 log = structlog.get_logger(__name__)
 
@@ -88,9 +93,15 @@ async def connect(
     Extra keyword arguments go to `nats.connect` unchanged.
     """
     conn_log = log.bind(connection=name)
+    if user is not None:
+        opts.setdefault("inbox_prefix", inbox_prefix(user))  # the only inbox the server lets it read
+    watch = PermissionWatch()
 
     async def on_error(exc: Exception) -> None:
         # Permission violations and slow consumers arrive here, not at the publish call.
+        if watch.on_error(exc):
+            conn_log.warning("nats_permission_denied", error=str(exc), count=sum(watch.counts.values()))
+            return
         conn_log.error("nats_error", error=str(exc) or type(exc).__name__, error_type=type(exc).__name__)
 
     async def on_disconnected() -> None:
@@ -104,6 +115,7 @@ async def connect(
         conn_log.info("nats_closed")
 
     nc = Client()
+    PERMISSION_WATCHES[nc] = watch
     try:
         await asyncio.wait_for(
             nc.connect(
@@ -134,6 +146,33 @@ async def connect(
         ) from exc
     conn_log.info("nats_connected", server=server_address(nc), max_payload=nc.max_payload)
     return nc
+
+
+async def connect_service(config: BusConfig, name: str, **opts: Any) -> Client:
+    """`connect` with the url, credentials and TLS files of a service's config (BusConfig or a
+    subclass); opts go to `connect` and win over the config."""
+    settings = {"connect_timeout_s": config.connect_timeout_s, "user": config.nats_user,
+                "password": config.nats_password, "tls": tls_context(config.tls_ca, config.tls_cert, config.tls_key)}
+    return await connect(config.nats_url, name, **(settings | opts))
+
+
+def tls_context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext | None:
+    """A client TLS context from file paths, or None when neither is given. ca: the CA that
+    signed the server's certificate (default: the system's); cert + key: this client's own."""
+    if not ca and not cert:
+        return None
+    context = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        context.load_cert_chain(cert, key or None)
+    return context
+
+
+PERMISSION_WATCHES: weakref.WeakKeyDictionary[Client, PermissionWatch] = weakref.WeakKeyDictionary()
+
+
+def permission_watch(nc: Client) -> PermissionWatch:
+    """The connection's PermissionWatch (a fresh, never-fed one for a client not from `connect`)."""
+    return PERMISSION_WATCHES.setdefault(nc, PermissionWatch())
 
 
 def server_address(nc: Client) -> str | None:
@@ -193,7 +232,8 @@ async def request(
     check_payload_size(nc, subject, payload, headers)
     with bus_errors(subject):
         try:
-            return await nc.request(subject, payload, timeout=wait_s, headers=headers)
+            return await permission_watch(nc).guard(nc.request(subject, payload, timeout=wait_s, headers=headers),
+                                                    publish=[subject])
         except nats.errors.TimeoutError as exc:
             raise BusTimeout(f"no reply on {subject!r} within {wait_s:.3f} s") from exc
 
@@ -210,6 +250,23 @@ async def publish(
     check_payload_size(nc, subject, payload, headers)
     with bus_errors(subject):
         await nc.publish(subject, payload, reply=reply, headers=headers)
+
+
+async def respond(nc: Client, msg: Any, payload: bytes, counters: Counter) -> None:
+    """Answer msg (a nats Msg or micro Request) once. A payload over max_payload is replaced by
+    a `too_large` Error reply; a reply that cannot go out (no reply subject, connection gone) is
+    dropped; both are logged and counted in counters ("reply_too_large", "reply_failed")."""
+    try:
+        check_payload_size(nc, f"reply to {msg.subject}", payload, None)
+    except BusError as exc:
+        counters["reply_too_large"] += 1
+        log.warning("reply_too_large", subject=msg.subject, error=str(exc))
+        payload = error_reply(exc)
+    try:
+        await msg.respond(payload)
+    except (ValueError, nats.errors.Error) as exc:  # ValueError: the message had no reply subject
+        counters["reply_failed"] += 1
+        log.warning("reply_failed", subject=msg.subject, error=str(exc) or type(exc).__name__)
 
 
 @contextmanager

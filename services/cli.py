@@ -27,6 +27,7 @@ from schemas.config import ENV_PREFIX, REPO_MODELS, ROLES, BusConfig, load_confi
 from schemas.errors import SpecbusError
 from schemas.messages import GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk, new_request_id
 from schemas.subjects import DEFAULT_PREFIX
+from services.auth import users_from_env
 from services.client import Client
 from services.logs import LEVELS, configure_logging
 from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig, NatsServerError
@@ -53,12 +54,23 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=4222, help="client port; 0 picks a free one (default 4222)")
     parser.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="bytes per message")
     parser.add_argument("--jetstream-dir", default=None, help="enable JetStream, storing under this dir")
+    parser.add_argument("--auth", action="store_true",
+                        help="one user per role with subject permissions: users in SPECBUS_CLIENT_USERS, passwords "
+                             "in SPECBUS_<USER>_NATS_PASSWORD (python -m services.auth credentials makes them)")
 
 
 async def run_nats(args: argparse.Namespace) -> int:
     """Run an embedded nats-server until Ctrl-C."""
+    users = ()
+    if args.auth:
+        try:
+            users = tuple(users_from_env(prefix=os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX)))
+        except SpecbusError as exc:
+            print_error(exc)
+            return 2
     config = NatsServerConfig(
-        host=args.host, port=args.port, max_payload=args.max_payload, jetstream_store_dir=args.jetstream_dir
+        host=args.host, port=args.port, max_payload=args.max_payload, jetstream_store_dir=args.jetstream_dir,
+        users=users,
     )
     stop = shutdown_event()
     async with AsyncExitStack() as stack:
@@ -157,6 +169,8 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
     parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="no NATS users (default: one per role, random passwords written to the log dir)")
 
 
 def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
@@ -171,6 +185,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         log_dir=args.log_dir,
         log_level=args.log_level,
         ready_timeout_s=args.ready_timeout,
+        auth=not args.no_auth,
     )
 
 
@@ -206,6 +221,10 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
         return None
     counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES)
     print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
+    if stack.credentials:
+        print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
+              f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
+              f"in {stack.credentials_path})", flush=True)
     return stack
 
 
@@ -331,10 +350,7 @@ async def run_generate(args: argparse.Namespace) -> int:
         request = build_generate_request(args)
         # url, prefix, credentials and TLS files: flags, then the SPECBUS_* variables the services read
         bus = load_config(BusConfig, nats_url=args.url, prefix=args.prefix)
-        client = Client(bus.nats_url, prefix=bus.prefix, user=bus.nats_user, password=bus.nats_password,
-                        tls_ca=bus.tls_ca, tls_cert=bus.tls_cert, tls_key=bus.tls_key,
-                        connect_timeout_s=bus.connect_timeout_s)
-        async with client:
+        async with Client.from_config(bus) as client:
             if args.json:
                 result = await client.generate(request)
                 print(json.dumps(result.to_json()), flush=True)
@@ -424,7 +440,7 @@ async def run_demo(args: argparse.Namespace) -> int:
         stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
         if stack is None:
             return 1
-        client = await exit_stack.enter_async_context(Client(stack.url, prefix=stack.config.prefix))
+        client = await exit_stack.enter_async_context(stack.client())
         try:
             if not await until_stopped(generate_demo_runs(client, runs, args.timeout), stop):
                 return 1

@@ -13,7 +13,8 @@ duplicates dropped, and a final chunk that arrives with earlier seqs missing wai
 for them, then raises StreamBroken. Every wait is bounded: the whole request by timeout_s +
 timeout_margin_s, the gap between two chunks by idle_timeout_s (after the first one); a
 timeout raises StreamTimeout and sends a CancelRequest. An Error chunk raises RequestError
-(Overloaded when the scheduler refused the request for lack of room).
+(Overloaded when the scheduler refused the request for lack of room); a request or inbox the
+NATS server refuses this user raises RequestError with code `forbidden` at once.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import numpy as np
 import structlog
 
 from schemas.codec import decode, encode, validate
+from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.messages import (CancelRequest, Error, GenerateRequest, LogprobOptions, SamplingMask, SamplingParams,
                               SpeculativeOptions, StreamChunk, TokenLogprob, Usage, new_request_id)
 from schemas.subjects import DEFAULT_PREFIX, Subjects
-from services.bus import BusError, connect, publish
+from services.auth import PermissionDenied
+from services.bus import BusError, connect, permission_watch, publish, tls_context
 
 log = structlog.get_logger(__name__)
 
@@ -75,16 +78,6 @@ class StreamBroken(ClientError):
 
     def __init__(self, message: str):
         super().__init__(ErrorCode.internal, message)
-
-
-def tls_context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext | None:
-    """A client TLS context from file paths (ca: verify the server; cert+key: client certificate)."""
-    if ca is None and cert is None:
-        return None
-    context = ssl.create_default_context(cafile=ca)
-    if cert is not None:
-        context.load_cert_chain(cert, key)
-    return context
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +228,10 @@ class Stream:
         self.client = client
         self.request = request
         self.subscription = subscription
+        # What the server may refuse this stream: reported asynchronously (PermissionWatch), so
+        # refusals are counted from here on and watched while waiting for the first chunk.
+        self.publishes, self.subscribes = [client.subjects.generate], [subscription.subject]
+        self.refusals_at_open = self.num_refusals()
         self.deadline = time.monotonic() + request.timeout_s + client.timeout_margin_s
         self.next_seq = 0
         self.buffered: dict[int, StreamChunk] = {}
@@ -274,9 +271,12 @@ class Stream:
         try:
             if waits[bound] <= 0:
                 raise nats.errors.TimeoutError
-            msg = await self.subscription.next_msg(timeout=waits[bound])
+            msg = await self._next_msg(waits[bound])
         except nats.errors.TimeoutError:
             raise await self._timeout_error(bound) from None
+        except PermissionDenied as exc:
+            self.finished = True
+            raise RequestError(ErrorCode.forbidden, exc.message, request_id=self.request.request_id) from None
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
             self.finished = True
             raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.subjects.generate!r}",
@@ -288,6 +288,25 @@ class Stream:
             log.warning("bad_chunk_ignored", request_id=self.request.request_id, error=str(exc))
             return
         self._buffer(chunk)
+
+    async def _next_msg(self, timeout_s: float) -> Any:
+        """The next message; until the first chunk, PermissionDenied as soon as the server
+        refuses the request's publish or the inbox subscription (else the wait would end only
+        at the timeout). Once a chunk came, both went through."""
+        if self.last_chunk_at is not None:
+            return await self.subscription.next_msg(timeout=timeout_s)
+        watch = permission_watch(self.client.nc)
+        if self.num_refusals() > self.refusals_at_open:
+            raise PermissionDenied(f"the server refused this connection a publish to {self.publishes[0]!r} or "
+                                   f"the subscription to its inbox {self.subscribes[0]!r}")
+        return await watch.guard(self.subscription.next_msg(timeout=timeout_s), publish=self.publishes,
+                                 subscribe=self.subscribes)
+
+    def num_refusals(self) -> int:
+        """Refusals the server reported so far for this stream's subjects (on this connection)."""
+        counts = permission_watch(self.client.nc).counts
+        return sum(counts[("publish", s.lower())] for s in self.publishes) + \
+            sum(counts[("subscribe", s.lower())] for s in self.subscribes)
 
     def _buffer(self, chunk: StreamChunk) -> None:
         if chunk.request_id != self.request.request_id or (self.final_seq is not None and chunk.seq > self.final_seq):
@@ -367,6 +386,14 @@ class Client:
         self.idle_timeout_s = idle_timeout_s
         self.gap_grace_s = gap_grace_s
         self.nc = None
+
+    @classmethod
+    def from_config(cls, config: BusConfig, **options: Any) -> Client:
+        """A client for the deployment a BusConfig names (url, prefix, user, password, TLS
+        files, connect timeout: what `load_config(BusConfig)` reads from SPECBUS_* variables)."""
+        return cls(config.nats_url, prefix=config.prefix, user=config.nats_user, password=config.nats_password,
+                   tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key,
+                   connect_timeout_s=config.connect_timeout_s, **options)
 
     async def __aenter__(self) -> Client:
         self.nc = await connect(self.url, self.name, connect_timeout_s=self.connect_timeout_s,

@@ -27,42 +27,37 @@ section 1). The logic is NATS-free and testable alone: `load_drafter(config) -> 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import ssl
 import time
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
-import nats.errors
 import structlog
 import torch
 
-from gpu_worker.checkpoint import load_d2t, load_model, model_id
+from gpu_worker.checkpoint import load_d2t, model_id
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model, forward
-from gpu_worker.sampling import STREAM_DRAFT, SamplingTensors, make_uniforms, sample
+from gpu_worker.sampling import STREAM_DRAFT, SamplingTensors, make_uniforms, request_seed, sample
+from gpu_worker.slots import (evict_idle, evict_idle_loop, free_request, instance_heartbeat, load_model_and_cache,
+                              release)
 from gpu_worker.tokenizer import tokenizer_id
 from schemas.codec import decode, encode, error_reply
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat, Proposal
 from schemas.subjects import Subjects
-from services.bus import (BoundedHandler, BusError, Endpoint, add_micro_service, check_payload_size, connect,
-                          heartbeat_loop)
+from services.bus import BoundedHandler, Endpoint, add_micro_service, connect_service, heartbeat_loop, respond
 from services.logs import log_context
 
 log = structlog.get_logger(__name__)
 
 SERVICE_VERSION = "0.1.0"
-# DrafterConfig has no prefill_chunk (the verifier's has); this is the drafter's until it does.
-DEFAULT_PREFILL_CHUNK = 512
 # A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
 # (a resync prefill) go through their own forwards so decode rows are not padded to their length.
 SHORT_FEED = 32
 MAX_CONCURRENT_MESSAGES = 4  # decoding and error replies overlap; the model runs one batch at a time
 MAX_PENDING_MESSAGES = 64
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -93,8 +88,8 @@ class Drafter:
     t2d: torch.Tensor
     other_id: int | None
     model_ids: dict[str, str]
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    slot_idle_ttl_s: float = 300.0
+    prefill_chunk: int
+    slot_idle_ttl_s: float
     requests: dict[str, SlotState] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
@@ -118,14 +113,10 @@ class RowWork:
 
 def load_drafter(config: DrafterConfig) -> Drafter:
     """Load the draft model, its d2t map (identity when the directory has none) and a KV cache."""
-    if config.dtype not in DTYPES:
-        raise SpecbusError(ErrorCode.invalid_field, f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}", "dtype")
-    dtype = DTYPES[config.dtype]
-    model, model_config = load_model(config.draft_model, config.device, dtype, config.max_seq_len)
-    cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype)
+    model, cache = load_model_and_cache(config.draft_model, config)
     maps = load_d2t(config.draft_model)
     if maps is None:
-        d2t = t2d = torch.arange(model_config.vocab_size)
+        d2t = t2d = torch.arange(model.config.vocab_size)
         other_id = None
     else:
         d2t, t2d, other_id = maps.d2t, maps.t2d, maps.other_id
@@ -135,39 +126,11 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         "target_vocab_size": str(t2d.numel()),
     }
     return Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d, other_id=other_id,
-                   model_ids=model_ids, prefill_chunk=getattr(config, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
-                   slot_idle_ttl_s=config.slot_idle_ttl_s)
+                   model_ids=model_ids, prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
 
 
 # ---------------------------------------------------------------------------------------------
 # slots
-
-
-def free_request(drafter: Drafter, request_id: str, reason: str) -> bool:
-    """Free request_id's slot if it has one; counts `reason`. True when a slot was freed."""
-    state = drafter.requests.pop(request_id, None)
-    if state is None:
-        return False
-    drafter.cache.free(state.slot)
-    drafter.counters[reason] += 1
-    return True
-
-
-def release(drafter: Drafter, request_ids: list[str]) -> None:
-    for request_id in request_ids:
-        if not free_request(drafter, request_id, "released"):
-            drafter.counters["release_unknown"] += 1  # already evicted, or never drafted for
-
-
-def evict_idle(drafter: Drafter, now: float | None = None) -> int:
-    """Free slots untouched for slot_idle_ttl_s (their scheduler is gone); returns how many."""
-    now = time.monotonic() if now is None else now
-    stale = [rid for rid, state in drafter.requests.items() if now - state.last_used > drafter.slot_idle_ttl_s]
-    for request_id in stale:
-        free_request(drafter, request_id, "evicted_idle")
-    if stale:
-        log.info("idle_slots_freed", count=len(stale), free_slots=drafter.cache.num_free)
-    return len(stale)
 
 
 def allocate(drafter: Drafter, request_id: str, batch_ids: set[str], now: float) -> SlotState | None:
@@ -197,14 +160,6 @@ def check_token_ids(drafter: Drafter, request: DraftRequest) -> None:
             raise SpecbusError(ErrorCode.invalid_field,
                                f"token id {int(row.new_token_ids.max())} is outside the target vocabulary "
                                f"[0, {drafter.target_vocab_size})", f"rows[{index}].new_token_ids")
-
-
-def row_seed(row: DraftRow) -> int:
-    """The row's seed; a sampled row without one (the scheduler normally fills it) gets a
-    stable one from its request id, so its drafts still do not depend on batching."""
-    if row.sampling.seed is not None:
-        return row.sampling.seed
-    return int.from_bytes(hashlib.sha256(row.request_id.encode()).digest()[:8], "little") >> 1
 
 
 def common_prefix(a: list[int], b: list[int], start: int) -> int:
@@ -314,7 +269,8 @@ def propose(drafter: Drafter, works: list[RowWork], first_logits: torch.Tensor):
             top_k=[work.row.sampling.top_k for work in works],
             top_p=[work.row.sampling.top_p for work in works],
             min_p=[work.row.sampling.min_p for work in works])
-        seeds = torch.tensor([row_seed(work.row) for work in works], dtype=torch.int64)
+        seeds = torch.tensor([request_seed(work.row.sampling.seed, work.row.request_id) for work in works],
+                             dtype=torch.int64)
         starts = torch.tensor([work.start for work in works], dtype=torch.int64)
         # draft j of a row lands at absolute position start + j
         uniforms = make_uniforms(seeds, starts.view(B, 1) + torch.arange(K), STREAM_DRAFT)  # (B, K)
@@ -419,34 +375,7 @@ def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = Non
 
 
 def heartbeat(drafter: Drafter, interval_s: float) -> Heartbeat:
-    return Heartbeat(instance_id=drafter.instance_id, role="drafter", capacity=drafter.cache.max_slots,
-                     load=len(drafter.requests),
-                     free_slots=drafter.cache.num_free, model_ids=drafter.model_ids, sent_at=time.time(),
-                     interval_s=interval_s)
-
-
-def tls_context(config: DrafterConfig) -> ssl.SSLContext | None:
-    if not (config.tls_ca or config.tls_cert):
-        return None
-    context = ssl.create_default_context(cafile=config.tls_ca)
-    if config.tls_cert:
-        context.load_cert_chain(config.tls_cert, config.tls_key)
-    return context
-
-
-async def respond(drafter: Drafter, nc, msg, payload: bytes) -> None:
-    """Reply to msg (a micro Request); a reply that cannot go out is logged and counted."""
-    try:
-        check_payload_size(nc, "draft reply", payload, None)
-    except BusError as exc:
-        drafter.counters["reply_too_large"] += 1
-        log.warning("draft_reply_too_large", error=str(exc))
-        payload = error_reply(exc)
-    try:
-        await msg.respond(payload)
-    except (ValueError, nats.errors.Error) as exc:  # ValueError: the message had no reply subject
-        drafter.counters["reply_failed"] += 1
-        log.warning("draft_reply_failed", error=str(exc) or type(exc).__name__)
+    return instance_heartbeat(drafter, "drafter", interval_s)
 
 
 async def handle_draft(drafter: Drafter, nc, lock: asyncio.Lock, msg) -> None:
@@ -456,7 +385,7 @@ async def handle_draft(drafter: Drafter, nc, lock: asyncio.Lock, msg) -> None:
     except SpecbusError as exc:
         drafter.counters["bad_messages"] += 1
         log.warning("bad_draft_request", code=exc.code.value, field=exc.field, error=exc.message)
-        await respond(drafter, nc, msg, error_reply(exc))
+        await respond(nc, msg, error_reply(exc), drafter.counters)
         return
     with log_context(batch_id=request.batch_id, scheduler_id=request.scheduler_id):
         async with lock:
@@ -464,33 +393,24 @@ async def handle_draft(drafter: Drafter, nc, lock: asyncio.Lock, msg) -> None:
             if late_s >= 0:
                 drafter.counters["expired"] += 1
                 log.warning("draft_request_expired", late_s=round(late_s, 4))
-                await respond(drafter, nc, msg, error_reply(ErrorCode.timeout, f"deadline passed {late_s:.3f} s ago",
-                                                            "deadline"))
+                expired = error_reply(ErrorCode.timeout, f"deadline passed {late_s:.3f} s ago", "deadline")
+                await respond(nc, msg, expired, drafter.counters)
                 return
             try:
                 response = await asyncio.to_thread(draft_batch, drafter, request)
             except SpecbusError as exc:
                 drafter.counters["bad_messages"] += 1
                 log.warning("bad_draft_request", code=exc.code.value, field=exc.field, error=exc.message)
-                await respond(drafter, nc, msg, error_reply(exc))
+                await respond(nc, msg, error_reply(exc), drafter.counters)
                 return
             except Exception as exc:
                 drafter.counters["failed_batches"] += 1
                 log.exception("draft_batch_failed")
-                await respond(drafter, nc, msg, error_reply(exc))
+                await respond(nc, msg, error_reply(exc), drafter.counters)
                 return
         if time.time() > request.deadline:
             drafter.counters["late_replies"] += 1  # sent anyway: the scheduler may still use it
-        await respond(drafter, nc, msg, encode(response))
-
-
-async def evict_idle_loop(drafter: Drafter, lock: asyncio.Lock) -> None:
-    """Free idle slots while no batches arrive, so heartbeats show the capacity back."""
-    interval_s = min(max(drafter.slot_idle_ttl_s / 4, 0.05), 10.0)
-    while True:
-        await asyncio.sleep(interval_s)
-        async with lock:
-            evict_idle(drafter)
+        await respond(nc, msg, encode(response), drafter.counters)
 
 
 async def cancel_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> None:
@@ -511,9 +431,7 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
     log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
              max_slots=config.max_slots, **drafter.model_ids)
     async with AsyncExitStack() as stack:
-        nc = await connect(config.nats_url, f"drafter-{config.instance_id}",
-                           connect_timeout_s=config.connect_timeout_s, user=config.nats_user,
-                           password=config.nats_password, tls=tls_context(config))
+        nc = await connect_service(config, f"drafter-{config.instance_id}")
         stack.push_async_callback(nc.drain)
 
         async def handle(msg) -> None:
@@ -521,7 +439,8 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
 
         async def refuse(msg) -> None:
             drafter.counters["overloaded"] += 1
-            await respond(drafter, nc, msg, error_reply(ErrorCode.overloaded, "drafter has too many batches queued"))
+            await respond(nc, msg, error_reply(ErrorCode.overloaded, "drafter has too many batches queued"),
+                          drafter.counters)
 
         handler = BoundedHandler(handle, name="draft", max_concurrency=MAX_CONCURRENT_MESSAGES,
                                  max_pending=MAX_PENDING_MESSAGES, on_overload=refuse)

@@ -26,8 +26,9 @@ from schemas.config import PostprocessorConfig
 from schemas.errors import CodecError, ErrorCode
 from schemas.messages import Commit, Error, Heartbeat, SideChannelRecord, StreamChunk
 from schemas.subjects import Subjects
-from services.bus import BusError, BusPayloadTooLarge, Endpoint, add_micro_service, connect, heartbeat_loop, publish
-from services.client import NO_RESPONDERS_STATUS, tls_context
+from services.bus import (BusError, BusPayloadTooLarge, Endpoint, add_micro_service, connect_service, heartbeat_loop,
+                          publish)
+from services.client import NO_RESPONDERS_STATUS
 from services.postprocessing import NoticeOut, Out, Postprocessor
 
 log = structlog.get_logger(__name__)
@@ -186,9 +187,7 @@ async def run_postprocessor(config: PostprocessorConfig, stop: asyncio.Event) ->
     post = Postprocessor(tokenizer, config.instance_id, side_channel_timeout_s=config.side_channel_timeout_s,
                          max_requests=config.max_requests)
     async with AsyncExitStack() as stack:
-        nc = await connect(config.nats_url, config.instance_id, connect_timeout_s=config.connect_timeout_s,
-                           user=config.nats_user, password=config.nats_password,
-                           tls=tls_context(config.tls_ca, config.tls_cert, config.tls_key))
+        nc = await connect_service(config, config.instance_id)
         stack.push_async_callback(nc.drain)
         await stack.enter_async_context(PostprocessorService(nc, post, config, model_ids))
         await stop.wait()

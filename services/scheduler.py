@@ -15,7 +15,6 @@ postprocessor) so no client waits for a scheduler that is gone.
 """
 
 import asyncio
-import ssl
 import time
 
 import msgpack
@@ -30,7 +29,8 @@ from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (CancelRequest, DraftRequest, DraftResponse, Error, GenerateRequest, Heartbeat,
                               RequestId, StopNotice, StreamChunk, VerifyRequest, VerifyResponse, check_limits)
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
-from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint, add_micro_service, connect,
+from services.auth import INBOX_ROOT
+from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint, add_micro_service, connect_service,
                           heartbeat_loop, publish, request, serve)
 from services.logs import log_context
 from services.scheduling import Outbox, SchedulerState, StepPlan, prompt_token_ids
@@ -52,15 +52,6 @@ def request_id_of(data: bytes) -> str | None:
         return TypeAdapter(RequestId).validate_python(raw.get("request_id"))
     except (ValueError, AttributeError, ValidationError):
         return None
-
-
-def tls_context(config: SchedulerConfig) -> ssl.SSLContext | None:
-    if config.tls_ca is None and config.tls_cert is None:
-        return None
-    context = ssl.create_default_context(cafile=config.tls_ca)
-    if config.tls_cert is not None:
-        context.load_cert_chain(config.tls_cert, config.tls_key)
-    return context
 
 
 class Scheduler:
@@ -137,6 +128,12 @@ class Scheduler:
         if not msg.reply:
             self.state.counters["dropped_generate_no_reply"] += 1
             log.warning("generate_without_reply_subject", dropped=self.state.counters["dropped_generate_no_reply"])
+            return
+        if not msg.reply.startswith(INBOX_ROOT + "."):
+            # Only inboxes: a reply subject such as `<p>.verify.x` would aim our answers at a service.
+            self.state.counters["refused_generate_reply_not_inbox"] += 1
+            log.warning("generate_reply_not_an_inbox", reply=msg.reply[:200],
+                        refused=self.state.counters["refused_generate_reply_not_inbox"])
             return
         request_id = None
         try:
@@ -299,8 +296,7 @@ async def run_scheduler(config: SchedulerConfig, stop: asyncio.Event) -> None:
     """Serve until `stop` is set, then drain (module docstring)."""
     tokenizer = load_tokenizer(config.tokenizer)
     state = SchedulerState(config, tokenizer, tokenizer_id(config.tokenizer))
-    nc = await connect(config.nats_url, config.instance_id, connect_timeout_s=config.connect_timeout_s,
-                       user=config.nats_user, password=config.nats_password, tls=tls_context(config))
+    nc = await connect_service(config, config.instance_id)
     scheduler = Scheduler(config, nc, state)
     try:
         await scheduler.start()

@@ -6,10 +6,17 @@
         await stack.start_instance("drafter")  # a fresh drafter-1, back once it heartbeats
 
 Each service runs as `python -m services.cli serve <role> --instance-id <role>-<n> ...` (the
-same command a container runs), with its stdout/stderr in a log file under `log_dir`. Start-up
-waits until every instance has published a heartbeat on `<prefix>.heartbeat`; a process that
-exits first, or an instance still silent after ready_timeout_s, fails the start with the tail
-of that process's log. Stopping sends SIGTERM to every process, waits stop_timeout_s, then
+same command a container runs), with its stdout/stderr in a log file under `log_dir`.
+
+NATS auth is on by default (services/auth.py): fresh random passwords per start, one user per
+role with its subject permissions, each process given only its own role's login
+(SPECBUS_NATS_USER/_PASSWORD), the stack's heartbeat watcher connected as "monitor", and the
+clients' logins from `client_login()` / `client()`. `log_dir/credentials.env` (mode 0600) holds
+every password, `log_dir/client.env` the first client user's login as `specbus generate` reads it.
+
+Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat`; a
+process that exits first, or an instance still silent after ready_timeout_s, fails the start
+with the tail of that process's log. Stopping sends SIGTERM to every process, waits stop_timeout_s, then
 SIGKILLs the rest; the server stops last.
 """
 
@@ -31,11 +38,14 @@ import structlog
 from nats.aio.client import Client
 
 from schemas.codec import decode
-from schemas.config import ROLES as CONFIGS
+from schemas.config import ENV_PREFIX, ROLES as CONFIGS
 from schemas.errors import SpecbusError
 from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
+from services.auth import (CLIENT, MONITOR, check_user_names, env_file_text, generate_credentials, password_env,
+                           users_from_env, write_secret)
 from services.bus import connect
+from services.client import Client as SpecbusClient
 from services.natsserver import STDERR_TAIL_CHARS, NatsServer, NatsServerConfig
 
 log = structlog.get_logger(__name__)
@@ -45,6 +55,8 @@ ROLES = tuple(CONFIGS)  # scheduler, verifier, drafter, postprocessor
 # Set for every service: `specbus serve` stops by itself once that process is gone (a stack
 # killed with SIGKILL cannot stop its children).
 PARENT_PID_ENV = "SPECBUS_PARENT_PID"
+CREDENTIALS_FILE = "credentials.env"
+CLIENT_ENV_FILE = "client.env"
 
 
 class StackError(RuntimeError):
@@ -56,8 +68,10 @@ class StackConfig:
     """What to run. counts: instances per role. target_model/draft_model None: the services'
     defaults (the shipped pair, or SPECBUS_TARGET_MODEL / SPECBUS_DRAFT_MODEL).
     role_args: extra `serve <role>` flags, e.g. {"scheduler": ["--max-queue", "4"]}.
-    role_env: extra environment per role (credentials: SPECBUS_NATS_USER/_PASSWORD).
-    nats_user/nats_password: the stack's own connection (it watches heartbeats)."""
+    role_env: extra environment per role (it wins over the stack's own).
+    auth: generate users and passwords for every role and for client_users (module docstring).
+    auth=False: no users but those in nats.users, with nats_user/nats_password for the stack's
+    own connection (it watches heartbeats) and the services' logins in role_env."""
 
     schedulers: int = 1
     verifiers: int = 1
@@ -69,6 +83,8 @@ class StackConfig:
     nats: NatsServerConfig = field(default_factory=NatsServerConfig)
     role_args: dict[str, list[str]] = field(default_factory=dict)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    auth: bool = True
+    client_users: tuple[str, ...] = (CLIENT,)
     nats_user: str | None = None
     nats_password: str | None = None
     log_dir: str | Path | None = None  # None: a temporary dir, removed on stop
@@ -83,6 +99,12 @@ class StackConfig:
         unknown = (set(self.role_args) | set(self.role_env)) - set(ROLES)
         if unknown:
             raise ValueError(f"role_args/role_env: unknown role {sorted(unknown)[0]!r}, expected one of {ROLES}")
+        if self.auth and (self.nats.users or self.nats_user is not None):
+            raise ValueError("nats.users/nats_user: auth=True makes its own users; set auth=False to bring yours")
+        if self.auth and not self.client_users:
+            raise ValueError("client_users: auth=True needs at least one client user")
+        if self.auth:
+            check_user_names(self.client_users)
 
     def count(self, role: str) -> int:
         return getattr(self, f"{role}s")
@@ -134,6 +156,34 @@ class Stack:
     next_index: dict[str, int] = field(default_factory=dict, init=False)
     exit_stack: AsyncExitStack = field(default_factory=AsyncExitStack, init=False, repr=False)
     owns_log_dir: bool = field(default=False, init=False)
+    credentials: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # as users_from_env reads
+
+    @property
+    def credentials_path(self) -> Path | None:
+        """Every user's password as KEY=value lines (None without auth)."""
+        return self.log_dir / CREDENTIALS_FILE if self.credentials and self.log_dir else None
+
+    @property
+    def client_env_path(self) -> Path | None:
+        """The first client user's SPECBUS_NATS_USER/_PASSWORD (None without auth)."""
+        return self.log_dir / CLIENT_ENV_FILE if self.credentials and self.log_dir else None
+
+    def login(self, user: str) -> dict[str, str]:
+        """{"user", "password"} of a user of this stack (a role or a client user); {} without auth."""
+        if not self.credentials:
+            return {}
+        variable = password_env(user)
+        if variable not in self.credentials:
+            raise KeyError(f"user: no user {user!r} in this stack; client users: {list(self.config.client_users)}")
+        return {"user": user, "password": self.credentials[variable]}
+
+    def client_login(self, user: str | None = None) -> dict[str, str]:
+        """A client user's login (default: the first client user) as Client(...) keywords."""
+        return self.login(user or self.config.client_users[0])
+
+    def client(self, user: str | None = None, **options) -> SpecbusClient:
+        """A Client for this stack (url, prefix, a client user's login); `async with` it."""
+        return SpecbusClient(self.url, prefix=self.config.prefix, **self.client_login(user), **options)
 
     @property
     def url(self) -> str:
@@ -158,9 +208,9 @@ class Stack:
         """The nats-server and the stack's heartbeat watcher; returns the url."""
         try:
             self.prepare_log_dir()
-            self.server = await self.exit_stack.enter_async_context(NatsServer(self.config.nats))
-            self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0,
-                                    user=self.config.nats_user, password=self.config.nats_password)
+            self.server = await self.exit_stack.enter_async_context(NatsServer(self.nats_config()))
+            own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
+            self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0, **own)
             self.exit_stack.push_async_callback(self.nc.close)
             await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         except BaseException:
@@ -176,6 +226,20 @@ class Stack:
         except BaseException:
             await self.stop()
             raise
+
+    def nats_config(self) -> NatsServerConfig:
+        """The server's config: with auth, fresh credentials for every user (also written to
+        credentials.env and client.env in the log dir, owner-only)."""
+        if not self.config.auth:
+            return self.config.nats
+        assert self.log_dir is not None
+        self.credentials = generate_credentials(self.config.client_users)
+        write_secret(self.log_dir / CREDENTIALS_FILE, env_file_text(self.credentials))
+        client = self.client_login()
+        write_secret(self.log_dir / CLIENT_ENV_FILE, env_file_text(
+            {ENV_PREFIX + "NATS_USER": client["user"], ENV_PREFIX + "NATS_PASSWORD": client["password"]}))
+        users = users_from_env(self.credentials, self.config.prefix)
+        return dataclasses.replace(self.config.nats, users=tuple(users))
 
     def prepare_log_dir(self) -> None:
         if self.config.log_dir is None:
@@ -208,7 +272,8 @@ class Stack:
             raise StackError(f"{instance_id} is already running (pid {known.process.pid})")
         assert self.log_dir is not None
         log_path = self.log_dir / f"{instance_id}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()),
+        login = {f"{ENV_PREFIX}NATS_{key.upper()}": value for key, value in self.login(role).items()}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **login,
                **self.config.role_env.get(role, {})}
         argv = serve_command(role, instance_id, self.url, self.config)
         with log_path.open("ab") as log_file:

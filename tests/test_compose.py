@@ -3,13 +3,16 @@ CLI parser accepts, its settings are real config fields, and it runs the roles t
 stack runs."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from schemas.config import ENV_PREFIX, ROLES as CONFIGS
+from services.auth import password_env
 from services.cli import build_parser
+from services.natsserver import DEFAULT_MAX_PAYLOAD
 from services.stack import ROLES, StackConfig, serve_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,18 +72,36 @@ def test_services_wait_for_a_healthy_nats_and_are_configured_by_env(services):
         fields = {f.name for f in dataclasses.fields(CONFIGS[name])}
         for key in set(env) - NOT_CONFIG_ENV:
             assert key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in fields, f"{name}: {key}"
-        # Credentials only from the host's environment; nothing baked in.
-        assert env["SPECBUS_NATS_PASSWORD"].startswith("${") and env["SPECBUS_NATS_PASSWORD"].endswith(":-}"), name
+        # Each role logs in as its own user, with a password only from the host's environment
+        # or .env: `:?` stops compose when it is unset or empty, so none is ever blank.
+        assert env["SPECBUS_NATS_USER"] == name
+        assert env["SPECBUS_NATS_PASSWORD"].startswith(f"${{{password_env(name)}:?"), name
 
 
 def test_nats_is_the_official_image_with_a_healthz_healthcheck(services):
     nats = services["nats"]
     assert nats["image"].split(":")[0] == "nats"
     assert any("/healthz" in part and ":8222" in part for part in nats["healthcheck"]["test"])
-    conf_host_path = nats["volumes"][0].split(":")[0]
+    conf_host_path, conf_container_path, _ = nats["volumes"][0].split(":")
+    assert conf_host_path == "./ops/nats/nats-server.conf"  # the config services/auth.py renders
     conf = (REPO / conf_host_path).read_text()
-    assert "http_port: 8222" in conf and "max_payload: 8MB" in conf
-    assert nats["command"][-1] == nats["volumes"][0].split(":")[1]
+    assert "http_port: 8222" in conf and f"max_payload: {DEFAULT_MAX_PAYLOAD}" in conf
+    assert nats["command"][-1] == conf_container_path
+
+
+def test_nats_gets_every_password_its_config_refers_to_and_no_default(services):
+    conf = (REPO / "ops/nats/nats-server.conf").read_text()
+    referenced = set(re.findall(r"password: \$(SPECBUS_\w+_NATS_PASSWORD)", conf))
+    assert referenced == {password_env(user) for user in (*ROLES, "monitor", "client")}
+    env = services["nats"]["environment"]
+    assert set(env) == referenced
+    for variable, value in env.items():
+        assert value.startswith(f"${{{variable}:?"), variable
+
+
+def test_the_password_file_stays_out_of_git_and_of_the_image():
+    for ignore in (".gitignore", ".dockerignore"):
+        assert ".env" in (REPO / ignore).read_text().split("\n"), ignore
 
 
 def test_verifier_reserves_a_gpu_that_the_cpu_override_switches_off(services):

@@ -88,7 +88,7 @@ async def stack(models, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(stack):
-    async with Client(stack.url, prefix=stack.config.prefix) as connected:
+    async with stack.client() as connected:
         yield connected
 
 
@@ -193,7 +193,7 @@ async def test_a_request_over_the_schedulers_cap_is_refused_naming_the_field(cli
 async def test_a_malformed_request_gets_an_error_chunk_naming_the_field(stack, prompts):
     raw = GenerateRequest(request_id="bad-top-p", prompt_token_ids=prompts[0]).model_dump()
     raw["sampling"]["top_p"] = 2.0  # what a client without validation could send
-    nc = await connect(stack.url, "pytest-raw")
+    nc = await connect(stack.url, "pytest-raw", **stack.client_login())
     try:
         inbox = nc.new_inbox()
         subscription = await nc.subscribe(inbox)
@@ -211,7 +211,9 @@ async def test_cli_generate_prints_the_result_json_and_streams_text(stack, clien
     ids = ",".join(map(str, prompts[2]))
     common = ["generate", "--url", stack.url, "--prompt-ids", ids, "--max-tokens", str(MAX_TOKENS),
               "--temperature", "0", "--ignore-eos", "-k", "4"]
-    done = await run_cli(*common, "--logprobs", "1", "--json")
+    login = stack.client_login()
+    env = {**os.environ, "SPECBUS_NATS_USER": login["user"], "SPECBUS_NATS_PASSWORD": login["password"]}
+    done = await run_cli(*common, "--logprobs", "1", "--json", env=env)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     for key in ("text", "token_ids", "prompt_token_ids", "logprobs", "prompt_logprobs", "sampling_masks",
@@ -222,16 +224,17 @@ async def test_cli_generate_prints_the_result_json_and_streams_text(stack, clien
     assert [entry["token_id"] for entry in result["logprobs"]] == expected.token_ids
     assert result["usage"]["completion_tokens"] == MAX_TOKENS
 
-    streamed = await run_cli(*common, "--color", "always")
+    streamed = await run_cli(*common, "--color", "always", env=env)
     assert streamed.returncode == 0, streamed.stderr
     plain = streamed.stdout.replace("\x1b[32m", "").replace("\x1b[0m", "")
     assert plain == expected.text + "\n"
     assert ("\x1b[32m" in streamed.stdout) == any(expected.from_draft[:-1])
 
 
-async def run_cli(*args, timeout_s=120):
+async def run_cli(*args, timeout_s=120, env=None):
     """The CLI in a subprocess, without blocking the event loop the stack's watcher runs on."""
-    return await asyncio.to_thread(subprocess.run, specbus(*args), capture_output=True, text=True, timeout=timeout_s)
+    return await asyncio.to_thread(subprocess.run, specbus(*args), capture_output=True, text=True, timeout=timeout_s,
+                                   env=env)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +252,7 @@ async def fault_stack(models, tmp_path_factory):
     service_env = {"SPECBUS_NATS_USER": "service", "SPECBUS_NATS_PASSWORD": password}
     config = StackConfig(
         target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("fault-logs"),
-        nats=NatsServerConfig(users=users), nats_user="service", nats_password=password,
+        auth=False, nats=NatsServerConfig(users=users), nats_user="service", nats_password=password,
         role_env={"scheduler": service_env, "drafter": service_env, "postprocessor": service_env,
                   "verifier": {"SPECBUS_NATS_USER": "verifier", "SPECBUS_NATS_PASSWORD": password}},
         role_args={"scheduler": ["--max-running", "2", "--max-queue", "2"],
@@ -328,7 +331,9 @@ async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, 
         assert url.startswith("nats://127.0.0.1:")
         ready = (await asyncio.wait_for(process.stdout.readline(), timeout=120)).decode()
         assert ready.startswith("ready: 1 scheduler, 1 verifier, 1 drafter, 1 postprocessor on " + url)
-        async with Client(url) as client:
+        credentials = (await asyncio.wait_for(process.stdout.readline(), timeout=10)).decode()
+        login = dict(line.split("=", 1) for line in Path(credentials.split()[1]).read_text().splitlines())
+        async with Client(url, user=login["SPECBUS_NATS_USER"], password=login["SPECBUS_NATS_PASSWORD"]) as client:
             result = await client.generate(greedy(prompts[0], k=4))
         assert len(result.token_ids) == MAX_TOKENS
         process.send_signal(signal.SIGINT)
@@ -338,7 +343,9 @@ async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, 
             process.kill()
             await process.wait()
     logs = sorted(tmp_path.iterdir())
-    assert [path.name for path in logs] == ["drafter-0.log", "postprocessor-0.log", "scheduler-0.log", "verifier-0.log"]
+    assert [path.name for path in logs] == ["client.env", "credentials.env", "drafter-0.log", "postprocessor-0.log",
+                                            "scheduler-0.log", "verifier-0.log"]
+    logs = [path for path in logs if path.suffix == ".log"]
     for path in logs:  # each stopped on SIGTERM by itself, none was SIGKILLed
         assert "serve_stopped" in path.read_text(), path.name
 

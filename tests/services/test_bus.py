@@ -4,12 +4,16 @@ registration, heartbeats and the instance registry."""
 import asyncio
 import json
 import time
+from collections import Counter
 
 import pytest
 from structlog.testing import capture_logs
 
-from schemas.codec import decode, encode
-from schemas.messages import Heartbeat
+from schemas.codec import decode, decode_any, encode
+from schemas.config import BusConfig
+from schemas.errors import ErrorCode
+from schemas.messages import Error, Heartbeat
+from services.auth import PermissionDenied, generate_credentials, password_env, users_from_env
 from services.bus import (
     BusDeadlineExpired,
     BusError,
@@ -21,12 +25,17 @@ from services.bus import (
     InstanceRegistry,
     add_micro_service,
     connect,
+    connect_service,
     heartbeat_loop,
+    permission_watch,
     publish,
     request,
+    respond,
     serve,
+    tls_context,
 )
-from services.natsserver import NatsServer
+from services.natsserver import NatsServer, NatsServerConfig
+from tests.services.test_natsserver import self_signed_cert
 
 
 async def collect(nc, subject):
@@ -294,3 +303,50 @@ async def test_closed_connection_is_unavailable(nats_server):
         await publish(client, "svc.any", b"x")
     with pytest.raises(BusUnavailable, match="ConnectionClosedError"):
         await request(client, "svc.any", b"x", timeout_s=1)
+
+
+async def test_respond_replaces_an_oversized_reply_and_counts_what_cannot_go_out(nc):
+    counters = Counter()
+
+    async def answer(msg):
+        await respond(nc, msg, b"x" * (nc.max_payload + 1), counters)
+
+    await nc.subscribe("svc.big", cb=answer)
+    reply = decode_any((await request(nc, "svc.big", b"q", timeout_s=5.0)).data)
+    assert isinstance(reply, Error) and reply.code == ErrorCode.too_large
+    done = asyncio.Event()
+
+    async def answer_unanswerable(msg):
+        await respond(nc, msg, b"ok", counters)
+        done.set()
+
+    await nc.subscribe("svc.fire-and-forget", cb=answer_unanswerable)
+    await nc.publish("svc.fire-and-forget", b"no reply subject")
+    await asyncio.wait_for(done.wait(), timeout=5)
+    assert counters == {"reply_too_large": 1, "reply_failed": 1}
+
+
+def test_no_tls_files_means_no_tls():
+    assert tls_context() is None and tls_context(None, "", None) is None
+
+
+async def test_connect_service_logs_in_as_the_configs_user_over_tls(tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    credentials = generate_credentials(["client"])
+    users = tuple(users_from_env(credentials))
+    async with NatsServer(NatsServerConfig(users=users, tls_cert=cert, tls_key=key)) as server:
+        config = BusConfig(nats_url=server.url, nats_user="drafter", nats_password=credentials[password_env("drafter")],
+                           tls_ca=str(cert), connect_timeout_s=2.0)
+        nc = await connect_service(config, "pytest-drafter", initial_connect_timeout_s=5.0)
+        try:
+            assert nc.new_inbox().startswith("_INBOX.drafter.")  # the only inbox its user may read
+            started = time.monotonic()
+            with pytest.raises(PermissionDenied, match="publish to 'specbus.verify.v0'"):
+                await request(nc, "specbus.verify.v0", b"x", timeout_s=30.0)
+            assert time.monotonic() - started < 2.0  # refused at once, not timed out
+            assert permission_watch(nc).counts == {("publish", "specbus.verify.v0"): 1}
+        finally:
+            await nc.close()
+        with pytest.raises(BusUnavailable, match="(?i)authorization"):
+            await connect_service(BusConfig(nats_url=server.url, nats_user="drafter", nats_password="Wrong-password-1",
+                                            tls_ca=str(cert)), "pytest-wrong", initial_connect_timeout_s=2.0)

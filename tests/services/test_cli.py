@@ -4,6 +4,7 @@ The full pipeline through the CLI (`up`, `generate`, `demo`) is in tests/test_pi
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,9 +16,12 @@ import pytest
 
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.config import REPO_MODELS
+from schemas.errors import SpecbusError
 from schemas.messages import StreamChunk
-from services.bus import connect
+from services.auth import generate_credentials, password_env
+from services.bus import BusUnavailable, connect
 from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
+from services.natsserver import NatsServerConfig, NatsUser
 from services.stack import Stack, StackConfig, StackError
 
 
@@ -25,11 +29,22 @@ def specbus(*args):
     return [sys.executable, "-m", "services.cli", *args]
 
 
-async def test_nats_command_serves_until_sigterm():
-    process = await asyncio.create_subprocess_exec(
-        *specbus("--log-json", "nats", "--port", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+@contextlib.asynccontextmanager
+async def specbus_process(*args, **options):
+    """`specbus <args>` as a child process (options: create_subprocess_exec's), killed on the
+    way out if still running."""
+    process = await asyncio.create_subprocess_exec(*specbus(*args), **options)
     try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_nats_command_serves_until_sigterm():
+    async with specbus_process("--log-json", "nats", "--port", "0", stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE) as process:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
         assert url.startswith("nats://127.0.0.1:")
         nc = await connect(url, "pytest", initial_connect_timeout_s=5.0)
@@ -38,10 +53,23 @@ async def test_nats_command_serves_until_sigterm():
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=30) == 0
         assert b'"event": "nats_server_stopped"' in await process.stderr.read()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+
+
+async def test_nats_auth_takes_its_users_from_the_environment():
+    missing = await asyncio.to_thread(subprocess.run, specbus("nats", "--port", "0", "--auth"), capture_output=True,
+                                      text=True, timeout=30, env={**os.environ, "SPECBUS_CLIENT_USERS": ""})
+    assert missing.returncode == 2 and "(field: SPECBUS_CLIENT_USERS)" in missing.stderr
+    credentials = generate_credentials(["alice"])
+    async with specbus_process("nats", "--port", "0", "--auth", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               env={**os.environ, **credentials}) as process:
+        url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
+        alice = await connect(url, "pytest", user="alice", password=credentials[password_env("alice")],
+                              initial_connect_timeout_s=5.0)
+        await alice.close()
+        with pytest.raises(BusUnavailable, match="(?i)authorization"):
+            await connect(url, "pytest-anonymous", initial_connect_timeout_s=2.0)
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=30) == 0
 
 
 def test_serve_builds_the_role_config_from_flags_then_env(monkeypatch):
@@ -132,6 +160,13 @@ def test_stack_config_refuses_unknown_roles():
         StackConfig(role_args={"gpu": []})
 
 
+def test_stack_config_with_auth_makes_its_own_users():
+    with pytest.raises(ValueError, match="set auth=False to bring yours"):
+        StackConfig(nats=NatsServerConfig(users=(NatsUser("someone", "Some-password-123"),)))
+    with pytest.raises(SpecbusError, match="clashes with the scheduler role"):
+        StackConfig(client_users=("scheduler",))
+
+
 def only_postprocessors(count=1, **options) -> StackConfig:
     """A stack of torch-free services only: starts in seconds."""
     return StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=count, ready_timeout_s=60, **options)
@@ -152,21 +187,25 @@ async def test_stack_kills_and_restarts_instances():
 
 
 async def test_up_exits_1_when_a_service_dies():
-    process = await asyncio.create_subprocess_exec(
-        *specbus("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    async with specbus_process("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0",
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
         ready = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
         assert ready.startswith(f"ready: 0 scheduler, 0 verifier, 0 drafter, 1 postprocessor on {url}")
+        credentials = (await asyncio.wait_for(process.stdout.readline(), timeout=10)).decode()
+        assert credentials.startswith("credentials: ") and "client user 'client'" in credentials
+        client_env = Path(credentials.split()[1])
+        assert client_env.stat().st_mode & 0o777 == 0o600  # NATS auth is on by default
+        login = dict(line.split("=", 1) for line in client_env.read_text().splitlines())
+        assert login["SPECBUS_NATS_USER"] == "client"
+        nc = await connect(url, "pytest", user="client", password=login["SPECBUS_NATS_PASSWORD"])
+        await nc.close()
+        with pytest.raises(BusUnavailable, match="(?i)authorization"):
+            await connect(url, "pytest-anonymous", initial_connect_timeout_s=2.0)
         child = pids_with_arg(url)[0]
         os.kill(child, signal.SIGKILL)
         assert await asyncio.wait_for(process.wait(), timeout=30) == 1
         assert b"error: postprocessor-0 exited with code -9; stopping the stack" in await process.stderr.read()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def pids_with_arg(text: str) -> list[int]:
@@ -182,10 +221,8 @@ def pids_with_arg(text: str) -> list[int]:
 
 
 async def test_services_stop_by_themselves_when_the_stack_is_killed():
-    process = await asyncio.create_subprocess_exec(
-        *specbus("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0"),
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
+    async with specbus_process("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0",
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as process:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
         await asyncio.wait_for(process.stdout.readline(), timeout=60)  # ready
         service_pid = pids_with_arg(url)[0]
@@ -197,10 +234,6 @@ async def test_services_stop_by_themselves_when_the_stack_is_killed():
                 break
             await asyncio.sleep(0.1)
         assert not pids_with_arg(url), "the service outlived its stack"
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     for pid in server_pids:  # the orphaned nats-server has no such watchdog
         os.kill(pid, signal.SIGTERM)
 

@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 
 from schemas.codec import decode, encode
-from schemas.errors import CodecError
+from schemas.config import BusConfig
+from schemas.errors import CodecError, ErrorCode
 from schemas.messages import (CancelRequest, Error, GenerateRequest, SamplingMask, StreamChunk, TokenLogprob,
                               Usage)
+from services.auth import generate_credentials, password_env, users_from_env
+from services.bus import connect
 from services.client import (Client, GenerationResult, Overloaded, RequestError, StreamBroken, StreamTimeout,
                              make_request, score_request)
+from services.natsserver import NatsServer, NatsServerConfig
 
 
 @pytest.fixture
@@ -193,3 +197,51 @@ def test_result_of_a_stream_without_logprobs_has_none():
     result.add(chunk(0, "a", request_id="r", token_ids=[1], from_draft=[False], finish_reason="length"))
     out = result.to_json()
     assert out["logprobs"] is None and out["sampling_masks"] is None and out["token_ids"] == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# under NATS auth: what the server refuses is an error at once, not a timeout
+
+
+@pytest.fixture
+def secured():
+    """A nats-server with the role users and client users alice and bob; yields (server, credentials)."""
+    credentials = generate_credentials(["alice", "bob"])
+    with NatsServer(NatsServerConfig(users=tuple(users_from_env(credentials)))) as server:
+        yield server, credentials
+
+
+def bus_config(server, credentials, user, **fields) -> BusConfig:
+    return BusConfig(nats_url=server.url, nats_user=user, nats_password=credentials[password_env(user)], **fields)
+
+
+async def test_a_client_logs_in_from_a_bus_config_and_streams_through_its_own_inbox(secured):
+    server, credentials = secured
+    scheduler = await connect(server.url, "scheduler", user="scheduler",
+                              password=credentials[password_env("scheduler")])
+
+    async def on_generate(msg):
+        request = decode(msg.data, GenerateRequest)
+        await scheduler.publish(msg.reply, encode(chunk(0, "ok", request_id=request.request_id, finish_reason="stop")))
+
+    await scheduler.subscribe("specbus.generate", queue="schedulers", cb=on_generate)
+    await scheduler.flush(timeout=2)
+    async with Client.from_config(bus_config(server, credentials, "alice"), timeout_margin_s=0.2) as alice:
+        result = await alice.generate(make_request("hi", timeout_s=5))
+    assert (result.text, result.finish_reason) == ("ok", "stop")
+    await scheduler.close()
+
+
+@pytest.mark.parametrize("when", ["while reading", "before reading"])
+async def test_a_refused_request_is_a_forbidden_error_at_once(secured, when):
+    server, credentials = secured
+    async with Client.from_config(bus_config(server, credentials, "alice", prefix="not-allowed")) as alice:
+        started = time.monotonic()
+        stream = await alice.open_stream(make_request("hi", timeout_s=30))
+        if when == "before reading":
+            await asyncio.sleep(0.3)  # the refusal arrives before anyone waits for a chunk
+        with pytest.raises(RequestError, match="publish to 'not-allowed.generate'") as refused:
+            async with stream:
+                await stream.__anext__()
+    assert refused.value.code == ErrorCode.forbidden and refused.value.request_id == stream.request.request_id
+    assert time.monotonic() - started < 2.0
