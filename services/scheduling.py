@@ -20,6 +20,7 @@ clock. Interpretations of the contract (PIPELINE.md) are listed in `SchedulerSta
 """
 
 import hashlib
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -36,16 +37,26 @@ from schemas.messages import (MAX_BATCH_ROWS, PROTOCOL_VERSION, Commit, DraftReq
                               RowSampling, SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
                               VerifyResponse, VerifyRow)
 from services.bus import InstanceRegistry
+from services.metrics import SchedulerMetrics
 
 log = structlog.get_logger(__name__)
 
 SEED_MASK = 2**63 - 1
-REPLAY_COMMITS = 32  # commits kept per request to replay to a replacement postprocessor
+REPLAY_COMMITS = 32  # commits kept per request to replay to a replacement postprocessor, at least
 
 
 def seed_from_request_id(request_id: str) -> int:
     """A stable seed for a sampled request that gave none: the same id always draws the same tokens."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & SEED_MASK
+
+
+def client_error(row_error: Error, request_id: str) -> Error:
+    """A verifier's row error before the first commit, in the client's terms: the row's new
+    tokens are then the prompt, so "rows[0].new_token_ids" becomes "prompt_token_ids" (and
+    "rows[0].logprobs.x" the request's "logprobs.x")."""
+    field = row_error.field and re.sub(r"^rows\[\d+\]\.", "", row_error.field)
+    field = "prompt_token_ids" if field == "new_token_ids" else field
+    return row_error.model_copy(update={"field": field, "request_id": request_id})
 
 
 def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
@@ -92,9 +103,11 @@ class Request:
     num_steps: int = 0
     degraded_steps: Counter = field(default_factory=Counter)
     carried_degraded: list[str] = field(default_factory=list)  # from steps that committed nothing
-    sent: deque = field(default_factory=lambda: deque(maxlen=REPLAY_COMMITS))  # (commit, completion_len before)
+    sent: deque = field(default_factory=deque)  # (commit, completion_len before, sent at monotonic)
     end_reason: FinishReason | None = None  # cancel, applied at the next step boundary
     stopped: bool = False  # a StopNotice came: end without any further commit
+    admitted_at: float = 0.0  # SchedulerState.monotonic() at admission: time to first token
+    last_token_at: float | None = None  # ... at its last commit with tokens: inter-token latency
 
     @property
     def completion(self) -> list[int]:
@@ -207,8 +220,9 @@ class SchedulerState:
       requests move (not only those of the failed batch).
     - A StopNotice ends the request without a further commit; reason "error" too.
     - Postprocessor lost: commits are fire-and-forget, so the scheduler cannot know which ones
-      reached the client. It replays its last REPLAY_COMMITS commits of the request to the new
-      postprocessor, the first carrying resume_token_ids (the completion before it); the client
+      reached the client. It replays the request's commits of the last 2 x heartbeat_timeout_s
+      (at least the last REPLAY_COMMITS) to the new postprocessor, the first carrying
+      resume_token_ids (the completion before it); the client
       drops the seqs it already has. Replays expect no side channel (the records went to the
       dead one): one that expected it is flagged logprobs_timeout.
     """
@@ -229,6 +243,7 @@ class SchedulerState:
         self.next_batch_id = 0
         self.num_plans = 0
         self.counters: Counter = Counter()
+        self.metrics = SchedulerMetrics()  # histograms and acceptance by mode; the service exposes counters too
 
     # ------------------------------------------------------------------ instances
 
@@ -294,7 +309,8 @@ class SchedulerState:
             sampling = sampling.model_copy(update={"seed": seed_from_request_id(request.request_id)})
         state = Request(request_id=request.request_id, client_inbox=client_inbox, history=list(prompt_ids),
                         prompt_len=len(prompt_ids), sampling=sampling, logprobs=request.logprobs,
-                        speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s)
+                        speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s,
+                        admitted_at=self.monotonic())
         self.waiting.append(state)
         self.counters["admitted"] += 1
         return state
@@ -373,7 +389,7 @@ class SchedulerState:
 
     def replay(self, request: Request) -> list[Commit]:
         replays = []
-        for index, (commit, completion_len) in enumerate(request.sent):
+        for index, (commit, completion_len, _) in enumerate(request.sent):
             update = {"expect_side_channel": False}
             if commit.expect_side_channel:
                 update["degraded"] = list(dict.fromkeys([*commit.degraded, "logprobs_timeout"]))
@@ -430,26 +446,32 @@ class SchedulerState:
 
     def end(self, request: Request, reason: FinishReason | None, now: float, *, batch_id: int | None = None,
             tokens: list[int] = (), num_draft: int = 0, num_accepted: int = 0, degraded: list[str] = (),
-            expect_side_channel: bool = False) -> Outbox:
+            expect_side_channel: bool = False, error: Error | None = None) -> Outbox:
         """Remove the request, free its slots on the next batches, and send its final commit
-        (reason None: a StopNotice ended it, nothing is sent)."""
+        (reason None: a StopNotice ended it, nothing is sent). error: the reason the client must
+        read, sent as a final chunk straight to it (before the first commit, when the
+        postprocessor knows nothing of the request; a Commit has no error field)."""
         self.running.pop(request.request_id, None)
         self.release(request.verifier_id, request.request_id)
         self.release(request.drafter_id, request.request_id)
         self.counters[f"finished_{reason or 'stop_notice'}"] += 1
         if reason is None:
             return Outbox()
-        if not self.alive(request.postprocessor_id):
-            return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason))])
+        if error is not None or not self.alive(request.postprocessor_id):
+            return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
         return Outbox(commits=[(request.postprocessor_id, self.commit(
             request, batch_id if batch_id is not None else request.last_batch_id, tokens, num_draft, num_accepted,
             degraded, reason, expect_side_channel))])
 
-    def direct_final_chunk(self, request: Request, reason: FinishReason) -> StreamChunk:
-        """A request ending with no live postprocessor: the client still gets a final chunk."""
+    def direct_final_chunk(self, request: Request, reason: FinishReason, error: Error | None = None) -> StreamChunk:
+        """A request ending with no live postprocessor: the client still gets a final chunk.
+        A cancelled one (often still queued, so it never had a postprocessor) ends as a running
+        one does, with no error: the client asked for it, and an error would make the client
+        library raise for a cancel that worked."""
         code = {"timeout": ErrorCode.timeout, "cancelled": ErrorCode.cancelled}.get(reason, ErrorCode.unavailable)
-        error = Error(code=code, message=f"request ended ({reason}) with no postprocessor available",
-                      request_id=request.request_id)
+        if error is None and reason != "cancelled":
+            error = Error(code=code, message=f"request ended ({reason}) with no postprocessor available",
+                          request_id=request.request_id)
         chunk = StreamChunk(request_id=request.request_id, seq=request.seq, finish_reason=reason, error=error,
                             usage=request.usage())
         request.seq += 1
@@ -468,7 +490,17 @@ class SchedulerState:
                         prompt_token_ids=request.history[:request.prompt_len] if first else None,
                         logprobs=request.logprobs, stop=request.sampling.stop, stream=request.stream)
         request.seq += 1
-        request.sent.append((commit, completion_len))
+        # Kept by time, not only by count: a postprocessor is found dead heartbeat_timeout_s after
+        # its last beat, and on a fast machine far more than REPLAY_COMMITS commits go out in that
+        # time; replaying fewer would leave the client a gap it can never fill.
+        now = self.monotonic()
+        request.sent.append((commit, completion_len, now))
+        while len(request.sent) > REPLAY_COMMITS and request.sent[0][2] < now - 2 * self.config.heartbeat_timeout_s:
+            request.sent.popleft()
+        if tokens:
+            since_last = None if request.last_token_at is None else now - request.last_token_at
+            self.metrics.committed(len(tokens), now - request.admitted_at, since_last)
+            request.last_token_at = now
         return commit
 
     def drain(self, now: float) -> Outbox:
@@ -650,6 +682,8 @@ class SchedulerState:
         if result.error is not None:
             log.warning("verify_row_failed", request_id=request.request_id, code=result.error.code.value,
                         field=result.error.field, message=result.error.message)
+            if request.seq == 0:  # nothing sent yet: the client learns why (e.g. a prompt too long)
+                return self.end(request, "error", now, error=client_error(result.error, request.request_id))
             return self.end(request, "error", now, batch_id=batch_id, degraded=degraded)
         if result.need_resync:
             request.verifier_len = 0
@@ -665,6 +699,8 @@ class SchedulerState:
         request.verifier_len = planned.end + result.num_accepted
         request.num_draft_proposed += planned.num_draft
         request.num_draft_accepted += result.num_accepted
+        self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode, planned.num_draft,
+                              result.num_accepted)
         if result.residual_fallback:
             degraded.append("residual_fallback")
         kept, finish_reason = [], None

@@ -1,0 +1,407 @@
+"""Fault injection (issue 6, Deliver 1): every service a separate process (services.stack), a
+real nats-server, and parts of the stack killed with SIGKILL or frozen with SIGSTOP while
+NUM_REQUESTS greedy streaming requests run. What a user checks: every stream is whole (seq 0, 1,
+2, ... without gap or duplicate, and its text is the decoding of its token ids), greedy outputs
+equal an undisturbed run, the degraded flags of DESIGN.md section 6 show where a fallback fired,
+no request hangs, and the stack serves new requests afterwards.
+
+One stack for the module (starting one takes tens of seconds on a busy machine): 1 scheduler,
+2 verifiers, 1 drafter, 2 postprocessors, with heartbeat and verify timeouts short enough that
+a fault is noticed within seconds. Each test leaves the stack whole again: what it killed is
+replaced by a fresh instance. The checkpoints are tiny and random (greedy equality does not
+depend on the weights); the draft is the target with noise added, so most drafts are accepted
+and "the drafter is used again" shows as accepted draft tokens.
+"""
+
+import asyncio
+import json
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import pytest_asyncio
+import torch
+
+from gpu_worker.tokenizer import load_tokenizer
+from ops.train_models import read_text, source_files
+from schemas.config import REPO_MODELS
+from schemas.messages import GenerateRequest, StreamChunk
+from services.client import Client, ClientError, make_request
+from services.stack import Stack, StackConfig
+from tests.gpu_worker.conftest import write_hf_model
+from tests.services.test_scheduling import beat, new_state, step, submit
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+NUM_REQUESTS = 8
+PROMPT_TOKENS = 16
+MAX_TOKENS = 160
+LONG_MAX_TOKENS = 480  # outlives a drafter restart (~10-20 s of imports on a busy machine) at k=0
+K = 4
+TIMEOUT_S = 120.0
+CLIENT_MARGIN_S = 5.0  # services.client.Client's timeout_margin_s default
+HEARTBEAT_INTERVAL_S = 0.2
+HEARTBEAT_TIMEOUT_S = 1.5
+VERIFY_TIMEOUT_S = 2.0
+DRAFT_TIMEOUT_S = 0.5
+TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024)
+DRAFT_NOISE = 0.02  # relative to each weight's std: the draft mostly agrees with the target
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny random target over the shipped tokenizer, and a draft = target + noise."""
+    root = tmp_path_factory.mktemp("models")
+    target, draft = root / "target", root / "draft"
+    for path in (target, draft):
+        path.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(REPO_MODELS / "target" / name, path / name)
+    model = write_hf_model(target, "llama", seed=11, vocab_size=load_tokenizer(target).vocab_size, **TINY_MODEL)
+    generator = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * p.std() * DRAFT_NOISE)
+    model.save_pretrained(draft)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models):
+    return load_tokenizer(models[0])
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Consecutive PROMPT_TOKENS-token windows of the first held-out stdlib file."""
+    _, held_out = source_files()
+    ids = tokenizer.encode(read_text(held_out[0]))
+    windows = [ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS] for i in range(NUM_REQUESTS)]
+    assert len(windows[-1]) == PROMPT_TOKENS and len(set(map(tuple, windows))) == NUM_REQUESTS
+    return windows
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(models, tmp_path_factory):
+    beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
+    config = StackConfig(
+        verifiers=2, postprocessors=2, target_model=str(models[0]), draft_model=str(models[1]),
+        log_dir=tmp_path_factory.mktemp("fault-logs"),
+        role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+                                 "--verify-timeout-s", str(VERIFY_TIMEOUT_S), "--draft-timeout-s", str(DRAFT_TIMEOUT_S)],
+                   "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
+                   "postprocessor": beat})
+    async with Stack(config) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(stack):
+    async with stack.client() as connected:
+        yield connected
+
+
+def greedy(prompt, name: str, **options) -> GenerateRequest:
+    options = {"max_tokens": MAX_TOKENS, "timeout_s": TIMEOUT_S, **options}
+    return make_request(prompt, request_id=f"{name}-{time.monotonic_ns()}", temperature=0.0, ignore_eos=True,
+                        **{"num_speculative_tokens": K, **options})
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def reference(client, prompts) -> list[list[int]]:
+    """Greedy outputs of an undisturbed run, all requests at once (shorter requests compare
+    with a prefix: greedy decoding of n tokens is the start of greedy decoding of more)."""
+    results = await asyncio.gather(*(client.generate(greedy(p, f"reference-{i}", max_tokens=LONG_MAX_TOKENS))
+                                     for i, p in enumerate(prompts)))
+    assert all(r.finish_reason == "length" and len(r.token_ids) == LONG_MAX_TOKENS for r in results)
+    assert sum(r.usage.draft_tokens_accepted for r in results) > 0  # the draft is good enough to show reuse
+    return [r.token_ids for r in results]
+
+
+# ---------------------------------------------------------------------------------------------
+# streams under load
+
+
+@dataclass
+class Streamed:
+    """One request's stream as the client saw it: (arrival time.monotonic(), chunk) in order."""
+
+    request: GenerateRequest
+    chunks: list[tuple[float, StreamChunk]] = field(default_factory=list)
+    num_duplicates: int = 0
+    error: ClientError | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for _, chunk in self.chunks for t in chunk.token_ids.tolist()]
+
+    @property
+    def text(self) -> str:
+        return "".join(chunk.text for _, chunk in self.chunks)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1][1].finish_reason if self.chunks else None
+
+    def degraded(self, since: float = 0.0) -> set[str]:
+        return {reason for at, chunk in self.chunks if at >= since for reason in chunk.degraded}
+
+    def accepted_since(self, since: float) -> int:
+        return sum(sum(chunk.from_draft) for at, chunk in self.chunks if at >= since)
+
+
+async def read(client: Client, got: Streamed, first_chunk: asyncio.Event) -> Streamed:
+    async with await client.open_stream(got.request) as stream:
+        try:
+            async for chunk in stream:
+                got.chunks.append((time.monotonic(), chunk))
+                first_chunk.set()
+        except ClientError as exc:
+            got.error = exc
+        got.num_duplicates = stream.num_duplicates
+    return got
+
+
+class Load:
+    """NUM_REQUESTS streams in flight: `await Load.start(...)` returns once every one has its
+    first chunk (so a fault injected next hits requests mid-stream)."""
+
+    def __init__(self, client: Client, requests: list[GenerateRequest]):
+        self.streams = [Streamed(r) for r in requests]
+        self.first_chunks = [asyncio.Event() for _ in requests]
+        self.tasks = [asyncio.create_task(read(client, got, event))
+                      for got, event in zip(self.streams, self.first_chunks)]
+
+    @classmethod
+    async def start(cls, client: Client, requests: list[GenerateRequest]) -> "Load":
+        load = cls(client, requests)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in load.first_chunks)), timeout=60)
+        return load
+
+    async def finish(self) -> list[Streamed]:
+        """Every stream's end. None may outlive its deadline (the client's timeout_s + margin,
+        plus slack for a busy machine): a hang fails here."""
+        bound_s = max(got.request.timeout_s for got in self.streams) + CLIENT_MARGIN_S + 15.0
+        return await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=bound_s)
+
+
+def check_whole(got: Streamed, tokenizer) -> None:
+    """Seqs 0..n in order, exactly one final chunk (the last), text == decode(token_ids)."""
+    seqs = [chunk.seq for _, chunk in got.chunks]
+    assert seqs == list(range(len(seqs))), f"{got.request.request_id}: seqs {seqs}"
+    assert [chunk.final for _, chunk in got.chunks[:-1]] == [False] * (len(seqs) - 1)
+    assert got.text == tokenizer.decode(got.token_ids), got.request.request_id
+
+
+def check_greedy(streams: list[Streamed], reference: list[list[int]], tokenizer) -> None:
+    for index, (got, expected) in enumerate(zip(streams, reference)):
+        assert got.error is None, f"request {index}: {got.error!r}"
+        check_whole(got, tokenizer)
+        assert got.finish_reason == "length", f"request {index}"
+        assert got.token_ids == expected[:got.request.sampling.max_tokens], \
+            f"request {index}, degraded {sorted(got.degraded())}"
+
+
+def outlived(streams: list[Streamed], at: float, what: str) -> list[Streamed]:
+    """Streams still running 1 s after `at`: those that can show what happened after it."""
+    still_running = [got for got in streams if got.chunks[-1][0] > at + 1.0]
+    assert still_running, f"every request ended within 1 s of {what}: nothing to check after it"
+    return still_running
+
+
+def requests_for(prompts, name: str, **options) -> list[GenerateRequest]:
+    return [greedy(p, f"{name}-{i}", **options) for i, p in enumerate(prompts)]
+
+
+def running(stack: Stack, role: str) -> list[str]:
+    return [p.instance_id for p in stack.by_role(role) if p.running]
+
+
+def pids(stack: Stack) -> dict[str, int]:
+    return {p.instance_id: p.process.pid for p in stack.processes.values() if p.running}
+
+
+async def kill(stack: Stack, instance_id: str) -> float:
+    """SIGKILL and wait for the exit; returns when it died (time.monotonic())."""
+    stack.kill(instance_id, signal.SIGKILL)
+    assert await stack.wait_exit(instance_id) == -signal.SIGKILL
+    return time.monotonic()
+
+
+async def scheduler_stats(stack: Stack) -> dict:
+    """The scheduler's counters from `$SRV.STATS.scheduler` (nats.micro)."""
+    reply = await stack.nc.request("$SRV.STATS.scheduler", b"", timeout=5)
+    return json.loads(reply.data)["endpoints"][0]["data"]
+
+
+async def heartbeats_since(stack: Stack, instance_ids: list[str], since: float, timeout_s: float = 30.0) -> None:
+    """Until each instance has heartbeated after `since` (time.monotonic())."""
+    async with asyncio.timeout(timeout_s):
+        while any(stack.heartbeat_seen_at.get(i, -1.0) < since for i in instance_ids):
+            await asyncio.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# the faults
+
+
+async def test_a_killed_drafter_is_replaced_and_used_again_with_outputs_unchanged(
+        stack, client, prompts, reference, tokenizer):
+    before = pids(stack)
+    [drafter_id] = running(stack, "drafter")
+    load = await Load.start(client, requests_for(prompts, "drafter-kill", max_tokens=LONG_MAX_TOKENS))
+    killed_at = await kill(stack, drafter_id)
+    replacement = await stack.start_instance("drafter")
+    back_at = time.monotonic()
+    streams = await load.finish()
+
+    check_greedy(streams, reference, tokenizer)
+    assert any("draft_timeout" in got.degraded(since=killed_at) for got in streams)
+    # The replacement got the requests in flight (resynced from the scheduler's history) and
+    # its drafts were accepted; requests that ended before it was back are no evidence.
+    still_running = outlived(streams, back_at, f"the new drafter's start ({back_at - killed_at:.1f} s after the kill)")
+    assert sum(got.accepted_since(back_at) for got in still_running) > 0
+    # Nothing else was restarted.
+    assert pids(stack) == {**{i: p for i, p in before.items() if i != drafter_id},
+                           replacement.instance_id: replacement.process.pid}
+
+
+
+async def test_a_killed_verifier_moves_its_requests_to_the_other_one(stack, client, prompts, reference, tokenizer):
+    victim = running(stack, "verifier")[0]
+    before = await scheduler_stats(stack)
+    load = await Load.start(client, requests_for(prompts, "verifier-kill"))
+    killed_at = await kill(stack, victim)
+    streams = await load.finish()
+    after = await scheduler_stats(stack)
+
+    check_greedy(streams, reference, tokenizer)  # re-prefilled from the history: nothing lost or repeated
+    moved = [got for got in streams if "migrated" in got.degraded(since=killed_at)]
+    assert moved and after["migrated"] - before.get("migrated", 0) == len(moved)
+    await stack.start_instance("verifier")
+
+
+async def test_a_lost_postprocessor_is_replayed_every_commit_since_its_last_heartbeat(tokenizer):
+    """The same hand-over on a machine fast enough to commit 100 steps between two heartbeats
+    (scheduler logic only, no NATS): the replay reaches back to the first commit the dead
+    postprocessor may have missed, or the client would be left a gap it can never fill."""
+    state = new_state(tokenizer, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    request = submit(state, sampling={"max_tokens": 200})
+    for _ in range(100):
+        step(state)
+    state.clock.now += 2 * HEARTBEAT_TIMEOUT_S  # p1 falls silent; p2 appears
+    for instance_id, role in (("v1", "verifier"), ("d1", "drafter"), ("p2", "postprocessor")):
+        beat(state, instance_id, role)
+    _, _, outbox = step(state)
+    replayed = [commit for postprocessor_id, commit in outbox.commits if postprocessor_id == "p2"]
+    assert request.postprocessor_id == "p2" and [c.seq for c in replayed] == list(range(101))
+    assert replayed[0].resume_token_ids.tolist() == []
+
+
+async def test_a_killed_postprocessor_hands_its_streams_to_the_other_one(stack, client, prompts, reference,
+                                                                        tokenizer):
+    victim = running(stack, "postprocessor")[0]
+    before = await scheduler_stats(stack)
+    load = await Load.start(client, requests_for(prompts, "postprocessor-kill"))
+    await kill(stack, victim)
+    streams = await load.finish()
+    after = await scheduler_stats(stack)
+
+    check_greedy(streams, reference, tokenizer)  # text == decode(token_ids): no gap, no repeat
+    assert after["postprocessor_repinned"] - before.get("postprocessor_repinned", 0) > 0
+    # The new postprocessor replayed commits the client may have missed, from the detokenizer
+    # state it rebuilt; the client dropped the seqs it had already.
+    assert sum(got.num_duplicates for got in streams) > 0
+    await stack.start_instance("postprocessor")
+
+
+async def test_a_frozen_drafter_costs_drafts_not_time(stack, client, prompts, reference, tokenizer):
+    [drafter_id] = running(stack, "drafter")
+    load = await Load.start(client, requests_for(prompts, "drafter-freeze"))
+    stack.kill(drafter_id, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    await asyncio.sleep(HEARTBEAT_TIMEOUT_S + 1.5)
+    stack.kill(drafter_id, signal.SIGCONT)
+    thawed_at = time.monotonic()
+    streams = await load.finish()
+
+    check_greedy(streams, reference, tokenizer)
+    assert any("draft_timeout" in got.degraded(since=frozen_at) for got in streams)
+    # The streams did not wait for the drafter: chunks kept coming while it was frozen ...
+    assert any(frozen_at + 1.0 < at < thawed_at for got in streams for at, _ in got.chunks)
+    # ... and once it was back, its drafts were used again.
+    still_running = outlived(streams, thawed_at, "the drafter's thaw")
+    assert sum(got.accepted_since(thawed_at + 1.0) for got in still_running) > 0
+
+
+async def test_a_frozen_verifier_is_retried_then_left_for_the_other(stack, client, prompts, reference, tokenizer):
+    victim = running(stack, "verifier")[0]
+    before = await scheduler_stats(stack)
+    load = await Load.start(client, requests_for(prompts, "verifier-freeze"))
+    stack.kill(victim, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    await asyncio.sleep(2 * VERIFY_TIMEOUT_S + 1.0)  # past the first try and the retry
+    stack.kill(victim, signal.SIGCONT)
+    thawed_at = time.monotonic()
+    streams = await load.finish()
+    after = await scheduler_stats(stack)
+
+    check_greedy(streams, reference, tokenizer)
+    assert after["verify_failures"] - before.get("verify_failures", 0) >= 2  # the try and its retry timed out
+    assert any("migrated" in got.degraded(since=frozen_at) for got in streams)
+    await heartbeats_since(stack, [victim], thawed_at)  # frozen, not dead: it serves on
+
+
+async def test_with_every_verifier_frozen_requests_end_with_error_or_timeout_and_keep_their_output(
+        stack, client, prompts, reference, tokenizer):
+    verifiers = running(stack, "verifier")
+    short_timeout_s = 4.0
+    requests = [greedy(p, f"all-frozen-{i}", timeout_s=short_timeout_s if i % 2 else TIMEOUT_S)
+                for i, p in enumerate(prompts)]
+    load = await Load.start(client, requests)
+    for verifier_id in verifiers:
+        stack.kill(verifier_id, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        streams = await load.finish()
+        ended_s = time.monotonic() - frozen_at
+    finally:
+        for verifier_id in verifiers:
+            stack.kill(verifier_id, signal.SIGCONT)
+    thawed_at = time.monotonic()
+
+    # A try and a retry per verifier, then nowhere to go: each request ends, none waits for a thaw.
+    assert ended_s < 2 * VERIFY_TIMEOUT_S + HEARTBEAT_TIMEOUT_S + 5.0
+    for index, (got, expected) in enumerate(zip(streams, reference)):
+        assert got.error is None, f"request {index}: {got.error!r}"
+        check_whole(got, tokenizer)
+        assert got.finish_reason == ("timeout" if got.request.timeout_s == short_timeout_s else "error"), index
+        assert got.token_ids == expected[:len(got.token_ids)], index  # the partial output is kept, and right
+    assert all(got.token_ids for got in streams if got.finish_reason == "error")
+
+    await heartbeats_since(stack, verifiers, thawed_at)
+    result = await client.generate(greedy(prompts[0], "after-thaw"))
+    assert result.token_ids == reference[0][:MAX_TOKENS]
+
+
+async def test_a_restarted_nats_server_ends_no_stream_silently_and_serves_again(stack, client, prompts, reference,
+                                                                               tokenizer):
+    load = await Load.start(client, requests_for(prompts, "nats-restart", timeout_s=30.0))
+    await asyncio.to_thread(stack.server.restart)
+    restarted_at = time.monotonic()
+    streams = await load.finish()  # each finished or ended with an error within its deadline
+
+    for index, (got, expected) in enumerate(zip(streams, reference)):
+        assert got.token_ids == expected[:len(got.token_ids)], index
+        if got.error is None:
+            check_whole(got, tokenizer)
+            assert got.finish_reason == "length" and len(got.token_ids) == MAX_TOKENS, index
+        else:
+            assert got.error.message, index
+
+    await heartbeats_since(stack, list(pids(stack)), restarted_at)
+    again = await asyncio.gather(*(client.generate(r) for r in requests_for(prompts, "after-restart")))
+    assert [r.token_ids for r in again] == [expected[:MAX_TOKENS] for expected in reference]
