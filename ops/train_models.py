@@ -300,7 +300,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=["tokenizer", "target", "draft", "eval", "all"])
     parser.add_argument("--target-steps", type=int, default=1700)
-    parser.add_argument("--draft-steps", type=int, default=1500)
+    parser.add_argument("--draft-steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=2e-3)

@@ -202,6 +202,15 @@ def header_block_size(headers: Mapping[str, str] | None) -> int:
     return len("NATS/1.0\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2
 
 
+def expired(deadline: float, now: float | None = None) -> SpecbusError | None:
+    """A `timeout` error naming "deadline" once the absolute deadline (time.time()) has passed,
+    else None: what a service answers work that came (or waited) too long."""
+    late_s = (time.time() if now is None else now) - deadline
+    if late_s < 0:
+        return None
+    return SpecbusError(ErrorCode.timeout, f"deadline passed {late_s:.3f} s ago", "deadline")
+
+
 def effective_timeout(subject: str, timeout_s: float | None, deadline: float | None) -> float:
     """min(timeout_s, deadline - now); raises BusDeadlineExpired when no time is left."""
     if timeout_s is None and deadline is None:
@@ -461,6 +470,13 @@ async def add_micro_service(
 
 # ---------------------------------------------------------------------------------------------
 # heartbeats and liveness
+
+
+async def cancel_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> None:
+    """Cancel a service's background tasks and wait up to timeout_s for them to end."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=timeout_s)
 
 
 async def heartbeat_loop(nc: Client, subject: str, make_payload: Callable[[], bytes], interval_s: float) -> None:

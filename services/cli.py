@@ -171,6 +171,8 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
     parser.add_argument("--no-auth", action="store_true",
                         help="no NATS users (default: one per role, random passwords written to the log dir)")
+    parser.add_argument("--metrics-port-base", type=int, default=0, metavar="PORT",
+                        help="serve each instance's Prometheus /metrics on PORT, PORT+1, ... (default 0: none)")
 
 
 def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
@@ -186,6 +188,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         log_level=args.log_level,
         ready_timeout_s=args.ready_timeout,
         auth=not args.no_auth,
+        metrics_port_base=args.metrics_port_base,
     )
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import structlog
@@ -39,25 +38,19 @@ from gpu_worker.checkpoint import load_d2t, model_id
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model, forward
 from gpu_worker.sampling import STREAM_DRAFT, SamplingTensors, make_uniforms, request_seed, sample
-from gpu_worker.slots import (evict_idle, evict_idle_loop, free_request, instance_heartbeat, load_model_and_cache,
-                              release)
+from gpu_worker.slots import (SlotService, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release,
+                              run_slot_service)
 from gpu_worker.tokenizer import tokenizer_id
-from schemas.codec import decode, encode, error_reply
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat, Proposal
 from schemas.subjects import Subjects
-from services.bus import BoundedHandler, Endpoint, add_micro_service, connect_service, heartbeat_loop, respond
-from services.logs import log_context
 
 log = structlog.get_logger(__name__)
 
-SERVICE_VERSION = "0.1.0"
 # A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
 # (a resync prefill) go through their own forwards so decode rows are not padded to their length.
 SHORT_FEED = 32
-MAX_CONCURRENT_MESSAGES = 4  # decoding and error replies overlap; the model runs one batch at a time
-MAX_PENDING_MESSAGES = 64
 
 
 @dataclass
@@ -378,86 +371,18 @@ def heartbeat(drafter: Drafter, interval_s: float) -> Heartbeat:
     return instance_heartbeat(drafter, "drafter", interval_s)
 
 
-async def handle_draft(drafter: Drafter, nc, lock: asyncio.Lock, msg) -> None:
-    """Decode, refuse expired work, run draft_batch in a thread (one batch at a time), reply."""
-    try:
-        request = decode(msg.data, DraftRequest)
-    except SpecbusError as exc:
-        drafter.counters["bad_messages"] += 1
-        log.warning("bad_draft_request", code=exc.code.value, field=exc.field, error=exc.message)
-        await respond(nc, msg, error_reply(exc), drafter.counters)
-        return
-    with log_context(batch_id=request.batch_id, scheduler_id=request.scheduler_id):
-        async with lock:
-            late_s = time.time() - request.deadline
-            if late_s >= 0:
-                drafter.counters["expired"] += 1
-                log.warning("draft_request_expired", late_s=round(late_s, 4))
-                expired = error_reply(ErrorCode.timeout, f"deadline passed {late_s:.3f} s ago", "deadline")
-                await respond(nc, msg, expired, drafter.counters)
-                return
-            try:
-                response = await asyncio.to_thread(draft_batch, drafter, request)
-            except SpecbusError as exc:
-                drafter.counters["bad_messages"] += 1
-                log.warning("bad_draft_request", code=exc.code.value, field=exc.field, error=exc.message)
-                await respond(nc, msg, error_reply(exc), drafter.counters)
-                return
-            except Exception as exc:
-                drafter.counters["failed_batches"] += 1
-                log.exception("draft_batch_failed")
-                await respond(nc, msg, error_reply(exc), drafter.counters)
-                return
-        if time.time() > request.deadline:
-            drafter.counters["late_replies"] += 1  # sent anyway: the scheduler may still use it
-        await respond(nc, msg, encode(response), drafter.counters)
-
-
-async def cancel_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.wait(tasks, timeout=timeout_s)
-
-
 async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
     """Serve `<prefix>.draft.<instance_id>` until `stop` is set, then drain.
 
-    Registers nats.micro service "drafter" ($SRV.PING/INFO/STATS.drafter), heartbeats every
-    heartbeat_interval_s with model_ids {"draft", "tokenizer", "target_vocab_size"}.
+    gpu_worker/slots.py `run_slot_service` does the serving: nats.micro service "drafter"
+    ($SRV.PING/INFO/STATS.drafter), heartbeats every heartbeat_interval_s with model_ids
+    {"draft", "tokenizer", "target_vocab_size"}, idle slot eviction, metrics on metrics_port.
     """
     drafter = await asyncio.to_thread(load_drafter, config)
     subjects = Subjects(config.prefix)
-    lock = asyncio.Lock()
     log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
              max_slots=config.max_slots, **drafter.model_ids)
-    async with AsyncExitStack() as stack:
-        nc = await connect_service(config, f"drafter-{config.instance_id}")
-        stack.push_async_callback(nc.drain)
-
-        async def handle(msg) -> None:
-            await handle_draft(drafter, nc, lock, msg)
-
-        async def refuse(msg) -> None:
-            drafter.counters["overloaded"] += 1
-            await respond(nc, msg, error_reply(ErrorCode.overloaded, "drafter has too many batches queued"),
-                          drafter.counters)
-
-        handler = BoundedHandler(handle, name="draft", max_concurrency=MAX_CONCURRENT_MESSAGES,
-                                 max_pending=MAX_PENDING_MESSAGES, on_overload=refuse)
-        stack.push_async_callback(handler.stop)
-        service = await add_micro_service(
-            nc, "drafter", SERVICE_VERSION, "proposes draft tokens with the draft model",
-            endpoints={"draft": Endpoint(subject=subjects.draft(config.instance_id), handler=handler.dispatch)},
-            metadata={"instance_id": config.instance_id, **drafter.model_ids},
-            stats_data=lambda _: {**drafter.counters, **handler.stats(), "free_slots": drafter.cache.num_free})
-        stack.push_async_callback(service.stop)
-        tasks = [
-            asyncio.create_task(heartbeat_loop(nc, subjects.heartbeat,
-                                               lambda: encode(heartbeat(drafter, config.heartbeat_interval_s)),
-                                               config.heartbeat_interval_s), name="drafter-heartbeat"),
-            asyncio.create_task(evict_idle_loop(drafter, lock), name="drafter-evict-idle"),
-        ]
-        stack.push_async_callback(cancel_tasks, tasks)
-        log.info("drafter_serving", subject=subjects.draft(config.instance_id))
-        await stop.wait()
-        log.info("drafter_stopping", **{k: v for k, v in drafter.counters.items()})
+    await run_slot_service(drafter, config, SlotService(
+        role="drafter", endpoint="draft", description="proposes draft tokens with the draft model",
+        subject=subjects.draft(config.instance_id), request_type=DraftRequest,
+        run_batch=lambda request: (draft_batch(drafter, request), None)), stop)

@@ -3,10 +3,10 @@
     python -m services.cli serve postprocessor      (or `run_postprocessor(config, stop)`)
 
 Subscribes `<p>.post.<id>.commit` and `<p>.post.<id>.side` as nats.micro endpoints of the
-service "postprocessor" ($SRV.STATS shows the drop counters), runs the logic of
-services/postprocessing.py (one message at a time per subscription; the logic is synchronous, so
-every output is queued in order and one sender task publishes them), ticks for timeouts, and
-heartbeats {"tokenizer": tokenizer_id} with its load.
+service "postprocessor" ($SRV.STATS and the Prometheus metrics on metrics_port show the drop
+counters), runs the logic of services/postprocessing.py (one message at a time per
+subscription; the logic is synchronous, so every output is queued in order and one sender task
+publishes them), ticks for timeouts, and heartbeats {"tokenizer": tokenizer_id} with its load.
 
 Neither subscription has a reply subject: an undecodable message is logged and counted, never
 answered. Chunks are published with a reply subject under this instance's own inbox: when the
@@ -29,6 +29,7 @@ from schemas.subjects import Subjects
 from services.bus import (BusError, BusPayloadTooLarge, Endpoint, add_micro_service, connect_service, heartbeat_loop,
                           publish)
 from services.client import NO_RESPONDERS_STATUS
+from services.metrics import POSTPROCESSOR_GAUGES, Metrics, serve_metrics
 from services.postprocessing import NoticeOut, Out, Postprocessor
 
 log = structlog.get_logger(__name__)
@@ -53,6 +54,8 @@ class PostprocessorService:
         self.bounce_sub = None
         self.num_send_failures = 0
         self.stopped = False
+        self.metrics = Metrics("postprocessor")
+        self.metrics.watch_counts(self.stats, POSTPROCESSOR_GAUGES)
 
     async def start(self) -> "PostprocessorService":
         instance_id = self.config.instance_id
@@ -61,7 +64,7 @@ class PostprocessorService:
             self.nc, "postprocessor", SERVICE_VERSION, "joins commits and logprobs, detokenizes, streams chunks",
             endpoints={"commit": Endpoint(self.subjects.post_commit(instance_id), self.on_commit),
                        "side": Endpoint(self.subjects.post_side(instance_id), self.on_side)},
-            metadata={"instance_id": instance_id, **self.model_ids}, stats_data=lambda _: self.stats())
+            metadata={"instance_id": instance_id, **self.model_ids}, stats_data=lambda _: self.metrics.stats())
         tick_s = max(0.01, min(0.1, self.post.side_channel_timeout_s / 4))
         self.tasks = [
             asyncio.create_task(self.send_loop(), name="postprocessor-send"),
@@ -97,6 +100,7 @@ class PostprocessorService:
         await self.stop()
 
     def stats(self) -> dict:
+        """The counters and the active_requests gauge of $SRV.STATS and of the metrics."""
         return {"active_requests": self.post.load, "send_failures": self.num_send_failures,
                 **self.post.counters.as_dict()}
 
@@ -189,5 +193,6 @@ async def run_postprocessor(config: PostprocessorConfig, stop: asyncio.Event) ->
     async with AsyncExitStack() as stack:
         nc = await connect_service(config, config.instance_id)
         stack.push_async_callback(nc.drain)
-        await stack.enter_async_context(PostprocessorService(nc, post, config, model_ids))
+        service = await stack.enter_async_context(PostprocessorService(nc, post, config, model_ids))
+        stack.enter_context(serve_metrics(service.metrics.registry, config.metrics_port))
         await stop.wait()

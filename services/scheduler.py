@@ -33,6 +33,7 @@ from services.auth import INBOX_ROOT
 from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint, add_micro_service, connect_service,
                           heartbeat_loop, publish, request, serve)
 from services.logs import log_context
+from services.metrics import SCHEDULER_GAUGES, serve_metrics
 from services.scheduling import Outbox, SchedulerState, StepPlan, prompt_token_ids
 
 log = structlog.get_logger(__name__)
@@ -75,10 +76,11 @@ class Scheduler:
         subjects = self.subjects
         self.subscriptions.append(await self.nc.subscribe(subjects.heartbeat, cb=self.on_heartbeat))
         self.subscriptions.append(await self.nc.subscribe(subjects.cancel, cb=self.on_cancel))
+        self.state.metrics.watch_counts(self.stats, SCHEDULER_GAUGES)
         self.service = await add_micro_service(
             self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
             endpoints={"stop": Endpoint(subjects.stop_notice(self.config.instance_id), self.on_stop_notice)},
-            metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.stats())
+            metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.state.metrics.stats())
         self.tasks.append(asyncio.create_task(self.step_loop(), name="scheduler-steps"))
         self.tasks.append(asyncio.create_task(heartbeat_loop(
             self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat"))
@@ -113,6 +115,7 @@ class Scheduler:
         log.info("scheduler_stopped", **self.state.stats())
 
     def stats(self) -> dict:
+        """The counters and gauges (running, queued) of $SRV.STATS, before the metrics' own."""
         return {**self.state.stats(), **{f"generate_{k}": v for h in self.handlers for k, v in h.stats().items()}}
 
     def heartbeat(self) -> bytes:
@@ -220,14 +223,20 @@ class Scheduler:
         state = self.state
         await self.send(state.boundary(time.time()))
         self.plan = plan = state.plan_step(time.time())
+        started = time.monotonic()
         drafts = state.draft_batches(plan, time.time())
         replies = await asyncio.gather(*(self.draft(d, m) for d, m in drafts.items()))
         for (drafter_id, message), reply in zip(drafts.items(), replies):
             state.apply_draft(plan, drafter_id, message, reply)
+        drafted = time.monotonic()
         verifies = state.verify_batches(plan, time.time())
         replies = await asyncio.gather(*(self.verify(v, m, plan) for v, m in verifies.items()))
+        verified = time.monotonic()
         for verifier_id, reply in zip(verifies, replies):
             await self.send(state.apply_verify(plan, verifier_id, reply, time.time()))
+        if not plan.empty:  # release-only batches are not steps
+            state.metrics.step_timed(drafted - started if drafts else None, verified - drafted,
+                                     time.monotonic() - verified)
         return not plan.empty
 
     async def draft(self, drafter_id: str, message: DraftRequest) -> DraftResponse | None:
@@ -300,9 +309,10 @@ async def run_scheduler(config: SchedulerConfig, stop: asyncio.Event) -> None:
     scheduler = Scheduler(config, nc, state)
     try:
         await scheduler.start()
-        stop_wait = asyncio.create_task(stop.wait())
-        await asyncio.wait({stop_wait, scheduler.tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
-        stop_wait.cancel()
+        with serve_metrics(state.metrics.registry, config.metrics_port):
+            stop_wait = asyncio.create_task(stop.wait())
+            await asyncio.wait({stop_wait, scheduler.tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
     finally:
         await scheduler.stop()
         await nc.drain()

@@ -90,6 +90,9 @@ class StackConfig:
     log_dir: str | Path | None = None  # None: a temporary dir, removed on stop
     log_level: str = "info"
     ready_timeout_s: float = 120.0
+    # Prometheus endpoints: 0 = none; else each new instance id gets the next port from here
+    # (a restarted id keeps its own), listed in Stack.metrics_ports.
+    metrics_port_base: int = 0
     stop_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class StackConfig:
             raise ValueError("client_users: auth=True needs at least one client user")
         if self.auth:
             check_user_names(self.client_users)
+        if not 0 <= self.metrics_port_base < 65536:
+            raise ValueError(f"metrics_port_base: must be a port or 0 (off), got {self.metrics_port_base}")
 
     def count(self, role: str) -> int:
         return getattr(self, f"{role}s")
@@ -157,6 +162,7 @@ class Stack:
     exit_stack: AsyncExitStack = field(default_factory=AsyncExitStack, init=False, repr=False)
     owns_log_dir: bool = field(default=False, init=False)
     credentials: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # as users_from_env reads
+    metrics_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> /metrics port
 
     @property
     def credentials_path(self) -> Path | None:
@@ -276,6 +282,9 @@ class Stack:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **login,
                **self.config.role_env.get(role, {})}
         argv = serve_command(role, instance_id, self.url, self.config)
+        if self.config.metrics_port_base:
+            port = self.metrics_ports.setdefault(instance_id, self.config.metrics_port_base + len(self.metrics_ports))
+            argv += ["--metrics-port", str(port)]
         with log_path.open("ab") as log_file:
             process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
@@ -285,7 +294,8 @@ class Stack:
         self.heartbeat_seen_at.pop(instance_id, None)
         started = ServiceProcess(role, instance_id, process, log_path, time.monotonic())
         self.processes[instance_id] = started
-        log.info("stack_process_started", role=role, instance_id=instance_id, pid=process.pid)
+        log.info("stack_process_started", role=role, instance_id=instance_id, pid=process.pid,
+                 metrics_port=self.metrics_ports.get(instance_id))
         return started
 
     async def start_instance(self, role: str, instance_id: str | None = None,

@@ -1,7 +1,12 @@
 """Shared fixtures: a real nats-server per test (own free port, own temp dir) and a client."""
 
+import asyncio
+
 import pytest
 
+from schemas.codec import decode
+from schemas.messages import Heartbeat
+from schemas.subjects import Subjects
 from services.bus import connect
 from services.natsserver import NatsServer, NatsServerConfig
 
@@ -19,3 +24,15 @@ async def nc(nats_server):
     client = await connect(nats_server.url, "pytest", initial_connect_timeout_s=5.0, reconnect_time_wait_s=0.1)
     yield client
     await client.close()
+
+
+async def wait_for_heartbeats(nc, instance_ids, timeout_s: float = 60.0) -> None:
+    """Until each of instance_ids has published a heartbeat (default subject prefix)."""
+    seen: set[str] = set()
+    beats = await nc.subscribe(Subjects().heartbeat)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not set(instance_ids) <= seen:
+                seen.add(decode((await beats.next_msg(timeout=timeout_s)).data, Heartbeat).instance_id)
+    finally:
+        await beats.unsubscribe()

@@ -3,6 +3,7 @@ CLI parser accepts, its settings are real config fields, and it runs the roles t
 stack runs."""
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def services():
 
 
 def role_services(services):
-    return {name: svc for name, svc in services.items() if name != "nats"}
+    return {name: svc for name, svc in services.items() if name != "nats" and "profiles" not in svc}
 
 
 def test_every_service_command_is_a_serve_the_cli_accepts(services):
@@ -119,3 +120,30 @@ def test_dockerfile_ships_the_models_the_services_default_to():
         assert setting in dockerfile
     build = load("docker-compose.yml")["x-specbus"]["build"]
     assert build["dockerfile"] == "ops/Dockerfile" and (REPO / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_metrics_profile_scrapes_every_role_and_mounts_files_that_parse(services):
+    metrics = {name: svc for name, svc in services.items() if "profiles" in svc}
+    assert set(metrics) == {"prometheus", "grafana"}
+    assert all(svc["profiles"] == ["metrics"] for svc in metrics.values())
+    mounts = {}
+    for svc in metrics.values():
+        for volume in svc["volumes"]:
+            host_path, container_path, _ = volume.split(":")
+            assert (REPO / host_path).exists(), host_path
+            mounts[container_path] = REPO / host_path
+    prometheus = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    port = int(load("docker-compose.yml")["x-env"]["SPECBUS_METRICS_PORT"])
+    scraped = {}
+    for job in prometheus["scrape_configs"]:
+        for sd in job["dns_sd_configs"]:
+            scraped.update({name: sd["port"] for name in sd["names"]})
+    assert scraped == {role: port for role in role_services(services)}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((provisioning / "dashboards/specbus.yml").read_text())["providers"][0]
+    dashboard_file = mounts[provider["options"]["path"] + "/specbus-dashboard.json"]
+    dashboard = json.loads(dashboard_file.read_text())
+    targets = [target for panel in dashboard["panels"] for target in panel["targets"]]
+    assert targets and all(t["datasource"]["uid"] == datasource["uid"] and "specbus_" in t["expr"] for t in targets)

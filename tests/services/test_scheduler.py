@@ -21,6 +21,7 @@ from gpu_worker.verifier import run_verifier
 from services.bus import heartbeat_loop, request
 from services.drafter import run_drafter
 from services.scheduler import run_scheduler
+from tests.conftest import wait_for_heartbeats
 from tests.gpu_worker.conftest import write_hf_model
 from tests.services.test_scheduling import write_tokenizer
 
@@ -77,14 +78,7 @@ class Stack:
             sent_at=time.time(), interval_s=0.1)), 0.1)))
 
     async def wait_for_instances(self, *instance_ids, timeout_s=60.0):
-        seen: set[str] = set()
-        beats = await self.nc.subscribe(SUBJECTS.heartbeat)
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not set(instance_ids) <= seen:
-                    seen.add(decode((await beats.next_msg(timeout=timeout_s)).data, Heartbeat).instance_id)
-        finally:
-            await beats.unsubscribe()
+        await wait_for_heartbeats(self.nc, instance_ids, timeout_s=timeout_s)
 
     async def generate(self, request: GenerateRequest, timeout_s=60.0) -> list[Commit]:
         """Commits of one request, in seq order, once its final commit arrived."""
