@@ -34,7 +34,7 @@ from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (MAX_BATCH_ROWS, PROTOCOL_VERSION, Commit, DraftRequest, DraftResponse, DraftRow,
                               DraftTokens, Error, FinishReason, GenerateRequest, Heartbeat, LogprobOptions,
-                              RowSampling, SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
+                              SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
                               VerifyResponse, VerifyRow)
 from services.bus import InstanceRegistry
 from services.metrics import SchedulerMetrics

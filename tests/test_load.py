@@ -1,0 +1,226 @@
+"""Load and backpressure (issue 6, item 3): a real multi-process stack with tiny random models,
+far more concurrent requests than it admits.
+
+The scheduler admits max_running 4 + max_queue 4; the verifier and drafter hold 4 KV slots each.
+While 40 requests arrive at once, a watcher records every heartbeat and polls the scheduler's
+$SRV.STATS: the queue bound holds, no KV cache reports more slots in use than it has, the 32
+excess requests are refused `overloaded` at once, the admitted ones give what they give alone,
+and the stack then serves a new batch at full speed. Cancelling every request at once frees
+every slot, as the heartbeats show.
+"""
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from gpu_worker.checkpoint import save_d2t
+from schemas.codec import decode
+from schemas.config import REPO_MODELS
+from schemas.errors import ErrorCode
+from schemas.messages import Heartbeat
+from services.client import Overloaded, make_request
+from services.stack import Stack, StackConfig
+from tests.gpu_worker.conftest import write_hf_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+VT, VD = 4096, 1024  # the shipped tokenizer's vocabulary; the draft keeps 1023 ids + "other"
+MAX_RUNNING, MAX_QUEUE, SLOTS = 4, 4, 4
+NUM_PROMPTS = 8
+MAX_TOKENS = 16
+TIMEOUT_S = 60.0
+HEARTBEAT_S = "0.1"  # frequent beats, so the watcher sees the slots as they are used
+
+
+def write_tiny_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny random target (vocab 4096, the shipped tokenizer) and a tiny draft over 1024 ids
+    with a many-to-one d2t map (draft "other" -> target 0); both with the shipped tokenizer."""
+    target, draft = root / "target", root / "draft"
+    shape = dict(hidden_size=32, intermediate_size=48, max_position_embeddings=2048, bos_token_id=0,
+                 eos_token_id=0, tie_word_embeddings=True)
+    write_hf_model(target, "llama", seed=1, vocab_size=VT, num_hidden_layers=2, **shape)
+    write_hf_model(draft, "llama", seed=2, vocab_size=VD, num_hidden_layers=1, **shape)
+    kept = torch.arange(VD - 1)
+    t2d = torch.full((VT,), VD - 1, dtype=torch.long)
+    t2d[kept] = torch.arange(VD - 1)
+    save_d2t(draft, torch.cat([kept, torch.tensor([0])]), t2d, VD - 1)
+    for path in (target, draft):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(REPO_MODELS / "target" / name, path / name)
+    return target, draft
+
+
+def greedy(prompt, max_tokens=MAX_TOKENS, **options):
+    return make_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, num_speculative_tokens=4,
+                        timeout_s=TIMEOUT_S, **options)
+
+
+async def scheduler_stats(stack) -> dict:
+    reply = await stack.nc.request("$SRV.STATS.scheduler", b"", timeout=5)
+    return json.loads(reply.data)["endpoints"][0]["data"]
+
+
+class Watcher:
+    """Every heartbeat, and the scheduler's running/queued counts every poll_s, while active."""
+
+    def __init__(self, stack, poll_s: float = 0.05):
+        self.stack = stack
+        self.poll_s = poll_s
+        self.beats: list[tuple[float, Heartbeat]] = []  # (time.monotonic(), beat)
+        self.stats: list[dict] = []
+        self.subscription = None
+        self.task = None
+
+    async def __aenter__(self) -> "Watcher":
+        self.subscription = await self.stack.nc.subscribe(self.stack.subjects.heartbeat, cb=self.on_beat)
+        self.task = asyncio.create_task(self.poll())
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.subscription.unsubscribe()
+
+    async def on_beat(self, msg) -> None:
+        self.beats.append((time.monotonic(), decode(msg.data, Heartbeat)))
+
+    async def poll(self) -> None:
+        while True:
+            self.stats.append(await scheduler_stats(self.stack))
+            await asyncio.sleep(self.poll_s)
+
+    def beats_of(self, role: str, since: float = 0.0) -> list[Heartbeat]:
+        return [beat for at, beat in self.beats if beat.role == role and at >= since]
+
+    async def wait_all_free(self, timeout_s: float) -> float:
+        """Seconds until a heartbeat sent after now reports every verifier and drafter slot free."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            fresh = {beat.instance_id: beat for role in ("verifier", "drafter")
+                     for beat in self.beats_of(role, since=started)}
+            if len(fresh) == 2 and all(beat.free_slots == beat.capacity and beat.load == 0 for beat in fresh.values()):
+                return time.monotonic() - started
+            await asyncio.sleep(0.05)
+        latest = {beat.instance_id: (beat.capacity, beat.load, beat.free_slots)
+                  for role in ("verifier", "drafter") for beat in self.beats_of(role)}
+        raise AssertionError(f"slots not all free after {timeout_s} s: (capacity, load, free_slots) {latest}")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    return write_tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(models, tmp_path_factory):
+    beat = ["--heartbeat-interval-s", HEARTBEAT_S]
+    config = StackConfig(
+        target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("load-logs"),
+        role_args={"scheduler": ["--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE), "--draft-timeout-s",
+                                 "5", *beat],
+                   "verifier": ["--max-slots", str(SLOTS), *beat], "drafter": ["--max-slots", str(SLOTS), *beat],
+                   "postprocessor": beat})
+    async with Stack(config) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(stack):
+    async with stack.client() as connected:
+        yield connected
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(1, VT, (12 + i,), generator=generator).tolist() for i in range(NUM_PROMPTS)]
+
+
+async def timed_batch(client, requests) -> tuple[list, float]:
+    started = time.monotonic()
+    results = await asyncio.gather(*(client.generate(r) for r in requests))
+    return results, time.monotonic() - started
+
+
+async def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(stack, client, prompts):
+    # Alone (in batches that fit): the reference outputs, and tokens/s before the crowd.
+    reference = []
+    for start in range(0, NUM_PROMPTS, MAX_RUNNING):
+        results, elapsed_s = await timed_batch(client, [greedy(p) for p in prompts[start:start + MAX_RUNNING]])
+        reference += [r.token_ids for r in results]
+    speed_before = MAX_RUNNING * MAX_TOKENS / elapsed_s
+
+    async def timed(index):
+        started = time.monotonic()
+        try:
+            result = await client.generate(greedy(prompts[index % NUM_PROMPTS]))
+        except Overloaded as exc:
+            return index, exc, time.monotonic() - started
+        return index, result, time.monotonic() - started
+
+    num_requests = 10 * (MAX_RUNNING + MAX_QUEUE) // 2  # 40: five times what is admitted
+    async with Watcher(stack) as watcher:
+        outcomes = await asyncio.gather(*(timed(i) for i in range(num_requests)))
+    refused = [(i, exc, s) for i, exc, s in outcomes if isinstance(exc, Overloaded)]
+    finished = [(i, result, s) for i, result, s in outcomes if not isinstance(result, Overloaded)]
+    print(f"\n{len(finished)} admitted, {len(refused)} refused; slowest refusal "
+          f"{max(s for _, _, s in refused) * 1000:.1f} ms, slowest admitted {max(s for _, _, s in finished):.2f} s")
+    assert len(finished) >= MAX_RUNNING + MAX_QUEUE and len(refused) >= num_requests - 2 * (MAX_RUNNING + MAX_QUEUE)
+    assert all(exc.code == ErrorCode.overloaded and "the limit is 4 running + 4 queued" in exc.message
+               for _, exc, _ in refused)
+    assert max(s for _, _, s in refused) < 2.0  # at once: the request timeout is 60 s
+    for index, result, _ in finished:
+        assert result.finish_reason == "length" and result.token_ids == reference[index % NUM_PROMPTS], index
+
+    # The bounds held the whole time, seen from the scheduler and from the KV caches. Admission
+    # bounds running + queued; between a burst of admissions and the next step boundary all of
+    # them may still be queued (seen: 0 running, 8 queued), so the queue alone is not bounded by 4.
+    assert watcher.stats and all(s["running"] <= MAX_RUNNING and s["running"] + s["queued"] <= MAX_RUNNING + MAX_QUEUE
+                                 for s in watcher.stats)
+    assert max(s["running"] for s in watcher.stats) == MAX_RUNNING  # the watcher saw the stack full
+    assert all(beat.load <= MAX_RUNNING + MAX_QUEUE for beat in watcher.beats_of("scheduler"))
+    for role in ("verifier", "drafter"):
+        beats = watcher.beats_of(role)
+        assert beats and all(beat.capacity == SLOTS and 0 <= beat.free_slots <= SLOTS and beat.load <= SLOTS
+                             and beat.load == SLOTS - beat.free_slots for beat in beats), role
+        assert min(beat.free_slots for beat in beats) == 0, role  # every slot was used, none twice
+    stats = await scheduler_stats(stack)
+    assert stats.get("finished_error", 0) == 0 and stats["refused_overloaded"] >= len(refused)
+
+    # Recovered: a new batch that fits all succeeds, at the speed of before.
+    results, elapsed_s = await timed_batch(client, [greedy(p) for p in prompts[:MAX_RUNNING]])
+    assert [r.token_ids for r in results] == reference[:MAX_RUNNING]
+    print(f"tokens/s: {speed_before:.0f} before the crowd, {MAX_RUNNING * MAX_TOKENS / elapsed_s:.0f} after")
+
+
+async def test_cancelling_every_request_at_once_frees_every_slot(stack, client, prompts):
+    long_requests = [greedy(p, max_tokens=1000) for p in prompts[:MAX_RUNNING + MAX_QUEUE]]
+    streams = [await client.open_stream(request) for request in long_requests]
+    first_chunks = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams[:MAX_RUNNING])), timeout=30)
+    assert all(len(chunk.token_ids) for chunk in first_chunks)
+    async with Watcher(stack) as watcher:
+        await asyncio.sleep(0.3)  # a few beats with the slots in use
+        assert all(beat.free_slots == 0 for role in ("verifier", "drafter") for beat in watcher.beats_of(role))
+        await asyncio.gather(*(client.cancel(request.request_id) for request in long_requests))
+
+        async def final_chunk(stream):
+            async for chunk in stream:
+                last = chunk
+            return last
+
+        finals = await asyncio.wait_for(asyncio.gather(*(final_chunk(s) for s in streams)), timeout=10)
+        assert [chunk.finish_reason for chunk in finals] == ["cancelled"] * len(streams)
+        freed_s = await watcher.wait_all_free(timeout_s=5.0)
+    print(f"\nevery slot free {freed_s:.2f} s after the cancelled streams ended")
+    for stream in streams:
+        await stream.close()
+    stats = await scheduler_stats(stack)
+    assert (stats["running"], stats["queued"]) == (0, 0) and stats["finished_cancelled"] == len(streams)
+    result = await client.generate(greedy(prompts[0]))
+    assert result.finish_reason == "length" and len(result.token_ids) == MAX_TOKENS
