@@ -630,6 +630,7 @@ class Commit(Message):
     First commit: prompt_token_ids. Final commit: finish_reason and usage.
     resume_token_ids: the completion tokens committed before this one, sent when the request
     moves to a new postprocessor so it can rebuild its detokenizer state.
+    error: on a final commit with finish_reason "error", why (passed on in the final chunk).
     """
 
     type: Literal["commit"] = "commit"
@@ -651,6 +652,7 @@ class Commit(Message):
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stream: bool = True
     resume_token_ids: TokenIds | None = None
+    error: Error | None = None
 
     @model_validator(mode="after")
     def _counts(self) -> "Commit":

@@ -391,7 +391,7 @@ class Postprocessor:
             request_id=state.request_id, seq=commit.seq, token_ids=commit.token_ids[:num_kept],
             text=self._take_text(state, done), from_draft=[i < commit.num_accepted for i in range(num_kept)],
             degraded=list(dict.fromkeys(degraded)), finish_reason=finish_reason,
-            usage=self._usage(state, commit) if done else None,
+            usage=self._usage(state, commit) if done else None, error=commit.error if final else None,
             **self._token_extras(state, record, commit.token_ids[:num_kept]),
             **self._prompt_extras(state, commit))
         outs = self._deliver(state, chunk)

@@ -449,19 +449,19 @@ class SchedulerState:
             expect_side_channel: bool = False, error: Error | None = None) -> Outbox:
         """Remove the request, free its slots on the next batches, and send its final commit
         (reason None: a StopNotice ended it, nothing is sent). error: the reason the client must
-        read, sent as a final chunk straight to it (before the first commit, when the
-        postprocessor knows nothing of the request; a Commit has no error field)."""
+        read, carried by the final commit into the final chunk. With no live postprocessor the
+        final chunk goes straight to the client."""
         self.running.pop(request.request_id, None)
         self.release(request.verifier_id, request.request_id)
         self.release(request.drafter_id, request.request_id)
         self.counters[f"finished_{reason or 'stop_notice'}"] += 1
         if reason is None:
             return Outbox()
-        if error is not None or not self.alive(request.postprocessor_id):
+        if not self.alive(request.postprocessor_id):
             return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
         return Outbox(commits=[(request.postprocessor_id, self.commit(
             request, batch_id if batch_id is not None else request.last_batch_id, tokens, num_draft, num_accepted,
-            degraded, reason, expect_side_channel))])
+            degraded, reason, expect_side_channel, error))])
 
     def direct_final_chunk(self, request: Request, reason: FinishReason, error: Error | None = None) -> StreamChunk:
         """A request ending with no live postprocessor: the client still gets a final chunk.
@@ -478,7 +478,8 @@ class SchedulerState:
         return chunk
 
     def commit(self, request: Request, batch_id: int, tokens: list[int], num_draft: int, num_accepted: int,
-               degraded: list[str], finish_reason: FinishReason | None, expect_side_channel: bool) -> Commit:
+               degraded: list[str], finish_reason: FinishReason | None, expect_side_channel: bool,
+               error: Error | None = None) -> Commit:
         """The Commit for tokens already appended to the history (seq numbered here)."""
         first = request.seq == 0
         completion_len = len(request.completion) - len(tokens)
@@ -488,7 +489,7 @@ class SchedulerState:
                         degraded=list(dict.fromkeys(degraded)), expect_side_channel=expect_side_channel,
                         usage=request.usage() if finish_reason else None,
                         prompt_token_ids=request.history[:request.prompt_len] if first else None,
-                        logprobs=request.logprobs, stop=request.sampling.stop, stream=request.stream)
+                        logprobs=request.logprobs, stop=request.sampling.stop, stream=request.stream, error=error)
         request.seq += 1
         # Kept by time, not only by count: a postprocessor is found dead heartbeat_timeout_s after
         # its last beat, and on a fast machine far more than REPLAY_COMMITS commits go out in that

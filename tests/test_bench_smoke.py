@@ -4,18 +4,13 @@ assistant export keeps the draft's greedy choices. Plus the acceptance arithmeti
 
 import json
 import math
-import shutil
 
 import pytest
-import torch
 
-from gpu_worker.checkpoint import save_d2t
 from ops.bench.bench_pipeline import acceptance, decode_steps, main
-from schemas.config import REPO_MODELS
 from schemas.messages import StreamChunk
-from tests.gpu_worker.conftest import write_hf_model
+from tests.gpu_worker.conftest import write_tiny_pair
 
-VT, VD = 4096, 1024  # the shipped tokenizer's vocabulary; the draft keeps 1023 ids + "other"
 MAX_TOKENS, K = 6, 2
 
 
@@ -41,19 +36,7 @@ def test_decode_steps_and_acceptance_by_hand():
 
 @pytest.fixture
 def tiny_pair(tmp_path):
-    target, draft = tmp_path / "target", tmp_path / "draft"
-    shape = dict(hidden_size=32, intermediate_size=48, max_position_embeddings=2048, bos_token_id=0,
-                 eos_token_id=0, tie_word_embeddings=True)
-    write_hf_model(target, "llama", seed=1, vocab_size=VT, num_hidden_layers=2, **shape)
-    write_hf_model(draft, "llama", seed=2, vocab_size=VD, num_hidden_layers=1, **shape)
-    kept = torch.arange(VD - 1)  # target ids 0..1022, EOS (0) among them: d2t is many-to-one at 0
-    t2d = torch.full((VT,), VD - 1, dtype=torch.long)
-    t2d[kept] = torch.arange(VD - 1)
-    save_d2t(draft, torch.cat([kept, torch.tensor([0])]), t2d, VD - 1)
-    for path in (target, draft):
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(REPO_MODELS / "target" / name, path / name)
-    return target, draft
+    return write_tiny_pair(tmp_path)
 
 
 def test_bench_smoke(tiny_pair, tmp_path):

@@ -37,7 +37,7 @@ from schemas.subjects import Subjects
 from services.bus import connect
 from services.client import RequestError, make_request
 from services.stack import Stack, StackConfig
-from tests.test_load import VT, write_tiny_pair
+from tests.gpu_worker.conftest import VT, write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -11,7 +11,6 @@ every slot, as the heartbeats show.
 
 import asyncio
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -19,41 +18,20 @@ import pytest
 import pytest_asyncio
 import torch
 
-from gpu_worker.checkpoint import save_d2t
 from schemas.codec import decode
-from schemas.config import REPO_MODELS
 from schemas.errors import ErrorCode
 from schemas.messages import Heartbeat
 from services.client import Overloaded, make_request
 from services.stack import Stack, StackConfig
-from tests.gpu_worker.conftest import write_hf_model
+from tests.gpu_worker.conftest import VT, write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-VT, VD = 4096, 1024  # the shipped tokenizer's vocabulary; the draft keeps 1023 ids + "other"
 MAX_RUNNING, MAX_QUEUE, SLOTS = 4, 4, 4
 NUM_PROMPTS = 8
 MAX_TOKENS = 16
 TIMEOUT_S = 60.0
 HEARTBEAT_S = "0.1"  # frequent beats, so the watcher sees the slots as they are used
-
-
-def write_tiny_pair(root: Path) -> tuple[Path, Path]:
-    """A tiny random target (vocab 4096, the shipped tokenizer) and a tiny draft over 1024 ids
-    with a many-to-one d2t map (draft "other" -> target 0); both with the shipped tokenizer."""
-    target, draft = root / "target", root / "draft"
-    shape = dict(hidden_size=32, intermediate_size=48, max_position_embeddings=2048, bos_token_id=0,
-                 eos_token_id=0, tie_word_embeddings=True)
-    write_hf_model(target, "llama", seed=1, vocab_size=VT, num_hidden_layers=2, **shape)
-    write_hf_model(draft, "llama", seed=2, vocab_size=VD, num_hidden_layers=1, **shape)
-    kept = torch.arange(VD - 1)
-    t2d = torch.full((VT,), VD - 1, dtype=torch.long)
-    t2d[kept] = torch.arange(VD - 1)
-    save_d2t(draft, torch.cat([kept, torch.tensor([0])]), t2d, VD - 1)
-    for path in (target, draft):
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(REPO_MODELS / "target" / name, path / name)
-    return target, draft
 
 
 def greedy(prompt, max_tokens=MAX_TOKENS, **options):
