@@ -125,6 +125,10 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     for config_field in dataclasses.fields(CONFIGS[role]):
         if model_dirs.get(config_field.name) is not None:
             argv += ["--" + config_field.name.replace("_", "-"), str(model_dirs[config_field.name])]
+    # Several model processes share one machine: on a small one, one torch thread each avoids
+    # OpenMP threads spinning against each other (role_args come later, so they still win).
+    if "torch_threads" in {f.name for f in dataclasses.fields(CONFIGS[role])} and (os.cpu_count() or 1) <= 4:
+        argv += ["--torch-threads", "1"]
     return argv + list(config.role_args.get(role, []))
 
 
