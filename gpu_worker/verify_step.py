@@ -21,7 +21,8 @@
 4. emitting rows, batched: target distributions and samples (`sample`, row params, uniforms
    STREAM_TARGET at the absolute position each sampled token would occupy), proposal ->
    draft_probs, `rejection_sample` (STREAM_ACCEPT / STREAM_RESIDUAL at the draft positions;
-   greedy rows take the argmax path and use no uniform), then the slot is trimmed to
+   greedy rows take the argmax path and use no uniform; a batch of greedy rows computes
+   nothing but the argmaxes), then the slot is trimmed to
    cached_len + len(new) + num_accepted: the last emitted token is not in the cache yet;
 5. logprobs of the emitted tokens (with the K the sampler used), prompt logprobs (the logprob
    of prompt token j given tokens < j, for j = 1..prompt_len-1, computed chunk by chunk and
@@ -34,6 +35,8 @@ log_softmax(logits / T) with logz_k, the reader subtracting logz_k (ids outside 
 
 from __future__ import annotations
 
+import bisect
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,9 +49,9 @@ from gpu_worker.checkpoint import model_id
 from gpu_worker.kv_cache import CacheFullError, KVCache
 from gpu_worker.logprobs import TokenLogprobs, gather_logprobs
 from gpu_worker.model import Model, forward
-from gpu_worker.rejection import proposal_to_draft_probs, rejection_sample
+from gpu_worker.rejection import RejectionResult, proposal_to_draft_probs, rejection_sample
 from gpu_worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, ProcessedLogits,
-                                 SamplingInputError, SamplingTensors, make_uniforms, request_seed, sample)
+                                 SamplingInputError, SamplingTensors, check, make_uniforms, request_seed, sample)
 from gpu_worker.slots import load_model_and_cache, release
 from gpu_worker.tokenizer import tokenizer_id
 from schemas.config import VerifierConfig
@@ -194,7 +197,14 @@ def check_row(verifier: Verifier, row: VerifyRow, prefix: str) -> None:
 
 def row_params(row: VerifyRow, device) -> SamplingTensors:
     s = row.sampling
-    return SamplingTensors.build([s.temperature], [s.top_k], [s.top_p], [s.min_p], device=device)
+    return params_of(s.temperature, s.top_k, s.top_p, s.min_p, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def params_of(temperature: float, top_k: int, top_p: float, min_p: float, device) -> SamplingTensors:
+    """One row's SamplingTensors, built once per distinct setting: building and checking the four
+    tensors costs ~0.2 ms on this CPU, per row and step otherwise. Nothing mutates them."""
+    return SamplingTensors.build([temperature], [top_k], [top_p], [min_p], device=device)
 
 
 def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Tensor | None:
@@ -318,13 +328,15 @@ def forward_group(verifier: Verifier, group: list[tuple[RowWork, int, int]]) -> 
 def take_logits(verifier: Verifier, work: RowWork, offsets: list[int], logits: torch.Tensor) -> None:
     """Split a chunk's logits (m, V) at offsets into prompt logprobs (computed now, so a long
     prompt never holds all its logits) and verify logits (kept for sampling)."""
-    prompt = [i for i, o in enumerate(offsets) if o < work.num_prompt]
+    # offsets ascend (RowWork.wanted): the prompt ones lead, the verify ones end the list, so
+    # both are slices (views, no copy)
+    num_prompt = bisect.bisect_left(offsets, work.num_prompt)
     if work.row.emit:
-        work.verify_logits.append(logits[[i for i, o in enumerate(offsets) if o >= work.num_new - 1]])
-    if not prompt:
+        work.verify_logits.append(logits[bisect.bisect_left(offsets, work.num_new - 1):])
+    if not num_prompt:
         return
-    prompt_logits = logits[prompt]  # (p, V): offset o predicts tokens[o + 1]
-    predicted = [offsets[i] + 1 for i in prompt]
+    prompt_logits = logits[:num_prompt]  # (p, V): offset o predicts tokens[o + 1]
+    predicted = [o + 1 for o in offsets[:num_prompt]]
     if predicted[-1] == work.num_new:  # predicts the next step's first token: kept for then
         work.next_prompt_logits = prompt_logits[-1]
         prompt_logits, predicted = prompt_logits[:-1], predicted[:-1]
@@ -361,7 +373,9 @@ class Verified:
     num_accepted: int
     residual_fallback: bool
     logits: torch.Tensor  # (n, V): the logits each emitted token was drawn from
-    processed: ProcessedLogits  # [1, n, ...] slices of the sampler's output
+    # [1, n, ...] slices of the sampler's output; None for a greedy batch, whose K (the argmax)
+    # gather_logprobs recomputes from the logits as it does for prompt positions
+    processed: ProcessedLogits | None
 
 
 def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
@@ -374,6 +388,53 @@ def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
         row_logits = torch.cat(w.verify_logits)  # (k+1, V)
         logits.append(torch.cat([row_logits, row_logits[-1:].expand(K - w.num_draft, V)]))
     logits = torch.stack(logits)  # (B, K+1, V); slots past a row's drafts repeat its last logits
+    draft_ids = torch.full((len(works), K), -1, dtype=torch.long)
+    for b, w in enumerate(works):
+        draft_ids[b, :w.num_draft] = w.tokens[w.num_new:]
+    draft_ids = draft_ids.to(device)
+    if all(w.row.sampling.greedy for w in works):
+        token_ids, num_accepted = verify_greedy(logits, draft_ids)
+        residual_fallback, processed = [False] * len(works), None
+    else:
+        result, processed = verify_sampled(works, logits, draft_ids)
+        token_ids, num_accepted = result.token_ids, result.num_accepted.tolist()
+        residual_fallback = result.residual_fallback.tolist()
+    token_ids = token_ids.cpu()
+    verified = []
+    for b in range(len(works)):
+        n = num_accepted[b] + 1
+        rows = slice(b, b + 1)
+        verified.append(Verified(
+            token_ids=token_ids[b, :n], num_accepted=n - 1, residual_fallback=residual_fallback[b],
+            logits=logits[b, :n], processed=None if processed is None else
+            ProcessedLogits(processed.probs[rows, :n], processed.candidate_ids[rows, :n],
+                            processed.num_candidates[rows, :n])))
+    return verified
+
+
+def verify_greedy(logits: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """rejection_sample's greedy path without the distributions, uniforms and checks it does not
+    need (~2 ms a step at batch 1 on this CPU): a draft is accepted while it equals the target's
+    argmax (lowest id on ties, as process_logits), so the emitted tokens are the argmaxes at
+    positions 0..num_accepted.
+
+    logits (B, K+1, V); draft_ids (B, K) int64, -1 past a row's drafts (never an argmax).
+    Returns the argmaxes (B, K+1) int64 and num_accepted per row.
+    """
+    B, K = draft_ids.shape
+    assert logits.shape[:2] == (B, K + 1), (logits.shape, draft_ids.shape)
+    # amax propagates NaN: the same check (and error) as process_logits
+    check(bool(torch.isfinite(logits.amax(-1)).all()), "logits", "a row has NaN, +inf or no finite value")
+    target_ids = logits.argmax(-1)
+    num_accepted = (draft_ids == target_ids[:, :K]).long().cumprod(-1).sum(-1)
+    return target_ids, num_accepted.tolist()
+
+
+def verify_sampled(works: list[RowWork], logits: torch.Tensor,
+                   draft_ids: torch.Tensor) -> tuple[RejectionResult, ProcessedLogits]:
+    """Target samples and the rejection sampler for a batch with sampled rows (greedy rows in it
+    take the sampler's argmax path). logits (B, K+1, V); draft_ids (B, K), -1 padded."""
+    (B, K), V, device = draft_ids.shape, logits.shape[-1], logits.device
     params = SamplingTensors(*(torch.cat([getattr(w.params, name) for w in works])
                                for name in ("temperature", "top_k", "top_p", "min_p")))
     seeds = torch.tensor([request_seed(w.row.sampling.seed, w.row.request_id) for w in works], dtype=torch.long,
@@ -381,14 +442,10 @@ def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
     first = torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)
     positions = first[:, None] + torch.arange(K + 1, device=device)  # (B, K+1): where each sample lands
     processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))
-    draft_ids = torch.full((len(works), K), -1, dtype=torch.long)
-    for b, w in enumerate(works):
-        draft_ids[b, :w.num_draft] = w.tokens[w.num_new:]
-    draft_ids = draft_ids.to(device)
     num_draft = torch.tensor([w.num_draft for w in works], dtype=torch.long, device=device)
     draft_probs = None
     if any(w.draft_probs is not None for w in works):
-        one_hot = torch.zeros(len(works), K, V, device=device)
+        one_hot = torch.zeros(B, K, V, device=device)
         one_hot.scatter_(-1, draft_ids.clamp_min(0)[..., None], 1.0)
         draft_probs = torch.stack([one_hot[b] if w.draft_probs is None else
                                    torch.cat([w.draft_probs, one_hot[b, w.num_draft:]])
@@ -396,16 +453,7 @@ def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
     result = rejection_sample(draft_ids, num_draft, draft_probs, processed.probs, target_ids, params.greedy,
                               uniforms=make_uniforms(seeds, positions[:, :K], STREAM_ACCEPT),
                               residual_uniforms=make_uniforms(seeds, positions[:, :K], STREAM_RESIDUAL))
-    verified = []
-    for b in range(len(works)):
-        n = int(result.num_accepted[b]) + 1
-        rows = slice(b, b + 1)
-        verified.append(Verified(
-            token_ids=result.token_ids[b, :n].cpu(), num_accepted=n - 1,
-            residual_fallback=bool(result.residual_fallback[b]), logits=logits[b, :n],
-            processed=ProcessedLogits(processed.probs[rows, :n], processed.candidate_ids[rows, :n],
-                                      processed.num_candidates[rows, :n])))
-    return verified
+    return result, processed
 
 
 def verify_each(verifier: Verifier, works: list[RowWork]) -> list[Verified | None]:
@@ -432,7 +480,7 @@ def logprob_arrays(row: VerifyRow, logits: torch.Tensor, token_ids: torch.Tensor
     """LogprobArrays (and masks) for tokens (n,) drawn from logits (n, V) under the row's params.
 
     processed: the sampler's output at these positions (emitted tokens) or None (prompt
-    positions: K from the sampler's own select_candidates).
+    positions and greedy batches: K from the sampler's own select_candidates).
     """
     options = row.logprobs
     n = len(token_ids)

@@ -144,7 +144,6 @@ def export(model, out: Path) -> None:
     import copy
 
     half = copy.deepcopy(model).to(torch.float16)
-    half.config.torch_dtype = "float16"
     half.save_pretrained(out, safe_serialization=True)
 
 
@@ -255,8 +254,10 @@ def train_draft(steps: int, batch: int, lr: float, resume: bool, device: str) ->
         return F.kl_div(logprobs.flatten(0, 1), teacher.flatten(0, 1), reduction="batchmean")
 
     t0 = time.time()
-    train_loop("draft", draft, loss_fn, tokens, steps, batch, lr, resume, device)
+    # d2t first, so every checkpoint export is a usable pair.
+    (MODELS / "draft").mkdir(parents=True, exist_ok=True)
     save_d2t(MODELS / "draft", d2t, t2d, other_id)
+    train_loop("draft", draft, loss_fn, tokens, steps, batch, lr, resume, device)
     print(f"draft distilled in {time.time() - t0:.0f} s")
 
 
