@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 NUM_REQUESTS = 8
 PROMPT_TOKENS = 16
 MAX_TOKENS = 160
-LONG_MAX_TOKENS = 480  # outlives a drafter restart (~10-20 s of imports on a busy machine) at k=0
+LONG_MAX_TOKENS = 480  # outlives a drafter restart (~10-20 s of imports on a busy machine) or freeze at k=0
 K = 4
 TIMEOUT_S = 120.0
 CLIENT_MARGIN_S = 5.0  # services.client.Client's timeout_margin_s default
@@ -320,7 +320,7 @@ async def test_a_killed_postprocessor_hands_its_streams_to_the_other_one(stack, 
 
 async def test_a_frozen_drafter_costs_drafts_not_time(stack, client, prompts, reference, tokenizer):
     [drafter_id] = running(stack, "drafter")
-    load = await Load.start(client, requests_for(prompts, "drafter-freeze"))
+    load = await Load.start(client, requests_for(prompts, "drafter-freeze", max_tokens=LONG_MAX_TOKENS))
     stack.kill(drafter_id, signal.SIGSTOP)
     frozen_at = time.monotonic()
     await asyncio.sleep(HEARTBEAT_TIMEOUT_S + 1.5)
