@@ -239,6 +239,9 @@ class SchedulerState:
         self.waiting: deque[Request] = deque()
         self.releases: dict[str, list[str]] = {}  # instance_id -> request ids whose slots to free
         self.avoid_until: dict[str, float] = {}  # verifier_id -> monotonic time it is usable again
+        # Ended requests whose final commit went to a postprocessor, by monotonic end time: if that
+        # postprocessor turns out dead before it could have been noticed, the commits are replayed.
+        self.finishing: dict[str, tuple[Request, float]] = {}
         self.pinned_since_beat: Counter = Counter()  # requests pinned to an instance since its last heartbeat
         self.next_batch_id = 0
         self.num_plans = 0
@@ -348,6 +351,7 @@ class SchedulerState:
                 outbox.extend(self.end(request, "timeout", now))
             else:
                 outbox.extend(self.replace_dead(request, now))
+        outbox.extend(self.replay_lost_finals())
         still_waiting = deque()
         for request in self.waiting:
             if request.end_reason is not None or now >= request.deadline:
@@ -374,17 +378,39 @@ class SchedulerState:
     def replace_dead(self, request: Request, now: float) -> Outbox:
         outbox = Outbox()
         if not self.alive(request.postprocessor_id):
-            new_id = self.pick("postprocessor")
-            if new_id is not None:
-                log.warning("postprocessor_replaced", request_id=request.request_id, old=request.postprocessor_id,
-                            new=new_id, replayed=len(request.sent))
-                request.postprocessor_id = self.took(new_id)
-                outbox.commits += [(new_id, commit) for commit in self.replay(request)]
-                self.counters["postprocessor_repinned"] += 1
+            outbox.commits += self.repin_postprocessor(request)
         if request.speculative.num_speculative_tokens > 0 and not self.alive(request.drafter_id):
             request.drafter_id, request.drafter_len = self.took(self.pick("drafter")), 0
         if not self.alive(request.verifier_id):
             outbox.extend(self.migrate(request, now))
+        return outbox
+
+    def repin_postprocessor(self, request: Request) -> list[tuple[str, Commit]]:
+        """Move the request to a live postprocessor and replay its recent commits there; [] when
+        there is none (it waits, up to its deadline)."""
+        new_id = self.pick("postprocessor")
+        if new_id is None:
+            return []
+        log.warning("postprocessor_replaced", request_id=request.request_id, old=request.postprocessor_id,
+                    new=new_id, replayed=len(request.sent))
+        request.postprocessor_id = self.took(new_id)
+        self.counters["postprocessor_repinned"] += 1
+        return [(new_id, commit) for commit in self.replay(request)]
+
+    def replay_lost_finals(self) -> Outbox:
+        """A final commit sent just before its postprocessor died is lost with it, and a dead
+        postprocessor is only noticed heartbeat_timeout_s later: keep ended requests that long
+        (twice, for margin) and replay their commits to another postprocessor if need be."""
+        outbox = Outbox()
+        window = 2 * self.config.heartbeat_timeout_s
+        for request_id, (request, ended_at) in list(self.finishing.items()):
+            if self.monotonic() - ended_at > window:
+                del self.finishing[request_id]
+            elif not self.alive(request.postprocessor_id):
+                replayed = self.repin_postprocessor(request)
+                if replayed:
+                    outbox.commits += replayed
+                    del self.finishing[request_id]
         return outbox
 
     def replay(self, request: Request) -> list[Commit]:
@@ -459,6 +485,7 @@ class SchedulerState:
             return Outbox()
         if not self.alive(request.postprocessor_id):
             return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
+        self.finishing[request.request_id] = (request, self.monotonic())
         return Outbox(commits=[(request.postprocessor_id, self.commit(
             request, batch_id if batch_id is not None else request.last_batch_id, tokens, num_draft, num_accepted,
             degraded, reason, expect_side_channel, error))])

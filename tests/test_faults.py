@@ -405,3 +405,23 @@ async def test_a_restarted_nats_server_ends_no_stream_silently_and_serves_again(
     await heartbeats_since(stack, list(pids(stack)), restarted_at)
     again = await asyncio.gather(*(client.generate(r) for r in requests_for(prompts, "after-restart")))
     assert [r.token_ids for r in again] == [expected[:MAX_TOKENS] for expected in reference]
+
+
+async def test_a_final_commit_lost_with_its_postprocessor_is_replayed(tokenizer):
+    """A request whose last commit went to a postprocessor that died before anyone noticed
+    (scheduler logic only, no NATS): the scheduler keeps the ended request for twice the
+    heartbeat timeout and replays its commits, the final one included, to a live postprocessor."""
+    state = new_state(tokenizer, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    request = submit(state, sampling={"max_tokens": 3})
+    for _ in range(5):  # admission, prefill, then one token a step: the third commit is final
+        step(state)
+    assert request.request_id in state.finishing
+    state.clock.now += 1.5 * HEARTBEAT_TIMEOUT_S  # p1 falls silent right after the final commit
+    for instance_id, role in (("v1", "verifier"), ("d1", "drafter"), ("p2", "postprocessor")):
+        beat(state, instance_id, role)
+    outbox = state.boundary(state.clock.now)
+    replayed = [commit for postprocessor_id, commit in outbox.commits if postprocessor_id == "p2"]
+    assert replayed and replayed[-1].finish_reason == "length"
+    assert [c.seq for c in replayed] == list(range(len(replayed)))
+    state.clock.now += 3 * HEARTBEAT_TIMEOUT_S
+    assert not state.boundary(state.clock.now).commits and not state.finishing  # replayed once, then forgotten
