@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from schemas.codec import decode
 from schemas.messages import Heartbeat
@@ -36,3 +37,10 @@ async def wait_for_heartbeats(nc, instance_ids, timeout_s: float = 60.0) -> None
                 seen.add(decode((await beats.next_msg(timeout=timeout_s)).data, Heartbeat).instance_id)
     finally:
         await beats.unsubscribe()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(stack):
+    """A Client logged in to the module's own `stack` fixture (each stack module defines one)."""
+    async with stack.client() as connected:
+        yield connected

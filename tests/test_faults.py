@@ -98,12 +98,6 @@ async def stack(models, tmp_path_factory):
         yield running
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(stack):
-    async with stack.client() as connected:
-        yield connected
-
-
 def greedy(prompt, name: str, **options) -> GenerateRequest:
     options = {"max_tokens": MAX_TOKENS, "timeout_s": TIMEOUT_S, **options}
     return make_request(prompt, request_id=f"{name}-{time.monotonic_ns()}", temperature=0.0, ignore_eos=True,

@@ -221,12 +221,6 @@ async def nc(stack):
     await connection.close()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(stack):
-    async with stack.client() as connected:
-        yield connected
-
-
 def greedy(prompt, **options):
     return make_request(prompt, max_tokens=16, temperature=0.0, ignore_eos=True, num_speculative_tokens=4,
                         timeout_s=60.0, **options)

@@ -108,12 +108,6 @@ async def stack(models, tmp_path_factory):
         yield running
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(stack):
-    async with stack.client() as connected:
-        yield connected
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)

@@ -86,12 +86,6 @@ async def stack(models, tmp_path_factory):
         yield running
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(stack):
-    async with stack.client() as connected:
-        yield connected
-
-
 def greedy(prompt, k, max_tokens=MAX_TOKENS, **options):
     return make_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, num_speculative_tokens=k,
                         timeout_s=TIMEOUT_S, **options)
