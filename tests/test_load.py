@@ -76,18 +76,22 @@ class Watcher:
     def beats_of(self, role: str, since: float = 0.0) -> list[Heartbeat]:
         return [beat for at, beat in self.beats if beat.role == role and at >= since]
 
-    async def wait_all_free(self, timeout_s: float) -> float:
-        """Seconds until a heartbeat sent after now reports every verifier and drafter slot free."""
+    async def wait_slots(self, free: bool, timeout_s: float) -> float:
+        """Seconds until a heartbeat sent after now reports every verifier and drafter slot free
+        (free=True) or every one in use (free=False)."""
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             fresh = {beat.instance_id: beat for role in ("verifier", "drafter")
                      for beat in self.beats_of(role, since=started)}
-            if len(fresh) == 2 and all(beat.free_slots == beat.capacity and beat.load == 0 for beat in fresh.values()):
+            wanted = [(beat.free_slots == beat.capacity and beat.load == 0) if free else beat.free_slots == 0
+                      for beat in fresh.values()]
+            if len(fresh) == 2 and all(wanted):
                 return time.monotonic() - started
             await asyncio.sleep(0.05)
         latest = {beat.instance_id: (beat.capacity, beat.load, beat.free_slots)
                   for role in ("verifier", "drafter") for beat in self.beats_of(role)}
-        raise AssertionError(f"slots not all free after {timeout_s} s: (capacity, load, free_slots) {latest}")
+        raise AssertionError(f"slots not all {'free' if free else 'in use'} after {timeout_s} s: "
+                             f"(capacity, load, free_slots) {latest}")
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +181,8 @@ async def test_cancelling_every_request_at_once_frees_every_slot(stack, client, 
     first_chunks = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams[:MAX_RUNNING])), timeout=30)
     assert all(len(chunk.token_ids) for chunk in first_chunks)
     async with Watcher(stack) as watcher:
-        await asyncio.sleep(0.3)  # a few beats with the slots in use
-        assert all(beat.free_slots == 0 for role in ("verifier", "drafter") for beat in watcher.beats_of(role))
+        # A drafter slot fills in the step after its request's first token, so wait for the beats.
+        await watcher.wait_slots(free=False, timeout_s=10.0)
         await asyncio.gather(*(client.cancel(request.request_id) for request in long_requests))
 
         async def final_chunk(stream):
@@ -188,7 +192,7 @@ async def test_cancelling_every_request_at_once_frees_every_slot(stack, client, 
 
         finals = await asyncio.wait_for(asyncio.gather(*(final_chunk(s) for s in streams)), timeout=10)
         assert [chunk.finish_reason for chunk in finals] == ["cancelled"] * len(streams)
-        freed_s = await watcher.wait_all_free(timeout_s=5.0)
+        freed_s = await watcher.wait_slots(free=True, timeout_s=5.0)
     print(f"\nevery slot free {freed_s:.2f} s after the cancelled streams ended")
     for stream in streams:
         await stream.close()
