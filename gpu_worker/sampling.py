@@ -26,25 +26,22 @@ are split into steps. Draft sampling, target sampling, the acceptance test and r
 sampling each use their own stream id.
 """
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
+
+from schemas.messages import seed_from_request_id
 
 STREAM_DRAFT = 0
 STREAM_TARGET = 1
 STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
-SEED_MASK = 2**63 - 1  # seeds are non-negative int64
 
 
 def request_seed(seed: int | None, request_id: str) -> int:
     """seed, or for a sampled row that has none (the scheduler normally fills it) a stable one
-    from its request id, so retries, migration and batching still draw the same tokens. The
-    same value as services/scheduling.seed_from_request_id."""
-    if seed is not None:
-        return seed
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & SEED_MASK
+    from its request id, so retries, migration and batching still draw the same tokens."""
+    return seed if seed is not None else seed_from_request_id(request_id)
 
 
 class SamplingInputError(ValueError):

@@ -8,6 +8,7 @@ A check that involves several fields raises `field_error(path, message)`: the co
 `path` to the error's location, so the client sees e.g. `rows[2].proposal.probs`.
 """
 
+import hashlib
 import math
 import uuid
 from typing import Annotated, Any, Literal
@@ -63,6 +64,12 @@ Logprob = Annotated[float, AfterValidator(_finite_or_neg_inf)]
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def seed_from_request_id(request_id: str) -> int:
+    """A stable seed for a sampled request that gave none (0..2**63-1): the same id always draws
+    the same tokens, whichever scheduler, verifier or drafter computes it."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 class Model(BaseModel):

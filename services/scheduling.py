@@ -19,7 +19,6 @@ are wall-clock `time.time()` seconds, as on the wire; liveness uses the registry
 clock. Interpretations of the contract (PIPELINE.md) are listed in `SchedulerState`'s docstring.
 """
 
-import hashlib
 import re
 import time
 from collections import Counter, deque
@@ -35,19 +34,13 @@ from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (MAX_BATCH_ROWS, PROTOCOL_VERSION, Commit, DraftRequest, DraftResponse, DraftRow,
                               DraftTokens, Error, FinishReason, GenerateRequest, Heartbeat, LogprobOptions,
                               SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
-                              VerifyResponse, VerifyRow)
+                              VerifyResponse, VerifyRow, seed_from_request_id)
 from services.bus import InstanceRegistry
 from services.metrics import SchedulerMetrics
 
 log = structlog.get_logger(__name__)
 
-SEED_MASK = 2**63 - 1
 REPLAY_COMMITS = 32  # commits kept per request to replay to a replacement postprocessor, at least
-
-
-def seed_from_request_id(request_id: str) -> int:
-    """A stable seed for a sampled request that gave none: the same id always draws the same tokens."""
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & SEED_MASK
 
 
 def client_error(row_error: Error, request_id: str) -> Error:

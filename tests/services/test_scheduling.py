@@ -13,8 +13,8 @@ from schemas.codec import decode, encode
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (Commit, DraftResponse, DraftResult, Error, GenerateRequest, Heartbeat, VerifyResponse,
-                              VerifyResult)
-from services.scheduling import SchedulerState, cut_tokens, prompt_token_ids, seed_from_request_id
+                              VerifyResult, seed_from_request_id)
+from services.scheduling import SchedulerState, cut_tokens, prompt_token_ids
 
 TOKENIZER_HASH = "0123456789abcdef"
 EOS = 0
