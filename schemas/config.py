@@ -55,10 +55,17 @@ class SchedulerConfig(InstanceConfig):
     max_running: int = 64  # requests decoding at once
     max_batch_rows: int = 64  # rows in one step's batch per verifier
     max_step_tokens: int = 1024  # new tokens per verifier per step (prefill is chunked to fit)
+    # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
+    # another's verification (services/scheduling.py); 1: one step at a time. max_batch_rows and
+    # max_step_tokens hold per lane.
+    lanes: int = 2
     max_tokens_cap: int = 4096
     draft_timeout_s: float = 0.5
     verify_timeout_s: float = 10.0
     verify_retries: int = 1
+    # On stop, how long the step in flight may still run before it is cancelled (its requests
+    # then end with "error" like every other); kept under the stack's SIGKILL stop_timeout_s.
+    stop_grace_s: float = 5.0
     heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
     tokenizer: str = str(REPO_MODELS / "target")  # the verifiers' tokenizer: text prompts, EOS ids
 
@@ -141,6 +148,8 @@ def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides:
         except ValueError as exc:
             raise SpecbusError(ErrorCode.invalid_field, f"{name}: {exc}", name) from None
     config = cls(**values)
+    if getattr(config, "lanes", 1) < 1:
+        raise SpecbusError(ErrorCode.invalid_field, f"lanes: {config.lanes} is not at least 1", "lanes")
     if hasattr(config, "instance_id"):
         role = next((r for r, c in ROLES.items() if c is cls), "instance")
         config.instance_id = check_instance_id(config.instance_id or default_instance_id(role), "instance_id")

@@ -9,7 +9,8 @@ Subjects: `<p>.generate` (queue group "schedulers"; the reply subject is the cli
 `<p>.cancel` (every scheduler; the owner acts), `<p>.heartbeat` (in and out),
 `stop_notice(instance_id)` (a nats.micro endpoint, so $SRV.STATS.scheduler shows the counters).
 
-On stop: admission closes, the step in flight finishes, then every running or queued request
+On stop: admission closes, the step in flight finishes (within stop_grace_s, else it is cancelled
+and its requests fail), then every running or queued request
 ends with finish_reason "error" (a final commit, or a final error chunk when it has no live
 postprocessor) so no client waits for a scheduler that is gone.
 """
@@ -66,10 +67,10 @@ class Scheduler:
         self.wakeup = asyncio.Event()
         self.closing = False
         self.stopping = False
-        self.plan: StepPlan | None = None
         self.handlers: list[BoundedHandler] = []
         self.subscriptions = []
-        self.tasks: list[asyncio.Task] = []
+        self.step_loops: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task] = []  # the step loops and the heartbeat
         self.service = None
 
     async def start(self) -> None:
@@ -81,9 +82,10 @@ class Scheduler:
             self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
             endpoints={"stop": Endpoint(subjects.stop_notice(self.config.instance_id), self.on_stop_notice)},
             metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.state.metrics.stats())
-        self.tasks.append(asyncio.create_task(self.step_loop(), name="scheduler-steps"))
-        self.tasks.append(asyncio.create_task(heartbeat_loop(
-            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat"))
+        self.step_loops = [asyncio.create_task(self.step_loop(lane), name=f"scheduler-lane-{lane}")
+                           for lane in range(self.config.lanes)]
+        self.tasks = [*self.step_loops, asyncio.create_task(heartbeat_loop(
+            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat")]
         self.handlers.append(await serve(self.nc, subjects.generate, self.on_generate, queue=SCHEDULER_QUEUE_GROUP,
                                          max_concurrency=4, max_pending=4 * self.config.max_queue + 64))
         log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
@@ -97,16 +99,15 @@ class Scheduler:
             await handler.stop(timeout_s=2.0)
         self.closing = True
         self.wakeup.set()
-        step_loop, heartbeat = self.tasks or (None, None)
-        if step_loop is not None:
-            step_budget_s = self.config.draft_timeout_s + self.config.verify_timeout_s * (self.config.verify_retries + 1)
-            done, _ = await asyncio.wait({step_loop}, timeout=step_budget_s + 1.0)
-            if not done:
+        if self.step_loops:
+            _, pending = await asyncio.wait(self.step_loops, timeout=self.config.stop_grace_s)
+            for step_loop in pending:
                 step_loop.cancel()
-                log.warning("step_loop_cancelled_on_stop")
+                log.warning("step_loop_cancelled_on_stop", lane=step_loop.get_name(), after_s=self.config.stop_grace_s)
+            await asyncio.gather(*pending, return_exceptions=True)  # drain() below ends their requests
         await self.send(self.state.drain(time.time()))
-        if heartbeat is not None:
-            heartbeat.cancel()
+        for task in self.tasks:
+            task.cancel()
         for subscription in self.subscriptions:
             await subscription.unsubscribe()
         if self.service is not None:
@@ -187,16 +188,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step loop
 
-    async def step_loop(self) -> None:
+    async def step_loop(self, lane: int) -> None:
         while not self.closing:
+            plan = None
             try:
-                busy = await self.step()
+                await self.send(self.state.boundary(time.time()))
+                plan = self.state.plan_step(time.time(), lane)
+                busy = await self.step(plan)
             except Exception:
-                log.exception("step_failed", batch_ids=self.plan and [m.batch_id for m in self.plan.verify_requests.values()])
-                await self.fail_step()
+                log.exception("step_failed", lane=lane, batch_ids=plan and [m.batch_id for m in plan.verify_requests.values()])
+                if plan is not None:
+                    await self.fail_step(plan)
                 busy = False
             finally:
-                self.plan = None
+                if plan is not None:
+                    self.state.end_step(plan)
             if not busy:
                 self.wakeup.clear()
                 try:
@@ -204,12 +210,10 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
 
-    async def fail_step(self) -> None:
+    async def fail_step(self, plan: StepPlan) -> None:
         """After an unexpected exception: the step's requests end with "error"; others go on."""
-        if self.plan is None:
-            return
         outbox = Outbox()
-        for rows in self.plan.rows.values():
+        for rows in plan.rows.values():
             for planned in rows:
                 if planned.request.request_id in self.state.running:
                     outbox.extend(self.state.end(planned.request, "error", time.time()))
@@ -218,11 +222,9 @@ class Scheduler:
         except Exception:
             log.exception("fail_step_send_failed")
 
-    async def step(self) -> bool:
-        """One step; False when there was nothing to verify (the loop then idles briefly)."""
+    async def step(self, plan: StepPlan) -> bool:
+        """One step of one lane; False when there was nothing to verify (the loop then idles briefly)."""
         state = self.state
-        await self.send(state.boundary(time.time()))
-        self.plan = plan = state.plan_step(time.time())
         started = time.monotonic()
         drafts = state.draft_batches(plan, time.time())
         replies = await asyncio.gather(*(self.draft(d, m) for d, m in drafts.items()))

@@ -1,17 +1,25 @@
 """Scheduler logic without NATS: request state, admission, pinning, batch building under a token
 budget with chunked prefill, commit/finish rules, usage accounting and fallback decisions.
 
-`SchedulerState` is driven by one task (services/scheduler.py), one step at a time:
+`SchedulerState` is driven by the scheduler's step loops (services/scheduler.py), each one
+step at a time:
 
     outbox = state.boundary(now)                  cancels, stop notices, deadlines, dead instances,
                                                   queued requests started and pinned
-    plan = state.plan_step(now)                   rows per verifier under max_batch_rows and
+    plan = state.plan_step(now, lane)             rows per verifier under max_batch_rows and
                                                   max_step_tokens: decode rows first, then prefill
                                                   chunks of what remains
     state.draft_batches(plan, now)                one DraftRequest per drafter (+ release-only)
     state.apply_draft(plan, drafter_id, reply)    reply None: the drafter was late -> k=0 rows
     state.verify_batches(plan, now)               one VerifyRequest per verifier
     state.apply_verify(plan, verifier_id, reply)  commits; reply None after the retry: migrate
+    state.end_step(plan)                          its requests are free to plan again
+
+Lanes (config.lanes): each running request belongs to one lane, and each lane has its own step
+loop, so while one lane's batch is being verified another lane's batch is being drafted: the
+drafter and the verifier work at the same time instead of taking turns. A request is in at most
+one step in flight; until that step ends, boundary() and a verifier failure seen by another
+lane leave it alone (its own lane applies them a step later).
 
 Every method returns an `Outbox` of Commits (to a postprocessor) and StreamChunks (straight to a
 client inbox, used only when a request ends with no live postprocessor to tell it). Deadlines
@@ -101,6 +109,7 @@ class Request:
     stopped: bool = False  # a StopNotice came: end without any further commit
     admitted_at: float = 0.0  # SchedulerState.monotonic() at admission: time to first token
     last_token_at: float | None = None  # ... at its last commit with tokens: inter-token latency
+    lane: int = 0  # the step loop that plans it (module docstring)
 
     @property
     def completion(self) -> list[int]:
@@ -236,6 +245,7 @@ class SchedulerState:
         # postprocessor turns out dead before it could have been noticed, the commits are replayed.
         self.finishing: dict[str, tuple[Request, float]] = {}
         self.pinned_since_beat: Counter = Counter()  # requests pinned to an instance since its last heartbeat
+        self.in_flight: set[str] = set()  # ids of requests in a step now in flight (any lane)
         self.next_batch_id = 0
         self.num_plans = 0
         self.counters: Counter = Counter()
@@ -336,6 +346,8 @@ class SchedulerState:
             self.releases.pop(instance.instance_id, None)
             self.avoid_until.pop(instance.instance_id, None)
         for request in list(self.running.values()):
+            if request.request_id in self.in_flight:
+                continue
             if request.stopped:
                 self.end(request, None, now)
             elif request.end_reason is not None:
@@ -366,6 +378,8 @@ class SchedulerState:
         request.verifier_id, request.postprocessor_id = self.took(verifier_id), self.took(postprocessor_id)
         if request.speculative.num_speculative_tokens > 0:
             request.drafter_id = self.took(self.pick("drafter"))
+        lane_sizes = Counter(r.lane for r in self.running.values())
+        request.lane = min(range(self.config.lanes), key=lambda lane: lane_sizes[lane])
         return True
 
     def replace_dead(self, request: Request, now: float) -> Outbox:
@@ -433,12 +447,15 @@ class SchedulerState:
         log.warning("request_migrated", request_id=request.request_id, old=old_id, new=new_id)
         return Outbox()
 
-    def verifier_failed(self, verifier_id: str, now: float) -> Outbox:
+    def verifier_failed(self, verifier_id: str, now: float, plan: StepPlan) -> Outbox:
         """A batch was not answered after the retry: avoid that verifier for a while and move
-        every request pinned to it."""
+        every request pinned to it, but those in another lane's step in flight (that lane moves
+        them when its own batch fails)."""
         self.avoid_until[verifier_id] = self.monotonic() + self.config.heartbeat_timeout_s
+        ours = {planned.request.request_id for planned in plan.rows.get(verifier_id, [])}
         outbox = Outbox()
-        for request in [r for r in self.running.values() if r.verifier_id == verifier_id]:
+        for request in [r for r in self.running.values() if r.verifier_id == verifier_id
+                        and (r.request_id in ours or r.request_id not in self.in_flight)]:
             if now >= request.deadline:
                 outbox.extend(self.end(request, "timeout", now))
             else:
@@ -534,15 +551,17 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ building a step
 
-    def plan_step(self, now: float) -> StepPlan:
-        """Rows per verifier: the max_batch_rows requests that waited longest for a row; among
-        them decode rows first (1 new token + planned drafts each), then prefill rows get chunks
-        of the tokens left in max_step_tokens."""
+    def plan_step(self, now: float, lane: int | None = None) -> StepPlan:
+        """Rows per verifier for the lane's requests (None: every lane's) not in a step already:
+        the max_batch_rows requests that waited longest for a row; among them decode rows first
+        (1 new token + planned drafts each), then prefill rows get chunks of the tokens left in
+        max_step_tokens. The planned requests are in flight until end_step(plan)."""
         rows: dict[str, list[PlannedRow]] = {}
         draft_rows: dict[str, list[PlannedRow]] = {}
         by_verifier: dict[str, list[Request]] = {}
         for request in self.running.values():
-            if self.alive(request.postprocessor_id):  # else it waits for a postprocessor (or its deadline)
+            if (lane is None or request.lane == lane) and request.request_id not in self.in_flight \
+                    and self.alive(request.postprocessor_id):  # else it waits for a postprocessor (or its deadline)
                 by_verifier.setdefault(request.verifier_id, []).append(request)
         self.num_plans += 1
         for verifier_id, requests in by_verifier.items():
@@ -569,9 +588,17 @@ class SchedulerState:
                 budget -= chunk
             for row in planned:
                 row.request.last_planned = self.num_plans
+                self.in_flight.add(row.request.request_id)
             if planned:
                 rows[verifier_id] = planned
         return StepPlan(rows, draft_rows)
+
+    def end_step(self, plan: StepPlan) -> None:
+        """The plan's step is over (committed, failed or cancelled): its requests may be planned,
+        ended or moved again."""
+        for planned_rows in plan.rows.values():
+            for planned in planned_rows:
+                self.in_flight.discard(planned.request.request_id)
 
     def plan_decode_row(self, request: Request, budget: int) -> PlannedRow:
         remaining = request.sampling.max_tokens - len(request.completion)
@@ -668,7 +695,7 @@ class SchedulerState:
         request_message = plan.verify_requests[verifier_id]
         if response is None:
             self.restore_releases(verifier_id, request_message.release)
-            return self.verifier_failed(verifier_id, now)
+            return self.verifier_failed(verifier_id, now, plan)
         if isinstance(response, Error):
             log.error("verify_batch_refused", verifier_id=verifier_id, batch_id=request_message.batch_id,
                       code=response.code.value, field=response.field, message=response.message)

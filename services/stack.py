@@ -16,8 +16,11 @@ every password, `log_dir/client.env` the first client user's login as `specbus g
 
 Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat`; a
 process that exits first, or an instance still silent after ready_timeout_s, fails the start
-with the tail of that process's log. Stopping sends SIGTERM to every process, waits stop_timeout_s, then
-SIGKILLs the rest; the server stops last.
+with the tail of that process's log. Stopping goes upstream to downstream, one role group at a
+time (STOP_ORDER): schedulers first, so each finishes its step in flight against live drafters and
+verifiers and sends every request's final commit to a live postprocessor; then drafters and
+verifiers; postprocessors last, after they have forwarded those final commits. Each process gets
+SIGTERM, stop_timeout_s to exit by itself, then SIGKILL; the server stops last.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ log = structlog.get_logger(__name__)
 
 # Every role the stack runs, in start order (docker-compose.yml runs the same set).
 ROLES = tuple(CONFIGS)  # scheduler, verifier, drafter, postprocessor
+STOP_ORDER = (("scheduler",), ("drafter", "verifier"), ("postprocessor",))  # upstream first
 # Set for every service: `specbus serve` stops by itself once that process is gone (a stack
 # killed with SIGKILL cannot stop its children).
 PARENT_PID_ENV = "SPECBUS_PARENT_PID"
@@ -355,9 +359,11 @@ class Stack:
         log.info("stack_process_stopped", instance_id=proc.instance_id, returncode=proc.process.returncode)
 
     async def stop(self) -> None:
-        """SIGTERM every process (then SIGKILL), then close the connection and stop the server.
-        Idempotent; keeps the log dir when it was given, removes a temporary one."""
-        await asyncio.gather(*(self.stop_process(p) for p in self.processes.values()))
+        """SIGTERM the processes role group by role group (STOP_ORDER; then SIGKILL), then close
+        the connection and stop the server. Idempotent; keeps the log dir when it was given,
+        removes a temporary one."""
+        for roles in STOP_ORDER:
+            await asyncio.gather(*(self.stop_process(p) for p in self.processes.values() if p.role in roles))
         await self.exit_stack.aclose()
         if self.owns_log_dir and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -145,6 +145,7 @@ def run_requests(loop: InProcess, requests: list[GenerateRequest], concurrency: 
                 outbox.extend(state.apply_verify(plan, verifier_id, response, time.time()))
                 for record in records:
                     outs += post.on_side(record, time.monotonic())
+            state.end_step(plan)
         deliver(outs)
         for _, commit in outbox.commits:
             commit = roundtrip(commit)

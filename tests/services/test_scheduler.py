@@ -223,3 +223,29 @@ async def test_bad_requests_get_an_error_naming_the_field(stack):
     assert chunk.error.code == ErrorCode.malformed and chunk.finish_reason == "error"
     chunk = await first_chunk(stack.nc, encode(greedy("after", [1, 2], k=0, max_tokens=65)))
     assert chunk.request_id == "after" and chunk.error.field == "sampling.max_tokens"  # still serving
+
+
+async def test_stop_with_a_hung_verify_in_flight_ends_the_request_within_the_grace(stack):
+    """A verifier that takes the batch and never answers: stopping the scheduler does not wait
+    out verify_timeout_s, it cancels the step after stop_grace_s and fails the request."""
+    await stack.be_postprocessor()
+    received = asyncio.Event()
+
+    async def hang(msg):
+        received.set()  # and never reply
+
+    await stack.nc.subscribe(SUBJECTS.verify("verifier-hung"), cb=hang)
+    model_ids = {"tokenizer": tokenizer_id(stack.tokenizer_dir)}
+    stack.tasks.append(asyncio.create_task(heartbeat_loop(stack.nc, SUBJECTS.heartbeat, lambda: encode(Heartbeat(
+        instance_id="verifier-hung", role="verifier", capacity=8, load=0, free_slots=8, model_ids=model_ids,
+        sent_at=time.time(), interval_s=0.1)), 0.1)))
+    stack.start("scheduler", run_scheduler, scheduler_config(stack, verify_timeout_s=60.0, stop_grace_s=0.5))
+    await stack.wait_for_instances("verifier-hung", "sched-test")
+    stack.finished["hung"] = asyncio.Event()
+    await stack.nc.publish(SUBJECTS.generate, encode(greedy("hung", PROMPTS[0], k=0)), reply=stack.nc.new_inbox())
+    await asyncio.wait_for(received.wait(), timeout=10)
+    started = time.monotonic()
+    await stack.stop("scheduler")
+    assert time.monotonic() - started < 10  # the grace, not the 60 s verify timeout
+    await asyncio.wait_for(stack.finished["hung"].wait(), timeout=5)
+    assert stack.commits["hung"][-1].finish_reason == "error"

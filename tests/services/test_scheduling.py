@@ -87,6 +87,7 @@ def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, v
                          token_ids=tokens.get(r.request_id, [9]) if r.emit else [])
             for r in message.rows]) if verify_reply else None
         outbox.extend(state.apply_verify(plan, verifier_id, reply, time.time()))
+    state.end_step(plan)
     return plan, verify_requests, outbox
 
 
@@ -316,6 +317,7 @@ def test_need_resync_resends_the_whole_history_and_flags_the_next_commit(tokeniz
     reply = VerifyResponse(batch_id=message.batch_id, verifier_id="v1",
                            rows=[VerifyResult(request_id="r1", step=message.rows[0].step, need_resync=True)])
     outbox.extend(state.apply_verify(plan, "v1", reply, time.time()))
+    state.end_step(plan)
     assert commits_of(outbox) == [] and request.verifier_len == 0
     history = list(request.history)
     _, requests, outbox = step(state)
@@ -389,3 +391,55 @@ def test_a_burst_between_heartbeats_never_overfills_a_verifier(tokenizer):
     beat(state, "v1", "verifier", capacity=8, free_slots=1)  # one more freed elsewhere
     state.boundary(time.time())
     assert sorted(state.running) == ["a", "b", "c"]
+
+
+# ------------------------------------------------------------------ lanes
+
+
+def verified(message, verifier_id="v1"):
+    """The verifier's answer to a VerifyRequest: each emitting row emits [9], no draft accepted."""
+    return VerifyResponse(batch_id=message.batch_id, verifier_id=verifier_id, rows=[
+        VerifyResult(request_id=r.request_id, step=r.step, num_draft=len(r.draft_token_ids), num_accepted=0,
+                     token_ids=[9] if r.emit else []) for r in message.rows])
+
+
+def test_lanes_split_the_requests_and_a_request_is_in_one_step_at_a_time(tokenizer):
+    state = new_state(tokenizer, lanes=2)
+    first, second = submit(state, "r1"), submit(state, "r2")
+    state.boundary(time.time())
+    assert (first.lane, second.lane) == (0, 1)
+    plan_0 = state.plan_step(time.time(), lane=0)
+    assert [p.request.request_id for p in plan_0.rows["v1"]] == ["r1"]
+    assert state.plan_step(time.time(), lane=0).empty  # r1 is in flight
+    plan_1 = state.plan_step(time.time(), lane=1)
+    assert [p.request.request_id for p in plan_1.rows["v1"]] == ["r2"]
+    assert state.plan_step(time.time()).empty  # every lane: nothing left that is not in flight
+    state.end_step(plan_0)
+    assert [p.request.request_id for p in state.plan_step(time.time(), lane=0).rows["v1"]] == ["r1"]
+
+
+def test_another_lanes_boundary_and_verifier_failure_leave_a_request_in_flight_alone(tokenizer):
+    state = new_state(tokenizer, lanes=2)
+    first, second = submit(state, "r1"), submit(state, "r2")
+    state.boundary(time.time())
+    plan_0 = state.plan_step(time.time(), lane=0)
+    message_0 = state.verify_batches(plan_0, time.time())["v1"]
+    state.cancel("r1")
+    assert state.boundary(time.time()).commits == [] and "r1" in state.running  # lane 1's boundary
+    beat(state, "v2", "verifier")
+    plan_1 = state.plan_step(time.time(), lane=1)
+    state.verify_batches(plan_1, time.time())
+    state.apply_verify(plan_1, "v1", None, time.time())  # lane 1's batch to v1 failed after the retry
+    assert (first.verifier_id, second.verifier_id) == ("v1", "v2")  # r1's step is lane 0's to finish
+    state.end_step(plan_1)
+    [commit] = commits_of(state.apply_verify(plan_0, "v1", verified(message_0), time.time()))
+    assert commit.token_ids.tolist() == [9] and commit.finish_reason is None
+    state.end_step(plan_0)
+    [final] = commits_of(state.boundary(time.time()))
+    assert final.finish_reason == "cancelled" and "r1" not in state.running
+
+
+def test_lanes_must_be_at_least_one():
+    with pytest.raises(SpecbusError) as error:
+        load_config(SchedulerConfig, env={}, lanes=0)
+    assert error.value.field == "lanes"
