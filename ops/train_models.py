@@ -12,11 +12,12 @@ Steps, each a subcommand (`all` runs them in order):
    cross-entropy, AdamW, warmup then cosine decay). Checkpoints (model + optimizer) go to
    `.train/` every few minutes, so `--resume` continues an interrupted run; the HF-layout export
    goes to `models/target` (fp16 on disk, upcast at load).
-3. `draft`: a one-layer decoder with a reduced vocabulary (the most frequent target tokens plus one
-   "other" token standing for every target token outside it), distilled from the target: the loss
-   is KL(target || draft) with the target's probability mass outside the draft vocabulary folded
-   onto "other". Its embeddings start from the target's rows. Exported to `models/draft` with
-   `d2t.safetensors` (draft id -> target id, and the inverse map for inputs).
+3. `draft`: a DRAFT_LAYERS-layer decoder with a reduced vocabulary (the most frequent target
+   tokens plus one "other" token standing for every target token outside it), distilled from the
+   target: the loss is KL(target || draft) with the target's probability mass outside the draft
+   vocabulary folded onto "other". It starts from the target: the embedding rows of its tokens,
+   evenly spaced target layers (first and last) and the final norm. Exported to `models/draft`
+   with `d2t.safetensors` (draft id -> target id, and the inverse map for inputs).
 4. `eval`: held-out cross-entropy of both models and teacher-forced greedy acceptance (draft argmax
    mapped through d2t == target argmax), written to `models/eval.json`.
 
@@ -50,7 +51,20 @@ TARGET_CONFIG = dict(
     num_key_value_heads=1, max_position_embeddings=2048, rope_theta=10000.0,
     rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
-DRAFT_CONFIG = dict(TARGET_CONFIG, num_hidden_layers=1)
+DRAFT_LAYERS = 2  # two layers can form induction heads (copy what followed an earlier match)
+
+
+def draft_config(num_layers: int) -> dict:
+    return dict(TARGET_CONFIG, num_hidden_layers=num_layers)
+
+
+def layer_sources(num_draft_layers: int, num_target_layers: int) -> list[int]:
+    """Target layers the draft's layers start from: evenly spaced, first and last included
+    (student initialised from a subset of the teacher's layers, as DistilBERT does)."""
+    if num_draft_layers == 1:
+        return [0]
+    step = (num_target_layers - 1) / (num_draft_layers - 1)
+    return [round(i * step) for i in range(num_draft_layers)]
 
 
 def source_files() -> tuple[list[Path], list[Path]]:
@@ -230,7 +244,7 @@ def fold_to_draft(target_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tenso
     return out.index_add_(-1, t2d.to(probs.device), probs)
 
 
-def train_draft(steps: int, batch: int, lr: float, resume: bool, device: str) -> None:
+def train_draft(steps: int, batch: int, lr: float, resume: bool, device: str, num_layers: int) -> None:
     from gpu_worker.checkpoint import save_d2t
 
     torch.manual_seed(0)
@@ -238,13 +252,18 @@ def train_draft(steps: int, batch: int, lr: float, resume: bool, device: str) ->
     tokens = token_stream(train)
     target = load_target(device)
     d2t, t2d, other_id = draft_vocabulary(tokens)
-    draft = llama(DRAFT_CONFIG, DRAFT_VOCAB).to(device)
-    with torch.no_grad():  # start from the target's embeddings of the kept tokens
+    draft = llama(draft_config(num_layers), DRAFT_VOCAB).to(device)
+    with torch.no_grad():  # start from the target: its embeddings of the kept tokens, some of its layers
         emb = target.get_input_embeddings().weight
         draft.get_input_embeddings().weight[:-1] = emb[d2t[:-1].to(device)]
+        sources = layer_sources(num_layers, len(target.model.layers))
+        for layer, source in zip(draft.model.layers, sources):
+            layer.load_state_dict(target.model.layers[source].state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
     t2d_dev = t2d.to(device)
     print(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, "
-          f"vocab {DRAFT_VOCAB}, distilling for {steps} steps x {batch} x {SEQ_LEN}")
+          f"vocab {DRAFT_VOCAB}, {num_layers} layers from target layers {sources}, "
+          f"distilling for {steps} steps x {batch} x {SEQ_LEN}")
 
     def loss_fn(window):
         inputs = window[:, :-1]
@@ -301,10 +320,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=["tokenizer", "target", "draft", "eval", "all"])
     parser.add_argument("--target-steps", type=int, default=1700)
-    parser.add_argument("--draft-steps", type=int, default=600)
+    parser.add_argument("--draft-steps", type=int, default=1600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=2e-3)
+    parser.add_argument("--draft-layers", type=int, default=DRAFT_LAYERS)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     args = parser.parse_args()
@@ -318,7 +338,7 @@ def main() -> None:
         elif stage == "target":
             train_target(args.target_steps, args.batch, args.target_lr, args.resume, device)
         elif stage == "draft":
-            train_draft(args.draft_steps, args.batch, args.draft_lr, args.resume, device)
+            train_draft(args.draft_steps, args.batch, args.draft_lr, args.resume, device, args.draft_layers)
         else:
             evaluate(device)
 

@@ -64,7 +64,7 @@ class Scheduler:
         self.nc = nc
         self.state = state
         self.subjects = Subjects(config.prefix)
-        self.wakeup = asyncio.Event()
+        self.wakeups = [asyncio.Event() for _ in range(config.lanes)]  # one per lane's step loop
         self.closing = False
         self.stopping = False
         self.handlers: list[BoundedHandler] = []
@@ -98,7 +98,7 @@ class Scheduler:
         for handler in self.handlers:
             await handler.stop(timeout_s=2.0)
         self.closing = True
-        self.wakeup.set()
+        self.wake()
         if self.step_loops:
             _, pending = await asyncio.wait(self.step_loops, timeout=self.config.stop_grace_s)
             for step_loop in pending:
@@ -156,25 +156,25 @@ class Scheduler:
                                 error=Error.from_exception(exc, request_id))
             await self.publish(msg.reply, encode(chunk))
             return
-        self.wakeup.set()
+        self.wake()
 
     async def on_cancel(self, msg) -> None:
         cancel = self.decode_or_drop(msg, CancelRequest)
         if cancel is not None and self.state.cancel(cancel.request_id):
-            self.wakeup.set()
+            self.wake()
 
     async def on_stop_notice(self, msg) -> None:
         notice = self.decode_or_drop(msg, StopNotice)
         if notice is not None and self.state.stop_notice(notice.request_id):
             log.info("stop_notice", request_id=notice.request_id, reason=notice.reason,
                      postprocessor_id=notice.postprocessor_id)
-            self.wakeup.set()
+            self.wake()
 
     async def on_heartbeat(self, msg) -> None:
         heartbeat = self.decode_or_drop(msg, Heartbeat)
         if heartbeat is not None and heartbeat.instance_id != self.config.instance_id \
                 and self.state.observe(heartbeat):
-            self.wakeup.set()  # a new instance: queued requests may start now
+            self.wake()  # a new instance: queued requests may start now
 
     def decode_or_drop(self, msg, message_type):
         """The message, or None for a bad one (counted and logged; these subjects have no reply)."""
@@ -188,11 +188,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step loop
 
+    def wake(self) -> None:
+        """Every lane: something may be ready to run (a request, a cancel, an instance, a stop)."""
+        for event in self.wakeups:
+            event.set()
+
     async def step_loop(self, lane: int) -> None:
+        wakeup = self.wakeups[lane]
         while not self.closing:
+            wakeup.clear()  # before the boundary: a wake() from here on ends the idle wait below
             plan = None
             try:
+                started = self.state.counters["started"]
                 await self.send(self.state.boundary(time.time()))
+                if self.state.counters["started"] != started:
+                    self.wake()  # a request started on another lane, whose loop may be idle
                 plan = self.state.plan_step(time.time(), lane)
                 busy = await self.step(plan)
             except Exception:
@@ -204,9 +214,8 @@ class Scheduler:
                 if plan is not None:
                     self.state.end_step(plan)
             if not busy:
-                self.wakeup.clear()
                 try:
-                    await asyncio.wait_for(self.wakeup.wait(), timeout=IDLE_WAIT_S)
+                    await asyncio.wait_for(wakeup.wait(), timeout=IDLE_WAIT_S)
                 except asyncio.TimeoutError:
                     pass
 

@@ -364,6 +364,7 @@ class SchedulerState:
                 outbox.extend(self.end(request, reason, now))
             elif len(self.running) < self.config.max_running and self.start(request):
                 self.running[request.request_id] = request
+                self.counters["started"] += 1
             else:
                 still_waiting.append(request)
         self.waiting = still_waiting

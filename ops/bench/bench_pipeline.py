@@ -59,7 +59,7 @@ from ops.bench.bench_kernels import bench_one
 from ops.bench.inprocess import STAGES, load_inprocess, run_requests
 from ops.export_assistant_draft import check_expanded, export_assistant_draft, load_hf
 from ops.train_models import read_text, source_files
-from schemas.config import REPO_MODELS
+from schemas.config import REPO_MODELS, SchedulerConfig
 from schemas.messages import StreamChunk
 from services.client import Client, make_request
 from services.logs import configure_logging
@@ -245,7 +245,7 @@ async def bench_in(args: argparse.Namespace, work: Path) -> dict:
     target, assistant = load_hf(target_dir, device), load_hf(assistant_dir, device)
     loop = load_inprocess(str(target_dir), str(draft_dir), device, max_slots=max(args.overhead_batches))
     config = StackConfig(target_model=str(target_dir), draft_model=str(draft_dir), log_level=args.log_level,
-                         role_args={"scheduler": ["--draft-timeout-s", str(args.draft_timeout_s)],
+                         role_args={"scheduler": ["--draft-timeout-s", str(args.draft_timeout_s), "--lanes", str(args.lanes)],
                                     "verifier": ["--device", device], "drafter": ["--device", device]})
     with tqdm(total=1, desc="starting the stack") as bar:
         stack = await Stack(config).start()
@@ -336,11 +336,13 @@ def overhead_row(args, loop, prompts, greedy: Mode, piped: dict, bar: tqdm) -> d
     bar.update(count)
     wall_s = run.wall_s - run.stage_s["codec"]
     summary = summarize(run.chunks, wall_s, args.peer_k, args.max_tokens)
+    # A request's step period: wall time x requests in flight / request steps. It compares a
+    # one-loop run with a pipeline whose lanes each run a part of the batch per step.
     row = {"batch": batch, "inprocess_tokens_per_s": summary["tokens_per_s"],
            "inprocess_with_codec_tokens_per_s": summary["tokens"] / run.wall_s, "inprocess_steps": run.steps,
-           "step_ms": ms_per_step(run.stage_s, run.steps), "inprocess_step_ms": 1e3 * wall_s / run.steps,
+           "step_ms": ms_per_step(run.stage_s, run.steps), "inprocess_step_ms": 1e3 * wall_s * batch / summary["steps"],
            "pipeline_tokens_per_s": piped["tokens_per_s"], "pipeline_steps": piped["scheduler_steps"],
-           "pipeline_step_ms": 1e3 * piped["wall_s"] / max(piped["scheduler_steps"], 1)}
+           "pipeline_step_ms": 1e3 * piped["wall_s"] * batch / piped["steps"]}
     row["bus_ms_per_step"] = row["pipeline_step_ms"] - row["inprocess_step_ms"]
     row["pipeline_over_inprocess"] = row["pipeline_tokens_per_s"] / row["inprocess_tokens_per_s"]
     return row
@@ -397,8 +399,8 @@ def tables(result: dict) -> str:
         [[r["mode"], r["k"], r["a"], " ".join(fmt(x) for x in r["a_per_position"]), r["measured_tokens_per_step"],
           r["predicted_tokens_per_step"], r["measured_over_predicted"]] for r in result["theory"]])]
     parts += ["### Bus overhead (greedy, k=%d)" % result["settings"]["peer_k"], table(
-        ["batch", "in-process tok/s", "pipeline tok/s", "pipeline / in-process", "in-process ms/step",
-         "pipeline ms/step", "bus ms/step", *[f"{s} ms" for s in STAGES]],
+        ["batch", "in-process tok/s", "pipeline tok/s", "pipeline / in-process", "in-process ms/request step",
+         "pipeline ms/request step", "bus ms/request step", *[f"in-process {s} ms/step" for s in STAGES]],
         [[r["batch"], r["inprocess_tokens_per_s"], r["pipeline_tokens_per_s"], r["pipeline_over_inprocess"],
           r["inprocess_step_ms"], r["pipeline_step_ms"], r["bus_ms_per_step"], *r["step_ms"].values()]
          for r in result["bus_overhead"]])]
@@ -471,6 +473,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernel-reps", type=int, default=5)
     parser.add_argument("--draft-timeout-s", type=float, default=2.0,
                         help="the scheduler's; above its 0.5 s default so a loaded CPU does not turn runs into k=0")
+    parser.add_argument("--lanes", type=int, default=SchedulerConfig.lanes, help="the scheduler's step loops")
     parser.add_argument("--log-level", default="warning", help="of this process and the stack's services")
     parser.add_argument("--results", default=None, help="output folder (default ops/bench/results/<timestamp>)")
     args = parser.parse_args(argv)
