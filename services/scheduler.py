@@ -200,7 +200,7 @@ class Scheduler:
             plan = None
             try:
                 started = self.state.counters["started"]
-                await self.send(self.state.boundary(time.time()))
+                await self.send(self.state.boundary(time.time(), lane))
                 if self.state.counters["started"] != started:
                     self.wake()  # a request started on another lane, whose loop may be idle
                 plan = self.state.plan_step(time.time(), lane)

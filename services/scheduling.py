@@ -4,7 +4,7 @@ budget with chunked prefill, commit/finish rules, usage accounting and fallback 
 `SchedulerState` is driven by the scheduler's step loops (services/scheduler.py), each one
 step at a time:
 
-    outbox = state.boundary(now)                  cancels, stop notices, deadlines, dead instances,
+    outbox = state.boundary(now, lane)            cancels, stop notices, deadlines, dead instances,
                                                   queued requests started and pinned
     plan = state.plan_step(now, lane)             rows per verifier under max_batch_rows and
                                                   max_step_tokens: decode rows first, then prefill
@@ -19,7 +19,8 @@ Lanes (config.lanes): each running request belongs to one lane, and each lane ha
 loop, so while one lane's batch is being verified another lane's batch is being drafted: the
 drafter and the verifier work at the same time instead of taking turns. A request is in at most
 one step in flight; until that step ends, boundary() and a verifier failure seen by another
-lane leave it alone (its own lane applies them a step later).
+lane leave it alone (its own lane applies them a step later). A lane's own requests are never in
+flight when it is between steps, so its boundary and its plan look at all of them.
 
 Every method returns an `Outbox` of Commits (to a postprocessor) and StreamChunks (straight to a
 client inbox, used only when a request ends with no live postprocessor to tell it). Deadlines
@@ -338,15 +339,16 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ step boundary
 
-    def boundary(self, now: float) -> Outbox:
-        """Between steps: apply cancels, stop notices and deadlines; replace dead instances;
-        start queued requests while there is room."""
+    def boundary(self, now: float, lane: int | None = None) -> Outbox:
+        """Between steps of `lane` (None: of every lane): apply cancels, stop notices and deadlines;
+        replace dead instances; start queued requests while there is room. Requests in another
+        lane's step in flight wait for that lane's own boundary."""
         outbox = Outbox()
         for instance in self.registry.reap(now=self.monotonic()):
             self.releases.pop(instance.instance_id, None)
             self.avoid_until.pop(instance.instance_id, None)
         for request in list(self.running.values()):
-            if request.request_id in self.in_flight:
+            if request.request_id in self.in_flight and request.lane != lane:
                 continue
             if request.stopped:
                 self.end(request, None, now)
@@ -561,8 +563,9 @@ class SchedulerState:
         draft_rows: dict[str, list[PlannedRow]] = {}
         by_verifier: dict[str, list[Request]] = {}
         for request in self.running.values():
-            if (lane is None or request.lane == lane) and request.request_id not in self.in_flight \
-                    and self.alive(request.postprocessor_id):  # else it waits for a postprocessor (or its deadline)
+            # A lane's own requests are never in a step when it plans (its steps run one at a time).
+            ours = request.lane == lane if lane is not None else request.request_id not in self.in_flight
+            if ours and self.alive(request.postprocessor_id):  # else it waits for a postprocessor (or its deadline)
                 by_verifier.setdefault(request.verifier_id, []).append(request)
         self.num_plans += 1
         for verifier_id, requests in by_verifier.items():
