@@ -54,6 +54,7 @@ class Watcher:
         self.stats: list[dict] = []
         self.subscription = None
         self.task = None
+        self.stopped = False
 
     async def __aenter__(self) -> "Watcher":
         self.subscription = await self.stack.nc.subscribe(self.stack.subjects.heartbeat, cb=self.on_beat)
@@ -61,15 +62,18 @@ class Watcher:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        # The flag ends the loop even when the cancel is lost: Python 3.11's wait_for (inside
+        # nc.request) returns the reply instead of raising CancelledError when both land together.
+        self.stopped = True
         self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await asyncio.wait_for(asyncio.gather(self.task, return_exceptions=True), timeout=10)
         await self.subscription.unsubscribe()
 
     async def on_beat(self, msg) -> None:
         self.beats.append((time.monotonic(), decode(msg.data, Heartbeat)))
 
     async def poll(self) -> None:
-        while True:
+        while not self.stopped:
             self.stats.append(await scheduler_stats(self.stack))
             await asyncio.sleep(self.poll_s)
 
