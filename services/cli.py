@@ -86,9 +86,9 @@ async def run_nats(args: argparse.Namespace) -> int:
 # role -> (module, function): imported only when that role runs, so `generate` never loads torch.
 RUNNERS = {
     "scheduler": ("services.scheduler", "run_scheduler"),
-    "verifier": ("gpu_worker.verifier", "run_verifier"),
+    "verifier": ("services.verifier", "run_verifier"),
     "drafter": ("services.drafter", "run_drafter"),
-    "postprocessor": ("services.postprocess", "run_postprocessor"),
+    "postprocessor": ("services.postprocessor", "run_postprocessor"),
 }
 # Settings only the environment may give: a flag would show in `ps` and shell history.
 ENV_ONLY_FIELDS = {"nats_password"}

@@ -1,7 +1,7 @@
 """The scheduler service (DESIGN.md sections 2, 3, 6): admission on `<p>.generate`, the step
 loop (draft -> verify -> commit), cancel and stop notices, heartbeats in and out.
 
-The decisions live in services/scheduling.py (`SchedulerState`); this module moves messages.
+The decisions live in services/scheduler_core.py (`SchedulerState`); this module moves messages.
 
     await run_scheduler(load_config(SchedulerConfig), stop)
 
@@ -35,7 +35,7 @@ from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint
                           heartbeat_loop, publish, request, serve)
 from services.logs import log_context
 from services.metrics import SCHEDULER_GAUGES, serve_metrics
-from services.scheduling import Outbox, SchedulerState, StepPlan, prompt_token_ids
+from services.scheduler_core import Outbox, SchedulerState, StepPlan, prompt_token_ids
 
 log = structlog.get_logger(__name__)
 

@@ -31,7 +31,7 @@ from schemas.messages import GenerateRequest, StreamChunk
 from services.client import Client, ClientError, make_request
 from services.stack import Stack, StackConfig
 from tests.gpu_worker.conftest import write_hf_model
-from tests.services.test_scheduling import beat, new_state, step, submit
+from tests.services.test_scheduler_core import beat, new_state, step, submit
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -25,15 +25,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
-from gpu_worker.verifier import heartbeat as verifier_heartbeat
-from gpu_worker.verify_step import Verifier, load_verifier, verify_batch
+from services.verifier import heartbeat as verifier_heartbeat
+from gpu_worker.verifier_core import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.messages import GenerateRequest, Heartbeat, StreamChunk
-from services.drafter import Drafter, draft_batch, load_drafter
-from services.drafter import heartbeat as drafter_heartbeat
-from services.postprocessing import ChunkOut, Postprocessor
-from services.scheduling import SchedulerState, prompt_token_ids
+from gpu_worker.drafter_core import Drafter, draft_batch, load_drafter
+from gpu_worker.drafter_core import heartbeat as drafter_heartbeat
+from services.postprocessor_core import ChunkOut, Postprocessor
+from services.scheduler_core import SchedulerState, prompt_token_ids
 
 STAGES = ("schedule", "draft", "verify", "commit", "codec")
 POSTPROCESSOR_ID = "postprocessor-inprocess"

@@ -21,7 +21,8 @@ from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import DraftRequest, DraftResponse, DraftRow, Error, Heartbeat, RowSampling
 from schemas.subjects import Subjects
 from services.bus import request
-from services.drafter import draft_batch, load_drafter, run_drafter
+from gpu_worker.drafter_core import draft_batch, load_drafter
+from services.drafter import run_drafter
 from tests.gpu_worker.conftest import TINY, write_hf_model
 
 VD = TINY["vocab_size"]  # draft vocabulary

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_worker.verifier import run_verifier
+from services.verifier import run_verifier
 from schemas.config import DrafterConfig, PostprocessorConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import SpecbusError
 from services.client import Client, make_request
 from services.drafter import run_drafter
 from services.metrics import LABELLED, Metrics, SchedulerMetrics, serve_metrics
-from services.postprocess import run_postprocessor
+from services.postprocessor import run_postprocessor
 from services.scheduler import run_scheduler
 from services.stack import StackConfig
 from tests.conftest import wait_for_heartbeats
 from tests.gpu_worker.conftest import write_hf_model
-from tests.services.test_scheduling import write_tokenizer
+from tests.services.test_scheduler_core import write_tokenizer
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "ops/grafana/specbus-dashboard.json"
 VOCAB = 60  # the test tokenizer's: every generated id decodes

@@ -17,13 +17,13 @@ from schemas.errors import ErrorCode
 from schemas.messages import CancelRequest, Commit, GenerateRequest, Heartbeat, StreamChunk
 from schemas.subjects import Subjects
 from gpu_worker.tokenizer import tokenizer_id
-from gpu_worker.verifier import run_verifier
+from services.verifier import run_verifier
 from services.bus import heartbeat_loop, request
 from services.drafter import run_drafter
 from services.scheduler import run_scheduler
 from tests.conftest import wait_for_heartbeats
 from tests.gpu_worker.conftest import write_hf_model
-from tests.services.test_scheduling import write_tokenizer
+from tests.services.test_scheduler_core import write_tokenizer
 
 POSTPROCESSOR = "pp-test"
 PROMPTS = [[3, 14, 15, 9, 26], [5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6, 26, 4, 33, 8, 3, 27]]

@@ -19,8 +19,8 @@ from schemas.messages import (Commit, GenerateRequest, Heartbeat, LogprobArrays,
                               SideChannelRecord, StopNotice, Usage)
 from services.bus import BusNoResponders, connect, request
 from services.client import Client, make_request
-from services.postprocess import run_postprocessor
-from services.postprocessing import ChunkOut, NoticeOut, Postprocessor
+from services.postprocessor import run_postprocessor
+from services.postprocessor_core import ChunkOut, NoticeOut, Postprocessor
 
 NEG_INF = -math.inf
 TIMEOUT = 0.5  # side_channel_timeout_s of the logic tests

@@ -4,7 +4,7 @@
 
 Subscribes `<p>.post.<id>.commit` and `<p>.post.<id>.side` as nats.micro endpoints of the
 service "postprocessor" ($SRV.STATS and the Prometheus metrics on metrics_port show the drop
-counters), runs the logic of services/postprocessing.py (one message at a time per
+counters), runs the logic of services/postprocessor_core.py (one message at a time per
 subscription; the logic is synchronous, so every output is queued in order and one sender task
 publishes them), ticks for timeouts, and heartbeats {"tokenizer": tokenizer_id} with its load.
 
@@ -30,7 +30,7 @@ from services.bus import (BusError, BusPayloadTooLarge, Endpoint, add_micro_serv
                           publish)
 from services.client import NO_RESPONDERS_STATUS
 from services.metrics import POSTPROCESSOR_GAUGES, Metrics, serve_metrics
-from services.postprocessing import NoticeOut, Out, Postprocessor
+from services.postprocessor_core import NoticeOut, Out, Postprocessor
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from schemas.config import SchedulerConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (Commit, DraftResponse, DraftResult, Error, GenerateRequest, Heartbeat, VerifyResponse,
                               VerifyResult, seed_from_request_id)
-from services.scheduling import SchedulerState, cut_tokens, prompt_token_ids
+from services.scheduler_core import SchedulerState, cut_tokens, prompt_token_ids
 
 TOKENIZER_HASH = "0123456789abcdef"
 EOS = 0

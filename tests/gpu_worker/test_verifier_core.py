@@ -1,4 +1,4 @@
-"""The verifier's step logic (gpu_worker/verify_step.py) on a tiny random Llama written to disk."""
+"""The verifier's step logic (gpu_worker/verifier_core.py) on a tiny random Llama written to disk."""
 
 import time
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from gpu_worker.slots import evict_idle
-from gpu_worker.verify_step import load_verifier, verify_batch
+from gpu_worker.verifier_core import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.errors import ErrorCode
 from schemas.messages import LogprobOptions, Proposal, RowSampling, VerifyRequest, VerifyRow

@@ -7,7 +7,7 @@ import time
 import pytest
 from tokenizers import Tokenizer, models
 
-from gpu_worker.verifier import run_verifier
+from services.verifier import run_verifier
 from schemas.codec import decode, encode
 from schemas.config import VerifierConfig, load_config
 from schemas.errors import ErrorCode

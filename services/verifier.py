@@ -1,8 +1,8 @@
 """The verifier service: serves `<prefix>.verify.<instance_id>` with the step logic of
-gpu_worker/verify_step.py, and publishes side-channel records to `<prefix>.post.<id>.side`.
+gpu_worker/verifier_core.py, and publishes side-channel records to `<prefix>.post.<id>.side`.
 
 `run_verifier(config, stop)` (started by `specbus serve verifier`): loads the target and serves
-it with gpu_worker/slots.py `run_slot_service`: nats.micro service "verifier"
+it with services/model_service.py `run_slot_service`: nats.micro service "verifier"
 ($SRV.PING/INFO/STATS.verifier), heartbeats (role verifier, capacity = max_slots, free_slots,
 load = slots in use, model_ids {"target", "tokenizer"}), idle slot eviction, metrics on
 metrics_port, one batch at a time in a worker thread; once a VerifyResponse is sent, the batch's
@@ -16,8 +16,9 @@ import asyncio
 import structlog
 from nats.aio.client import Client
 
-from gpu_worker.slots import SlotService, instance_heartbeat, run_slot_service
-from gpu_worker.verify_step import SideRecord, Verifier, load_verifier, verify_batch
+from gpu_worker.slots import instance_heartbeat
+from services.model_service import SlotService, run_slot_service
+from gpu_worker.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
 from schemas.codec import encode
 from schemas.config import VerifierConfig
 from schemas.messages import Heartbeat, VerifyRequest

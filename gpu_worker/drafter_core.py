@@ -1,0 +1,364 @@
+"""The drafter: owns the draft model and its KV cache slots, proposes draft tokens per request.
+
+The one service that imports the model runtime and sampling from gpu_worker (DESIGN.md
+section 1). The logic is NATS-free and testable alone: `load_drafter(config) -> Drafter`,
+`draft_batch(drafter, request) -> DraftResponse`. `run_drafter(config, stop)` serves it.
+
+`draft_batch`, in order (PIPELINE.md, "Protocol semantics"):
+1. check every row's token ids against the target vocabulary (Error naming the field) before
+   touching any state;
+2. free the slots named in `request.release`, then slots idle longer than slot_idle_ttl_s;
+3. per row, the receiver rule: the slot holds committed tokens h[0:L]. L < cached_len (or an
+   unknown request with cached_len > 0) -> need_resync, nothing appended. Otherwise the slot
+   becomes h[0:cached_len] + new_token_ids (target ids mapped to draft ids with t2d; ids outside
+   the draft vocabulary become other_id). Positions whose tokens the slot already holds
+   (drafts fed last step that were accepted) are kept, not recomputed;
+4. feed: what each row still lacks goes through the model, in chunks of prefill_chunk tokens,
+   short feeds (decode rows) in a forward apart from long ones (resync) to limit padding; the
+   logits of each row's last fed token give its first draft;
+5. draft: one batched forward per draft position; rows with fewer drafts ride along with
+   num_new=0. other_id's logit is -inf before choosing. greedy rows (draft_mode "greedy", or a
+   temperature-0 row) take the argmax and send a point_mass proposal; sampled rows draw from
+   process_logits(row params) with make_uniforms(seed, absolute position, STREAM_DRAFT) and send
+   that distribution as a sparse proposal;
+6. draft ids -> target ids with d2t (the sparse support too, many-to-one ids summed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from gpu_worker.checkpoint import load_d2t, model_id
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import Model, forward
+from gpu_worker.sampling import STREAM_DRAFT, SamplingTensors, make_uniforms, request_seed, sample
+from gpu_worker.slots import evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
+from gpu_worker.tokenizer import tokenizer_id
+from schemas.config import DrafterConfig
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat, Proposal
+
+log = structlog.get_logger(__name__)
+
+# A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
+# (a resync prefill) go through their own forwards so decode rows are not padded to their length.
+SHORT_FEED = 32
+
+
+@dataclass
+class SlotState:
+    """One request's cache slot. token_ids: the draft ids the slot holds, position by position
+    (len == cache.lengths[slot]); the first committed_len are committed history, the rest are
+    drafts fed last step (kept so accepted ones need not be recomputed)."""
+
+    slot: int
+    token_ids: list[int]
+    committed_len: int
+    last_used: float  # time.monotonic()
+
+
+@dataclass
+class Drafter:
+    """The draft model, its KV cache and the request_id -> slot map.
+
+    d2t: (V_draft,) int64, draft id -> target id. t2d: (V_target,) int64, target id -> draft id
+    (other_id for target ids outside the draft vocabulary). other_id is None when the draft
+    shares the target's vocabulary (no d2t.safetensors): then d2t and t2d are the identity.
+    """
+
+    instance_id: str
+    model: Model
+    cache: KVCache
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    other_id: int | None
+    model_ids: dict[str, str]
+    prefill_chunk: int
+    slot_idle_ttl_s: float
+    requests: dict[str, SlotState] = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.t2d.numel()
+
+
+@dataclass
+class RowWork:
+    """A row that needs the model: feed (draft ids) is appended to its slot, then num_draft
+    drafts are proposed; the first lands at absolute position `start` of the history."""
+
+    row: DraftRow
+    state: SlotState
+    feed: list[int]
+    num_draft: int
+    start: int
+    greedy: bool
+
+
+def load_drafter(config: DrafterConfig) -> Drafter:
+    """Load the draft model, its d2t map (identity when the directory has none) and a KV cache."""
+    model, cache = load_model_and_cache(config.draft_model, config)
+    maps = load_d2t(config.draft_model)
+    if maps is None:
+        d2t = t2d = torch.arange(model.config.vocab_size)
+        other_id = None
+    else:
+        d2t, t2d, other_id = maps.d2t, maps.t2d, maps.other_id
+    model_ids = {
+        "draft": model_id(config.draft_model),
+        "tokenizer": tokenizer_id(config.draft_model),
+        "target_vocab_size": str(t2d.numel()),
+    }
+    return Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d, other_id=other_id,
+                   model_ids=model_ids, prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# slots
+
+
+def allocate(drafter: Drafter, request_id: str, batch_ids: set[str], now: float) -> SlotState | None:
+    """A fresh slot for request_id. With none free, the least recently used slot of a request
+    outside this batch is taken (that request resyncs when it comes back); None if there is none."""
+    if drafter.cache.num_free == 0:
+        idle = [(state.last_used, rid) for rid, state in drafter.requests.items() if rid not in batch_ids]
+        if not idle:
+            drafter.counters["no_slot"] += 1
+            log.warning("no_free_slot", request_id=request_id, max_slots=drafter.cache.max_slots)
+            return None
+        victim = min(idle)[1]
+        free_request(drafter, victim, "evicted_full")
+        log.warning("slot_evicted_for_new_request", evicted=victim, request_id=request_id)
+    state = SlotState(slot=drafter.cache.allocate(), token_ids=[], committed_len=0, last_used=now)
+    drafter.requests[request_id] = state
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# one batch
+
+
+def check_token_ids(drafter: Drafter, request: DraftRequest) -> None:
+    for index, row in enumerate(request.rows):
+        if len(row.new_token_ids) and int(row.new_token_ids.max()) >= drafter.target_vocab_size:
+            raise SpecbusError(ErrorCode.invalid_field,
+                               f"token id {int(row.new_token_ids.max())} is outside the target vocabulary "
+                               f"[0, {drafter.target_vocab_size})", f"rows[{index}].new_token_ids")
+
+
+def common_prefix(a: list[int], b: list[int], start: int) -> int:
+    """Length of the common prefix of a and b, given that it is at least `start`."""
+    end = min(len(a), len(b))
+    i = start
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prepare_row(drafter: Drafter, row: DraftRow, batch_ids: set[str], now: float) -> RowWork | DraftResult:
+    """Apply the receiver rule to one row: a RowWork for the model, or the row's final answer."""
+    state = drafter.requests.get(row.request_id)
+    held = 0 if state is None else state.committed_len
+    if row.cached_len > held:
+        drafter.counters["need_resync"] += 1
+        return DraftResult(request_id=row.request_id, need_resync=True)
+    new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
+    history = ([] if state is None else state.token_ids[:row.cached_len]) + new_ids
+    if len(history) > drafter.cache.max_seq_len:
+        free_request(drafter, row.request_id, "too_long")
+        log.warning("history_too_long", request_id=row.request_id, length=len(history),
+                    max_seq_len=drafter.cache.max_seq_len)
+        return DraftResult(request_id=row.request_id)
+    if not history:
+        return DraftResult(request_id=row.request_id)
+    if state is None:
+        state = allocate(drafter, row.request_id, batch_ids, now)
+        if state is None:
+            return DraftResult(request_id=row.request_id, need_resync=True)
+    # The last draft is never fed, so num_draft drafts need len(history) + num_draft - 1 positions.
+    num_draft = min(row.num_draft, drafter.cache.max_seq_len - len(history) + 1)
+    keep = common_prefix(state.token_ids, history, row.cached_len)
+    if num_draft > 0:
+        keep = min(keep, len(history) - 1)  # the first draft needs the logits of a fed token
+    drafter.counters["reused_tokens"] += max(0, keep - row.cached_len)
+    drafter.cache.truncate(state.slot, keep)
+    del state.token_ids[keep:]
+    state.committed_len = len(history)
+    state.last_used = now
+    greedy = row.draft_mode == "greedy" or row.sampling.greedy
+    return RowWork(row=row, state=state, feed=history[keep:], num_draft=num_draft, start=len(history), greedy=greedy)
+
+
+def forward_last(drafter: Drafter, slots: torch.Tensor, token_ids: torch.Tensor,
+                 num_new: torch.Tensor) -> torch.Tensor:
+    """Append token_ids[b, :num_new[b]] (B, T) to cache slots[b] (B,) in one forward; return
+    the logits of each row's last new token (B, V_draft). Rows with num_new 0 ride along: their
+    logits are zeros. Callers record the tokens in their SlotState."""
+    B, T = token_ids.shape
+    logits_index = None if T == 1 else (num_new - 1).clamp_min(0).view(B, 1)
+    # Choosing drafts needs the values on the host anyway; (B, V_draft) is small.
+    logits = forward(drafter.model, drafter.cache, slots, token_ids, num_new, logits_index)[:, 0].float().cpu()
+    drafter.counters["fed_tokens"] += int(num_new.sum())
+    riding = num_new == 0
+    return logits.masked_fill_(riding.view(B, 1), 0.0) if bool(riding.any()) else logits
+
+
+def slot_tensor(works: list[RowWork]) -> torch.Tensor:
+    return torch.tensor([work.state.slot for work in works], dtype=torch.int64)
+
+
+def feed(drafter: Drafter, works: list[RowWork]) -> list[torch.Tensor | None]:
+    """Append every row's feed to its slot (chunked); the (V_draft,) logits of each row's last
+    fed token, or None for rows that fed nothing."""
+    offsets = [0] * len(works)
+    last_logits: list[torch.Tensor | None] = [None] * len(works)
+    while True:
+        remaining = [len(work.feed) - offset for work, offset in zip(works, offsets)]
+        short = [i for i, left in enumerate(remaining) if 0 < left <= SHORT_FEED]
+        long = [i for i, left in enumerate(remaining) if left > SHORT_FEED]
+        if not short and not long:
+            return last_logits
+        for group in (short, long):
+            if not group:
+                continue
+            chunks = [works[i].feed[offsets[i]:offsets[i] + drafter.prefill_chunk] for i in group]
+            T = max(map(len, chunks))
+            token_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], dtype=torch.int64)
+            num_new = torch.tensor(list(map(len, chunks)), dtype=torch.int64)
+            logits = forward_last(drafter, slot_tensor([works[i] for i in group]), token_ids, num_new)
+            for b, i in enumerate(group):
+                works[i].state.token_ids.extend(chunks[b])
+                offsets[i] += len(chunks[b])
+                if offsets[i] == len(works[i].feed):
+                    last_logits[i] = logits[b]
+
+
+def propose(drafter: Drafter, works: list[RowWork], first_logits: torch.Tensor):
+    """Choose num_draft drafts per row, one batched forward per position.
+
+    first_logits: (B, V_draft), the logits after each row's last fed token (other_id is set to
+    -inf in place).
+    Returns draft_ids (B, K) int64 in draft vocabulary (-1 past a row's num_draft) and the
+    processed probs (B, K, V_draft) each draft was drawn from (None when all rows are greedy;
+    meaningless past a row's num_draft and for greedy rows, which take the argmax).
+    """
+    B, K = len(works), max(work.num_draft for work in works)
+    assert first_logits.shape == (B, drafter.model.config.vocab_size), first_logits.shape
+    num_draft = torch.tensor([work.num_draft for work in works])
+    slots = slot_tensor(works)
+    all_greedy = all(work.greedy for work in works)
+    if not all_greedy:
+        params = SamplingTensors.build(
+            temperature=[0.0 if work.greedy else work.row.sampling.temperature for work in works],
+            top_k=[work.row.sampling.top_k for work in works],
+            top_p=[work.row.sampling.top_p for work in works],
+            min_p=[work.row.sampling.min_p for work in works])
+        seeds = torch.tensor([request_seed(work.row.sampling.seed, work.row.request_id) for work in works],
+                             dtype=torch.int64)
+        starts = torch.tensor([work.start for work in works], dtype=torch.int64)
+        # draft j of a row lands at absolute position start + j
+        uniforms = make_uniforms(seeds, starts.view(B, 1) + torch.arange(K), STREAM_DRAFT)  # (B, K)
+    draft_ids = torch.full((B, K), -1, dtype=torch.int64)
+    step_probs = []
+    logits = first_logits
+    for j in range(K):
+        if drafter.other_id is not None:
+            logits[:, drafter.other_id] = float("-inf")  # stands for "not in my vocabulary": never proposed
+        if all_greedy:
+            ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
+        else:
+            processed, ids = sample(logits.view(B, 1, -1), params, uniforms[:, j:j + 1])
+            ids = ids[:, 0]
+            step_probs.append(processed.probs[:, 0])
+        draft_ids[:, j] = torch.where(j < num_draft, ids, -1)
+        if j + 1 < K:
+            feeding = j + 1 < num_draft  # (B,) rows that need another draft
+            logits = forward_last(drafter, slots, ids.clamp_min(0).view(B, 1), feeding.long())
+            for work, token, fed in zip(works, ids.tolist(), feeding.tolist()):
+                if fed:
+                    work.state.token_ids.append(token)
+    return draft_ids, (torch.stack(step_probs, 1) if step_probs else None)
+
+
+def sparse_supports(drafter: Drafter, probs: torch.Tensor):
+    """The supports of draft distributions probs (N, V_draft), in target ids.
+
+    Returns ids (N, S) int64 (-1 padding), probs (N, S) (0 at padding) and sizes (N,): draft
+    ids sharing a target id are summed (scatter-add), ids ascending within each row.
+    """
+    N = probs.shape[0]
+    target = probs.new_zeros(N, drafter.target_vocab_size).index_add_(1, drafter.d2t, probs)  # (N, V)
+    positive = target > 0
+    sizes = positive.sum(1)
+    rows, cols = positive.nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    slot = torch.arange(rows.numel()) - (sizes.cumsum(0) - sizes)[rows]  # index within the row's support
+    ids = torch.full((N, int(sizes.max())), -1, dtype=torch.int64)
+    ids[rows, slot] = cols
+    values = probs.new_zeros(ids.shape)
+    values[rows, slot] = target[rows, cols]
+    return ids, values, sizes
+
+
+@torch.inference_mode()
+def run_model(drafter: Drafter, works: list[RowWork]) -> dict[str, DraftResult]:
+    """Feed every row, then propose for the rows that want drafts: request_id -> DraftResult."""
+    first_logits = feed(drafter, works)
+    drafting = [(work, logits) for work, logits in zip(works, first_logits) if work.num_draft > 0]
+    if not drafting:
+        return {}
+    draft_works = [work for work, _ in drafting]
+    draft_ids, probs = propose(drafter, draft_works, torch.stack([logits for _, logits in drafting]))
+    target_ids = drafter.d2t[draft_ids.clamp_min(0)].to(torch.int32).numpy()  # (B, K)
+    sampled = [b for b, work in enumerate(draft_works) if not work.greedy]
+    proposals = {}
+    if sampled:
+        B, K, V = probs[sampled].shape
+        ids, values, sizes = (t.view(B, K, -1) for t in sparse_supports(drafter, probs[sampled].view(B * K, V)))
+        for i, b in enumerate(sampled):
+            n = draft_works[b].num_draft
+            width = int(sizes[i, :n].max())
+            proposals[b] = Proposal(kind="sparse", ids=ids[i, :n, :width].to(torch.int32).numpy(),
+                                    probs=values[i, :n, :width].numpy())
+    drafter.counters["draft_tokens"] += sum(work.num_draft for work in draft_works)
+    return {work.row.request_id: DraftResult(request_id=work.row.request_id,
+                                             draft_token_ids=target_ids[b, :work.num_draft],
+                                             proposal=proposals.get(b, Proposal()))
+            for b, work in enumerate(draft_works)}
+
+
+def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = None) -> DraftResponse:
+    """Answer one DraftRequest (steps in the module docstring). Raises SpecbusError naming the
+    field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests."""
+    now = time.monotonic() if now is None else now
+    check_token_ids(drafter, request)
+    release(drafter, request.release)
+    evict_idle(drafter, now)
+    batch_ids = {row.request_id for row in request.rows}
+    prepared = [prepare_row(drafter, row, batch_ids, now) for row in request.rows]
+    works = [item for item in prepared if isinstance(item, RowWork)]
+    try:
+        drafts = run_model(drafter, works)
+    except Exception:
+        # Slots half-fed by a failed forward no longer match their records: drop them (resync).
+        for work in works:
+            free_request(drafter, work.row.request_id, "dropped_on_error")
+        raise
+    results = []
+    for row, item in zip(request.rows, prepared):
+        if isinstance(item, DraftResult):
+            results.append(item)
+        else:
+            results.append(drafts.get(row.request_id) or DraftResult(request_id=row.request_id))
+    drafter.counters["batches"] += 1
+    drafter.counters["rows"] += len(request.rows)
+    return DraftResponse(batch_id=request.batch_id, drafter_id=drafter.instance_id, rows=results)
+
+
+def heartbeat(drafter: Drafter, interval_s: float) -> Heartbeat:
+    return instance_heartbeat(drafter, "drafter", interval_s)
