@@ -1,10 +1,10 @@
 """The drafter: owns the draft model and its KV cache slots, proposes draft tokens per request.
 
-The one service that imports the model runtime and sampling from gpu_worker (DESIGN.md
-section 1). The logic is NATS-free and testable alone: `load_drafter(config) -> Drafter`,
-`draft_batch(drafter, request) -> DraftResponse`. `run_drafter(config, stop)` serves it.
+Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_drafter(config)
+-> Drafter`, `draft_batch(drafter, request) -> DraftResponse`. services/drafter.py
+`run_drafter(config, stop)` serves it.
 
-`draft_batch`, in order (PIPELINE.md, "Protocol semantics"):
+`draft_batch`, in order (docs/PROTOCOL.md#receiver-rule-and-resync):
 1. check every row's token ids against the target vocabulary (Error naming the field) before
    touching any state;
 2. free the slots named in `request.release`, then slots idle longer than slot_idle_ttl_s;

@@ -1,4 +1,4 @@
-"""Logprobs and sampling masks for emitted tokens (DESIGN.md section 5).
+"""Logprobs and sampling masks for emitted tokens (docs/PROTOCOL.md#logprobs-and-sampling-masks).
 
 Gather first, then O(V) work only on the N emitted positions: the verifier passes
 logits[rows, cols] for the positions `emitted_positions` names (row-major, so a row's accepted

@@ -1,4 +1,4 @@
-"""Speculative-decoding rejection sampler (DESIGN.md section 4), in target-vocabulary space.
+"""Speculative-decoding rejection sampler (docs/PROTOCOL.md#speculative-decoding-contract), in target-vocabulary space.
 
 Per row with n = num_draft draft tokens d_1..d_n, proposal distributions p_i (draft_probs),
 target distributions q_1..q_{n+1} (target_probs: what the target sampler draws from) and the

@@ -3,7 +3,7 @@
 
 Both own a model, a KVCache and `requests: request_id -> state`, where each state holds its
 cache `slot` and `last_used` (time.monotonic()). Slots are freed when the scheduler releases
-them (PIPELINE.md, "Slot release"), when idle longer than slot_idle_ttl_s (their scheduler is
+them (docs/PROTOCOL.md#slot-release), when idle longer than slot_idle_ttl_s (their scheduler is
 gone), and heartbeats report capacity = max_slots, load = slots in use, free_slots.
 `load_model_and_cache` loads the model with its cache from the settings both configs share
 (schemas/config.py ModelServiceConfig).

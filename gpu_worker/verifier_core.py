@@ -1,7 +1,7 @@
 """The verifier's step, NATS-free: one VerifyRequest against the target model and its KV cache.
 
 `load_verifier(config) -> Verifier`; `verify_batch(verifier, request) -> (VerifyResponse,
-[(postprocessor_id, SideChannelRecord)])`. In order (PIPELINE.md, "Protocol semantics"):
+[(postprocessor_id, SideChannelRecord)])`. In order (docs/PROTOCOL.md#receiver-rule-and-resync):
 
 1. free the slots `request.release` names (idle slots: gpu_worker/slots.py `evict_idle`, called
    by the service);

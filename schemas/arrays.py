@@ -6,7 +6,7 @@ Fields accept lists, numpy arrays or anything with `__array__` (a CPU torch tens
 them; an ndarray already of the right dtype is kept as is, not copied. Decoded arrays are fresh
 writable copies, so `torch.from_numpy` works on them without warnings.
 
-Field types (letters as in DESIGN: n positions, N top entries, S support slots, R requested ids):
+Field types (letters as in docs/PROTOCOL.md#encoding: n positions, N top entries, S support slots, R requested ids):
   TokenIds        int32 [n]     token ids, >= 0
   IdMatrix        int32 [n, S]  token ids, -1 marks padding
   ProbMatrix      float16/32 [n, S]  probabilities, finite and >= 0

@@ -1,4 +1,4 @@
-"""Every message on the bus (DESIGN.md sections 2-7) as a pydantic v2 model.
+"""Every message on the bus (docs/PROTOCOL.md#messages) as a pydantic v2 model.
 
 Each top-level message carries `v` (protocol version) and a `type` string; sub-models
 (SamplingParams, Proposal, ...) carry neither. Token ids and probability/logprob vectors are
@@ -147,7 +147,7 @@ class SamplingParams(RowSampling):
 
 
 class LogprobOptions(Model):
-    """What the client wants besides tokens (DESIGN.md section 5).
+    """What the client wants besides tokens (docs/PROTOCOL.md#logprobs-and-sampling-masks).
 
     logprobs: top-n logprobs per completion token (0 = only the chosen token's); None = none.
     prompt_logprobs: the same for prompt positions. logprobs_mode: "raw" (log-softmax of the
@@ -352,7 +352,7 @@ class StreamChunk(Message):
 
 
 class Proposal(Model):
-    """The distributions the draft tokens were drawn from (DESIGN.md section 4), n = #drafts.
+    """The distributions the draft tokens were drawn from (docs/PROTOCOL.md#proposal), n = #drafts.
 
     point_mass: no arrays; p_i is one-hot at the draft token (greedy / top-1 drafts).
     sparse: ids [n, S] (TARGET vocabulary ids, -1 = padding with prob 0) and probs [n, S].
@@ -556,7 +556,7 @@ class VerifyResponse(Batch):
 
 
 class LogprobArrays(Model):
-    """Logprob statistics for n positions, computed on the GPU side (DESIGN.md section 5).
+    """Logprob statistics for n positions, computed on the GPU side (docs/PROTOCOL.md#logprobarrays).
 
     token_logprobs [n]: the logprob of the token at each position.
     top_ids / top_logprobs [n, N]: top-N, most likely first (-1 id = padding, -inf logprob).

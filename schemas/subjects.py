@@ -1,4 +1,4 @@
-"""NATS subject names (DESIGN.md section 2) under a configurable prefix.
+"""NATS subject names (docs/PROTOCOL.md#subjects) under a configurable prefix.
 
     <p>.generate                 client -> scheduler (queue group "schedulers")
     <p>.cancel                   client -> every scheduler (the owner acts, the others ignore it)

@@ -1,6 +1,6 @@
 """The `specbus` command. Subcommands live in COMMANDS (name -> Command); add one there.
 
-Lifecycle of a long-running command (STYLE.md 11): SIGINT/SIGTERM set an asyncio.Event, an
+Lifecycle of a long-running command: SIGINT/SIGTERM set an asyncio.Event, an
 AsyncExitStack owns the server, connections and services, and unwinds them in reverse order.
 """
 

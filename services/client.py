@@ -7,7 +7,7 @@
         scores = await client.generate(score_request([5, 17, 42, 9]))  # prompt logprobs only
         print(json.dumps(result.to_json()))
 
-Protocol (PIPELINE contract): subscribe a fresh inbox, publish the request to `<p>.generate`
+Protocol (docs/PROTOCOL.md#ordering): subscribe a fresh inbox, publish the request to `<p>.generate`
 with reply=inbox, read StreamChunks until the final one. Chunks are reordered by seq,
 duplicates dropped, and a final chunk that arrives with earlier seqs missing waits `gap_grace_s`
 for them, then raises StreamBroken. Every wait is bounded: the whole request by timeout_s +

@@ -1,4 +1,4 @@
-"""Postprocessor logic without NATS (DESIGN.md section 3 step 5, PIPELINE contract).
+"""Postprocessor logic without NATS (docs/PROTOCOL.md#side-channel-join, #replay-after-a-postprocessor-death).
 
 `Postprocessor` turns the scheduler's Commits and the verifier's SideChannelRecords into the
 StreamChunks a client reads. Its three entry points take the current `time.monotonic()` and

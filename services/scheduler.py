@@ -1,4 +1,4 @@
-"""The scheduler service (DESIGN.md sections 2, 3, 6): admission on `<p>.generate`, the step
+"""The scheduler service (docs/ARCHITECTURE.md#the-step-loop): admission on `<p>.generate`, the step
 loop (draft -> verify -> commit), cancel and stop notices, heartbeats in and out.
 
 The decisions live in services/scheduler_core.py (`SchedulerState`); this module moves messages.

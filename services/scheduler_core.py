@@ -25,7 +25,7 @@ flight when it is between steps, so its boundary and its plan look at all of the
 Every method returns an `Outbox` of Commits (to a postprocessor) and StreamChunks (straight to a
 client inbox, used only when a request ends with no live postprocessor to tell it). Deadlines
 are wall-clock `time.time()` seconds, as on the wire; liveness uses the registry's monotonic
-clock. Interpretations of the contract (PIPELINE.md) are listed in `SchedulerState`'s docstring.
+clock. Interpretations of the contract (docs/PROTOCOL.md) are listed in `SchedulerState`'s docstring.
 """
 
 import re

@@ -2,7 +2,7 @@
 real nats-server, and parts of the stack killed with SIGKILL or frozen with SIGSTOP while
 NUM_REQUESTS greedy streaming requests run. What a user checks: every stream is whole (seq 0, 1,
 2, ... without gap or duplicate, and its text is the decoding of its token ids), greedy outputs
-equal an undisturbed run, the degraded flags of DESIGN.md section 6 show where a fallback fired,
+equal an undisturbed run, the degraded flags (docs/PROTOCOL.md#degraded-reasons) show where a fallback fired,
 no request hangs, and the stack serves new requests afterwards.
 
 One stack for the module (starting one takes tens of seconds on a busy machine): 1 scheduler,

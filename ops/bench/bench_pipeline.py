@@ -3,9 +3,9 @@
     PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py                  # ~6-8 min on 2 shared CPU cores
     PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py --device cuda    # the same on a GPU
 
-Prints a table per section and writes results.json, results.md (the same tables) and
-bench.png to --results (default ops/bench/results/<UTC timestamp>/). The model pair is copied
-first, so a checkpoint written during the run changes nothing. Prompts: --prompt-tokens tokens
+Prints a table per section and writes <results>/results.json, <results>/results.md (the same
+tables) and <results>/bench.png, <results> being --results (default
+ops/bench/results/<UTC timestamp>/). The model pair is copied first, so a checkpoint written during the run changes nothing. Prompts: --prompt-tokens tokens
 from held-out stdlib files (ops/train_models.py `source_files()`), --prompts of them, each
 request generating exactly --max-tokens tokens (ignore_eos; transformers: min_new_tokens).
 tokens/s = completion tokens of all requests / wall time of the section's run.

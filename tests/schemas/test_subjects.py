@@ -1,4 +1,4 @@
-"""Subject names: DESIGN.md section 2 under a configurable prefix; ids cannot widen a subject."""
+"""Subject names (docs/PROTOCOL.md#subjects) under a configurable prefix; ids cannot widen a subject."""
 
 import pytest
 

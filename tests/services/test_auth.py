@@ -1,7 +1,7 @@
 """NATS users and subject permissions (services/auth.py) against the real nats-server binary.
 
-The expected permissions below are written out from the subject table (PIPELINE.md, DESIGN.md
-section 2), not derived from auth.role_permissions, so a wrong permission fails a test.
+The expected permissions below are written out from the subject table (docs/PROTOCOL.md#subjects),
+not derived from auth.role_permissions, so a wrong permission fails a test.
 """
 
 import asyncio

@@ -1,0 +1,141 @@
+"""The repository explains itself, and its explanations stay true:
+
+- the generated tables of docs/PROTOCOL.md are what schemas/ produces today;
+- every `*.md` a docstring or comment names, and every relative link of a markdown file (with
+  its #anchor), exists in the repository;
+- the layering of docs/ARCHITECTURE.md holds: schemas <- gpu_worker <- services <- ops, and the
+  scheduler, postprocessor and client never import torch.
+"""
+
+import ast
+import io
+import re
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+from schemas.doc_tables import PROTOCOL_MD, stale_blocks
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP_DIRS = {"node_modules", "build", "dist", "__pycache__", "shared"}
+MD_NAME = re.compile(r"(?<![\w/.-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*\.md)(#[\w-]+)?")
+MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+LAYERS = {"schemas": {"gpu_worker", "services", "ops"}, "gpu_worker": {"services", "ops"}, "services": {"ops"}}
+TORCH_FREE = ("schemas", "schemas.doc_tables", "services.scheduler", "services.postprocessor", "services.client")
+
+
+def repo_files(suffix: str) -> list[Path]:
+    """Files of the repository with this suffix, outside hidden, virtualenv and build folders."""
+    found = []
+    for path in ROOT.rglob(f"*{suffix}"):
+        parts = path.relative_to(ROOT).parts[:-1]
+        if not any(part.startswith(".") or part in SKIP_DIRS or part.endswith(".egg-info") for part in parts):
+            found.append(path)
+    return sorted(found)
+
+
+def docs_and_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and comment in a Python file."""
+    source = path.read_text()
+    texts = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                texts.append((first.lineno, first.value.value))
+    return texts
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            base = slug(line.lstrip("#"))
+            name, n = base, 0
+            while name in found:
+                n += 1
+                name = f"{base}-{n}"
+            found.add(name)
+    return found
+
+
+def check_reference(source: Path, target: str, anchor: str | None) -> str | None:
+    """None when target (relative to the repo root or to source's folder) exists and has the anchor."""
+    candidates = [ROOT / target, source.parent / target] if target else [source]
+    existing = [c.resolve() for c in candidates if c.exists()]
+    inside = [c for c in existing if c.is_relative_to(ROOT)]
+    if not inside:
+        return f"{target} does not exist in the repository"
+    if anchor and inside[0].suffix == ".md" and anchor not in anchors(inside[0]):
+        return f"{target or source.name} has no section #{anchor}"
+    return None
+
+
+def test_protocol_tables_match_the_schemas():
+    stale = stale_blocks(PROTOCOL_MD.read_text())
+    assert not stale, (f"docs/PROTOCOL.md: generated tables out of date ({', '.join(stale)}); "
+                       f"run `.venv/bin/python -m schemas.doc_tables` and commit the result")
+
+
+def test_every_md_named_in_python_exists():
+    problems = []
+    for path in repo_files(".py"):
+        for line, text in docs_and_comments(path):
+            text = URL.sub(lambda url: " " * len(url.group()), text)  # same offsets, for line numbers
+            for match in MD_NAME.finditer(text):
+                problem = check_reference(path, match.group(1), (match.group(2) or "#")[1:] or None)
+                if problem:
+                    problems.append(f"{path.relative_to(ROOT)}:{line + text[:match.start()].count(chr(10))}: {problem}")
+    assert not problems, "dangling .md references:\n" + "\n".join(problems)
+
+
+def test_every_relative_link_in_markdown_exists():
+    problems = []
+    for path in repo_files(".md"):
+        in_code = False
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code:
+                continue
+            for link in MD_LINK.findall(line):
+                if URL.match(link) or link.startswith("mailto:"):
+                    continue
+                target, _, anchor = link.partition("#")
+                problem = check_reference(path, target, anchor or None) if target or anchor else None
+                if problem:
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: {link}: {problem}")
+    assert not problems, "dangling links:\n" + "\n".join(problems)
+
+
+def test_layers_import_only_downwards():
+    problems = []
+    for package, forbidden in LAYERS.items():
+        for path in repo_files(".py"):
+            if path.relative_to(ROOT).parts[0] != package:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                problems += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
+                             if name.split(".")[0] in forbidden]
+    assert not problems, "imports against the layering (docs/ARCHITECTURE.md#layering):\n" + "\n".join(problems)
+
+
+def test_torch_free_modules_stay_torch_free():
+    code = f"import importlib, sys\nfor m in {TORCH_FREE!r}: importlib.import_module(m)\n" \
+           "assert 'torch' not in sys.modules, 'torch was imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"importing {TORCH_FREE} pulled in torch:\n{result.stderr[-2000:]}"
