@@ -6,9 +6,10 @@
 A generated block sits between `<!-- generated: NAME -->` and `<!-- end generated -->`; NAME is
 one of `subjects`, `errors`, `limits`, `types`, `model <ClassName>` (one pydantic model's fields)
 or `other-models` (every model reachable from MESSAGE_TYPES that has no block of its own, so a
-new message shows up in the document as soon as it is regenerated). Field descriptions are a
-field's `description` or the source comment on (or just above) its line, so documenting a field
-in schemas/ documents it here. Torch-free: imports only schemas/.
+new message shows up in the document as soon as it is regenerated). A field's notes are its
+`description`, else the source comment on (or just above) its line, else the sentence of its
+class docstring that starts with `name:`, so documenting a field in schemas/ documents it here.
+Torch-free: imports only schemas/.
 """
 
 import argparse
@@ -207,15 +208,31 @@ def default_text(info: FieldInfo) -> str:
 # blocks
 
 
+# "name: text." or "a / b [n, N]: text." at the start of a docstring sentence
+DOC_FIELD = re.compile(r"(?:^|(?<=\. )|(?<=: ))(\w+(?: / \w+)*)(?: \[[^\]]*\])?: (.+?\.)(?= |$)")
+
+
+def docstring_notes(klass: type) -> dict[str, str]:
+    """name -> the sentence a class docstring starts with `name:` (the style of schemas/messages.py)."""
+    notes: dict[str, str] = {}
+    for match in DOC_FIELD.finditer(" ".join((inspect.getdoc(klass) or "").split())):
+        for name in match.group(1).split(" / "):
+            notes.setdefault(name, match.group(2))
+    return notes
+
+
 def model_table(model: type[BaseModel]) -> str:
-    comments = {}
+    """A model's fields; notes: the field's description, else its source comment, else the
+    sentence of the class docstring that starts with its name."""
+    notes = {}
     for klass in reversed(model.__mro__):
         if inspect.isclass(klass) and issubclass(klass, BaseModel) and klass.__module__ == messages.__name__:
-            comments.update(source_comments(klass))
+            notes.update(docstring_notes(klass))
+            notes.update(source_comments(klass))
     rows = []
     for name, info in model.model_fields.items():
         kind, constraints = field_type(info)
-        rows.append((f"`{name}`", kind, constraints, default_text(info), info.description or comments.get(name, "")))
+        rows.append((f"`{name}`", kind, constraints, default_text(info), info.description or notes.get(name, "")))
     return table(("field", "type", "constraints", "default", "notes"), rows)
 
 
