@@ -131,21 +131,17 @@ def named_types() -> dict[tuple, str]:
 NAMED = named_types()
 
 
+BOUNDS = ((annotated_types.Ge, "ge", ">="), (annotated_types.Gt, "gt", ">"), (annotated_types.Le, "le", "<="),
+          (annotated_types.Lt, "lt", "<"), (annotated_types.MinLen, "min_length", "length >="),
+          (annotated_types.MaxLen, "max_length", "length <="))
+
+
 def constraint_text(metadata: list) -> str:
     parts = []
     for item in metadata:
-        if isinstance(item, annotated_types.Ge):
-            parts.append(f">= {item.ge}")
-        elif isinstance(item, annotated_types.Gt):
-            parts.append(f"> {item.gt}")
-        elif isinstance(item, annotated_types.Le):
-            parts.append(f"<= {item.le}")
-        elif isinstance(item, annotated_types.Lt):
-            parts.append(f"< {item.lt}")
-        elif isinstance(item, annotated_types.MinLen):
-            parts.append(f"length >= {item.min_length}")
-        elif isinstance(item, annotated_types.MaxLen):
-            parts.append(f"length <= {item.max_length}")
+        bound = next(((attr, sign) for kind, attr, sign in BOUNDS if isinstance(item, kind)), None)
+        if bound is not None:
+            parts.append(f"{bound[1]} {getattr(item, bound[0])}")
         elif type(item).__name__ == "AllowInfNan" and not item.allow_inf_nan:
             parts.append("finite")
         elif isinstance(item, StringConstraints):
