@@ -71,6 +71,9 @@ MONITOR = "monitor"
 SERVICE_ROLES = ("scheduler", "verifier", "drafter", "postprocessor")
 ROLES = (*SERVICE_ROLES, MONITOR)  # users named after their role; client users are named in CLIENT_USERS_ENV
 INBOX_ROOT = "_INBOX"
+# Not a client-side user: the user nats-servers of a cluster log in to each other's route port
+# as (ops/nats/cluster.conf); its password is generated with the others.
+ROUTE = "route"
 CLIENT_USERS_ENV = "SPECBUS_CLIENT_USERS"
 _USER_NAME = re.compile(INSTANCE_ID_PATTERN)  # a user name is an inbox subject token
 PASSWORD_LENGTH = 32  # generated: a letter, then letters and digits (~190 bits)
@@ -181,7 +184,7 @@ def user_roles(client_users: Iterable[str]) -> list[tuple[str, str]]:
 def check_user_names(client_users: Iterable[str]) -> list[str]:
     names = [check_user_name(user, CLIENT_USERS_ENV) for user in client_users]
     for user in names:
-        if user in ROLES:
+        if user in (*ROLES, ROUTE):
             raise AuthConfigError(f"client user {user!r} clashes with the {user} role's user", CLIENT_USERS_ENV)
     variables = [password_env(user) for user in (*ROLES, *names)]
     if len(set(variables)) != len(variables):
@@ -211,10 +214,11 @@ def users_from_env(env: Mapping[str, str] | None = None, prefix: str = DEFAULT_P
 
 
 def generate_credentials(client_users: Iterable[str] = (CLIENT,)) -> dict[str, str]:
-    """Fresh random passwords for every role and the client users, as `users_from_env` reads them."""
+    """Fresh random passwords for every role and the client users, as `users_from_env` reads them,
+    and for the cluster's route user."""
     users = user_roles(client_users)
     env = {CLIENT_USERS_ENV: ",".join(user for role, user in users if role == CLIENT)}
-    return env | {password_env(user): random_password() for _, user in users}
+    return env | {password_env(user): random_password() for user in (*(user for _, user in users), ROUTE)}
 
 
 def random_password() -> str:

@@ -90,6 +90,8 @@ async def connect(
 
     nats-py retries the first connection forever too when max_reconnect_attempts is -1, so
     the first connection gets its own bound: BusUnavailable after initial_connect_timeout_s.
+    url: one URL, a list, or URLs separated by commas (a cluster's nodes, as NATS clients
+    elsewhere take them); nats-py connects to one and, when it is lost, reconnects to another.
     Extra keyword arguments go to `nats.connect` unchanged.
     """
     conn_log = log.bind(connection=name)
@@ -119,7 +121,7 @@ async def connect(
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=url,
+                servers=url.split(",") if isinstance(url, str) else url,
                 name=name,
                 connect_timeout=connect_timeout_s,
                 reconnect_time_wait=reconnect_time_wait_s,

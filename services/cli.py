@@ -180,6 +180,9 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
     return StackConfig(
         **{f"{role}s": getattr(args, f"{role}s") for role in ROLES},
         # from the environment too, so the scheduler and postprocessor get the target's tokenizer
+    parser.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                        help="nats-servers joined as a cluster on loopback (default 1: one server); every service "
+                             "gets every node's URL and moves to another node when its own dies")
         target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
         draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
         prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
@@ -201,6 +204,7 @@ async def until_stopped(awaitable: Awaitable, stop: asyncio.Event) -> bool:
     finally:
         stopping.cancel()
     if task in done:
+        nats_cluster=args.nats_cluster,
         task.result()  # re-raise its error
         return True
     task.cancel()

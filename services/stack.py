@@ -49,7 +49,7 @@ from services.auth import (CLIENT, MONITOR, check_user_names, env_file_text, gen
                            users_from_env, write_secret)
 from services.bus import connect
 from services.client import Client as SpecbusClient
-from services.natsserver import STDERR_TAIL_CHARS, NatsServer, NatsServerConfig
+from services.natsserver import STDERR_TAIL_CHARS, NatsCluster, NatsServer, NatsServerConfig
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +75,10 @@ class StackConfig:
     role_env: extra environment per role (it wins over the stack's own).
     auth: generate users and passwords for every role and for client_users (module docstring).
     auth=False: no users but those in nats.users, with nats_user/nats_password for the stack's
-    own connection (it watches heartbeats) and the services' logins in role_env."""
+    own connection (it watches heartbeats) and the services' logins in role_env.
+    nats_cluster: nats-server processes; above 1, a NatsCluster of that many nodes joined by
+    routes, every service and client given every node's URL (a node's death moves its
+    connections to the others)."""
 
     schedulers: int = 1
     verifiers: int = 1
@@ -105,6 +108,7 @@ class StackConfig:
                 raise ValueError(f"{role}s: must be >= 0, got {self.count(role)}")
         unknown = (set(self.role_args) | set(self.role_env)) - set(ROLES)
         if unknown:
+    nats_cluster: int = 1
             raise ValueError(f"role_args/role_env: unknown role {sorted(unknown)[0]!r}, expected one of {ROLES}")
         if self.auth and (self.nats.users or self.nats_user is not None):
             raise ValueError("nats.users/nats_user: auth=True makes its own users; set auth=False to bring yours")
@@ -132,6 +136,8 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     # Several model processes share one machine: on a small one, one torch thread each avoids
     # OpenMP threads spinning against each other (role_args come later, so they still win).
     if "torch_threads" in {f.name for f in dataclasses.fields(CONFIGS[role])} and (os.cpu_count() or 1) <= 4:
+        if self.nats_cluster < 1:
+            raise ValueError(f"nats_cluster: must be >= 1 (nats-server processes), got {self.nats_cluster}")
         argv += ["--torch-threads", "1"]
     return argv + list(config.role_args.get(role, []))
 
@@ -159,7 +165,7 @@ class ServiceProcess:
 @dataclass
 class Stack:
     config: StackConfig = field(default_factory=StackConfig)
-    server: NatsServer | None = field(default=None, init=False)
+    server: NatsServer | NatsCluster | None = field(default=None, init=False)
     processes: dict[str, ServiceProcess] = field(default_factory=dict, init=False)  # instance id -> process
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict, init=False)  # instance id -> last beat
     heartbeat_seen_at: dict[str, float] = field(default_factory=dict, init=False)  # time.monotonic()
@@ -222,7 +228,9 @@ class Stack:
         """The nats-server and the stack's heartbeat watcher; returns the url."""
         try:
             self.prepare_log_dir()
-            self.server = await self.exit_stack.enter_async_context(NatsServer(self.nats_config()))
+            server = NatsServer(self.nats_config()) if self.config.nats_cluster == 1 else \
+                NatsCluster(self.nats_config(), size=self.config.nats_cluster)
+            self.server = await self.exit_stack.enter_async_context(server)
             own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
             self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0, **own)
             self.exit_stack.push_async_callback(self.nc.close)

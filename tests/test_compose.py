@@ -2,18 +2,25 @@
 CLI parser accepts, its settings are real config fields, and it runs the roles the embedded
 stack runs."""
 
+import asyncio
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import time
 from pathlib import Path
+
+import nats.errors
 
 import pytest
 import yaml
 
 from schemas.config import ENV_PREFIX, ROLES as CONFIGS
-from services.auth import password_env
+from services.auth import generate_credentials, password_env
+from services.bus import BusUnavailable, connect
 from services.cli import build_parser
-from services.natsserver import DEFAULT_MAX_PAYLOAD
+from services.natsserver import DEFAULT_MAX_PAYLOAD, find_nats_server_binary
 from services.stack import ROLES, StackConfig, serve_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +52,11 @@ def services():
 
 
 def role_services(services):
-    return {name: svc for name, svc in services.items() if name != "nats" and "profiles" not in svc}
+    return {name: svc for name, svc in services.items() if not name.startswith("nats") and "profiles" not in svc}
+
+
+def nats_nodes(services):
+    return {name: svc for name, svc in services.items() if name.startswith("nats")}
 
 
 def test_every_service_command_is_a_serve_the_cli_accepts(services):
@@ -66,10 +77,12 @@ def test_compose_runs_the_same_roles_as_the_embedded_stack(services):
 
 
 def test_services_wait_for_a_healthy_nats_and_are_configured_by_env(services):
+    nodes = nats_nodes(services)
     for name, svc in role_services(services).items():
-        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        assert {node: dep["condition"] for node, dep in svc["depends_on"].items()} == \
+            {node: "service_healthy" for node in nodes}, name
         env = svc["environment"]
-        assert env["SPECBUS_NATS_URL"] == "nats://nats:4222", name
+        assert env["SPECBUS_NATS_URL"].split(",") == [f"nats://{node}:4222" for node in nodes], name
         fields = {f.name for f in dataclasses.fields(CONFIGS[name])}
         for key in set(env) - NOT_CONFIG_ENV:
             assert key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in fields, f"{name}: {key}"
@@ -79,25 +92,99 @@ def test_services_wait_for_a_healthy_nats_and_are_configured_by_env(services):
         assert env["SPECBUS_NATS_PASSWORD"].startswith(f"${{{password_env(name)}:?"), name
 
 
-def test_nats_is_the_official_image_with_a_healthz_healthcheck(services):
-    nats = services["nats"]
-    assert nats["image"].split(":")[0] == "nats"
-    assert any("/healthz" in part and ":8222" in part for part in nats["healthcheck"]["test"])
-    conf_host_path, conf_container_path, _ = nats["volumes"][0].split(":")
-    assert conf_host_path == "./ops/nats/nats-server.conf"  # the config services/auth.py renders
-    conf = (REPO / conf_host_path).read_text()
+def test_nats_is_a_cluster_of_three_official_images_with_a_healthz_healthcheck(services):
+    nodes = nats_nodes(services)
+    assert list(nodes) == ["nats-1", "nats-2", "nats-3"]
+    for name, nats in nodes.items():
+        assert nats["image"].split(":")[0] == "nats", name
+        assert any("/healthz" in part and ":8222" in part for part in nats["healthcheck"]["test"]), name
+        mounts = dict(volume.split(":")[:2] for volume in nats["volumes"])
+        # the users and permissions services/auth.py renders, included by the cluster's own config
+        assert mounts["./ops/nats/nats-server.conf"] == "/etc/specbus/nats-server.conf", name
+        assert nats["command"][-1] == mounts["./ops/nats/cluster.conf"] == "/etc/specbus/cluster.conf", name
+        assert nats["environment"]["SPECBUS_NATS_SERVER_NAME"] == name
+    assert sorted(svc["ports"][0] for svc in nodes.values()) == [f"127.0.0.1:{port}:4222" for port in (4222, 4223, 4224)]
+    conf = (REPO / "ops/nats/nats-server.conf").read_text()
     assert "http_port: 8222" in conf and f"max_payload: {DEFAULT_MAX_PAYLOAD}" in conf
-    assert nats["command"][-1] == conf_container_path
+    assert 'include "nats-server.conf"' in (REPO / "ops/nats/cluster.conf").read_text()
 
 
 def test_nats_gets_every_password_its_config_refers_to_and_no_default(services):
-    conf = (REPO / "ops/nats/nats-server.conf").read_text()
+    conf = (REPO / "ops/nats/nats-server.conf").read_text() + (REPO / "ops/nats/cluster.conf").read_text()
     referenced = set(re.findall(r"password: \$(SPECBUS_\w+_NATS_PASSWORD)", conf))
-    assert referenced == {password_env(user) for user in (*ROLES, "monitor", "client")}
-    env = services["nats"]["environment"]
-    assert set(env) == referenced
-    for variable, value in env.items():
-        assert value.startswith(f"${{{variable}:?"), variable
+    assert referenced == {password_env(user) for user in (*ROLES, "monitor", "client", "route")}
+    for name, node in nats_nodes(services).items():
+        env = node["environment"]
+        assert set(env) == referenced | {"SPECBUS_NATS_SERVER_NAME"} | {f"SPECBUS_NATS_ROUTE_{i}" for i in (1, 2, 3)}
+        for variable in referenced:
+            assert env[variable].startswith(f"${{{variable}:?"), f"{name}: {variable}"
+        for i in (1, 2, 3):  # each route logs in as the route user, password never defaulted
+            route = env[f"SPECBUS_NATS_ROUTE_{i}"]
+            assert route == f"nats-route://route:${{{password_env('route')}:?{route.split(':?', 1)[1].split('}')[0]}}}@nats-{i}:6222"
+
+
+def test_the_compose_cluster_config_forms_a_cluster_that_keeps_its_users(tmp_path):
+    """The three nodes of docker-compose.yml, run from its config files by the real binary on
+    loopback (ports moved by command-line flags, which win over the file): every node routes
+    to the other two, a node without the route password cannot join, and the users of
+    nats-server.conf log in on every node."""
+    credentials = generate_credentials()
+    env = {**os.environ, **credentials}
+    route_password = credentials[password_env("route")]
+    base = 24000 + os.getpid() % 1000 * 10
+    for i in (1, 2, 3):
+        env[f"SPECBUS_NATS_ROUTE_{i}"] = f"nats-route://route:{route_password}@127.0.0.1:{base + 3 + i}"
+    binary = str(find_nats_server_binary())
+    nodes = []
+    try:
+        for i in (1, 2, 3):
+            nodes.append(subprocess.Popen(
+                [binary, "-c", str(REPO / "ops/nats/cluster.conf"), "-a", "127.0.0.1", "-p", str(base + i),
+                 "-m", "0", "--cluster", f"nats://127.0.0.1:{base + 3 + i}"],
+                env={**env, "SPECBUS_NATS_SERVER_NAME": f"nats-{i}"}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+        intruder_env = {**env, "SPECBUS_NATS_SERVER_NAME": "intruder", "SPECBUS_ROUTE_NATS_PASSWORD": "Wrong-password-123",
+                        **{f"SPECBUS_NATS_ROUTE_{i}": f"nats-route://route:Wrong-password-123@127.0.0.1:{base + 3 + i}"
+                           for i in (1, 2, 3)}}
+        nodes.append(subprocess.Popen(
+            [binary, "-c", str(REPO / "ops/nats/cluster.conf"), "-a", "127.0.0.1", "-p", str(base + 7), "-m", "0",
+             "--cluster", f"nats://127.0.0.1:{base + 8}"], env=intruder_env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL))
+        asyncio.run(check_cluster([f"nats://127.0.0.1:{base + i}" for i in (1, 2, 3)], credentials))
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(timeout=10)
+
+
+async def check_cluster(urls: list[str], credentials: dict[str, str]) -> None:
+    """A message published on each node reaches a subscriber on every other node (over the
+    routes), and nothing from the intruder node does."""
+    login = {"user": "scheduler", "password": credentials[password_env("scheduler")]}  # publishes and reads beats
+    clients = [await connect(url, f"node-{i}", initial_connect_timeout_s=10.0, **login) for i, url in enumerate(urls)]
+    try:
+        subscriptions = [await nc.subscribe("specbus.heartbeat") for nc in clients]
+        deadline = time.monotonic() + 30
+        while True:  # routes form within a few seconds; until then a message may miss a node
+            for i, nc in enumerate(clients):
+                await nc.publish("specbus.heartbeat", str(i).encode())
+                await nc.flush()
+            got = [[] for _ in clients]
+            for sub, seen in zip(subscriptions, got):
+                try:
+                    while len(seen) < len(clients):
+                        seen.append((await sub.next_msg(timeout=0.5)).data)
+                except nats.errors.TimeoutError:
+                    pass
+            if all(sorted(seen) == [str(i).encode() for i in range(len(clients))] for seen in got):
+                break
+            assert time.monotonic() < deadline, f"the nodes never all routed to each other: {got}"
+        with pytest.raises(BusUnavailable):
+            await connect(urls[0], "nobody", user="scheduler", password="Wrong-password-123",
+                          initial_connect_timeout_s=1.0)
+    finally:
+        for nc in clients:
+            await nc.close()
 
 
 def test_the_password_file_stays_out_of_git_and_of_the_image():

