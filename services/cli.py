@@ -168,6 +168,9 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     for role in ROLES:
         parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
     parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
+    parser.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                        help="nats-servers joined as a cluster on loopback (default 1: one server); every service "
+                             "gets every node's URL and moves to another node when its own dies")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
     parser.add_argument("--no-auth", action="store_true",
                         help="no NATS users (default: one per role, random passwords written to the log dir)")
@@ -180,13 +183,11 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
     return StackConfig(
         **{f"{role}s": getattr(args, f"{role}s") for role in ROLES},
         # from the environment too, so the scheduler and postprocessor get the target's tokenizer
-    parser.add_argument("--nats-cluster", type=int, default=1, metavar="N",
-                        help="nats-servers joined as a cluster on loopback (default 1: one server); every service "
-                             "gets every node's URL and moves to another node when its own dies")
         target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
         draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
         prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
         nats=NatsServerConfig(port=port),
+        nats_cluster=args.nats_cluster,
         log_dir=args.log_dir,
         log_level=args.log_level,
         ready_timeout_s=args.ready_timeout,
@@ -204,7 +205,6 @@ async def until_stopped(awaitable: Awaitable, stop: asyncio.Event) -> bool:
     finally:
         stopping.cancel()
     if task in done:
-        nats_cluster=args.nats_cluster,
         task.result()  # re-raise its error
         return True
     task.cancel()

@@ -88,6 +88,7 @@ class StackConfig:
     draft_model: str | None = None
     prefix: str = DEFAULT_PREFIX
     nats: NatsServerConfig = field(default_factory=NatsServerConfig)
+    nats_cluster: int = 1
     role_args: dict[str, list[str]] = field(default_factory=dict)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     auth: bool = True
@@ -108,7 +109,6 @@ class StackConfig:
                 raise ValueError(f"{role}s: must be >= 0, got {self.count(role)}")
         unknown = (set(self.role_args) | set(self.role_env)) - set(ROLES)
         if unknown:
-    nats_cluster: int = 1
             raise ValueError(f"role_args/role_env: unknown role {sorted(unknown)[0]!r}, expected one of {ROLES}")
         if self.auth and (self.nats.users or self.nats_user is not None):
             raise ValueError("nats.users/nats_user: auth=True makes its own users; set auth=False to bring yours")
@@ -116,6 +116,8 @@ class StackConfig:
             raise ValueError("client_users: auth=True needs at least one client user")
         if self.auth:
             check_user_names(self.client_users)
+        if self.nats_cluster < 1:
+            raise ValueError(f"nats_cluster: must be >= 1 (nats-server processes), got {self.nats_cluster}")
         if not 0 <= self.metrics_port_base < 65536:
             raise ValueError(f"metrics_port_base: must be a port or 0 (off), got {self.metrics_port_base}")
 
@@ -136,8 +138,6 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     # Several model processes share one machine: on a small one, one torch thread each avoids
     # OpenMP threads spinning against each other (role_args come later, so they still win).
     if "torch_threads" in {f.name for f in dataclasses.fields(CONFIGS[role])} and (os.cpu_count() or 1) <= 4:
-        if self.nats_cluster < 1:
-            raise ValueError(f"nats_cluster: must be >= 1 (nats-server processes), got {self.nats_cluster}")
         argv += ["--torch-threads", "1"]
     return argv + list(config.role_args.get(role, []))
 
