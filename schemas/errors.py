@@ -11,8 +11,8 @@ class ErrorCode(str, Enum):
     malformed = "malformed"  # not msgpack, truncated, or not a map
     too_large = "too_large"  # payload over the size limit, refused before unpacking
     overloaded = "overloaded"  # admission queue full
-    timeout = "timeout"
-    cancelled = "cancelled"
+    timeout = "timeout"  # a deadline passed: the request's, a batch's (field "deadline") or a wait's
+    cancelled = "cancelled"  # the request was cancelled
     not_found = "not_found"  # unknown request id or instance
     need_resync = "need_resync"  # receiver's cached state differs from what the sender expects
     no_capacity = "no_capacity"  # no live instance able to take the work
