@@ -1,13 +1,18 @@
 """NATS subject names (docs/PROTOCOL.md#subjects) under a configurable prefix.
 
-    <p>.generate                 client -> scheduler (queue group "schedulers")
-    <p>.cancel                   client -> every scheduler (the owner acts, the others ignore it)
+    <p>.generate.<user>          client user -> scheduler (queue group "schedulers")
+    <p>.cancel.<user>            client user -> every scheduler (the owner acts, the others ignore it)
     <p>.draft.<drafter_id>       scheduler -> drafter
     <p>.verify.<verifier_id>     scheduler -> verifier
     <p>.post.<id>.commit         scheduler -> postprocessor
     <p>.post.<id>.side           verifier -> postprocessor
     <p>.stop.<scheduler_id>      postprocessor -> the scheduler that owns the request
     <p>.heartbeat                every instance -> schedulers
+
+The client user's name is the last token of its generate and cancel subjects: NATS does not tell
+a subscriber who published, so that token, which the server lets each user publish only with its
+own name (services/auth.py), is how the scheduler knows who sent a request. Without auth a
+client uses DEFAULT_CLIENT_USER.
 """
 
 import re
@@ -17,6 +22,7 @@ from schemas.errors import ErrorCode, SpecbusError
 
 DEFAULT_PREFIX = "specbus"
 SCHEDULER_QUEUE_GROUP = "schedulers"
+DEFAULT_CLIENT_USER = "client"
 # One subject token: no dots, spaces or wildcards, so an id can never widen a subscription.
 INSTANCE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
@@ -43,11 +49,23 @@ class Subjects:
 
     @property
     def generate(self) -> str:
+        """The root of the generate subjects; a client publishes to `generate_for(user)`."""
         return f"{self.prefix}.generate"
 
     @property
     def cancel(self) -> str:
+        """The root of the cancel subjects; a client publishes to `cancel_for(user)`."""
         return f"{self.prefix}.cancel"
+
+    def generate_for(self, user: str) -> str:
+        return f"{self.generate}.{check_instance_id(user, 'user')}"
+
+    def cancel_for(self, user: str) -> str:
+        return f"{self.cancel}.{check_instance_id(user, 'user')}"
+
+    def user_of(self, subject: str) -> str:
+        """The client user of a `generate_for`/`cancel_for` subject (the token after the root)."""
+        return subject.rsplit(".", 1)[-1]
 
     @property
     def heartbeat(self) -> str:

@@ -4,9 +4,9 @@ The permission model is data, here and nowhere else: `role_permissions(prefix)` 
 role may publish and subscribe to, derived from the subject table in schemas/subjects.py:
 
     role           publishes                                   subscribes
-    client         <p>.generate, <p>.cancel                    its own inbox only
-    scheduler      <p>.draft.*, <p>.verify.*, <p>.post.*.commit, <p>.generate (queue "schedulers"),
-                   <p>.heartbeat, _INBOX.> (error chunks,      <p>.cancel, <p>.heartbeat, <p>.stop.<id>
+    client <u>     <p>.generate.<u>, <p>.cancel.<u>            its own inbox only
+    scheduler      <p>.draft.*, <p>.verify.*, <p>.post.*.commit, <p>.generate.* (queue "schedulers"),
+                   <p>.heartbeat, _INBOX.> (error chunks,      <p>.cancel.*, <p>.heartbeat, <p>.stop.<id>
                    $SRV replies)
     drafter        <p>.heartbeat; replies                      <p>.draft.<id>
     verifier       <p>.post.*.side, <p>.heartbeat; replies     <p>.verify.<id>
@@ -18,7 +18,10 @@ Every service also subscribes to its nats.micro control subjects (`$SRV.<VERB>`,
 `$SRV.<VERB>.<role>`, `$SRV.<VERB>.<role>.<service id>`), and every user to its own inbox
 `_INBOX.<user>.>` (its request replies, the postprocessor's bounce inbox): each user connects with
 `inbox_prefix=inbox_prefix(user)`, and no user can subscribe to another user's inbox, so a client
-never sees another client's stream. "replies" is nats-server's `allow_responses`: one publish to
+never sees another client's stream. A client user publishes only to the generate and cancel
+subjects that end with its own name, so the scheduler knows who sent each request from the
+subject: it refuses a reply subject outside that user's inbox (no client can aim a stream at
+another's inbox) and a cancel of another user's request. "replies" is nats-server's `allow_responses`: one publish to
 the reply subject of each message received, and nothing else; the drafter and verifier need no
 more. The scheduler and postprocessor publish to `_INBOX.>` instead (no allow_responses): the
 scheduler receives reply subjects from clients, and allow_responses would let a client aim the
@@ -125,17 +128,20 @@ def micro_subjects(role: str) -> tuple[str, ...]:
     return ("$SRV.*", f"$SRV.*.{role}", f"$SRV.*.{role}.*")
 
 
-def role_permissions(prefix: str = DEFAULT_PREFIX, instance_id: str = "*") -> dict[str, Permissions]:
+def role_permissions(prefix: str = DEFAULT_PREFIX, instance_id: str = "*",
+                     client_user: str = CLIENT) -> dict[str, Permissions]:
     """Least privilege per role (module docstring); instance_id `*` lets one user serve every
-    instance of its role, a real id binds it to one. The user's own inbox is added by `nats_user`."""
+    instance of its role, a real id binds it to one. CLIENT is the client user `client_user`.
+    The user's own inbox is added by `nats_user`."""
     subjects = Subjects(prefix)
     p, own = subjects.prefix, instance_id if instance_id == "*" else check_instance_id(instance_id)
     inboxes = f"{INBOX_ROOT}.>"
     return {
-        CLIENT: Permissions(publish=(subjects.generate, subjects.cancel), subscribe=()),
+        CLIENT: Permissions(publish=(subjects.generate_for(client_user), subjects.cancel_for(client_user)),
+                            subscribe=()),
         "scheduler": Permissions(
             publish=(f"{p}.draft.*", f"{p}.verify.*", f"{p}.post.*.commit", subjects.heartbeat, inboxes),
-            subscribe=(f"{subjects.generate} {SCHEDULER_QUEUE_GROUP}", subjects.cancel, subjects.heartbeat,
+            subscribe=(f"{subjects.generate}.* {SCHEDULER_QUEUE_GROUP}", f"{subjects.cancel}.*", subjects.heartbeat,
                        f"{p}.stop.{own}", *micro_subjects("scheduler")),
         ),
         "drafter": Permissions(publish=(subjects.heartbeat,),
@@ -158,7 +164,7 @@ def check_user_name(user: str, variable: str) -> str:
 
 def nats_user(role: str, user: str, password: str, prefix: str = DEFAULT_PREFIX, instance_id: str = "*") -> NatsUser:
     """The server-side user for `role`: its permissions plus its own inbox."""
-    all_permissions = role_permissions(prefix, instance_id)
+    all_permissions = role_permissions(prefix, instance_id, client_user=user if role == CLIENT else CLIENT)
     if role not in all_permissions:
         raise ValueError(f"role: unknown role {role!r}, expected one of {sorted(all_permissions)}")
     permissions = all_permissions[role]

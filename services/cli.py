@@ -27,11 +27,12 @@ from schemas.config import ENV_PREFIX, REPO_MODELS, ROLES, BusConfig, load_confi
 from schemas.errors import SpecbusError
 from schemas.messages import GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk, new_request_id
 from schemas.subjects import DEFAULT_PREFIX
-from services.auth import users_from_env
+from services.auth import CLIENT, users_from_env
 from services.client import Client
 from services.logs import LEVELS, configure_logging
 from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig, NatsServerError
 from services.stack import PARENT_PID_ENV, Stack, StackConfig, StackError
+from services.supervisor import CrashLoop, supervise
 
 log = structlog.get_logger(__name__)
 
@@ -172,6 +173,9 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nats-servers joined as a cluster on loopback (default 1: one server); every service "
                              "gets every node's URL and moves to another node when its own dies")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
+    parser.add_argument("--clients", default=CLIENT, metavar="NAMES",
+                        help="NATS client users, comma-separated (default 'client'): each may read and cancel only "
+                             "its own requests; each login in <log-dir>/client-<name>.env")
     parser.add_argument("--no-auth", action="store_true",
                         help="no NATS users (default: one per role, random passwords written to the log dir)")
     parser.add_argument("--metrics-port-base", type=int, default=0, metavar="PORT",
@@ -192,6 +196,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         log_level=args.log_level,
         ready_timeout_s=args.ready_timeout,
         auth=not args.no_auth,
+        client_users=tuple(name.strip() for name in args.clients.split(",") if name.strip()),
         metrics_port_base=args.metrics_port_base,
     )
 
@@ -236,24 +241,20 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
 
 
 async def run_up(args: argparse.Namespace) -> int:
-    """Run the embedded stack until Ctrl-C; exit 1 when a service process dies."""
+    """Run the embedded stack until Ctrl-C, restarting a service process that exits
+    (services/supervisor.py); exit 1 when one role keeps crashing."""
     stop = shutdown_event()
     async with AsyncExitStack() as exit_stack:
         stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
         if stack is None:
             return 0 if stop.is_set() else 1
-        exits = {asyncio.ensure_future(p.process.wait()): p for p in stack.processes.values()}
-        stopping = asyncio.ensure_future(stop.wait())
-        done, pending = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        if stopping in done:
-            print("stopping", flush=True)
-            return 0
-        dead = exits[next(iter(done))]
-        print(f"error: {dead.instance_id} exited with code {dead.process.returncode}; stopping the stack. "
-              f"Its log ends with:\n{dead.log_tail()}", file=sys.stderr)
-        return 1
+        try:
+            await supervise(stack, stop)
+        except CrashLoop as exc:
+            print(f"error: {exc}\nstopping the stack", file=sys.stderr, flush=True)
+            return 1
+        print("stopping", flush=True)
+        return 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@
         scores = await client.generate(score_request([5, 17, 42, 9]))  # prompt logprobs only
         print(json.dumps(result.to_json()))
 
-Protocol (docs/PROTOCOL.md#ordering): subscribe a fresh inbox, publish the request to `<p>.generate`
-with reply=inbox, read StreamChunks until the final one. Chunks are reordered by seq,
+Protocol (docs/PROTOCOL.md#ordering): subscribe a fresh inbox (`_INBOX.<user>.<random>`), publish the
+request to `<p>.generate.<user>` with reply=inbox, read StreamChunks until the final one; a
+cancel goes to `<p>.cancel.<user>`. `<user>` is the NATS login (DEFAULT_CLIENT_USER "client"
+without one): the only subjects the server lets that user use, and how the scheduler knows whose
+request it is. Chunks are reordered by seq,
 duplicates dropped, and a final chunk that arrives with earlier seqs missing waits `gap_grace_s`
 for them, then raises StreamBroken. Every wait is bounded: the whole request by timeout_s +
 timeout_margin_s, the gap between two chunks by idle_timeout_s (after the first one); a
@@ -35,8 +38,8 @@ from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.messages import (CancelRequest, Error, GenerateRequest, LogprobOptions, SamplingMask, SamplingParams,
                               SpeculativeOptions, StreamChunk, TokenLogprob, Usage, new_request_id)
-from schemas.subjects import DEFAULT_PREFIX, Subjects
-from services.auth import PermissionDenied
+from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
+from services.auth import PermissionDenied, inbox_prefix
 from services.bus import BusError, connect, permission_watch, publish, tls_context
 
 log = structlog.get_logger(__name__)
@@ -230,7 +233,7 @@ class Stream:
         self.subscription = subscription
         # What the server may refuse this stream: reported asynchronously (PermissionWatch), so
         # refusals are counted from here on and watched while waiting for the first chunk.
-        self.publishes, self.subscribes = [client.subjects.generate], [subscription.subject]
+        self.publishes, self.subscribes = [client.generate_subject], [subscription.subject]
         self.refusals_at_open = self.num_refusals()
         self.deadline = time.monotonic() + request.timeout_s + client.timeout_margin_s
         self.next_seq = 0
@@ -279,7 +282,7 @@ class Stream:
             raise RequestError(ErrorCode.forbidden, exc.message, request_id=self.request.request_id) from None
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
             self.finished = True
-            raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.subjects.generate!r}",
+            raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.generate_subject!r}",
                                request_id=self.request.request_id)
         try:
             chunk = decode(msg.data, StreamChunk)
@@ -379,6 +382,9 @@ class Client:
         self.url = url
         self.subjects = Subjects(prefix)
         self.user, self.password = user, password
+        # The login names the client's subjects and inbox (module docstring).
+        self.generate_subject = self.subjects.generate_for(user or DEFAULT_CLIENT_USER)
+        self.cancel_subject = self.subjects.cancel_for(user or DEFAULT_CLIENT_USER)
         self.tls = tls if tls is not None else tls_context(tls_ca, tls_cert, tls_key)
         self.name = name
         self.connect_timeout_s = connect_timeout_s
@@ -398,7 +404,8 @@ class Client:
     async def __aenter__(self) -> Client:
         self.nc = await connect(self.url, self.name, connect_timeout_s=self.connect_timeout_s,
                                 initial_connect_timeout_s=self.connect_timeout_s, user=self.user,
-                                password=self.password, tls=self.tls)
+                                password=self.password, tls=self.tls,
+                                inbox_prefix=inbox_prefix(self.user or DEFAULT_CLIENT_USER))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -413,7 +420,7 @@ class Client:
         subscription = await self.nc.subscribe(inbox)
         stream = Stream(self, request, subscription)
         try:
-            await publish(self.nc, self.subjects.generate, encode(request), reply=inbox)
+            await publish(self.nc, self.generate_subject, encode(request), reply=inbox)
         except BaseException:
             stream.finished = True  # never sent: nothing to cancel
             await stream.close()
@@ -443,6 +450,6 @@ class Client:
     async def cancel(self, request_id: str) -> None:
         """Ask the schedulers to stop a request (best effort: a failure to send is logged)."""
         try:
-            await publish(self.nc, self.subjects.cancel, encode(CancelRequest(request_id=request_id)))
+            await publish(self.nc, self.cancel_subject, encode(CancelRequest(request_id=request_id)))
         except BusError as exc:
             log.warning("cancel_not_sent", request_id=request_id, error=str(exc))

@@ -5,8 +5,9 @@ The decisions live in services/scheduler_core.py (`SchedulerState`); this module
 
     await run_scheduler(load_config(SchedulerConfig), stop)
 
-Subjects: `<p>.generate` (queue group "schedulers"; the reply subject is the client inbox),
-`<p>.cancel` (every scheduler; the owner acts), `<p>.heartbeat` (in and out),
+Subjects: `<p>.generate.<user>` (queue group "schedulers"; the reply subject must be that client
+user's own inbox `_INBOX.<user>.`), `<p>.cancel.<user>` (every scheduler; the one that owns the
+request acts, and only when the user is the request's own), `<p>.heartbeat` (in and out),
 `stop_notice(instance_id)` (a nats.micro endpoint, so $SRV.STATS.scheduler shows the counters).
 
 On stop: admission closes, the step in flight finishes (within stop_grace_s, else it is cancelled
@@ -30,7 +31,7 @@ from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (CancelRequest, DraftRequest, DraftResponse, Error, GenerateRequest, Heartbeat,
                               RequestId, StopNotice, StreamChunk, VerifyRequest, VerifyResponse, check_limits)
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
-from services.auth import INBOX_ROOT
+from services.auth import inbox_prefix
 from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint, add_micro_service, connect_service,
                           heartbeat_loop, publish, request, serve)
 from services.logs import log_context
@@ -76,7 +77,7 @@ class Scheduler:
     async def start(self) -> None:
         subjects = self.subjects
         self.subscriptions.append(await self.nc.subscribe(subjects.heartbeat, cb=self.on_heartbeat))
-        self.subscriptions.append(await self.nc.subscribe(subjects.cancel, cb=self.on_cancel))
+        self.subscriptions.append(await self.nc.subscribe(f"{subjects.cancel}.*", cb=self.on_cancel))
         self.state.metrics.watch_counts(self.stats, SCHEDULER_GAUGES)
         self.service = await add_micro_service(
             self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
@@ -86,8 +87,9 @@ class Scheduler:
                            for lane in range(self.config.lanes)]
         self.tasks = [*self.step_loops, asyncio.create_task(heartbeat_loop(
             self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat")]
-        self.handlers.append(await serve(self.nc, subjects.generate, self.on_generate, queue=SCHEDULER_QUEUE_GROUP,
-                                         max_concurrency=4, max_pending=4 * self.config.max_queue + 64))
+        self.handlers.append(await serve(self.nc, f"{subjects.generate}.*", self.on_generate,
+                                         queue=SCHEDULER_QUEUE_GROUP, max_concurrency=4,
+                                         max_pending=4 * self.config.max_queue + 64))
         log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
 
     async def stop(self) -> None:
@@ -133,11 +135,15 @@ class Scheduler:
             self.state.counters["dropped_generate_no_reply"] += 1
             log.warning("generate_without_reply_subject", dropped=self.state.counters["dropped_generate_no_reply"])
             return
-        if not msg.reply.startswith(INBOX_ROOT + "."):
-            # Only inboxes: a reply subject such as `<p>.verify.x` would aim our answers at a service.
-            self.state.counters["refused_generate_reply_not_inbox"] += 1
-            log.warning("generate_reply_not_an_inbox", reply=msg.reply[:200],
-                        refused=self.state.counters["refused_generate_reply_not_inbox"])
+        user = self.subjects.user_of(msg.subject)
+        if not msg.reply.startswith(inbox_prefix(user) + "."):
+            # Only the sender's own inbox: `<p>.verify.x` would aim our answers at a service,
+            # `_INBOX.<another user>.x` a stream at another client. Nothing is sent: an error
+            # chunk to that subject would be the redirect itself.
+            self.state.counters["refused_generate_reply_not_own_inbox"] += 1
+            log.warning("generate_refused", code=ErrorCode.forbidden.value, field="reply_subject", user=user,
+                        message=f"the reply subject is not in the inbox of {user!r}", reply=msg.reply[:200],
+                        refused=self.state.counters["refused_generate_reply_not_own_inbox"])
             return
         request_id = None
         try:
@@ -160,7 +166,19 @@ class Scheduler:
 
     async def on_cancel(self, msg) -> None:
         cancel = self.decode_or_drop(msg, CancelRequest)
-        if cancel is not None and self.state.cancel(cancel.request_id):
+        if cancel is None:
+            return
+        user = self.subjects.user_of(msg.subject)
+        try:
+            cancelled = self.state.cancel(cancel.request_id, owner_inbox=inbox_prefix(user) + ".")
+        except SpecbusError as exc:  # another user's request: refused, counted, and answered if asked
+            self.state.counters["refused_cancel_not_owner"] += 1
+            log.warning("cancel_refused", request_id=cancel.request_id, user=user, code=exc.code.value,
+                        field=exc.field, message=exc.message, refused=self.state.counters["refused_cancel_not_owner"])
+            if msg.reply and msg.reply.startswith(inbox_prefix(user) + "."):
+                await self.publish(msg.reply, encode(Error.from_exception(exc, cancel.request_id)))
+            return
+        if cancelled:
             self.wake()
 
     async def on_stop_notice(self, msg) -> None:

@@ -322,11 +322,16 @@ class SchedulerState:
         self.counters["admitted"] += 1
         return state
 
-    def cancel(self, request_id: str) -> bool:
-        """Mark for the next step boundary; False when this scheduler does not own the request."""
+    def cancel(self, request_id: str, owner_inbox: str | None = None) -> bool:
+        """Mark for the next step boundary; False when this scheduler does not own the request.
+        owner_inbox: the cancelling user's inbox prefix; SpecbusError `forbidden` when the
+        request streams to another inbox (another client user's request)."""
         request = self.running.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
         if request is None:
             return False
+        if owner_inbox is not None and not request.client_inbox.startswith(owner_inbox):
+            raise SpecbusError(ErrorCode.forbidden, f"request {request_id} belongs to another client user",
+                               "request_id")
         request.end_reason = "cancelled"
         return True
 

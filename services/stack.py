@@ -12,7 +12,12 @@ NATS auth is on by default (services/auth.py): fresh random passwords per start,
 role with its subject permissions, each process given only its own role's login
 (SPECBUS_NATS_USER/_PASSWORD), the stack's heartbeat watcher connected as "monitor", and the
 clients' logins from `client_login()` / `client()`. `log_dir/credentials.env` (mode 0600) holds
-every password, `log_dir/client.env` the first client user's login as `specbus generate` reads it.
+every password, `log_dir/client.env` the first client user's login as `specbus generate` reads
+it (with several client users, also `client-<user>.env` for each). Each client user may read and
+cancel only its own requests (services/auth.py).
+
+A Stack starts and stops processes when asked; `services.supervisor.supervise` restarts those
+that exit by themselves (what `specbus up` runs).
 
 Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat`; a
 process that exits first, or an instance still silent after ready_timeout_s, fails the start
@@ -257,9 +262,13 @@ class Stack:
         assert self.log_dir is not None
         self.credentials = generate_credentials(self.config.client_users)
         write_secret(self.log_dir / CREDENTIALS_FILE, env_file_text(self.credentials))
-        client = self.client_login()
-        write_secret(self.log_dir / CLIENT_ENV_FILE, env_file_text(
-            {ENV_PREFIX + "NATS_USER": client["user"], ENV_PREFIX + "NATS_PASSWORD": client["password"]}))
+        for index, user in enumerate(self.config.client_users):  # client.env: the first one's login
+            login = self.client_login(user)
+            text = env_file_text({ENV_PREFIX + "NATS_USER": user, ENV_PREFIX + "NATS_PASSWORD": login["password"]})
+            if index == 0:
+                write_secret(self.log_dir / CLIENT_ENV_FILE, text)
+            if len(self.config.client_users) > 1:
+                write_secret(self.log_dir / f"client-{user}.env", text)
         users = users_from_env(self.credentials, self.config.prefix)
         return dataclasses.replace(self.config.nats, users=tuple(users))
 

@@ -7,7 +7,8 @@ import pytest_asyncio
 
 from schemas.codec import decode
 from schemas.messages import Heartbeat
-from schemas.subjects import Subjects
+from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
+from services.auth import inbox_prefix
 from services.bus import connect
 from services.natsserver import NatsServer, NatsServerConfig
 
@@ -21,8 +22,10 @@ def nats_server():
 
 @pytest.fixture
 async def nc(nats_server):
-    """A client connected to `nats_server`; reconnects quickly so restart tests stay short."""
-    client = await connect(nats_server.url, "pytest", initial_connect_timeout_s=5.0, reconnect_time_wait_s=0.1)
+    """A client connected to `nats_server` with the default client user's inbox prefix, as a
+    Client without a login has; reconnects quickly so restart tests stay short."""
+    client = await connect(nats_server.url, "pytest", initial_connect_timeout_s=5.0, reconnect_time_wait_s=0.1,
+                           inbox_prefix=inbox_prefix(DEFAULT_CLIENT_USER))  # a scheduler answers only there
     yield client
     await client.close()
 

@@ -34,6 +34,7 @@ from schemas.messages import (MAX_BATCH_ROWS, CancelRequest, Commit, DraftReques
                               SamplingParams, SideChannelRecord, StopNotice, StreamChunk, VerifyRequest, VerifyResponse,
                               VerifyRow)
 from schemas.subjects import Subjects
+from services.auth import inbox_prefix
 from services.bus import connect
 from services.client import RequestError, make_request
 from services.stack import Stack, StackConfig
@@ -72,11 +73,11 @@ class Target:
 
 
 TARGETS = [
-    Target("generate", "scheduler", lambda s: s.generate, GenerateRequest, lambda: GenerateRequest(
+    Target("generate", "scheduler", lambda s: s.generate_for("client"), GenerateRequest, lambda: GenerateRequest(
         request_id="fuzz-generate", prompt_token_ids=PROMPT, timeout_s=10.0,
         sampling=SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, stop=["x"], stop_token_ids=[1]),
         logprobs=LogprobOptions(logprobs=2, logprob_token_ids=[3])), "chunk", "refused_"),
-    Target("cancel", "scheduler", lambda s: s.cancel, CancelRequest,
+    Target("cancel", "scheduler", lambda s: s.cancel_for("client"), CancelRequest,
            lambda: CancelRequest(request_id="fuzz-cancel"), None, "dropped_bad_cancel"),
     Target("stop", "scheduler", lambda s: s.stop_notice("scheduler-0"), StopNotice, lambda: StopNotice(
         request_id="fuzz-stop", batch_id=1, step=0, postprocessor_id="fuzz", stop="x", text_offset=1, num_tokens=1),
@@ -216,7 +217,8 @@ async def stack(models, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def nc(stack):
-    connection = await connect(stack.url, "pytest-fuzz")
+    # Without auth too, the scheduler answers a generate only to the sending user's inbox.
+    connection = await connect(stack.url, "pytest-fuzz", inbox_prefix=inbox_prefix("client"))
     yield connection
     await connection.close()
 

@@ -54,7 +54,7 @@ def specbus(*args):
 def models(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("models")
     for name in ("target", "draft"):
-        shutil.copytree(REPO_MODELS / name, root / name)
+        shutil.copytree(REPO_MODELS / "tiny" / name, root / name)
     return root / "target", root / "draft"
 
 
@@ -191,7 +191,8 @@ async def test_a_malformed_request_gets_an_error_chunk_naming_the_field(stack, p
     try:
         inbox = nc.new_inbox()
         subscription = await nc.subscribe(inbox)
-        await nc.publish(stack.subjects.generate, msgpack.packb(raw, use_bin_type=True), reply=inbox)
+        subject = stack.subjects.generate_for(stack.client_login()["user"])
+        await nc.publish(subject, msgpack.packb(raw, use_bin_type=True), reply=inbox)
         chunk = decode((await subscription.next_msg(timeout=10)).data, StreamChunk)
     finally:
         await nc.close()
@@ -317,7 +318,7 @@ async def test_a_killed_drafter_leaves_greedy_outputs_unchanged_flagged_draft_ti
 
 async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, prompts):
     process = await asyncio.create_subprocess_exec(
-        *specbus("up", "--port", "0", "--log-dir", str(tmp_path), "--target-model", str(models[0]),
+        *specbus("up", "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path), "--target-model", str(models[0]),
                  "--draft-model", str(models[1])),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
@@ -337,8 +338,8 @@ async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, 
             process.kill()
             await process.wait()
     logs = sorted(tmp_path.iterdir())
-    assert [path.name for path in logs] == ["client.env", "credentials.env", "drafter-0.log", "postprocessor-0.log",
-                                            "scheduler-0.log", "verifier-0.log"]
+    assert [path.name for path in logs] == ["client.env", "credentials.env", "drafter-0.log", "gateway-0.log",
+                                            "postprocessor-0.log", "scheduler-0.log", "verifier-0.log"]
     logs = [path for path in logs if path.suffix == ".log"]
     for path in logs:  # each stopped on SIGTERM by itself, none was SIGKILLed
         assert "serve_stopped" in path.read_text(), path.name

@@ -12,8 +12,9 @@ import time
 import pytest
 import pytest_asyncio
 
-from schemas.codec import encode
+from schemas.codec import decode, encode
 from schemas.errors import ErrorCode
+from schemas.messages import CancelRequest, Error
 from services.auth import PermissionDenied
 from services.bus import connect, permission_watch, request
 from services.client import Client, RequestError, make_request
@@ -112,19 +113,61 @@ async def test_a_client_cannot_subscribe_to_another_clients_stream(stack):
     assert [chunk.seq for chunk in chunks] == list(range(len(chunks)))
 
 
-async def test_the_scheduler_refuses_a_reply_subject_that_is_not_an_inbox(stack):
+async def poll_stats(stack, role: str, done, timeout_s: float = 60.0) -> dict:
+    """The role's stats once done(stats) holds (AssertionError with the last ones after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(stats := await micro_stats(stack, role)):
+        assert time.monotonic() < deadline, f"{role} stats after {timeout_s} s: {stats}"
+        await asyncio.sleep(0.05)
+    return stats
+
+
+@pytest.mark.parametrize("aim", ["a service", "another client's inbox"])
+async def test_a_client_cannot_aim_a_stream_anywhere_but_its_own_inbox(stack, aim):
+    """alice publishes a valid request whose reply subject is the verifier's subject or bob's
+    inbox: the scheduler refuses it (counted), runs nothing and sends nothing there."""
+    refused = "refused_generate_reply_not_own_inbox"
     before = await micro_stats(stack, "scheduler")
-    nc = await connect(stack.url, "alice-raw", **stack.client_login("alice"))
+    bob = await connect(stack.url, "bob-raw", **stack.client_login("bob"))
+    alice = await connect(stack.url, "alice-raw", **stack.client_login("alice"))
     try:
-        # alice may publish to generate; the reply names the verifier, which she may not reach.
-        await nc.publish(stack.subjects.generate, encode(greedy()), reply=stack.subjects.verify("verifier-0"))
-        await nc.flush(timeout=5)
-        for _ in range(100):
-            after = await micro_stats(stack, "scheduler")
-            if after.get("refused_generate_reply_not_inbox", 0) > before.get("refused_generate_reply_not_inbox", 0):
-                break
-            await asyncio.sleep(0.05)
+        bob_inbox = await bob.subscribe("_INBOX.bob.>")
+        await bob.flush(timeout=5)
+        reply = stack.subjects.verify("verifier-0") if aim == "a service" else "_INBOX.bob.redirected"
+        await alice.publish(stack.subjects.generate_for("alice"), encode(greedy()), reply=reply)
+        await alice.flush(timeout=5)
+        after = await poll_stats(stack, "scheduler", lambda s: s.get(refused, 0) > before.get(refused, 0))
+        # The scheduler handled it and answered nobody; give a stray chunk a round trip to show.
+        await bob.flush(timeout=5)
+        assert bob_inbox.pending_msgs == 0
     finally:
-        await nc.close()
-    assert after["refused_generate_reply_not_inbox"] == before.get("refused_generate_reply_not_inbox", 0) + 1
-    assert after["running"] == 0 and after["queued"] == 0
+        await alice.close()
+        await bob.close()
+    assert after[refused] == before.get(refused, 0) + 1
+    assert after["admitted"] == before.get("admitted", 0) and after["running"] == 0 and after["queued"] == 0
+
+
+async def test_a_client_cannot_cancel_another_clients_request(stack):
+    """alice learns the id of bob's running request and cancels it: refused with a typed error,
+    counted, and bob's request runs to its end."""
+    async with stack.client("bob") as bob:
+        stream = await bob.open_stream(greedy(max_tokens=100))
+        async with stream:
+            chunks = [await anext(stream)]  # running now, and until 100 tokens are out
+            alice = await connect(stack.url, "alice-raw", **stack.client_login("alice"))
+            try:
+                cancel = CancelRequest(request_id=stream.request.request_id)
+                # as the client library sends it, then asking for the answer
+                await alice.publish(stack.subjects.cancel_for("alice"), encode(cancel))
+                reply = await request(alice, stack.subjects.cancel_for("alice"), encode(cancel), timeout_s=30.0)
+                # nor may she use bob's own cancel subject
+                with pytest.raises(PermissionDenied, match="publish to 'specbus.cancel.bob'"):
+                    await request(alice, stack.subjects.cancel_for("bob"), encode(cancel), timeout_s=30.0)
+            finally:
+                await alice.close()
+            chunks += [chunk async for chunk in stream]
+    error = decode(reply.data, Error)
+    assert (error.code, error.field) == (ErrorCode.forbidden, "request_id") and "another client user" in error.message
+    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 100
+    stats = await poll_stats(stack, "scheduler", lambda s: s.get("refused_cancel_not_owner", 0) >= 2)
+    assert stats["refused_cancel_not_owner"] == 2 and stats.get("finished_cancelled", 0) == 0

@@ -9,6 +9,9 @@ def test_default_subjects():
     subjects = Subjects()
     assert subjects.generate == "specbus.generate"
     assert subjects.cancel == "specbus.cancel"
+    assert subjects.generate_for("alice") == "specbus.generate.alice"
+    assert subjects.cancel_for("bob") == "specbus.cancel.bob"
+    assert subjects.user_of("specbus.cancel.bob") == "bob"
     assert subjects.heartbeat == "specbus.heartbeat"
     assert subjects.draft("drafter-0") == "specbus.draft.drafter-0"
     assert subjects.verify("gpu_1") == "specbus.verify.gpu_1"

@@ -41,11 +41,12 @@ CLIENTS = ("alice", "bob")
 
 # Concrete subjects of every kind (prefix "specbus"); ids d0, v0, pp0, s0.
 PUBLISH_UNIVERSE = {
-    "specbus.generate", "specbus.cancel", "specbus.draft.d0", "specbus.verify.v0", "specbus.post.pp0.commit",
+    "specbus.generate", "specbus.cancel", "specbus.generate.alice", "specbus.cancel.alice", "specbus.generate.bob",
+    "specbus.cancel.bob", "specbus.draft.d0", "specbus.verify.v0", "specbus.post.pp0.commit",
     "specbus.post.pp0.side", "specbus.stop.s0", "specbus.heartbeat", "_INBOX.alice.x", "$SRV.PING.drafter",
 }
 MAY_PUBLISH = {
-    "alice": {"specbus.generate", "specbus.cancel"},
+    "alice": {"specbus.generate.alice", "specbus.cancel.alice"},  # its own name only: who sent it
     "scheduler": {"specbus.draft.d0", "specbus.verify.v0", "specbus.post.pp0.commit", "specbus.heartbeat",
                   "_INBOX.alice.x"},
     "drafter": {"specbus.heartbeat"},
@@ -55,15 +56,16 @@ MAY_PUBLISH = {
 }
 # (subject, queue group); "OWN" stands for the user's own inbox, "OTHER" for another user's.
 SUBSCRIBE_UNIVERSE = {
-    ("specbus.generate", ""), ("specbus.generate", "schedulers"), ("specbus.cancel", ""), ("specbus.draft.d0", ""),
+    ("specbus.generate.alice", ""), ("specbus.generate.alice", "schedulers"), ("specbus.cancel.alice", ""),
+    ("specbus.draft.d0", ""),
     ("specbus.verify.v0", ""), ("specbus.post.pp0.commit", ""), ("specbus.post.pp0.side", ""),
     ("specbus.stop.s0", ""), ("specbus.heartbeat", ""), ("OWN", ""), ("OTHER", ""), ("$SRV.PING", ""),
     ("$SRV.PING.drafter", ""),
 }
 MICRO = {("$SRV.PING", "")}
 MAY_SUBSCRIBE = {
-    "alice": {("OWN", "")},
-    "scheduler": {("specbus.generate", "schedulers"), ("specbus.cancel", ""), ("specbus.stop.s0", ""),
+    "alice": {("specbus.heartbeat", ""), ("OWN", "")},  # heartbeats: scheduler failover
+    "scheduler": {("specbus.generate.alice", "schedulers"), ("specbus.cancel.alice", ""), ("specbus.stop.s0", ""),
                   ("specbus.heartbeat", ""), ("OWN", ""), *MICRO},
     "drafter": {("specbus.draft.d0", ""), ("OWN", ""), ("$SRV.PING.drafter", ""), *MICRO},
     "verifier": {("specbus.verify.v0", ""), ("OWN", ""), *MICRO},
@@ -290,7 +292,7 @@ async def test_each_user_subscribes_exactly_to_what_its_role_needs(secured, cred
     refused = {subject for kind, subject in watch.counts if kind == "subscribe"}
     allowed_subjects = {concrete(s, user).lower() for s, _ in MAY_SUBSCRIBE[user]}
     assert refused == {concrete(s, user).lower() for s, _ in SUBSCRIBE_UNIVERSE} - allowed_subjects \
-        | ({"specbus.generate"} if user == "scheduler" else set())  # only as a queue member
+        | ({"specbus.generate.alice"} if user == "scheduler" else set())  # only as a queue member
     await nc.close()
     await observer.close()
 
@@ -360,13 +362,13 @@ async def test_client_stream_round_trip_under_restricted_users(secured, credenti
     async def on_generate(msg):
         await scheduler.publish(msg.reply, encode(StreamChunk(request_id="r1", seq=0, text="from scheduler")))
 
-    await scheduler.subscribe("specbus.generate", queue="schedulers", cb=on_generate)
+    await scheduler.subscribe("specbus.generate.*", queue="schedulers", cb=on_generate)
     await barrier(scheduler)
     client, watch = await connect_as(secured, "alice", password(credentials, "alice"))
     inbox = client.new_inbox()
     sub = await client.subscribe(inbox)
-    await client.publish("specbus.generate", b"request", reply=inbox)
-    first = await watch.guard(sub.next_msg(timeout=2.0), publish=["specbus.generate"], subscribe=[inbox])
+    await client.publish("specbus.generate.alice", b"request", reply=inbox)
+    first = await watch.guard(sub.next_msg(timeout=2.0), publish=["specbus.generate.alice"], subscribe=[inbox])
     assert decode(first.data, StreamChunk).text == "from scheduler"
 
     post, _ = await connect_as(secured, "postprocessor", password(credentials, "postprocessor"))

@@ -17,7 +17,9 @@ import pytest
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.config import REPO_MODELS
 from schemas.errors import SpecbusError
-from schemas.messages import StreamChunk
+from schemas.codec import decode
+from schemas.messages import Heartbeat, StreamChunk
+from schemas.subjects import Subjects
 from services.auth import generate_credentials, password_env
 from services.bus import BusUnavailable, connect
 from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
@@ -186,34 +188,67 @@ async def test_stack_kills_and_restarts_instances():
     assert all(process.returncode is not None for process in running)
 
 
-async def test_up_exits_1_when_a_service_dies():
+async def test_up_restarts_a_service_that_dies_and_exits_1_on_a_crash_loop(tmp_path):
+    """A killed service comes back as a new instance (the supervisor, services/supervisor.py);
+    one killed again each time it comes back is a crash loop: `up` gives up and exits 1."""
     async with specbus_process("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0",
+                               "--gateways", "0", "--target-model", str(TINY_TARGET), "--clients", "alice,bob",
+                               "--log-dir", str(tmp_path),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
         ready = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
         assert ready.startswith(f"ready: 0 scheduler, 0 verifier, 0 drafter, 1 postprocessor on {url}")
         credentials = (await asyncio.wait_for(process.stdout.readline(), timeout=10)).decode()
-        assert credentials.startswith("credentials: ") and "client user 'client'" in credentials
+        assert credentials.startswith("credentials: ") and "client user 'alice'" in credentials
         client_env = Path(credentials.split()[1])
         assert client_env.stat().st_mode & 0o777 == 0o600  # NATS auth is on by default
-        login = dict(line.split("=", 1) for line in client_env.read_text().splitlines())
-        assert login["SPECBUS_NATS_USER"] == "client"
-        nc = await connect(url, "pytest", user="client", password=login["SPECBUS_NATS_PASSWORD"])
-        await nc.close()
+        for user in ("alice", "bob"):
+            login = dict(line.split("=", 1) for line in (tmp_path / f"client-{user}.env").read_text().splitlines())
+            assert login["SPECBUS_NATS_USER"] == user
+            nc = await connect(url, "pytest", user=user, password=login["SPECBUS_NATS_PASSWORD"])
+            await nc.close()
         with pytest.raises(BusUnavailable, match="(?i)authorization"):
             await connect(url, "pytest-anonymous", initial_connect_timeout_s=2.0)
-        child = pids_with_arg(url)[0]
-        os.kill(child, signal.SIGKILL)
-        assert await asyncio.wait_for(process.wait(), timeout=30) == 1
-        assert b"error: postprocessor-0 exited with code -9; stopping the stack" in await process.stderr.read()
+
+        for index in range(5):  # the default policy: 5 exits of one role within 60 s is a loop
+            instance = f"postprocessor-{index}"
+            pid = await poll(lambda: next(iter(pids_with_arg(url, f"--instance-id\0{instance}\0")), None))
+            if index == 1:  # the first replacement serves: it heartbeats
+                await wait_for_heartbeat(url, tmp_path, instance)
+            os.kill(pid, signal.SIGKILL)
+        assert await asyncio.wait_for(process.wait(), timeout=60) == 1
+        stderr = (await process.stderr.read()).decode()
+    assert "stack_process_restarted" in stderr and "postprocessor-4" in stderr
+    assert "error: postprocessor exited 5 times within 60 s (the last, postprocessor-4, with code -9)" in stderr
 
 
-def pids_with_arg(text: str) -> list[int]:
-    """Pids whose command line contains text."""
+async def poll(probe, timeout_s: float = 60.0, interval_s: float = 0.05):
+    """probe()'s first value that is not None, polling up to timeout_s."""
+    async with asyncio.timeout(timeout_s):
+        while (value := probe()) is None:
+            await asyncio.sleep(interval_s)
+    return value
+
+
+async def wait_for_heartbeat(url: str, log_dir: Path, instance_id: str) -> None:
+    """Until instance_id heartbeats (read as the stack's "monitor" user)."""
+    secrets = dict(line.split("=", 1) for line in (log_dir / "credentials.env").read_text().splitlines())
+    nc = await connect(url, "pytest-monitor", user="monitor", password=secrets[password_env("monitor")])
+    try:
+        beats = await nc.subscribe(Subjects().heartbeat)
+        async with asyncio.timeout(60):
+            while decode((await beats.next_msg(timeout=60)).data, Heartbeat).instance_id != instance_id:
+                pass
+    finally:
+        await nc.close()
+
+
+def pids_with_arg(*texts: str) -> list[int]:
+    """Pids whose command line contains each of texts."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and all(text.encode() in (entry / "cmdline").read_bytes() for text in texts):
                 pids.append(int(entry.name))
         except OSError:  # gone meanwhile
             pass

@@ -26,8 +26,8 @@ from services.natsserver import NatsServer, NatsServerConfig
 async def service(nc):
     """(generate requests, cancel requests) queues: what the client sent."""
     generate, cancel = asyncio.Queue(), asyncio.Queue()
-    await nc.subscribe("specbus.generate", cb=generate.put)
-    await nc.subscribe("specbus.cancel", cb=cancel.put)
+    await nc.subscribe("specbus.generate.client", cb=generate.put)  # no login: the default client user
+    await nc.subscribe("specbus.cancel.client", cb=cancel.put)
     await nc.flush(timeout=2)
     return generate, cancel
 
@@ -224,7 +224,7 @@ async def test_a_client_logs_in_from_a_bus_config_and_streams_through_its_own_in
         request = decode(msg.data, GenerateRequest)
         await scheduler.publish(msg.reply, encode(chunk(0, "ok", request_id=request.request_id, finish_reason="stop")))
 
-    await scheduler.subscribe("specbus.generate", queue="schedulers", cb=on_generate)
+    await scheduler.subscribe("specbus.generate.*", queue="schedulers", cb=on_generate)
     await scheduler.flush(timeout=2)
     async with Client.from_config(bus_config(server, credentials, "alice"), timeout_margin_s=0.2) as alice:
         result = await alice.generate(make_request("hi", timeout_s=5))
@@ -240,7 +240,7 @@ async def test_a_refused_request_is_a_forbidden_error_at_once(secured, when):
         stream = await alice.open_stream(make_request("hi", timeout_s=30))
         if when == "before reading":
             await asyncio.sleep(0.3)  # the refusal arrives before anyone waits for a chunk
-        with pytest.raises(RequestError, match="publish to 'not-allowed.generate'") as refused:
+        with pytest.raises(RequestError, match="publish to 'not-allowed.generate.alice'") as refused:
             async with stream:
                 await stream.__anext__()
     assert refused.value.code == ErrorCode.forbidden and refused.value.request_id == stream.request.request_id

@@ -348,6 +348,24 @@ def test_requests_over_the_limit_are_refused_with_overloaded(tokenizer):
     assert post.counters.refused_requests == 1 and post.load == 1
 
 
+def test_a_request_id_reused_by_another_scheduler_is_served_or_refused_never_dropped(post, tokenizer):
+    """Issue 11 item 7: commits of a reused id were dropped for finished_ttl_s (the client waited
+    out its timeout). Ids are unique per scheduler: another scheduler's new request with the id of
+    a finished one is a new stream; with the id of a running one it is refused, typed."""
+    post.on_commit(commit(0, tokenizer.encode("hello"), finish_reason="length"), now=0.0)
+    other = commit(0, tokenizer.encode("abc"), client_inbox="_INBOX.other").model_copy(update={"scheduler_id": "sched-2"})
+    [chunk] = chunks(post.on_commit(other, now=1.0))
+    assert chunk.seq == 0 and chunk.error is None and tokenizer.decode(chunk.token_ids.tolist()) == "abc"
+    third = other.model_copy(update={"scheduler_id": "sched-3", "client_inbox": "_INBOX.third"})
+    outs = post.on_commit(third, now=2.0)
+    [refused] = chunks(outs)
+    assert refused.finish_reason == "error" and refused.error.code == "duplicate_request_id"
+    assert [out.inbox for out in outs if isinstance(out, ChunkOut)] == ["_INBOX.third"]
+    [notice] = [out for out in outs if isinstance(out, NoticeOut)]
+    assert notice.scheduler_id == "sched-3" and notice.notice.reason == "error"
+    assert post.requests["r1"].scheduler_id == "sched-2" and post.counters.duplicate_requests == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # the service over a real nats-server
 
@@ -374,7 +392,7 @@ async def postprocessor(nats_server, tokenizer_dir):
 async def scheduler_side(nc, subjects_prefix="specbus"):
     """The test plays the scheduler: GenerateRequests (with their reply inbox) and StopNotices land in queues."""
     requests, stop_notices = asyncio.Queue(), asyncio.Queue()
-    await nc.subscribe(f"{subjects_prefix}.generate", cb=requests.put)
+    await nc.subscribe(f"{subjects_prefix}.generate.client", cb=requests.put)
     await nc.subscribe(f"{subjects_prefix}.stop.sched-1", cb=stop_notices.put)
     await nc.flush(timeout=2)
     return requests, stop_notices

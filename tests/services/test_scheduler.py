@@ -15,7 +15,7 @@ from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode
 from schemas.messages import CancelRequest, Commit, GenerateRequest, Heartbeat, StreamChunk
-from schemas.subjects import Subjects
+from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from gpu_worker.tokenizer import tokenizer_id
 from services.verifier import run_verifier
 from services.bus import heartbeat_loop, request
@@ -28,6 +28,7 @@ from tests.services.test_scheduler_core import write_tokenizer
 POSTPROCESSOR = "pp-test"
 PROMPTS = [[3, 14, 15, 9, 26], [5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6, 26, 4, 33, 8, 3, 27]]
 SUBJECTS = Subjects()
+GENERATE = SUBJECTS.generate_for(DEFAULT_CLIENT_USER)  # the conftest nc's inbox is that user's
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ class Stack:
     async def generate(self, request: GenerateRequest, timeout_s=60.0) -> list[Commit]:
         """Commits of one request, in seq order, once its final commit arrived."""
         self.finished.setdefault(request.request_id, asyncio.Event())
-        await self.nc.publish(SUBJECTS.generate, encode(request), reply=self.nc.new_inbox())
+        await self.nc.publish(GENERATE, encode(request), reply=self.nc.new_inbox())
         await asyncio.wait_for(self.finished[request.request_id].wait(), timeout=timeout_s)
         commits = sorted(self.commits[request.request_id], key=lambda c: c.seq)
         assert [c.seq for c in commits] == list(range(len(commits)))
@@ -132,7 +133,7 @@ def completion(commits):
 async def first_chunk(nc, payload: bytes) -> StreamChunk:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(SUBJECTS.generate, payload, reply=inbox)
+    await nc.publish(GENERATE, payload, reply=inbox)
     chunk = decode((await sub.next_msg(timeout=10)).data, StreamChunk)
     await sub.unsubscribe()
     return chunk
@@ -192,7 +193,7 @@ async def test_cancel_ends_the_request_with_a_final_commit(stack, model_dirs):
     running = asyncio.create_task(stack.generate(long))
     while not stack.commits.get("to-cancel"):
         await asyncio.sleep(0.01)
-    await stack.nc.publish(SUBJECTS.cancel, encode(CancelRequest(request_id="to-cancel")))
+    await stack.nc.publish(SUBJECTS.cancel_for(DEFAULT_CLIENT_USER), encode(CancelRequest(request_id="to-cancel")))
     commits = await running
     assert commits[-1].finish_reason == "cancelled" and len(completion(commits)) < 100
 
@@ -202,7 +203,7 @@ async def test_queue_full_is_refused_with_overloaded(stack):
     stack.start("scheduler", run_scheduler, scheduler_config(stack, max_running=1, max_queue=1))
     await stack.wait_for_instances("sched-test")
     for name in ("queued-1", "queued-2"):
-        await stack.nc.publish(SUBJECTS.generate, encode(greedy(name, [1, 2], k=0)), reply=stack.nc.new_inbox())
+        await stack.nc.publish(GENERATE, encode(greedy(name, [1, 2], k=0)), reply=stack.nc.new_inbox())
     chunk = await first_chunk(stack.nc, encode(greedy("one-too-many", [1, 2], k=0)))
     assert chunk.final and chunk.finish_reason == "error" and chunk.error.code == ErrorCode.overloaded
     assert chunk.request_id == "one-too-many"
@@ -242,7 +243,7 @@ async def test_stop_with_a_hung_verify_in_flight_ends_the_request_within_the_gra
     stack.start("scheduler", run_scheduler, scheduler_config(stack, verify_timeout_s=60.0, stop_grace_s=0.5))
     await stack.wait_for_instances("verifier-hung", "sched-test")
     stack.finished["hung"] = asyncio.Event()
-    await stack.nc.publish(SUBJECTS.generate, encode(greedy("hung", PROMPTS[0], k=0)), reply=stack.nc.new_inbox())
+    await stack.nc.publish(GENERATE, encode(greedy("hung", PROMPTS[0], k=0)), reply=stack.nc.new_inbox())
     await asyncio.wait_for(received.wait(), timeout=10)
     started = time.monotonic()
     await stack.stop("scheduler")
