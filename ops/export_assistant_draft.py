@@ -1,7 +1,7 @@
 """Export the draft with its reduced vocabulary expanded to the target's, so that Hugging Face
 transformers assisted generation (`generate(assistant_model=...)`) can use it as the assistant.
 
-    PYTHONPATH=. python ops/export_assistant_draft.py --draft models/draft --target models/target --out /tmp/assistant
+    PYTHONPATH=. python ops/export_assistant_draft.py --draft models/tiny/draft --target models/tiny/target --out /tmp/assistant
 
 The shipped draft speaks a reduced vocabulary: draft id d stands for target id d2t[d], and the
 draft id `other_id` stands for every target token outside it (input only; the drafter never
@@ -107,8 +107,8 @@ def check_expanded(draft_dir, expanded_dir, windows: torch.Tensor) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft", default="models/draft")
-    parser.add_argument("--target", default="models/target")
+    parser.add_argument("--draft", default="models/tiny/draft")
+    parser.add_argument("--target", default="models/tiny/target")
     parser.add_argument("--out", required=True)
     parser.add_argument("--check-windows", type=int, default=8, help="held-out windows of 256 tokens to check on")
     args = parser.parse_args(argv)

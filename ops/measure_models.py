@@ -1,6 +1,6 @@
 """Measure the shipped model pair with specbus's own runtime, and show the target writing code.
 
-    python ops/measure_models.py [--target models/target] [--draft models/draft]
+    python ops/measure_models.py [--target models/tiny/target] [--draft models/tiny/draft]
 
 Prints (and writes to models/measure.json):
 - median ms of one draft forward of 1 token and one target forward of 5 tokens, both after a
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_models import MODELS, read_text, source_files  # noqa: E402
+from train_models import TINY, read_text, source_files  # noqa: E402
 
 from gpu_worker.checkpoint import load_model  # noqa: E402
 from gpu_worker.kv_cache import KVCache  # noqa: E402
@@ -62,8 +62,8 @@ def greedy_continuation(path: Path, prompt_ids: list[int], max_new: int) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=MODELS / "target")
-    parser.add_argument("--draft", type=Path, default=MODELS / "draft")
+    parser.add_argument("--target", type=Path, default=TINY / "target")
+    parser.add_argument("--draft", type=Path, default=TINY / "draft")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=160)

@@ -1,4 +1,4 @@
-"""Train the default model pair shipped in models/: a BPE tokenizer, a target model and a draft.
+"""Train the tiny model pair shipped in models/tiny/: a BPE tokenizer, a target model and a draft.
 
     python ops/train_models.py all          # tokenizer, target, draft, evaluation (hours on a CPU)
     python ops/train_models.py target --resume
@@ -11,12 +11,12 @@ Steps, each a subcommand (`all` runs them in order):
 2. `target`: a Llama-architecture decoder trained from scratch on the training files (next-token
    cross-entropy, AdamW, warmup then cosine decay). Checkpoints (model + optimizer) go to
    `.train/` every few minutes, so `--resume` continues an interrupted run; the HF-layout export
-   goes to `models/target` (fp16 on disk, upcast at load).
+   goes to `models/tiny/target` (fp16 on disk, upcast at load).
 3. `draft`: a DRAFT_LAYERS-layer decoder with a reduced vocabulary (the most frequent target
    tokens plus one "other" token standing for every target token outside it), distilled from the
    target: the loss is KL(target || draft) with the target's probability mass outside the draft
    vocabulary folded onto "other". It starts from the target: the embedding rows of its tokens,
-   evenly spaced target layers (first and last) and the final norm. Exported to `models/draft`
+   evenly spaced target layers (first and last) and the final norm. Exported to `models/tiny/draft`
    with `d2t.safetensors` (draft id -> target id, and the inverse map for inputs).
 4. `eval`: held-out cross-entropy of both models and teacher-forced greedy acceptance (draft argmax
    mapped through d2t == target argmax), written to `models/eval.json`.
@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
+TINY = MODELS / "tiny"  # the pair this script makes
 WORK = REPO / ".train"
 EOS = "<|endoftext|>"
 TARGET_VOCAB = 4096
@@ -98,7 +99,7 @@ def train_tokenizer() -> None:
     )
     tok.train_from_iterator((read_text(p) for p in train), trainer=trainer, length=len(train))
     for name in ("target", "draft"):
-        out = MODELS / name
+        out = TINY / name
         out.mkdir(parents=True, exist_ok=True)
         tok.save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps(
@@ -114,7 +115,7 @@ def token_stream(files: list[Path]) -> torch.Tensor:
     cache = WORK / f"tokens-{key}.pt"
     if cache.exists():
         return torch.load(cache)
-    tok = Tokenizer.from_file(str(MODELS / "target" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(TINY / "target" / "tokenizer.json"))
     eos = tok.token_to_id(EOS)
     ids: list[int] = []
     for enc in tok.encode_batch([read_text(p) for p in files]):
@@ -163,7 +164,7 @@ def export(model, out: Path) -> None:
 
 def train_loop(name: str, model, loss_fn, tokens, steps: int, batch: int, peak_lr: float,
                resume: bool, device: str, save_every_s: float = 300.0) -> None:
-    """AdamW over random windows; checkpoint to .train/<name>.pt; export to models/<name>."""
+    """AdamW over random windows; checkpoint to .train/<name>.pt; export to models/tiny/<name>."""
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1234)
     ckpt_path = WORK / f"{name}.pt"
@@ -193,7 +194,7 @@ def train_loop(name: str, model, loss_fn, tokens, steps: int, batch: int, peak_l
             WORK.mkdir(exist_ok=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                         "gen": gen.get_state(), "step": step + 1}, ckpt_path)
-            export(model, MODELS / name)
+            export(model, TINY / name)
             last_save = time.time()
     model.eval()
 
@@ -218,7 +219,7 @@ def train_target(steps: int, batch: int, lr: float, resume: bool, device: str) -
 def load_target(device: str):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(MODELS / "target", dtype=torch.float32).to(device).eval()
+    return LlamaForCausalLM.from_pretrained(TINY / "target", dtype=torch.float32).to(device).eval()
 
 
 def draft_vocabulary(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -274,8 +275,8 @@ def train_draft(steps: int, batch: int, lr: float, resume: bool, device: str, nu
 
     t0 = time.time()
     # d2t first, so every checkpoint export is a usable pair.
-    (MODELS / "draft").mkdir(parents=True, exist_ok=True)
-    save_d2t(MODELS / "draft", d2t, t2d, other_id)
+    (TINY / "draft").mkdir(parents=True, exist_ok=True)
+    save_d2t(TINY / "draft", d2t, t2d, other_id)
     train_loop("draft", draft, loss_fn, tokens, steps, batch, lr, resume, device)
     print(f"draft distilled in {time.time() - t0:.0f} s")
 
@@ -290,8 +291,8 @@ def evaluate(device: str) -> dict:
     _, held_out = source_files()
     windows = eval_windows(token_stream(held_out)).to(device)
     target = load_target(device)
-    draft = LlamaForCausalLM.from_pretrained(MODELS / "draft", dtype=torch.float32).to(device).eval()
-    maps = load_d2t(MODELS / "draft")
+    draft = LlamaForCausalLM.from_pretrained(TINY / "draft", dtype=torch.float32).to(device).eval()
+    maps = load_d2t(TINY / "draft")
     d2t, t2d = maps.d2t.to(device), maps.t2d.to(device)
     inputs, labels = windows[:, :-1], windows[:, 1:]
     target_logits = target(input_ids=inputs).logits

@@ -20,6 +20,37 @@ from schemas.subjects import DEFAULT_PREFIX, check_instance_id
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 ENV_PREFIX = "SPECBUS_"
+# The 4.7M-parameter pair in git: fast tests pass it explicitly (models/README.md).
+TINY_TARGET = REPO_MODELS / "tiny" / "target"
+TINY_DRAFT = REPO_MODELS / "tiny" / "draft"
+# The default pair: SmolLM2-135M-Instruct, converted into $SPECBUS_HOME by `specbus models pull`,
+# and the draft distilled from it, shipped in git.
+DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
+DEFAULT_DRAFT = REPO_MODELS / "smollm2-draft"
+
+
+def specbus_home() -> Path:
+    """$SPECBUS_HOME (read when called), default ~/.cache/specbus: where pulled models live."""
+    return Path(os.environ.get(ENV_PREFIX + "HOME") or Path.home() / ".cache" / "specbus")
+
+
+def default_target_model() -> str:
+    return str(specbus_home() / "models" / DEFAULT_TARGET_NAME)
+
+
+def check_model_dir(path, field: str) -> None:
+    """SpecbusError naming field when path is not a directory, saying how to get the default ones."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    if path == Path(default_target_model()):
+        hint = "run `specbus models pull` to fetch and convert it"
+    elif path == DEFAULT_DRAFT:
+        hint = "it ships in the repository (ops/distill_draft.py makes it); check out models/ in full"
+    else:
+        hint = "give an HF-layout directory (config.json, *.safetensors, tokenizer.json)"
+    raise SpecbusError(ErrorCode.invalid_field, f"{field}: model directory {path} does not exist; {hint}", field)
+
 
 
 def default_instance_id(role: str) -> str:
@@ -67,7 +98,8 @@ class SchedulerConfig(InstanceConfig):
     # then end with "error" like every other); kept under the stack's SIGKILL stop_timeout_s.
     stop_grace_s: float = 5.0
     heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
-    tokenizer: str = str(REPO_MODELS / "target")  # the verifiers' tokenizer: text prompts, EOS ids
+    # the verifiers' tokenizer: text prompts, chat templates, EOS ids
+    tokenizer: str = dataclasses.field(default_factory=default_target_model)
 
 
 @dataclasses.dataclass
@@ -75,7 +107,7 @@ class ModelServiceConfig(InstanceConfig):
     """What the verifier and the drafter share: a model, its KV cache slots, torch threads."""
 
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     max_slots: int = 64
     max_seq_len: int = 2048
     prefill_chunk: int = 512  # tokens per forward for a long prompt
@@ -87,17 +119,17 @@ class ModelServiceConfig(InstanceConfig):
 
 @dataclasses.dataclass
 class VerifierConfig(ModelServiceConfig):
-    target_model: str = str(REPO_MODELS / "target")
+    target_model: str = dataclasses.field(default_factory=default_target_model)
 
 
 @dataclasses.dataclass
 class DrafterConfig(ModelServiceConfig):
-    draft_model: str = str(REPO_MODELS / "draft")
+    draft_model: str = str(DEFAULT_DRAFT)
 
 
 @dataclasses.dataclass
 class PostprocessorConfig(InstanceConfig):
-    tokenizer: str = str(REPO_MODELS / "target")  # a directory holding tokenizer.json
+    tokenizer: str = dataclasses.field(default_factory=default_target_model)  # a dir holding tokenizer.json
     side_channel_timeout_s: float = 2.0
     max_requests: int = 1024
 

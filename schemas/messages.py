@@ -33,6 +33,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_MASK_SIZE = 1 << 20
 MAX_BATCH_ROWS = 1024
 MAX_PROMPT_CHARS = 1 << 20
+MAX_CHAT_MESSAGES = 1024
 MAX_TIMEOUT_S = 3600.0
 
 # Reasons a chunk can be flagged with; `degraded` accepts any snake_case word so a new
@@ -184,8 +185,18 @@ class SpeculativeOptions(Model):
 # ---------------------------------------------------------------- client <-> service
 
 
+class ChatMessage(Model):
+    """One turn of a chat: its role (system, user, assistant, or any other the template knows) and text."""
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
 class GenerateRequest(Message):
-    """client -> scheduler. Exactly one of prompt / prompt_token_ids, non-empty.
+    """client -> scheduler. Exactly one of prompt / prompt_token_ids / messages, non-empty.
+
+    messages: a chat; the scheduler renders it with the target's chat template (a generation
+    prompt added) and encodes the text, so a client needs no model files.
 
     timeout_s is relative; the scheduler turns it into an absolute deadline on arrival.
     stream=False: the client gets a single final chunk holding everything.
@@ -195,6 +206,7 @@ class GenerateRequest(Message):
     request_id: RequestId
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     prompt_token_ids: TokenIds | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_CHAT_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     logprobs: LogprobOptions = Field(default_factory=LogprobOptions)
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)
@@ -203,8 +215,10 @@ class GenerateRequest(Message):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise field_error("prompt", "give exactly one of prompt and prompt_token_ids")
+        if sum(given is not None for given in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise field_error("prompt", "give exactly one of prompt and prompt_token_ids, or messages")
+        if self.messages is not None and not self.messages:
+            raise field_error("messages", "messages is empty")
         if self.prompt is not None and not self.prompt:
             raise field_error("prompt", "prompt is empty")
         if self.prompt_token_ids is not None and not len(self.prompt_token_ids):

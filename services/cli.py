@@ -23,13 +23,15 @@ import structlog
 
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import validate
-from schemas.config import ENV_PREFIX, REPO_MODELS, ROLES, BusConfig, load_config
-from schemas.errors import SpecbusError
-from schemas.messages import GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk, new_request_id
+from schemas.config import DEFAULT_DRAFT, ENV_PREFIX, ROLES, BusConfig, check_model_dir, default_target_model, load_config
+from schemas.errors import CodecError, ErrorCode, SpecbusError
+from schemas.messages import (ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk,
+                              new_request_id)
 from schemas.subjects import DEFAULT_PREFIX
 from services.auth import CLIENT, users_from_env
 from services.client import Client
 from services.logs import LEVELS, configure_logging
+from services.models import add_models_arguments, run_models
 from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig, NatsServerError
 from services.stack import PARENT_PID_ENV, Stack, StackConfig, StackError
 from services.supervisor import CrashLoop, supervise
@@ -105,10 +107,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             if config_field.name in ENV_ONLY_FIELDS:
                 continue
             env_name = ENV_PREFIX + config_field.name.upper()
+            default = (config_field.default if config_field.default_factory is dataclasses.MISSING
+                       else config_field.default_factory())
             role_parser.add_argument(
                 "--" + config_field.name.replace("_", "-"), dest=config_field.name, default=None,
                 metavar=str(config_field.type).split(" ")[0].upper(),  # INT, FLOAT, STR
-                help=f"default {config_field.default!r} (env {env_name})",
+                help=f"default {default!r} (env {env_name})",
             )
 
 
@@ -163,9 +167,13 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default=None, help=f"subject prefix (default {DEFAULT_PREFIX!r}, env SPECBUS_PREFIX)")
     parser.add_argument("--target-model", default=None,
-                        help="HF-layout target dir (env SPECBUS_TARGET_MODEL; default: the shipped models/target)")
+                        help="HF-layout target dir (env SPECBUS_TARGET_MODEL; default: SmolLM2-135M-Instruct as "
+                             "`specbus models pull` puts it in $SPECBUS_HOME)")
     parser.add_argument("--draft-model", default=None,
-                        help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: the shipped models/draft)")
+                        help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: models/smollm2-draft)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
+                             "on CUDA and on CPUs with native bf16, else float32)")
     for role in ROLES:
         parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
     parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
@@ -189,6 +197,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         # from the environment too, so the scheduler and postprocessor get the target's tokenizer
         target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
         draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
+        dtype=args.dtype,
         prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
         nats=NatsServerConfig(port=port),
         nats_cluster=args.nats_cluster,
@@ -220,6 +229,14 @@ async def until_stopped(awaitable: Awaitable, stop: asyncio.Event) -> bool:
 async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: AsyncExitStack) -> Stack | None:
     """Start server and services, printing the URL then a ready line. None when Ctrl-C came
     first or a part failed to start (its error printed)."""
+    try:  # a missing model dir fails here, naming it, rather than in each child's log
+        if config.verifiers or config.schedulers or config.postprocessors:
+            check_model_dir(config.target_model or default_target_model(), "target_model")
+        if config.drafters:
+            check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
+    except SpecbusError as exc:
+        print_error(exc)
+        return None
     stack = Stack(config)
     exit_stack.push_async_callback(stack.stop)
     try:
@@ -268,8 +285,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="NATS url (env SPECBUS_NATS_URL; default nats://127.0.0.1:4222)")
     parser.add_argument("--prefix", default=None, help=f"subject prefix (env SPECBUS_PREFIX; default {DEFAULT_PREFIX!r})")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt", help="prompt text (with --chat: the user's message)")
     prompt.add_argument("--prompt-ids", type=int_list, help="prompt token ids, e.g. 1,2,3")
+    parser.add_argument("--chat", action="store_true",
+                        help="send --prompt as a user message: the target's chat template is applied and generation "
+                             "stops at its end-of-turn token")
     parser.add_argument("--request-id", default=None, help="default: a fresh random id")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=None, help="0 with --prompt-logprobs scores the prompt")
@@ -318,8 +338,14 @@ def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
                      "sampling_mask": args.sampling_mask, "max_mask_size": args.max_mask_size},
     }
     raw = {group: {k: v for k, v in values.items() if v is not None} for group, values in fields.items()}
-    raw |= {"request_id": args.request_id or new_request_id(), "prompt": args.prompt,
-            "prompt_token_ids": args.prompt_ids}
+    raw |= {"request_id": args.request_id or new_request_id(), "prompt_token_ids": args.prompt_ids}
+    if args.chat and args.prompt is None:
+        raise CodecError(ErrorCode.invalid_field, "--chat takes the user's message from --prompt, not --prompt-ids",
+                         "messages")
+    if args.chat:
+        raw["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        raw["prompt"] = args.prompt
     if args.timeout is not None:
         raw["timeout_s"] = args.timeout
     return validate(GenerateRequest, raw)
@@ -353,7 +379,7 @@ async def run_generate(args: argparse.Namespace) -> int:
     """Stream the completion's text to stdout (or print the final result with --json)."""
     tokenizer = None
     if wants_color(args.color) and not args.json:
-        tokenizer = load_tokenizer(args.tokenizer or os.environ.get(ENV_PREFIX + "TOKENIZER", str(REPO_MODELS / "target")))
+        tokenizer = load_tokenizer(args.tokenizer or os.environ.get(ENV_PREFIX + "TOKENIZER", default_target_model()))
     try:
         request = build_generate_request(args)
         # url, prefix, credentials and TLS files: flags, then the SPECBUS_* variables the services read
@@ -382,7 +408,13 @@ async def run_generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # specbus demo
 
-# Held-out-style prompts: openings of Python standard-library-like code.
+# Questions for a target with a chat template (SmolLM2), sent as chat messages.
+DEMO_QUESTIONS = (
+    "What is the capital of France?",
+    "What is 2 plus 2?",
+    "Write a Python function that returns the square of a number.",
+)
+# For a target without one (the tiny pair): openings of Python standard-library-like code.
 DEMO_PROMPTS = (
     'import os\nimport sys\n\n\ndef main(argv=None):\n    """',
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
@@ -426,31 +458,37 @@ def demo_runs(max_tokens: int) -> list[DemoRun]:
     ]
 
 
-async def generate_demo_runs(client: Client, runs: list[DemoRun], timeout_s: float) -> None:
-    """Each run over every demo prompt, one request at a time, printing each completion."""
+async def generate_demo_runs(client: Client, runs: list[DemoRun], timeout_s: float, chat: bool) -> None:
+    """Each run over every demo question (chat) or prompt, one request at a time, printing each answer."""
     for run in runs:
-        for index, prompt in enumerate(DEMO_PROMPTS):
-            request = GenerateRequest(request_id=f"demo-{new_request_id()}", prompt=prompt, sampling=run.sampling,
+        for index, prompt in enumerate(DEMO_QUESTIONS if chat else DEMO_PROMPTS):
+            text = {"messages": [ChatMessage(role="user", content=prompt)]} if chat else {"prompt": prompt}
+            request = GenerateRequest(request_id=f"demo-{new_request_id()}", **text, sampling=run.sampling,
                                       speculative=run.speculative, timeout_s=timeout_s)
             started = time.perf_counter()
             result = await client.generate(request)
             run.wall_s += time.perf_counter() - started
             run.results.append(result)
-            print(f"--- {run.name} | prompt {index} | {result.finish_reason}\n{prompt}{result.text}\n", flush=True)
+            shown = f"Q: {prompt}\nA: {result.text.strip()}" if chat else prompt + result.text
+            print(f"--- {run.name} | prompt {index} | {result.finish_reason}\n{shown}\n", flush=True)
 
 
 async def run_demo(args: argparse.Namespace) -> int:
     """`up` on a free port, a few generations (greedy k=0 and k=4, one sampled), a summary of
-    speed and acceptance, then a clean shutdown. Exit 1 when greedy k=4 differs from k=0."""
+    speed and acceptance, then a clean shutdown. Exit 1 when greedy k=4 differs from k=0.
+    A target with a chat template is asked DEMO_QUESTIONS as a chat, any other continues
+    DEMO_PROMPTS."""
     stop = shutdown_event()
     runs = demo_runs(args.max_tokens)
+    config = stack_config(args, args.port)
     async with AsyncExitStack() as exit_stack:
-        stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
+        stack = await start_stack(config, stop, exit_stack)
         if stack is None:
             return 1
+        chat = load_tokenizer(config.target_model or default_target_model()).chat_template is not None
         client = await exit_stack.enter_async_context(stack.client())
         try:
-            if not await until_stopped(generate_demo_runs(client, runs, args.timeout), stop):
+            if not await until_stopped(generate_demo_runs(client, runs, args.timeout, chat), stop):
                 return 1
         except SpecbusError as exc:
             print_error(exc)
@@ -484,6 +522,7 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("up on a free port, a few generations, a speed/acceptance summary, stop", add_demo_arguments,
                     run_demo),
     "nats": Command("run an embedded nats-server until Ctrl-C", add_nats_arguments, run_nats),
+    "models": Command("pull the default target model, or list the known models", add_models_arguments, run_models),
 }
 
 

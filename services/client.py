@@ -4,6 +4,7 @@
         async for chunk in client.stream(make_request("def main():", max_tokens=32)):
             print(chunk.text, end="", flush=True)
         result = await client.generate(make_request("x = 1", max_tokens=8, logprobs=5))
+        answer = await client.generate(make_request(messages=[{"role": "user", "content": "Hi!"}]))
         scores = await client.generate(score_request([5, 17, 42, 9]))  # prompt logprobs only
         print(json.dumps(result.to_json()))
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import ssl
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,8 +91,11 @@ REQUEST_FIELDS = {"request_id", "timeout_s", "stream"}
 GROUPS = {"sampling": SamplingParams, "logprobs": LogprobOptions, "speculative": SpeculativeOptions}
 
 
-def make_request(prompt: str | Sequence[int] | np.ndarray, **options: Any) -> GenerateRequest:
-    """A GenerateRequest from a prompt (text, or token ids) and flat options: any field of
+def make_request(prompt: str | Sequence[int] | np.ndarray | None = None, *,
+                 messages: Sequence[Mapping[str, str]] | None = None, **options: Any) -> GenerateRequest:
+    """A GenerateRequest from a prompt (text, or token ids) or a chat (messages=[{"role": "user",
+    "content": ...}, ...]: the scheduler applies the target's chat template, and generation stops
+    at its end-of-turn token, the model's EOS) and flat options: any field of
     SamplingParams (max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids,
     ignore_eos), LogprobOptions (logprobs, prompt_logprobs, logprobs_mode, logprob_token_ids,
     sampling_mask, max_mask_size), SpeculativeOptions (num_speculative_tokens, draft_mode),
@@ -99,9 +103,11 @@ def make_request(prompt: str | Sequence[int] | np.ndarray, **options: Any) -> Ge
     Raises CodecError naming the field (e.g. "sampling.top_p") for a bad value or name.
     """
     raw: dict[str, Any] = {"request_id": new_request_id(), **{group: {} for group in GROUPS}}
+    if messages is not None:
+        raw["messages"] = [dict(message) for message in messages]
     if isinstance(prompt, str):
         raw["prompt"] = prompt
-    else:
+    elif prompt is not None:
         raw["prompt_token_ids"] = np.asarray(prompt)
     for name, value in options.items():
         if value is None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
+from gpu_worker.chat_template import ChatTemplateError, render_chat
 from gpu_worker.tokenizer import Tokenizer
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
@@ -62,7 +63,8 @@ def client_error(row_error: Error, request_id: str) -> Error:
 
 
 def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt as token ids: given ids checked against the vocabulary, text encoded without BOS."""
+    """The prompt as token ids: given ids checked against the vocabulary, text encoded without BOS,
+    messages rendered with the tokenizer's chat template (gpu_worker/chat_template.py) then encoded."""
     if request.prompt_token_ids is not None:
         ids = request.prompt_token_ids.tolist()
         too_big = [i for i in ids if i >= tokenizer.vocab_size]
@@ -71,9 +73,16 @@ def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int
                                f"token id {too_big[0]} is outside the vocabulary of {tokenizer.vocab_size}",
                                "prompt_token_ids")
         return ids
-    ids = tokenizer.encode(request.prompt)
+    text = request.prompt
+    if request.messages is not None:
+        try:
+            text = render_chat(tokenizer, [message.model_dump() for message in request.messages])
+        except ChatTemplateError as exc:
+            raise SpecbusError(ErrorCode.invalid_field, str(exc), "messages") from None
+    ids = tokenizer.encode(text)
     if not ids:
-        raise SpecbusError(ErrorCode.invalid_field, "the prompt encodes to no tokens", "prompt")
+        field = "messages" if request.messages is not None else "prompt"
+        raise SpecbusError(ErrorCode.invalid_field, "the prompt encodes to no tokens", field)
     return ids
 
 

@@ -91,6 +91,7 @@ class StackConfig:
     postprocessors: int = 1
     target_model: str | None = None
     draft_model: str | None = None
+    dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
     prefix: str = DEFAULT_PREFIX
     nats: NatsServerConfig = field(default_factory=NatsServerConfig)
     nats_cluster: int = 1
@@ -136,7 +137,7 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
             "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
     model_dirs = {"target_model": config.target_model, "tokenizer": config.target_model,
-                  "draft_model": config.draft_model}
+                  "draft_model": config.draft_model, "dtype": config.dtype}
     for config_field in dataclasses.fields(CONFIGS[role]):
         if model_dirs.get(config_field.name) is not None:
             argv += ["--" + config_field.name.replace("_", "-"), str(model_dirs[config_field.name])]

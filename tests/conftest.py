@@ -1,11 +1,15 @@
-"""Shared fixtures: a real nats-server per test (own free port, own temp dir) and a client."""
+"""Shared fixtures: a real nats-server per test (own free port, own temp dir) and a client; the
+models tests run (TINY_PAIR, and the pulled SmolLM2 pair for `real_model` tests)."""
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from schemas.codec import decode
+from schemas.config import DEFAULT_DRAFT, TINY_DRAFT, TINY_TARGET, default_target_model
 from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.auth import inbox_prefix
@@ -47,3 +51,27 @@ async def client(stack):
     """A Client logged in to the module's own `stack` fixture (each stack module defines one)."""
     async with stack.client() as connected:
         yield connected
+
+
+# Tests use the tiny pair (fast) and pass it explicitly: the services' default is SmolLM2. They run
+# in float32 on every machine (dtype "auto" picks bf16 where the CPU has it), so their references
+# hold; a test about another dtype passes it explicitly (a flag wins over SPECBUS_DTYPE).
+TINY_PAIR = (TINY_TARGET, TINY_DRAFT)
+os.environ.setdefault("SPECBUS_DTYPE", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_target() -> Path:
+    """The pulled SmolLM2-135M-Instruct directory; skips the test when it is not pulled."""
+    path = Path(default_target_model())
+    if not (path / "config.json").exists():
+        pytest.skip(f"SmolLM2 is not pulled into {path}: run `specbus models pull` (`make test` does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_draft() -> Path:
+    """The shipped SmolLM2 draft (models/smollm2-draft); skips the test when it is missing."""
+    if not (DEFAULT_DRAFT / "config.json").exists():
+        pytest.skip(f"{DEFAULT_DRAFT} is missing (ops/distill_draft.py makes it)")
+    return DEFAULT_DRAFT

@@ -203,7 +203,7 @@ def test_verifier_reserves_a_gpu_that_the_cpu_override_switches_off(services):
 def test_dockerfile_ships_the_models_the_services_default_to():
     dockerfile = (REPO / "ops/Dockerfile").read_text()
     assert "COPY models models" in dockerfile
-    for setting in ("SPECBUS_TARGET_MODEL=/app/models/target", "SPECBUS_DRAFT_MODEL=/app/models/draft"):
+    for setting in ("SPECBUS_TARGET_MODEL=/app/models/tiny/target", "SPECBUS_DRAFT_MODEL=/app/models/tiny/draft"):
         assert setting in dockerfile
     build = load("docker-compose.yml")["x-specbus"]["build"]
     assert build["dockerfile"] == "ops/Dockerfile" and (REPO / build["context"] / build["dockerfile"]).is_file()

@@ -59,7 +59,7 @@ from ops.bench.bench_kernels import bench_one
 from ops.bench.inprocess import STAGES, load_inprocess, run_requests
 from ops.export_assistant_draft import check_expanded, export_assistant_draft, load_hf
 from ops.train_models import read_text, source_files
-from schemas.config import REPO_MODELS, SchedulerConfig
+from schemas.config import DEFAULT_DRAFT, SchedulerConfig, default_target_model
 from schemas.messages import StreamChunk
 from services.client import Client, make_request
 from services.logs import configure_logging
@@ -456,8 +456,8 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target-model", default=str(REPO_MODELS / "target"))
-    parser.add_argument("--draft-model", default=str(REPO_MODELS / "draft"))
+    parser.add_argument("--target-model", default=default_target_model())
+    parser.add_argument("--draft-model", default=str(DEFAULT_DRAFT))
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for every model")
     parser.add_argument("--prompts", type=int, default=6, help="prompts (= requests) of the batch-1 runs")
     parser.add_argument("--prompt-tokens", type=int, default=64)

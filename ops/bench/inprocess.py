@@ -13,7 +13,7 @@ Each stage's wall time is summed per step, so a run says where a step's time goe
 codec=True every message is also encoded and decoded once (schemas.codec), as the bus does, and
 that time is a stage of its own ("codec"): the part of the bus that is not transport.
 
-    loop = load_inprocess("models/target", "models/draft")
+    loop = load_inprocess("models/tiny/target", "models/tiny/draft")
     run = run_requests(loop, [make_request([1, 2, 3], max_tokens=16, ignore_eos=True)], concurrency=1)
     run.chunks[request_id]   # the StreamChunks a client would have read, in seq order
 """

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from gpu_worker.checkpoint import save_d2t
-from schemas.config import REPO_MODELS
+from schemas.config import TINY_TARGET
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -53,5 +53,5 @@ def write_tiny_pair(root: Path) -> tuple[Path, Path]:
     save_d2t(draft, torch.cat([kept, torch.tensor([0])]), t2d, VD - 1)
     for path in (target, draft):
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(REPO_MODELS / "target" / name, path / name)
+            shutil.copy(TINY_TARGET / name, path / name)
     return target, draft

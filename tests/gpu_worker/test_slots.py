@@ -44,7 +44,7 @@ def model_dir(tmp_path_factory):
 
 def config(model_dir, **overrides):
     return load_config(VerifierConfig, env={}, target_model=str(model_dir), instance_id="verifier-test",
-                       max_slots=MAX_SLOTS, max_seq_len=32, **overrides)
+                       max_slots=MAX_SLOTS, max_seq_len=32, **{"dtype": "float32", **overrides})
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def target(tmp_path_factory):
 
 def new_verifier(target, **overrides):
     settings = dict(target_model=str(target.path), instance_id="verifier-test", max_slots=MAX_SLOTS,
-                    max_seq_len=TINY["max_position_embeddings"])
+                    max_seq_len=TINY["max_position_embeddings"], dtype="float32")
     return load_verifier(load_config(VerifierConfig, env={}, **{**settings, **overrides}))
 
 

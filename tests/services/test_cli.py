@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.tokenizer import load_tokenizer
-from schemas.config import REPO_MODELS
+from schemas.config import TINY_TARGET
 from schemas.errors import SpecbusError
 from schemas.codec import decode
 from schemas.messages import Heartbeat, StreamChunk
@@ -135,7 +135,7 @@ def test_generate_says_when_nats_is_unreachable():
 
 
 def test_draft_tokens_are_split_from_the_rest_of_a_chunk():
-    tokenizer = load_tokenizer(REPO_MODELS / "target")
+    tokenizer = load_tokenizer(TINY_TARGET)
     before = tokenizer.encode("def main(")
     drafts, rest = tokenizer.encode("argv"), tokenizer.encode("):")
     ids = np.array(drafts + rest, dtype=np.int32)
@@ -148,6 +148,7 @@ def test_draft_tokens_are_split_from_the_rest_of_a_chunk():
 
 async def test_stack_start_fails_with_the_log_of_a_process_that_died(tmp_path):
     config = StackConfig(schedulers=1, verifiers=0, drafters=0, postprocessors=1, log_dir=tmp_path,
+                         target_model=str(TINY_TARGET),
                          role_args={"scheduler": ["--max-queue", "many"]}, ready_timeout_s=60)
     stack = Stack(config)
     with pytest.raises(StackError, match=r"(?s)scheduler-0 exited with code 2 while starting.*field: max_queue"):
@@ -171,7 +172,8 @@ def test_stack_config_with_auth_makes_its_own_users():
 
 def only_postprocessors(count=1, **options) -> StackConfig:
     """A stack of torch-free services only: starts in seconds."""
-    return StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=count, ready_timeout_s=60, **options)
+    return StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=count, ready_timeout_s=60,
+                       target_model=str(TINY_TARGET), **options)
 
 
 async def test_stack_kills_and_restarts_instances():
@@ -257,6 +259,7 @@ def pids_with_arg(*texts: str) -> list[int]:
 
 async def test_services_stop_by_themselves_when_the_stack_is_killed():
     async with specbus_process("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0",
+                               "--target-model", str(TINY_TARGET),
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as process:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
         await asyncio.wait_for(process.stdout.readline(), timeout=60)  # ready

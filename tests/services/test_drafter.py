@@ -57,7 +57,8 @@ def draft(tmp_path_factory):
 
 
 def new_drafter(draft, **overrides):
-    settings = dict(draft_model=str(draft.path), instance_id="drafter-test", max_slots=MAX_SLOTS, max_seq_len=64)
+    settings = dict(draft_model=str(draft.path), instance_id="drafter-test", max_slots=MAX_SLOTS, max_seq_len=64,
+                    dtype="float32")
     return load_drafter(load_config(DrafterConfig, env={}, **{**settings, **overrides}))
 
 
@@ -248,7 +249,8 @@ def test_bad_token_id_is_refused_by_field_and_changes_nothing(draft):
 
 async def test_run_drafter_serves_draft_requests_over_nats(nats_server, nc, draft):
     config = load_config(DrafterConfig, env={}, nats_url=nats_server.url, draft_model=str(draft.path),
-                         instance_id="drafter-nats", max_slots=MAX_SLOTS, max_seq_len=64, heartbeat_interval_s=0.05)
+                         instance_id="drafter-nats", max_slots=MAX_SLOTS, max_seq_len=64, heartbeat_interval_s=0.05,
+                         dtype="float32")
     subjects = Subjects()
     beats: asyncio.Queue = asyncio.Queue()
 

@@ -42,7 +42,8 @@ def row(request_id, new_token_ids, cached_len=0, step=0, index=0, prompt_len=len
 
 async def test_run_verifier_serves_verify_requests_over_nats(nats_server, nc, target_dir):
     config = load_config(VerifierConfig, env={}, nats_url=nats_server.url, target_model=str(target_dir),
-                         instance_id="verifier-nats", max_slots=MAX_SLOTS, max_seq_len=64, heartbeat_interval_s=0.05)
+                         instance_id="verifier-nats", max_slots=MAX_SLOTS, max_seq_len=64, heartbeat_interval_s=0.05,
+                         dtype="float32")
     subjects = Subjects()
     beats: asyncio.Queue = asyncio.Queue()
     side: asyncio.Queue = asyncio.Queue()
