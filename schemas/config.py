@@ -52,7 +52,6 @@ def check_model_dir(path, field: str) -> None:
     raise SpecbusError(ErrorCode.invalid_field, f"{field}: model directory {path} does not exist; {hint}", field)
 
 
-
 def default_instance_id(role: str) -> str:
     """A fresh id per process: role, host and a random suffix (ids are subject tokens)."""
     host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:24]
@@ -134,11 +133,32 @@ class PostprocessorConfig(InstanceConfig):
     max_requests: int = 1024
 
 
+@dataclasses.dataclass
+class GatewayConfig(BusConfig):
+    """The OpenAI-compatible HTTP gateway (services/gateway.py). It logs in to NATS as the
+    client users (SPECBUS_CLIENT_USERS, their passwords, their API keys SPECBUS_<USER>_API_KEY)
+    and as "monitor" for /health; no_auth: any API key, one connection with nats_user/_password."""
+
+    instance_id: str = ""  # empty: default_instance_id(role) at load time
+    metrics_port: int = 0  # 0 = none besides GET /metrics on the HTTP port
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    no_auth: bool = False
+    # the model id, tokenizer and chat template
+    target_model: str = dataclasses.field(default_factory=default_target_model)
+    draft_model: str = str(DEFAULT_DRAFT)  # listed in /v1/models
+    served_model_name: str = ""  # empty: the target dir's name
+    default_max_tokens: int = 256  # a chat request without max_tokens (completions: 16, as OpenAI)
+    timeout_s: float = 600.0  # per request unless the body gives timeout_s
+    health_timeout_s: float = 2.0  # for a scheduler to answer $SRV.PING
+
+
 ROLES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "verifier": VerifierConfig,
     "drafter": DrafterConfig,
     "postprocessor": PostprocessorConfig,
+    "gateway": GatewayConfig,
 }
 
 C = TypeVar("C")

@@ -92,6 +92,7 @@ RUNNERS = {
     "verifier": ("services.verifier", "run_verifier"),
     "drafter": ("services.drafter", "run_drafter"),
     "postprocessor": ("services.postprocessor", "run_postprocessor"),
+    "gateway": ("services.gateway", "run_gateway"),
 }
 # Settings only the environment may give: a flag would show in `ps` and shell history.
 ENV_ONLY_FIELDS = {"nats_password"}
@@ -161,6 +162,8 @@ async def run_serve(args: argparse.Namespace) -> int:
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=4222, help="NATS port on loopback; 0 picks a free one (default 4222)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the OpenAI API on loopback; gateway i on PORT+i; 0 picks free ones (default 8000)")
     add_stack_arguments(parser)
 
 
@@ -185,7 +188,8 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NATS client users, comma-separated (default 'client'): each may read and cancel only "
                              "its own requests; each login in <log-dir>/client-<name>.env")
     parser.add_argument("--no-auth", action="store_true",
-                        help="no NATS users (default: one per role, random passwords written to the log dir)")
+                        help="no NATS users, and the gateways accept any API key (default: one user per role, "
+                             "random passwords and API keys written to the log dir)")
     parser.add_argument("--metrics-port-base", type=int, default=0, metavar="PORT",
                         help="serve each instance's Prometheus /metrics on PORT, PORT+1, ... (default 0: none)")
 
@@ -207,6 +211,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         auth=not args.no_auth,
         client_users=tuple(name.strip() for name in args.clients.split(",") if name.strip()),
         metrics_port_base=args.metrics_port_base,
+        http_port=getattr(args, "http_port", 0),  # `demo`: free ports
     )
 
 
@@ -248,12 +253,15 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
     except (StackError, NatsServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
-    counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES)
+    counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
     print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
     if stack.credentials:
         print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
               f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
               f"in {stack.credentials_path})", flush=True)
+    if stack.gateway_ports:
+        print(f"openai: {config.gateways} gateway(s), the first on {stack.openai_base_url} (OPENAI_BASE_URL and "
+              f"OPENAI_API_KEY in {stack.client_env_path})", flush=True)
     return stack
 
 
@@ -515,7 +523,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "up": Command("run nats-server and every service (each a process) until Ctrl-C", add_up_arguments, run_up),
-    "serve": Command("run one service (scheduler, verifier, drafter or postprocessor)", add_serve_arguments,
+    "serve": Command("run one service (scheduler, verifier, drafter, postprocessor or gateway)", add_serve_arguments,
                      run_serve),
     "generate": Command("send one generate request; stream its text (or --json)", add_generate_arguments,
                         run_generate),

@@ -16,16 +16,22 @@ every password, `log_dir/client.env` the first client user's login as `specbus g
 it (with several client users, also `client-<user>.env` for each). Each client user may read and
 cancel only its own requests (services/auth.py).
 
+Gateways (StackConfig.gateways, the OpenAI-compatible API of services/gateway.py) are clients,
+not roles with a NATS user: each gets every client user's password and API key and the monitor's
+password; `openai_base_url` and `api_key(user)` say how to reach them, and client.env gets
+OPENAI_BASE_URL and OPENAI_API_KEY.
+
 A Stack starts and stops processes when asked; `services.supervisor.supervise` restarts those
 that exit by themselves (what `specbus up` runs).
 
-Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat`; a
-process that exits first, or an instance still silent after ready_timeout_s, fails the start
-with the tail of that process's log. Stopping goes upstream to downstream, one role group at a
-time (STOP_ORDER): schedulers first, so each finishes its step in flight against live drafters and
-verifiers and sends every request's final commit to a live postprocessor; then drafters and
-verifiers; postprocessors last, after they have forwarded those final commits. Each process gets
-SIGTERM, stop_timeout_s to exit by itself, then SIGKILL; the server stops last.
+Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat` (a gateway:
+until it accepts HTTP connections); a process that exits first, or an instance still silent after
+ready_timeout_s, fails the start with the tail of that process's log. Stopping goes upstream to
+downstream, one role group at a time (STOP_ORDER): gateways first (no new requests come in), then
+schedulers, so each finishes its step in flight against live drafters and verifiers and sends
+every request's final commit to a live postprocessor; then drafters and verifiers; postprocessors
+last, after they have forwarded those final commits. Each process gets SIGTERM, stop_timeout_s to
+exit by itself, then SIGKILL; the server stops last.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -50,22 +57,31 @@ from schemas.config import ENV_PREFIX, ROLES as CONFIGS
 from schemas.errors import SpecbusError
 from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
-from services.auth import (CLIENT, MONITOR, check_user_names, env_file_text, generate_credentials, password_env,
-                           users_from_env, write_secret)
+from services.auth import (CLIENT, CLIENT_USERS_ENV, MONITOR, check_user_names, env_file_text, generate_credentials,
+                           password_env, users_from_env, write_secret)
 from services.bus import connect
 from services.client import Client as SpecbusClient
+from services.gateway_core import api_key_env, generate_api_keys
 from services.natsserver import STDERR_TAIL_CHARS, NatsCluster, NatsServer, NatsServerConfig
 
 log = structlog.get_logger(__name__)
 
 # Every role the stack runs, in start order (docker-compose.yml runs the same set).
 ROLES = tuple(CONFIGS)  # scheduler, verifier, drafter, postprocessor
-STOP_ORDER = (("scheduler",), ("drafter", "verifier"), ("postprocessor",))  # upstream first
+STOP_ORDER = (("gateway",), ("scheduler",), ("drafter", "verifier"), ("postprocessor",))  # upstream first
 # Set for every service: `specbus serve` stops by itself once that process is gone (a stack
 # killed with SIGKILL cannot stop its children).
 PARENT_PID_ENV = "SPECBUS_PARENT_PID"
 CREDENTIALS_FILE = "credentials.env"
 CLIENT_ENV_FILE = "client.env"
+NO_AUTH_API_KEY = "no-auth"  # the openai SDK insists on some key
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class StackError(RuntimeError):
@@ -89,6 +105,10 @@ class StackConfig:
     verifiers: int = 1
     drafters: int = 1
     postprocessors: int = 1
+    # OpenAI-compatible HTTP gateways (services/gateway.py), none unless asked for: each is one more
+    # process. Gateway i listens on 127.0.0.1:http_port + i (http_port 0: free ports), in gateway_ports.
+    gateways: int = 0
+    http_port: int = 0
     target_model: str | None = None
     draft_model: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
@@ -183,6 +203,7 @@ class Stack:
     owns_log_dir: bool = field(default=False, init=False)
     credentials: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # as users_from_env reads
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> /metrics port
+    gateway_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> HTTP port
 
     @property
     def credentials_path(self) -> Path | None:
@@ -191,8 +212,23 @@ class Stack:
 
     @property
     def client_env_path(self) -> Path | None:
-        """The first client user's SPECBUS_NATS_USER/_PASSWORD (None without auth)."""
-        return self.log_dir / CLIENT_ENV_FILE if self.credentials and self.log_dir else None
+        """The first client user's SPECBUS_NATS_USER/_PASSWORD (with auth) and, with gateways,
+        OPENAI_BASE_URL and OPENAI_API_KEY (None when it holds neither)."""
+        return self.log_dir / CLIENT_ENV_FILE if (self.credentials or self.gateway_ports) and self.log_dir else None
+
+    @property
+    def openai_base_url(self) -> str:
+        """The first gateway's API root, http://127.0.0.1:<port>/v1."""
+        if not self.gateway_ports:
+            raise StackError("no gateway in this stack: StackConfig(gateways=1)")
+        return f"http://127.0.0.1:{next(iter(self.gateway_ports.values()))}/v1"
+
+    def api_key(self, user: str | None = None) -> str:
+        """A client user's API key for the gateways (default: the first client user's); without
+        auth any key is accepted, and this is a placeholder."""
+        if not self.credentials:
+            return NO_AUTH_API_KEY
+        return self.credentials[api_key_env(user or self.config.client_users[0])]
 
     def login(self, user: str) -> dict[str, str]:
         """{"user", "password"} of a user of this stack (a role or a client user); {} without auth."""
@@ -251,6 +287,7 @@ class Stack:
         try:
             started = [await self.spawn(role) for role in ROLES for _ in range(self.config.count(role))]
             await self.wait_ready(started)
+            self.add_openai_env()
         except BaseException:
             await self.stop()
             raise
@@ -261,7 +298,7 @@ class Stack:
         if not self.config.auth:
             return self.config.nats
         assert self.log_dir is not None
-        self.credentials = generate_credentials(self.config.client_users)
+        self.credentials = generate_credentials(self.config.client_users) | generate_api_keys(self.config.client_users)
         write_secret(self.log_dir / CREDENTIALS_FILE, env_file_text(self.credentials))
         for index, user in enumerate(self.config.client_users):  # client.env: the first one's login
             login = self.client_login(user)
@@ -272,6 +309,33 @@ class Stack:
                 write_secret(self.log_dir / f"client-{user}.env", text)
         users = users_from_env(self.credentials, self.config.prefix)
         return dataclasses.replace(self.config.nats, users=tuple(users))
+
+    def add_openai_env(self) -> None:
+        """With gateways, OPENAI_BASE_URL and OPENAI_API_KEY added to client.env (the first
+        client user's key) and to each client-<user>.env (that user's), so `set -a; . file; set +a`
+        sets up the openai SDK too; without auth, client.env holds only these two."""
+        if not self.gateway_ports:
+            return
+        files = {CLIENT_ENV_FILE: None}
+        if self.credentials and len(self.config.client_users) > 1:
+            files |= {f"client-{user}.env": user for user in self.config.client_users}
+        for name, user in files.items():
+            path = self.log_dir / name
+            text = path.read_text() if path.exists() else ""
+            write_secret(path, text + env_file_text({"OPENAI_BASE_URL": self.openai_base_url,
+                                                     "OPENAI_API_KEY": self.api_key(user)}))
+
+    def role_login_env(self, role: str) -> dict[str, str]:
+        """A role's NATS login as SPECBUS_NATS_USER/_PASSWORD; a gateway gets every client user's
+        password and API key and the monitor's password instead (services/gateway.py)."""
+        if role != "gateway":
+            return {f"{ENV_PREFIX}NATS_{key.upper()}": value for key, value in self.login(role).items()}
+        if not self.credentials:
+            return {ENV_PREFIX + "NO_AUTH": "1"}
+        users = (*self.config.client_users, MONITOR)
+        return {CLIENT_USERS_ENV: ",".join(self.config.client_users),
+                **{password_env(u): self.credentials[password_env(u)] for u in users},
+                **{api_key_env(u): self.credentials[api_key_env(u)] for u in self.config.client_users}}
 
     def prepare_log_dir(self) -> None:
         if self.config.log_dir is None:
@@ -304,13 +368,18 @@ class Stack:
             raise StackError(f"{instance_id} is already running (pid {known.process.pid})")
         assert self.log_dir is not None
         log_path = self.log_dir / f"{instance_id}.log"
-        login = {f"{ENV_PREFIX}NATS_{key.upper()}": value for key, value in self.login(role).items()}
+        login = self.role_login_env(role)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **login,
                **self.config.role_env.get(role, {})}
         argv = serve_command(role, instance_id, self.url, self.config)
         if self.config.metrics_port_base:
             port = self.metrics_ports.setdefault(instance_id, self.config.metrics_port_base + len(self.metrics_ports))
             argv += ["--metrics-port", str(port)]
+        if role == "gateway":
+            port = self.gateway_ports.get(instance_id) or (
+                self.config.http_port + len(self.gateway_ports) if self.config.http_port else free_port())
+            self.gateway_ports[instance_id] = port
+            argv += ["--http-port", str(port)]
         with log_path.open("ab") as log_file:
             process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
@@ -342,7 +411,7 @@ class Stack:
                 if not proc.running:
                     raise StackError(f"{proc.instance_id} exited with code {proc.process.returncode} while "
                                      f"starting; its log ({proc.log_path}) ends with:\n{proc.log_tail()}")
-            waiting = [p for p in waiting if self.heartbeat_seen_at.get(p.instance_id, -1.0) < p.started_at]
+            waiting = [p for p in waiting if not await self.is_ready(p)]
             if waiting and time.monotonic() > deadline:
                 silent = waiting[0]
                 raise StackError(f"no heartbeat from {', '.join(p.instance_id for p in waiting)} within "
@@ -350,6 +419,19 @@ class Stack:
                                  f"ends with:\n{silent.log_tail()}")
             await asyncio.sleep(0.05)
         log.info("stack_ready", instances=sorted(p.instance_id for p in started))
+
+    async def is_ready(self, proc: ServiceProcess) -> bool:
+        """A service has heartbeated since it started; a gateway (no heartbeat: it is a client)
+        accepts HTTP connections, which it does once its NATS connections are up."""
+        if proc.role != "gateway":
+            return self.heartbeat_seen_at.get(proc.instance_id, -1.0) >= proc.started_at
+        port = self.gateway_ports[proc.instance_id]
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout=1.0)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return True
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send sig to one instance (SIGKILL: a crash; SIGTERM: a polite stop)."""

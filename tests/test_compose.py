@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from schemas.config import ENV_PREFIX, ROLES as CONFIGS
-from services.auth import generate_credentials, password_env
+from services.auth import CLIENT_USERS_ENV, SERVICE_ROLES, generate_credentials, password_env
 from services.bus import BusUnavailable, connect
 from services.cli import build_parser
+from services.gateway_core import api_key_env
 from services.natsserver import DEFAULT_MAX_PAYLOAD, find_nats_server_binary
 from services.stack import ROLES, StackConfig, serve_command
 
@@ -83,6 +84,8 @@ def test_services_wait_for_a_healthy_nats_and_are_configured_by_env(services):
             {node: "service_healthy" for node in nodes}, name
         env = svc["environment"]
         assert env["SPECBUS_NATS_URL"].split(",") == [f"nats://{node}:4222" for node in nodes], name
+        if name == "gateway":  # logs in as the client users, not as a role (test below)
+            continue
         fields = {f.name for f in dataclasses.fields(CONFIGS[name])}
         for key in set(env) - NOT_CONFIG_ENV:
             assert key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in fields, f"{name}: {key}"
@@ -90,6 +93,20 @@ def test_services_wait_for_a_healthy_nats_and_are_configured_by_env(services):
         # or .env: `:?` stops compose when it is unset or empty, so none is ever blank.
         assert env["SPECBUS_NATS_USER"] == name
         assert env["SPECBUS_NATS_PASSWORD"].startswith(f"${{{password_env(name)}:?"), name
+
+
+def test_gateway_logs_in_as_the_client_user_and_publishes_the_api_on_loopback(services):
+    gateway = services["gateway"]
+    env = gateway["environment"]
+    fields = {f.name for f in dataclasses.fields(CONFIGS["gateway"])}
+    credentials = {CLIENT_USERS_ENV, password_env("client"), api_key_env("client"), password_env("monitor")}
+    for key in set(env) - NOT_CONFIG_ENV - credentials:
+        assert key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in fields, key
+    assert env[CLIENT_USERS_ENV] == "client" and "SPECBUS_NATS_USER" not in env
+    for variable in credentials - {CLIENT_USERS_ENV}:
+        assert env[variable].startswith(f"${{{variable}:?"), variable
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"] and env["SPECBUS_HTTP_HOST"] == "0.0.0.0"
+    assert any("/health" in part for part in gateway["healthcheck"]["test"])
 
 
 def test_nats_is_a_cluster_of_three_official_images_with_a_healthz_healthcheck(services):
@@ -112,7 +129,7 @@ def test_nats_is_a_cluster_of_three_official_images_with_a_healthz_healthcheck(s
 def test_nats_gets_every_password_its_config_refers_to_and_no_default(services):
     conf = (REPO / "ops/nats/nats-server.conf").read_text() + (REPO / "ops/nats/cluster.conf").read_text()
     referenced = set(re.findall(r"password: \$(SPECBUS_\w+_NATS_PASSWORD)", conf))
-    assert referenced == {password_env(user) for user in (*ROLES, "monitor", "client", "route")}
+    assert referenced == {password_env(user) for user in (*SERVICE_ROLES, "monitor", "client", "route")}
     for name, node in nats_nodes(services).items():
         env = node["environment"]
         assert set(env) == referenced | {"SPECBUS_NATS_SERVER_NAME"} | {f"SPECBUS_NATS_ROUTE_{i}" for i in (1, 2, 3)}

@@ -259,7 +259,7 @@ def pids_with_arg(*texts: str) -> list[int]:
 
 async def test_services_stop_by_themselves_when_the_stack_is_killed():
     async with specbus_process("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0",
-                               "--target-model", str(TINY_TARGET),
+                               "--gateways", "0", "--target-model", str(TINY_TARGET),
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as process:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
         await asyncio.wait_for(process.stdout.readline(), timeout=60)  # ready

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible gateway (issue 13) through the official `openai` package, against a real
+stack: nats-server, scheduler, verifier, drafter, postprocessor and gateway, each a process, on a
+tiny random model pair whose target tokenizer got a ChatML chat template.
+
+Expected values come from the NATS client (services/client.py) for the same request: greedy
+text, logprobs, prompt scores. The scheduler admits 2 running + 2 queued requests, so a request
+with n=8 long choices meets `overloaded`. The test that stops the scheduler runs last.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import pytest_asyncio
+
+from gpu_worker.tokenizer import load_tokenizer
+from services.client import make_request, score_request
+from services.stack import Stack, StackConfig
+from tests.gpu_worker.conftest import write_tiny_pair
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPT = "def read_lines(path):\n    with open(path) as f:\n"
+MAX_TOKENS = 12
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target, draft = write_tiny_pair(tmp_path_factory.mktemp("models"))
+    config_path = target / "tokenizer_config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": CHATML}))
+    return target, draft
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(models, tmp_path_factory):
+    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), gateways=1,
+                         client_users=("alice", "bob"), log_dir=tmp_path_factory.mktemp("gateway-logs"),
+                         role_args={"scheduler": ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5"]})
+    async with Stack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(stack):
+    """The openai SDK as alice, without retries (the SDK retries 429 and 5xx by default)."""
+    return openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("alice"), max_retries=0,
+                              timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models[0].name
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def scheduler_stats(stack) -> dict:
+    reply = await stack.nc.request("$SRV.STATS.scheduler", b"", timeout=5)
+    return json.loads(reply.data)["endpoints"][0]["data"]
+
+
+async def test_client_env_sets_up_the_sdk_and_models_lists_the_target(stack, models, model):
+    env = dict(line.split("=", 1) for line in stack.client_env_path.read_text().splitlines())
+    assert env["OPENAI_BASE_URL"] == stack.openai_base_url and env["OPENAI_API_KEY"] == stack.api_key("alice")
+    listed = await openai.AsyncOpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"]).models.list()
+    assert [m.id for m in listed.data] == [model]
+    assert listed.data[0].model_extra["draft_model"] == models[1].name
+    bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
+    assert [m.id for m in (await bob.models.list()).data] == [model]
+
+
+async def test_greedy_completion_equals_the_nats_clients_streamed_or_not(stack, api, client, model):
+    expected = await client.generate(make_request(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    completion = await api.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    choice = completion.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == MAX_TOKENS == expected.usage.completion_tokens
+    assert completion.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + MAX_TOKENS
+    assert completion.usage.model_extra["draft_tokens_proposed"] > 0
+
+    stream = await api.completions.create(model=model, prompt=PROMPT, stream=True,
+                                          stream_options={"include_usage": True}, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert all(c.usage is None for c in chunks[:-1])
+
+    by_ids = await api.completions.create(model=model, prompt=expected.prompt_token_ids, **GREEDY)
+    assert by_ids.choices[0].text == expected.text
+
+
+async def test_completion_logprobs_have_the_openai_shape_and_the_cli_json_values(stack, api, client, model):
+    tokenizer = load_tokenizer(stack.config.target_model)
+    ids = tokenizer.encode(PROMPT)
+    login = stack.client_login("alice")
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "generate", "--url", stack.url, "--json",
+                         "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(MAX_TOKENS), "--temperature",
+                         "0", "--ignore-eos", "--logprobs", "3"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SPECBUS_NATS_USER": login["user"], "SPECBUS_NATS_PASSWORD": login["password"]})
+    assert done.returncode == 0, done.stderr
+    expected = json.loads(done.stdout)
+
+    completion = await api.completions.create(model=model, prompt=ids, logprobs=3, **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    def text(token_id):
+        return tokenizer.hf.decode([token_id], skip_special_tokens=False)
+
+    assert logprobs.tokens == [text(i) for i in expected["token_ids"]]
+    assert logprobs.token_logprobs == [entry["logprob"] for entry in expected["logprobs"]]
+    for top, entry in zip(logprobs.top_logprobs, expected["logprobs"]):
+        assert top == {text(t["token_id"]): t["logprob"] for t in entry["top"]} | \
+            {text(entry["token_id"]): entry["logprob"]}
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(MAX_TOKENS)]
+
+    stream = await api.completions.create(model=model, prompt=ids, logprobs=3, stream=True, **GREEDY)
+    streamed = [chunk.choices[0].logprobs async for chunk in stream]
+    assert [v for lp in streamed for v in lp.token_logprobs] == logprobs.token_logprobs
+    assert [v for lp in streamed for v in lp.text_offset] == logprobs.text_offset
+
+
+async def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(api, client, model):
+    expected = await client.generate(score_request(PROMPT, prompt_logprobs=2))
+    scored = await api.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT
+    assert len(choice.logprobs.tokens) == len(expected.prompt_token_ids)
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == [entry.logprob for entry in expected.prompt_logprobs[1:]]
+    assert "".join(choice.logprobs.tokens) == PROMPT
+
+
+async def test_chat_streamed_and_not_equals_the_nats_clients_chat(api, client, model):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Read a file."}]
+    expected = await client.generate(make_request(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                  ignore_eos=True, logprobs=2))
+    chat = await api.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == "length"
+    content = choice.logprobs.content
+    assert [entry.logprob for entry in content] == [entry.logprob for entry in expected.logprobs]
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert [[t.logprob for t in entry.top_logprobs] for entry in content] == \
+        [[v for _, v in entry.top] for entry in expected.logprobs]
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == expected.text
+
+    stream = await api.chat.completions.create(model=model, messages=messages, stream=True,
+                                               max_completion_tokens=MAX_TOKENS, temperature=0.0,
+                                               extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_n_choices_are_the_nats_clients_with_seed_plus_index(api, client, model):
+    sampled = dict(temperature=1.0, top_p=0.9, max_tokens=8, seed=11)
+    expected = [await client.generate(make_request(PROMPT, ignore_eos=True, **(sampled | {"seed": 11 + i})))
+                for i in range(2)]
+    completion = await api.completions.create(model=model, prompt=PROMPT, n=2, extra_body={"ignore_eos": True},
+                                              **sampled)
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert [c.text for c in completion.choices] == [e.text for e in expected]
+    assert completion.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 2.0), ("top_k", -3),
+                                          ("num_speculative_tokens", 99), ("presence_penalty", 0.5),
+                                          ("logprobs", 99), ("frequency", 1)])
+async def test_a_bad_field_is_a_400_naming_it(api, model, field, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={field: value})
+    assert caught.value.status_code == 400 and caught.value.body["param"] == field
+
+
+async def test_bad_key_unknown_model_and_no_chat_template_errors(stack, api, model):
+    stranger = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await stranger.models.list()
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as caught:
+        await api.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.chat.completions.create(model=model, messages=[{"role": "robot", "content": "hi"}], max_tokens=4)
+    assert caught.value.body["param"] == "messages[0].role"
+
+
+async def wait_idle(stack) -> dict:
+    """The scheduler's stats once nothing runs or waits (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = await scheduler_stats(stack)
+        if not stats["running"] and not stats["queued"]:
+            break
+        await asyncio.sleep(0.1)
+    return stats
+
+
+async def test_a_full_scheduler_is_a_429_and_a_deadline_a_504(stack, api, model):
+    with pytest.raises(openai.RateLimitError) as caught:
+        await api.completions.create(model=model, prompt=PROMPT, n=8, max_tokens=1500, extra_body={"ignore_eos": True})
+    assert caught.value.status_code == 429 and caught.value.body["code"] == "overloaded"
+    stats = await wait_idle(stack)  # the choices that were admitted are cancelled with the refused ones
+    assert stats["running"] == stats["queued"] == 0
+    with pytest.raises(openai.APIStatusError) as caught:
+        await api.completions.create(model=model, prompt=PROMPT, max_tokens=2000,
+                                     extra_body={"ignore_eos": True, "timeout_s": 0.05})
+    assert caught.value.status_code == 504
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack, api, model):
+    cancelled_before = (await scheduler_stats(stack)).get("finished_cancelled", 0)
+    stream = await api.completions.create(model=model, prompt=PROMPT, max_tokens=1500, stream=True,
+                                          extra_body={"ignore_eos": True})
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == 2:
+            assert (await scheduler_stats(stack))["running"] >= 1
+            break
+    await stream.close()
+    stats = await wait_idle(stack)
+    assert stats["running"] == 0 and stats["finished_cancelled"] == cancelled_before + 1, stats
+    status, metrics = await asyncio.to_thread(http_get, stack.openai_base_url.removesuffix("/v1") + "/metrics")
+    assert status == 200 and "specbus_gateway_disconnect_cancels_total 1.0" in metrics
+
+
+async def test_health_is_ready_with_a_scheduler_and_503_without(stack, api, model):
+    root = stack.openai_base_url.removesuffix("/v1")
+    assert (await asyncio.to_thread(http_get, root + "/health"))[0] == 200
+    stack.kill("scheduler-0", signal.SIGTERM)
+    await stack.wait_exit("scheduler-0", timeout_s=30)
+    status, body = await asyncio.to_thread(http_get, root + "/health")
+    assert status == 503 and json.loads(body)["error"]["code"] == "unavailable"
+    with pytest.raises(openai.InternalServerError) as caught:
+        await api.completions.create(model=model, prompt=PROMPT, max_tokens=4)
+    assert caught.value.status_code == 503
