@@ -48,8 +48,8 @@ SUBJECT_ROUTES = {
                    "publish; the owning scheduler acts, others ignore it"),
     "generate": None,  # the scheduler subscribes `<p>.generate.*`
     "cancel": None,  # every scheduler subscribes `<p>.cancel.*`
-    "heartbeat": ("every instance", "every scheduler (and the stack launcher)", "Heartbeat",
-                  "publish every `interval_s`"),
+    "heartbeat": ("every instance", "every scheduler, the clients (scheduler failover), the stack launcher",
+                  "Heartbeat", "publish every `interval_s`"),
     "draft": ("scheduler", "that drafter", "DraftRequest", "request; reply DraftResponse or Error"),
     "verify": ("scheduler", "that verifier", "VerifyRequest", "request; reply VerifyResponse or Error"),
     "post_commit": ("scheduler", "that postprocessor", "Commit", "publish, no reply"),
