@@ -1,8 +1,9 @@
 """The repository explains itself, and its explanations stay true:
 
 - the generated tables of docs/PROTOCOL.md are what schemas/ produces today;
-- every `*.md` a docstring or comment names, and every relative link of a markdown file (with
-  its #anchor), exists in the repository;
+- every `*.md` a docstring or comment names, every relative link of a markdown file (with its
+  #anchor) and every repository path the README and docs/ name in code spans exists, and
+  docs/ARCHITECTURE.md names every module of schemas/, gpu_worker/ and services/;
 - the layering of docs/ARCHITECTURE.md holds: schemas <- gpu_worker <- services <- ops, and the
   scheduler, postprocessor and client never import torch.
 """
@@ -22,6 +23,7 @@ SKIP_DIRS = {"node_modules", "build", "dist", "__pycache__", "shared"}
 MD_NAME = re.compile(r"(?<![\w/.-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*\.md)(#[\w-]+)?")
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+CODE_PATH = re.compile(r"`((?:schemas|services|gpu_worker|ops|tests|models|docs)/[\w./-]*)`")
 LAYERS = {"schemas": {"gpu_worker", "services", "ops"}, "gpu_worker": {"services", "ops"}, "services": {"ops"}}
 TORCH_FREE = ("schemas", "schemas.doc_tables", "services.scheduler", "services.postprocessor", "services.client")
 
@@ -118,6 +120,23 @@ def test_every_relative_link_in_markdown_exists():
                 if problem:
                     problems.append(f"{path.relative_to(ROOT)}:{number}: {link}: {problem}")
     assert not problems, "dangling links:\n" + "\n".join(problems)
+
+
+def test_paths_named_in_docs_exist():
+    problems = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for name in CODE_PATH.findall(line):
+                if not (ROOT / name.rstrip("/")).exists():
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: {name} does not exist")
+    assert not problems, "paths named in the docs that are not in the repository:\n" + "\n".join(problems)
+
+
+def test_every_module_is_on_the_map():
+    architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    missing = [str(path.relative_to(ROOT)) for package in LAYERS for path in sorted((ROOT / package).glob("*.py"))
+               if path.name != "__init__.py" and f"`{path.relative_to(ROOT)}`" not in architecture]
+    assert not missing, f"modules docs/ARCHITECTURE.md does not name (add them to its Module map): {missing}"
 
 
 def test_layers_import_only_downwards():
