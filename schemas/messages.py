@@ -38,7 +38,8 @@ MAX_TIMEOUT_S = 3600.0
 
 # Reasons a chunk can be flagged with; `degraded` accepts any snake_case word so a new
 # fallback does not need a protocol bump, but these are the ones the pipeline emits.
-DEGRADED_REASONS = ("draft_timeout", "logprobs_timeout", "migrated", "verifier_retry", "residual_fallback", "resync")
+DEGRADED_REASONS = ("draft_timeout", "logprobs_timeout", "migrated", "verifier_retry", "residual_fallback", "resync",
+                    "failover")
 
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 InstanceId = Annotated[str, StringConstraints(pattern=INSTANCE_ID_PATTERN)]
@@ -200,6 +201,10 @@ class GenerateRequest(Message):
 
     timeout_s is relative; the scheduler turns it into an absolute deadline on arrival.
     stream=False: the client gets a single final chunk holding everything.
+    resume_token_ids: completion tokens the client already has (its scheduler died): the request
+    continues after them at the same absolute positions (the same seed, so the same draws) and
+    streams only what follows; max_tokens still counts them. Give an explicit seed for a sampled
+    request: the default seed comes from the request_id, which a resumed request changes.
     """
 
     type: Literal["generate"] = "generate"
@@ -212,6 +217,7 @@ class GenerateRequest(Message):
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     stream: bool = True
+    resume_token_ids: TokenIds | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -326,7 +332,8 @@ class StreamChunk(Message):
     token_ids, text (a delta), from_draft (True for an accepted draft token), logprobs and
     sampling_masks are per token and the same length. The final chunk has finish_reason
     and usage. The first chunk carries prompt_token_ids / prompt_logprobs when asked
-    (prompt_logprobs[0] is None: the first prompt token has no context).
+    (prompt_logprobs[0] is None: the first prompt token has no context). scheduler_id: the
+    scheduler that owns the request (the client watches its heartbeats to fail over).
     """
 
     type: Literal["stream_chunk"] = "stream_chunk"
@@ -343,6 +350,7 @@ class StreamChunk(Message):
     prompt_token_ids: TokenIds | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: Error | None = None
+    scheduler_id: InstanceId | None = None
 
     @property
     def final(self) -> bool:

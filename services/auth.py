@@ -4,7 +4,7 @@ The permission model is data, here and nowhere else: `role_permissions(prefix)` 
 role may publish and subscribe to, derived from the subject table in schemas/subjects.py:
 
     role           publishes                                   subscribes
-    client <u>     <p>.generate.<u>, <p>.cancel.<u>            its own inbox only
+    client <u>     <p>.generate.<u>, <p>.cancel.<u>            <p>.heartbeat (failover), its own inbox
     scheduler      <p>.draft.*, <p>.verify.*, <p>.post.*.commit, <p>.generate.* (queue "schedulers"),
                    <p>.heartbeat, _INBOX.> (error chunks,      <p>.cancel.*, <p>.heartbeat, <p>.stop.<id>
                    $SRV replies)
@@ -137,8 +137,9 @@ def role_permissions(prefix: str = DEFAULT_PREFIX, instance_id: str = "*",
     p, own = subjects.prefix, instance_id if instance_id == "*" else check_instance_id(instance_id)
     inboxes = f"{INBOX_ROOT}.>"
     return {
+        # heartbeats: a client fails its request over when the scheduler running it falls silent
         CLIENT: Permissions(publish=(subjects.generate_for(client_user), subjects.cancel_for(client_user)),
-                            subscribe=()),
+                            subscribe=(subjects.heartbeat,)),
         "scheduler": Permissions(
             publish=(f"{p}.draft.*", f"{p}.verify.*", f"{p}.post.*.commit", subjects.heartbeat, inboxes),
             subscribe=(f"{subjects.generate}.* {SCHEDULER_QUEUE_GROUP}", f"{subjects.cancel}.*", subjects.heartbeat,

@@ -37,8 +37,9 @@ import structlog
 from schemas.codec import decode, encode, validate
 from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (CancelRequest, Error, GenerateRequest, LogprobOptions, SamplingMask, SamplingParams,
-                              SpeculativeOptions, StreamChunk, TokenLogprob, Usage, new_request_id)
+from schemas.messages import (CancelRequest, Error, GenerateRequest, Heartbeat, LogprobOptions, SamplingMask,
+                              SamplingParams, SpeculativeOptions, StreamChunk, TokenLogprob, Usage, new_request_id,
+                              seed_from_request_id)
 from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
 from services.auth import PermissionDenied, inbox_prefix
 from services.bus import BusError, connect, permission_watch, publish, tls_context
@@ -46,6 +47,8 @@ from services.bus import BusError, connect, permission_watch, publish, tls_conte
 log = structlog.get_logger(__name__)
 
 MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missing seq
+MAX_FAILOVERS = 3  # scheduler failovers of one request before it fails with StreamBroken
+MAX_RUN_ID_STEM = 110  # a failover run's id is <stem>.failover<n>, within RequestId's 128 characters
 NO_RESPONDERS_STATUS = "503"
 
 
@@ -251,6 +254,14 @@ class Stream:
         self.closed = False
         self.num_duplicates = 0
         self.num_ignored = 0
+        # Scheduler failover (Client docstring): the request running now is `run_id`, its chunks'
+        # seqs start at `base_seq` of this stream; `delivered` are the completion tokens read so far.
+        self.run_id = request.request_id
+        self.base_seq = 0
+        self.delivered: list[int] = []
+        self.owner: str | None = None  # the scheduler named by the run's chunks
+        self.schedulers_at_send = client.live_schedulers()
+        self.num_failovers = 0
 
     def __aiter__(self) -> Stream:
         return self
@@ -262,6 +273,7 @@ class Stream:
             await self._receive()
         chunk = self.buffered.pop(self.next_seq)
         self.next_seq += 1
+        self.delivered += chunk.token_ids.tolist()
         if chunk.error is not None:
             self.finished = True
             raise RequestError.from_error(chunk.error, self.request.request_id)
@@ -276,12 +288,16 @@ class Stream:
             waits["idle"] = self.last_chunk_at + self.client.idle_timeout_s - now
         if self.final_seq is not None:
             waits["gap"] = self.final_arrived + self.client.gap_grace_s - now
+        elif (owner_dead_at := self.owner_dead_at()) is not None:
+            waits["owner"] = owner_dead_at - now
         bound = min(waits, key=waits.get)
         try:
             if waits[bound] <= 0:
                 raise nats.errors.TimeoutError
             msg = await self._next_msg(waits[bound])
         except nats.errors.TimeoutError:
+            if bound == "owner":
+                return await self._failover()
             raise await self._timeout_error(bound) from None
         except PermissionDenied as exc:
             self.finished = True
@@ -317,12 +333,70 @@ class Stream:
         return sum(counts[("publish", s.lower())] for s in self.publishes) + \
             sum(counts[("subscribe", s.lower())] for s in self.subscribes)
 
+    def owner_dead_at(self) -> float | None:
+        """When the scheduler running this request counts as dead (time.monotonic()): its last
+        heartbeat + heartbeat_timeout_s; before the first chunk names it, the earliest such time
+        of the schedulers alive when the request was sent. None: no failover (off, or no
+        heartbeats seen)."""
+        beats = self.client.scheduler_beats
+        owners = [self.owner] if self.owner is not None else self.schedulers_at_send
+        seen = [beats[owner] for owner in owners if owner in beats]
+        return min(seen) + self.client.heartbeat_timeout_s if seen else None
+
+    async def _failover(self) -> None:
+        """The request's scheduler died (or, before the first chunk, one that may have had it):
+        send it again, as a new run with the completion read so far as resume_token_ids and the
+        same seed, so another scheduler continues it token for token; its chunks continue this
+        stream's seqs, the first flagged `failover`. Chunks of the old run not read yet are
+        dropped (the new run sends those tokens again)."""
+        if self.owner_dead_at() is not None and self.owner_dead_at() > time.monotonic():
+            return  # a beat came while waiting
+        self.num_failovers += 1
+        if self.num_failovers > MAX_FAILOVERS:
+            self.finished = True
+            raise StreamBroken(f"request {self.request.request_id}: {MAX_FAILOVERS} scheduler failovers, giving up")
+        old_run, old_subscription = self.run_id, self.subscription
+        sampling = self.request.sampling
+        if not sampling.greedy and sampling.seed is None:  # the run's id changes; the draws must not
+            sampling = sampling.model_copy(update={"seed": seed_from_request_id(self.request.request_id)})
+        logprobs = self.request.logprobs
+        if self.next_seq > 0:  # the first chunk, with the prompt logprobs, was read
+            logprobs = logprobs.model_copy(update={"prompt_logprobs": None})
+        self.run_id = f"{self.request.request_id[:MAX_RUN_ID_STEM]}.failover{self.num_failovers}"
+        remaining_s = max(self.deadline - self.client.timeout_margin_s - time.monotonic(), 1.0)
+        run = self.request.model_copy(update={
+            "request_id": self.run_id, "sampling": sampling, "logprobs": logprobs, "timeout_s": remaining_s,
+            "resume_token_ids": np.asarray(self.delivered, dtype=np.int32) if self.delivered else None})
+        log.warning("scheduler_failover", request_id=self.request.request_id, dead_scheduler=self.owner,
+                    old_run=old_run, new_run=self.run_id, resumed_tokens=len(self.delivered), seq=self.next_seq)
+        self.buffered.clear()
+        self.base_seq, self.owner, self.last_chunk_at = self.next_seq, None, time.monotonic()
+        self.schedulers_at_send = self.client.live_schedulers()
+        self.subscription = await self.client.nc.subscribe(self.client.nc.new_inbox())
+        self.subscribes = [self.subscription.subject]
+        try:
+            await old_subscription.unsubscribe()
+        except nats.errors.Error as exc:
+            log.warning("unsubscribe_failed", request_id=self.request.request_id, error=type(exc).__name__)
+        await self.client.cancel(old_run)  # in case it lives on after all
+        await publish(self.client.nc, self.client.generate_subject, encode(run), reply=self.subscription.subject)
+
+    def _ignore(self, chunk: StreamChunk) -> None:
+        self.num_ignored += 1
+        log.warning("foreign_chunk_ignored", request_id=self.request.request_id, chunk_request_id=chunk.request_id,
+                    seq=chunk.seq)
+
     def _buffer(self, chunk: StreamChunk) -> None:
-        if chunk.request_id != self.request.request_id or (self.final_seq is not None and chunk.seq > self.final_seq):
-            self.num_ignored += 1
-            log.warning("foreign_chunk_ignored", request_id=self.request.request_id, chunk_request_id=chunk.request_id,
-                        seq=chunk.seq)
-            return
+        if chunk.request_id != self.run_id:
+            return self._ignore(chunk)
+        if chunk.scheduler_id is not None:
+            self.owner = chunk.scheduler_id
+        if self.run_id != self.request.request_id:  # a failover run: this stream's id and seqs
+            degraded = ["failover", *chunk.degraded] if chunk.seq == 0 else chunk.degraded
+            chunk = chunk.model_copy(update={"request_id": self.request.request_id, "seq": self.base_seq + chunk.seq,
+                                             "degraded": degraded})
+        if self.final_seq is not None and chunk.seq > self.final_seq:
+            return self._ignore(chunk)
         if chunk.seq < self.next_seq or chunk.seq in self.buffered:
             self.num_duplicates += 1
             log.warning("duplicate_chunk_dropped", request_id=self.request.request_id, seq=chunk.seq)
@@ -364,7 +438,7 @@ class Stream:
         except nats.errors.Error as exc:
             log.warning("unsubscribe_failed", request_id=self.request.request_id, error=type(exc).__name__)
         if not self.finished:
-            await self.client.cancel(self.request.request_id)
+            await self.client.cancel(self.run_id)
 
     async def __aenter__(self) -> Stream:
         return self
@@ -384,7 +458,8 @@ class Client:
                  user: str | None = None, password: str | None = None, tls: ssl.SSLContext | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  name: str = "specbus-client", connect_timeout_s: float = 5.0, timeout_margin_s: float = 5.0,
-                 idle_timeout_s: float = 30.0, gap_grace_s: float = 1.0):
+                 idle_timeout_s: float = 30.0, gap_grace_s: float = 1.0, failover: bool = True,
+                 heartbeat_timeout_s: float = 2.0):
         self.url = url
         self.subjects = Subjects(prefix)
         self.user, self.password = user, password
@@ -397,6 +472,9 @@ class Client:
         self.timeout_margin_s = timeout_margin_s
         self.idle_timeout_s = idle_timeout_s
         self.gap_grace_s = gap_grace_s
+        self.failover = failover
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.scheduler_beats: dict[str, float] = {}  # scheduler instance id -> time.monotonic() of its last beat
         self.nc = None
 
     @classmethod
@@ -412,7 +490,22 @@ class Client:
                                 initial_connect_timeout_s=self.connect_timeout_s, user=self.user,
                                 password=self.password, tls=self.tls,
                                 inbox_prefix=inbox_prefix(self.user or DEFAULT_CLIENT_USER))
+        if self.failover:
+            await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         return self
+
+    async def on_heartbeat(self, msg: Any) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except CodecError:
+            return  # the services count bad heartbeats; a client only needs the good ones
+        if beat.role == "scheduler":
+            self.scheduler_beats[beat.instance_id] = time.monotonic()
+
+    def live_schedulers(self) -> list[str]:
+        """Schedulers heard from within heartbeat_timeout_s."""
+        now = time.monotonic()
+        return [i for i, seen in self.scheduler_beats.items() if now - seen <= self.heartbeat_timeout_s]
 
     async def __aexit__(self, *exc_info: object) -> None:
         nc, self.nc = self.nc, None

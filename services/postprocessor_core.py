@@ -392,7 +392,7 @@ class Postprocessor:
             text=self._take_text(state, done), from_draft=[i < commit.num_accepted for i in range(num_kept)],
             degraded=list(dict.fromkeys(degraded)), finish_reason=finish_reason,
             usage=self._usage(state, commit) if done else None, error=commit.error if final else None,
-            **self._token_extras(state, record, commit.token_ids[:num_kept]),
+            scheduler_id=commit.scheduler_id, **self._token_extras(state, record, commit.token_ids[:num_kept]),
             **self._prompt_extras(state, commit))
         outs = self._deliver(state, chunk)
         if match is not None and not final:

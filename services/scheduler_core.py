@@ -120,6 +120,7 @@ class Request:
     admitted_at: float = 0.0  # SchedulerState.monotonic() at admission: time to first token
     last_token_at: float | None = None  # ... at its last commit with tokens: inter-token latency
     lane: int = 0  # the step loop that plans it (module docstring)
+    resumed_len: int = 0  # completion tokens it came with (GenerateRequest.resume_token_ids)
 
     @property
     def completion(self) -> list[int]:
@@ -320,16 +321,32 @@ class SchedulerState:
         if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
             raise SpecbusError(ErrorCode.invalid_field, f"request {request.request_id} is already running",
                                "request_id")
+        resumed = self.check_resume(request)
         sampling = request.sampling
         if not sampling.greedy and sampling.seed is None:
             sampling = sampling.model_copy(update={"seed": seed_from_request_id(request.request_id)})
-        state = Request(request_id=request.request_id, client_inbox=client_inbox, history=list(prompt_ids),
+        state = Request(request_id=request.request_id, client_inbox=client_inbox, history=[*prompt_ids, *resumed],
                         prompt_len=len(prompt_ids), sampling=sampling, logprobs=request.logprobs,
                         speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s,
-                        admitted_at=self.monotonic())
+                        admitted_at=self.monotonic(), resumed_len=len(resumed))
         self.waiting.append(state)
         self.counters["admitted"] += 1
         return state
+
+    def check_resume(self, request: GenerateRequest) -> list[int]:
+        """The resumed completion (GenerateRequest.resume_token_ids), checked: in the vocabulary and
+        short of max_tokens (a request that had them all was finished)."""
+        if request.resume_token_ids is None:
+            return []
+        resumed = request.resume_token_ids.tolist()
+        if len(resumed) >= request.sampling.max_tokens:
+            raise SpecbusError(ErrorCode.invalid_field, f"{len(resumed)} tokens to resume from leave nothing of "
+                                                        f"max_tokens {request.sampling.max_tokens}", "resume_token_ids")
+        too_big = [i for i in resumed if not 0 <= i < self.tokenizer.vocab_size]
+        if too_big:
+            raise SpecbusError(ErrorCode.invalid_field, f"token id {too_big[0]} is outside the vocabulary of "
+                                                        f"{self.tokenizer.vocab_size}", "resume_token_ids")
+        return resumed
 
     def cancel(self, request_id: str, owner_inbox: str | None = None) -> bool:
         """Mark for the next step boundary; False when this scheduler does not own the request.
@@ -543,7 +560,10 @@ class SchedulerState:
                         degraded=list(dict.fromkeys(degraded)), expect_side_channel=expect_side_channel,
                         usage=request.usage() if finish_reason else None,
                         prompt_token_ids=request.history[:request.prompt_len] if first else None,
-                        logprobs=request.logprobs, stop=request.sampling.stop, stream=request.stream, error=error)
+                        logprobs=request.logprobs, stop=request.sampling.stop, stream=request.stream, error=error,
+                        # a resumed request: the postprocessor detokenizes from what the client has
+                        resume_token_ids=np.array(request.completion[:completion_len], dtype=np.int32)
+                        if first and request.resumed_len else None)
         request.seq += 1
         # Kept by time, not only by count: a postprocessor is found dead heartbeat_timeout_s after
         # its last beat, and on a fast machine far more than REPLAY_COMMITS commits go out in that
@@ -599,7 +619,11 @@ class SchedulerState:
             for request in prefill:
                 if budget < 1:
                     break
-                chunk = min(request.pending_len, budget)
+                # A resumed request stops its prefill one token short: the next token then comes
+                # from a decode step with drafts at the same position as in the interrupted run,
+                # so a seeded sampled request draws the same tokens (docs/PROTOCOL.md#scheduler-failover).
+                pending = request.pending_len - (request.resumed_len > 0 and len(request.completion) > 0)
+                chunk = min(pending, budget)
                 end = request.verifier_len + chunk
                 planned.append(PlannedRow(request, request.verifier_len, end,
                                           emit=end == len(request.history) and not request.scoring, num_draft=0))

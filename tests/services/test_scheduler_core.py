@@ -442,3 +442,31 @@ def test_lanes_must_be_at_least_one():
     with pytest.raises(SpecbusError) as error:
         load_config(SchedulerConfig, env={}, lanes=0)
     assert error.value.field == "lanes"
+
+
+def test_a_resumed_request_prefills_one_token_short_then_decodes_with_drafts(tokenizer):
+    """Scheduler failover (GenerateRequest.resume_token_ids): the history is prompt + resumed
+    tokens, the prefill stops one token short so the next token comes from a decode row with
+    drafts (as in the interrupted run), and the first commit carries the resumed tokens."""
+    state = new_state(tokenizer)
+    request = submit(state, resume_token_ids=[11, 12], sampling={"max_tokens": 6},
+                     speculative={"num_speculative_tokens": 2})
+    assert request.history == [5, 6, 7, 11, 12] and request.completion == [11, 12]
+    plan, verify_requests, outbox = step(state)  # admission and the prefill
+    [row] = verify_requests["v1"].rows
+    assert row.new_token_ids.tolist() == [5, 6, 7, 11] and not row.emit and not commits_of(outbox)
+    plan, verify_requests, outbox = step(state, drafts={"r1": [13, 14]}, tokens={"r1": [13, 14, 15]},
+                                         num_accepted={"r1": 2})
+    [row] = verify_requests["v1"].rows
+    assert row.new_token_ids.tolist() == [12] and row.draft_token_ids.tolist() == [13, 14] and row.emit
+    [commit] = commits_of(outbox)
+    assert commit.seq == 0 and commit.token_ids.tolist() == [13, 14, 15]
+    assert commit.resume_token_ids.tolist() == [11, 12] and commit.prompt_token_ids.tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("resume, message", [([11, 12, 13], "leave nothing"), ([11, 999], "outside the vocabulary")])
+def test_a_resume_that_cannot_continue_is_refused_naming_the_field(tokenizer, resume, message):
+    state = new_state(tokenizer)
+    with pytest.raises(SpecbusError, match=message) as refused:
+        submit(state, resume_token_ids=resume, sampling={"max_tokens": 3})
+    assert refused.value.field == "resume_token_ids"
