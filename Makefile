@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specbus-installed
 
-.PHONY: install models test demo clean distclean
+.PHONY: install models test demo selfcheck clean distclean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ test: models
 
 demo: models
 	$(BIN)/specbus demo
+
+# A stack on the default models, `specbus selfcheck` against it (speculation must change nothing),
+# then stop. SELFCHECK= (empty) runs the full check instead of the quick one.
+SELFCHECK ?= --quick
+selfcheck: models
+	$(BIN)/specbus selfcheck --local $(SELFCHECK)
 
 # Build and test leftovers; the venv stays (distclean removes it too).
 clean:

@@ -33,6 +33,7 @@ from services.client import Client
 from services.logs import LEVELS, configure_logging
 from services.models import add_models_arguments, run_models
 from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig, NatsServerError
+from services.selfcheck import add_selfcheck_arguments, run_selfcheck_command
 from services.stack import PARENT_PID_ENV, Stack, StackConfig, StackError
 from services.supervisor import CrashLoop, supervise
 
@@ -530,6 +531,8 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("up on a free port, a few generations, a speed/acceptance summary, stop", add_demo_arguments,
                     run_demo),
     "nats": Command("run an embedded nats-server until Ctrl-C", add_nats_arguments, run_nats),
+    "selfcheck": Command("check a running stack: speculation must change nothing (exit 1 on a failure)",
+                         add_selfcheck_arguments, run_selfcheck_command),
     "models": Command("pull the default target model, or list the known models", add_models_arguments, run_models),
 }
 
