@@ -269,9 +269,15 @@ class Stream:
     async def __anext__(self) -> StreamChunk:
         if self.finished:
             raise StopAsyncIteration
-        while self.next_seq not in self.buffered:
-            await self._receive()
-        chunk = self.buffered.pop(self.next_seq)
+        while True:
+            while self.next_seq not in self.buffered:
+                await self._receive()
+            chunk = self.buffered.pop(self.next_seq)
+            # `unavailable`: a commit never reached the postprocessor (lost in a dead NATS node) or
+            # no service was left for the request; a new run continues it from the tokens read.
+            if chunk.error is None or chunk.error.code != ErrorCode.unavailable or \
+                    not await self._failover(f"{chunk.error.code.value}: {chunk.error.message}"):
+                break
         self.next_seq += 1
         self.delivered += chunk.token_ids.tolist()
         if chunk.error is not None:
@@ -297,7 +303,17 @@ class Stream:
             msg = await self._next_msg(waits[bound])
         except nats.errors.TimeoutError:
             if bound == "owner":
-                return await self._failover()
+                if self.owner_dead_at() > time.monotonic():
+                    return  # a beat came while waiting
+                if await self._failover(f"scheduler {self.owner or '(not known yet)'} silent"):
+                    return
+                self.finished = True
+                raise StreamBroken(f"request {self.request.request_id}: its scheduler died after "
+                                   f"{MAX_FAILOVERS} failovers") from None
+            final = self.buffered.get(self.final_seq) if bound == "gap" else None
+            if final is not None and final.error is None and await self._failover(
+                    f"seqs before the final {self.final_seq} never arrived"):
+                return  # chunks lost in a dead NATS node: a new run sends those tokens again
             raise await self._timeout_error(bound) from None
         except PermissionDenied as exc:
             self.finished = True
@@ -343,18 +359,16 @@ class Stream:
         seen = [beats[owner] for owner in owners if owner in beats]
         return min(seen) + self.client.heartbeat_timeout_s if seen else None
 
-    async def _failover(self) -> None:
-        """The request's scheduler died (or, before the first chunk, one that may have had it):
-        send it again, as a new run with the completion read so far as resume_token_ids and the
-        same seed, so another scheduler continues it token for token; its chunks continue this
-        stream's seqs, the first flagged `failover`. Chunks of the old run not read yet are
-        dropped (the new run sends those tokens again)."""
-        if self.owner_dead_at() is not None and self.owner_dead_at() > time.monotonic():
-            return  # a beat came while waiting
+    async def _failover(self, why: str) -> bool:
+        """Send the request again, as a new run with the completion read so far as
+        resume_token_ids and the same seed, so another scheduler continues it token for token:
+        its scheduler died (or, before the first chunk, one that may have had it), or the stream
+        lost a chunk or a commit (`why`). The new run's chunks continue this stream's seqs, the
+        first flagged `failover`; chunks of the old run not read yet are dropped (the new run
+        sends those tokens again). False: failover is off or MAX_FAILOVERS were spent."""
+        if not self.client.failover or self.num_failovers >= MAX_FAILOVERS:
+            return False
         self.num_failovers += 1
-        if self.num_failovers > MAX_FAILOVERS:
-            self.finished = True
-            raise StreamBroken(f"request {self.request.request_id}: {MAX_FAILOVERS} scheduler failovers, giving up")
         old_run, old_subscription = self.run_id, self.subscription
         sampling = self.request.sampling
         if not sampling.greedy and sampling.seed is None:  # the run's id changes; the draws must not
@@ -367,9 +381,10 @@ class Stream:
         run = self.request.model_copy(update={
             "request_id": self.run_id, "sampling": sampling, "logprobs": logprobs, "timeout_s": remaining_s,
             "resume_token_ids": np.asarray(self.delivered, dtype=np.int32) if self.delivered else None})
-        log.warning("scheduler_failover", request_id=self.request.request_id, dead_scheduler=self.owner,
-                    old_run=old_run, new_run=self.run_id, resumed_tokens=len(self.delivered), seq=self.next_seq)
+        log.warning("failover", request_id=self.request.request_id, why=why, old_run=old_run, new_run=self.run_id,
+                    resumed_tokens=len(self.delivered), seq=self.next_seq)
         self.buffered.clear()
+        self.final_seq = None
         self.base_seq, self.owner, self.last_chunk_at = self.next_seq, None, time.monotonic()
         self.schedulers_at_send = self.client.live_schedulers()
         self.subscription = await self.client.nc.subscribe(self.client.nc.new_inbox())
@@ -380,6 +395,7 @@ class Stream:
             log.warning("unsubscribe_failed", request_id=self.request.request_id, error=type(exc).__name__)
         await self.client.cancel(old_run)  # in case it lives on after all
         await publish(self.client.nc, self.client.generate_subject, encode(run), reply=self.subscription.subject)
+        return True
 
     def _ignore(self, chunk: StreamChunk) -> None:
         self.num_ignored += 1

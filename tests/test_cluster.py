@@ -5,18 +5,18 @@ chunks, not by wall time).
 
 Which node a process is on comes from each node's /connz monitoring endpoint (the connection
 named after the instance); the test's own client reads `nc.connected_url`. What a user checks:
-every stream either equals the undisturbed run token for token, or ends with one of the
-outcomes the README's guarantees table gives for a nats-server death (a flagged error chunk or a
-client error naming the gap), never a hang nor a silently wrong token; the cluster serves
-identical outputs again afterwards. Killing the scheduler's node loses only what the retries
-recover (the verify and draft replies in flight): every stream is identical.
+every stream equals the undisturbed run token for token and is whole. The connections of the
+dead node move to the others; what the node held in flight is recovered: verify and draft
+replies by the scheduler's retries, a chunk or a commit lost for good by the client's failover
+(the rest run again from the tokens it has, flagged `failover`). The cluster serves identical
+outputs again afterwards.
 """
 
 import asyncio
 import json
-from collections import Counter
 import time
 import urllib.request
+from collections import Counter
 
 import pytest
 import pytest_asyncio
@@ -97,18 +97,15 @@ async def until_chunks(streams: list[Streamed], num_chunks: int) -> None:
             await asyncio.sleep(0.01)
 
 
-def outcome(got: Streamed, expected: list[int], tokenizer) -> str:
-    """What one stream came to: "identical", or the flagged loss of a message the dead node held
-    (README guarantees, "nats-server node dies"): "client: StreamBroken" (a chunk to the client
-    lost), "client: RequestError unavailable" (a commit to the postprocessor lost: its error
-    chunk) or "client: StreamTimeout". Never a wrong token, never a hang."""
-    assert got.token_ids == expected[:len(got.token_ids)], f"{got.request.request_id}: a wrong token"
+def outcome(got: Streamed, expected: list[int]) -> str:
+    """What one stream came to: "identical", "identical, failover" (a chunk or commit the dead
+    node held was lost, and the client's failover ran the rest again from the tokens it had), or
+    the client's error."""
     if got.error is not None:
-        assert got.error.message, got.request.request_id
-        return f"client: {type(got.error).__name__} {getattr(got.error, 'code', '')}".strip()
-    check_whole(got, tokenizer)
-    assert got.finish_reason == "length" and got.token_ids == expected, got.request.request_id
-    return "identical"
+        return f"{type(got.error).__name__}: {got.error.message}"
+    if got.finish_reason != "length" or got.token_ids != expected:
+        return f"different output ({got.finish_reason}, {len(got.token_ids)} tokens)"
+    return "identical, failover" if "failover" in got.degraded() else "identical"
 
 
 async def serving_again(stack: Stack, since: float) -> None:
@@ -130,9 +127,12 @@ async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, p
     killed_at = time.monotonic()
     streams = await load.finish()
 
-    outcomes = Counter(outcome(got, expected, tokenizer) for got, expected in zip(streams, reference))
+    outcomes = Counter(outcome(got, expected) for got, expected in zip(streams, reference))
     print(f"\nkilled {node.config.server_name}, the node of {victim}; connections were {placement}; "
           f"outcomes {dict(outcomes)}")
+    assert set(outcomes) <= {"identical", "identical, failover"}, outcomes
+    for got in streams:
+        check_whole(got, tokenizer)
 
     await asyncio.to_thread(node.restart)  # the same ports: the other nodes' routes find it again
     await serving_again(stack, killed_at)

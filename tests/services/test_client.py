@@ -14,7 +14,7 @@ from schemas.codec import decode, encode
 from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode
 from schemas.messages import (CancelRequest, Error, GenerateRequest, SamplingMask, StreamChunk, TokenLogprob,
-                              Usage)
+                              Usage, seed_from_request_id)
 from services.auth import generate_credentials, password_env, users_from_env
 from services.bus import connect
 from services.client import (Client, GenerationResult, Overloaded, RequestError, StreamBroken, StreamTimeout,
@@ -92,12 +92,34 @@ async def test_generate_gathers_tokens_logprobs_masks_and_usage(nc, service, cli
     assert out["usage"]["completion_tokens"] == 3
 
 
-async def test_gap_before_the_final_chunk_raises_stream_broken(nc, service, client):
+async def test_gap_before_the_final_chunk_raises_stream_broken(nc, service, nats_server):
     generate, _ = service
-    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
-    await answer(nc, generate, chunk(0, "a"), chunk(2, "c", finish_reason="length"))
-    with pytest.raises(StreamBroken, match=r"seqs \[1\] never arrived"):
-        await asyncio.wait_for(generation, timeout=5)
+    async with Client(nats_server.url, timeout_margin_s=0.2, gap_grace_s=0.2, failover=False) as client:
+        generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+        await answer(nc, generate, chunk(0, "a"), chunk(2, "c", finish_reason="length"))
+        with pytest.raises(StreamBroken, match=r"seqs \[1\] never arrived"):
+            await asyncio.wait_for(generation, timeout=5)
+
+
+async def test_a_lost_chunk_is_sent_again_by_a_run_resumed_after_what_was_read(nc, service, client):
+    """Failover (on by default): the stream lost seq 1 (say, in a dead NATS node), so the client
+    sends the request again as a new run resuming after the tokens it read, with the seed its
+    original id gives; the new run's chunks continue the stream's seqs."""
+    generate, cancel = service
+    request = make_request("hi", request_id="req-1", temperature=0.7)
+    generation = asyncio.create_task(client.generate(request))
+    await answer(nc, generate, chunk(0, "a", token_ids=[5], from_draft=[False]),
+                 chunk(2, "c", token_ids=[7], from_draft=[False], finish_reason="length"))
+    resumed = await answer(nc, generate, chunk(0, "b", request_id="req-1.failover1", token_ids=[6],
+                                               from_draft=[False]),
+                           chunk(1, "c", request_id="req-1.failover1", token_ids=[7], from_draft=[False],
+                                 finish_reason="length"))
+    assert resumed.request_id == "req-1.failover1" and resumed.resume_token_ids.tolist() == [5]
+    assert resumed.sampling.seed == seed_from_request_id("req-1")  # the draws of the original id
+    result = await asyncio.wait_for(generation, timeout=5)
+    assert (result.text, result.token_ids, result.finish_reason) == ("abc", [5, 6, 7], "length")
+    assert result.num_chunks == 3 and result.degraded == ["failover"]
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
 
 
 async def test_request_timeout_raises_and_cancels(nc, service, client):
