@@ -19,8 +19,11 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
 5. draft: one batched forward per draft position; rows with fewer drafts ride along with
    num_new=0. other_id's logit is -inf before choosing. greedy rows (draft_mode "greedy", or a
    temperature-0 row) take the argmax and send a point_mass proposal; sampled rows draw from
-   process_logits(row params) with make_uniforms(seed, absolute position, STREAM_DRAFT) and send
-   that distribution as a sparse proposal;
+   process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with make_uniforms(seed, absolute
+   position, STREAM_DRAFT) and send that distribution as a sparse proposal. The top-k cap
+   bounds a proposal to MAX_DRAFT_SUPPORT ids per draft (~2 KB, where the whole vocabulary would
+   be ~0.4 MB), so batches stay far under NATS's max_payload; since what is sent is exactly the
+   (truncated, renormalised) law the draft was drawn from, rejection sampling stays exact;
 6. draft ids -> target ids with d2t (the sparse support too, many-to-one ids summed).
 """
 
@@ -48,6 +51,7 @@ log = structlog.get_logger(__name__)
 # A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
 # (a resync prefill) go through their own forwards so decode rows are not padded to their length.
 SHORT_FEED = 32
+MAX_DRAFT_SUPPORT = 256  # ids per sampled draft's proposal (module docstring, step 5)
 
 
 @dataclass
@@ -80,7 +84,8 @@ class Drafter:
     model_ids: dict[str, str]
     prefill_chunk: int
     slot_idle_ttl_s: float
-    requests: dict[str, SlotState] = field(default_factory=dict)
+    # Keyed by (scheduler_id, request_id): request ids are unique per scheduler only.
+    requests: dict[tuple[str, str], SlotState] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     @property
@@ -123,20 +128,22 @@ def load_drafter(config: DrafterConfig) -> Drafter:
 # slots
 
 
-def allocate(drafter: Drafter, request_id: str, batch_ids: set[str], now: float) -> SlotState | None:
-    """A fresh slot for request_id. With none free, the least recently used slot of a request
-    outside this batch is taken (that request resyncs when it comes back); None if there is none."""
+def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, str]],
+             now: float) -> SlotState | None:
+    """A fresh slot for key (scheduler_id, request_id). With none free, the least recently used
+    slot of a request outside this batch is taken (that request resyncs when it comes back);
+    None if there is none."""
     if drafter.cache.num_free == 0:
-        idle = [(state.last_used, rid) for rid, state in drafter.requests.items() if rid not in batch_ids]
+        idle = [(state.last_used, k) for k, state in drafter.requests.items() if k not in batch_keys]
         if not idle:
             drafter.counters["no_slot"] += 1
-            log.warning("no_free_slot", request_id=request_id, max_slots=drafter.cache.max_slots)
+            log.warning("no_free_slot", request_id=key[1], max_slots=drafter.cache.max_slots)
             return None
         victim = min(idle)[1]
         free_request(drafter, victim, "evicted_full")
-        log.warning("slot_evicted_for_new_request", evicted=victim, request_id=request_id)
+        log.warning("slot_evicted_for_new_request", evicted=victim[1], request_id=key[1])
     state = SlotState(slot=drafter.cache.allocate(), token_ids=[], committed_len=0, last_used=now)
-    drafter.requests[request_id] = state
+    drafter.requests[key] = state
     return state
 
 
@@ -161,9 +168,11 @@ def common_prefix(a: list[int], b: list[int], start: int) -> int:
     return i
 
 
-def prepare_row(drafter: Drafter, row: DraftRow, batch_ids: set[str], now: float) -> RowWork | DraftResult:
+def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
+                now: float) -> RowWork | DraftResult:
     """Apply the receiver rule to one row: a RowWork for the model, or the row's final answer."""
-    state = drafter.requests.get(row.request_id)
+    key = (scheduler_id, row.request_id)
+    state = drafter.requests.get(key)
     held = 0 if state is None else state.committed_len
     if row.cached_len > held:
         drafter.counters["need_resync"] += 1
@@ -171,18 +180,18 @@ def prepare_row(drafter: Drafter, row: DraftRow, batch_ids: set[str], now: float
     new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
     history = ([] if state is None else state.token_ids[:row.cached_len]) + new_ids
     if len(history) > drafter.cache.max_seq_len:
-        free_request(drafter, row.request_id, "too_long")
+        free_request(drafter, key, "too_long")
         log.warning("history_too_long", request_id=row.request_id, length=len(history),
                     max_seq_len=drafter.cache.max_seq_len)
         return DraftResult(request_id=row.request_id)
     if not history:
         return DraftResult(request_id=row.request_id)
     if state is None:
-        state = allocate(drafter, row.request_id, batch_ids, now)
+        state = allocate(drafter, key, batch_keys, now)
         if state is None:
             return DraftResult(request_id=row.request_id, need_resync=True)
-    # The last draft is never fed, so num_draft drafts need len(history) + num_draft - 1 positions.
-    num_draft = min(row.num_draft, drafter.cache.max_seq_len - len(history) + 1)
+    # The verifier holds history + drafts (verifier_core.check_row): offering more would fail the row there.
+    num_draft = max(0, min(row.num_draft, drafter.cache.max_seq_len - len(history)))
     keep = common_prefix(state.token_ids, history, row.cached_len)
     if num_draft > 0:
         keep = min(keep, len(history) - 1)  # the first draft needs the logits of a fed token
@@ -256,7 +265,7 @@ def propose(drafter: Drafter, works: list[RowWork], first_logits: torch.Tensor):
     if not all_greedy:
         params = SamplingTensors.build(
             temperature=[0.0 if work.greedy else work.row.sampling.temperature for work in works],
-            top_k=[work.row.sampling.top_k for work in works],
+            top_k=[min(work.row.sampling.top_k or MAX_DRAFT_SUPPORT, MAX_DRAFT_SUPPORT) for work in works],
             top_p=[work.row.sampling.top_p for work in works],
             min_p=[work.row.sampling.min_p for work in works])
         seeds = torch.tensor([request_seed(work.row.sampling.seed, work.row.request_id) for work in works],
@@ -337,17 +346,17 @@ def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = Non
     field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests."""
     now = time.monotonic() if now is None else now
     check_token_ids(drafter, request)
-    release(drafter, request.release)
+    release(drafter, [(request.scheduler_id, request_id) for request_id in request.release])
     evict_idle(drafter, now)
-    batch_ids = {row.request_id for row in request.rows}
-    prepared = [prepare_row(drafter, row, batch_ids, now) for row in request.rows]
+    batch_keys = {(request.scheduler_id, row.request_id) for row in request.rows}
+    prepared = [prepare_row(drafter, request.scheduler_id, row, batch_keys, now) for row in request.rows]
     works = [item for item in prepared if isinstance(item, RowWork)]
     try:
         drafts = run_model(drafter, works)
     except Exception:
         # Slots half-fed by a failed forward no longer match their records: drop them (resync).
         for work in works:
-            free_request(drafter, work.row.request_id, "dropped_on_error")
+            free_request(drafter, (request.scheduler_id, work.row.request_id), "dropped_on_error")
         raise
     results = []
     for row, item in zip(request.rows, prepared):

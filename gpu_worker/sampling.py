@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import seed_from_request_id
 
 STREAM_DRAFT = 0
@@ -44,13 +45,18 @@ def request_seed(seed: int | None, request_id: str) -> int:
     return seed if seed is not None else seed_from_request_id(request_id)
 
 
-class SamplingInputError(ValueError):
-    """Bad tensor handed to the sampling / rejection / logprob kernels; names the argument."""
+class SamplingInputError(SpecbusError, ValueError):
+    """Bad tensor handed to the sampling / rejection / logprob kernels: a typed `invalid_field`
+    error whose field is the argument's name (e.g. "top_p", "logits"), so a caller can fail the
+    one row it came from instead of its whole batch."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(ErrorCode.invalid_field, message, name)
 
 
 def check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise SamplingInputError(f"{name}: {message}")
+        raise SamplingInputError(name, message)
 
 
 def check_shape(x: torch.Tensor, shape: tuple, name: str) -> None:

@@ -1,9 +1,10 @@
 """Request slots of a model's KV cache, kept the same way by the verifier
 (gpu_worker/verifier_core.py) and the drafter (gpu_worker/drafter_core.py).
 
-Both own a model, a KVCache and `requests: request_id -> state`, where each state holds its
-cache `slot` and `last_used` (time.monotonic()). Slots are freed when the scheduler releases
-them (docs/PROTOCOL.md#slot-release), when idle longer than slot_idle_ttl_s (their scheduler is
+Both own a model, a KVCache and `requests: (scheduler_id, request_id) -> state` (ids are
+unique per scheduler only), where each state holds its cache `slot` and `last_used`
+(time.monotonic()). Slots are freed when the scheduler releases them
+(docs/PROTOCOL.md#slot-release), when idle longer than slot_idle_ttl_s (their scheduler is
 gone), and heartbeats report capacity = max_slots, load = slots in use, free_slots.
 `load_model_and_cache` loads the model with its cache from the settings both configs share
 (schemas/config.py ModelServiceConfig), dtype "auto" resolved by `resolve_dtype`.
@@ -59,7 +60,6 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-
 class SlotState(Protocol):
     slot: int
     last_used: float
@@ -72,7 +72,7 @@ class SlotOwner(Protocol):
     cache: KVCache
     model_ids: dict[str, str]
     slot_idle_ttl_s: float
-    requests: dict[str, SlotState]
+    requests: dict[tuple[str, str], SlotState]
     counters: Counter
 
 
@@ -94,9 +94,10 @@ def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Mo
     return model, KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype)
 
 
-def free_request(owner: SlotOwner, request_id: str, reason: str) -> bool:
-    """Free request_id's slot if it has one, counted as `slots_<reason>`. True when freed."""
-    state = owner.requests.pop(request_id, None)
+def free_request(owner: SlotOwner, key: tuple[str, str], reason: str) -> bool:
+    """Free the slot of key (scheduler_id, request_id) if it has one, counted as `slots_<reason>`.
+    True when freed."""
+    state = owner.requests.pop(key, None)
     if state is None:
         return False
     owner.cache.free(state.slot)
@@ -104,11 +105,11 @@ def free_request(owner: SlotOwner, request_id: str, reason: str) -> bool:
     return True
 
 
-def release(owner: SlotOwner, request_ids: list[str]) -> None:
-    """Free the slots of finished / cancelled / migrated requests; ids without a slot (already
+def release(owner: SlotOwner, keys: list[tuple[str, str]]) -> None:
+    """Free the slots of finished / cancelled / migrated requests; keys without a slot (already
     evicted, or never seen) are counted."""
-    for request_id in request_ids:
-        if not free_request(owner, request_id, "released"):
+    for key in keys:
+        if not free_request(owner, key, "released"):
             owner.counters["release_unknown"] += 1
 
 
@@ -116,9 +117,9 @@ def evict_idle(owner: SlotOwner, now: float | None = None) -> int:
     """Free slots untouched for slot_idle_ttl_s (their scheduler is gone); returns how many.
     now: time.monotonic() (tests pass a later one)."""
     now = time.monotonic() if now is None else now
-    idle = [rid for rid, state in owner.requests.items() if now - state.last_used > owner.slot_idle_ttl_s]
-    for request_id in idle:
-        free_request(owner, request_id, "evicted")
+    idle = [key for key, state in owner.requests.items() if now - state.last_used > owner.slot_idle_ttl_s]
+    for key in idle:
+        free_request(owner, key, "evicted")
     if idle:
         log.info("slots_evicted", count=len(idle), free_slots=owner.cache.num_free)
     return len(idle)

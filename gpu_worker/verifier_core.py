@@ -56,14 +56,17 @@ from gpu_worker.slots import load_model_and_cache, release
 from gpu_worker.tokenizer import tokenizer_id
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (Error, LogprobArrays, SamplingMask, SideChannelRecord, VerifyRequest, VerifyResponse,
-                              VerifyResult, VerifyRow)
+from schemas.messages import (Error, LogprobArrays, RowSampling, SamplingMask, SideChannelRecord, VerifyRequest,
+                              VerifyResponse, VerifyResult, VerifyRow)
 
 log = structlog.get_logger(__name__)
 
 # Chunks share a padded forward while the padding stays under this many tokens plus a quarter
 # of the real ones (see step 3 of the module docstring for the measurement behind it).
 FREE_PADDING_TOKENS = 32
+# |sum - 1| allowed of a draft distribution: float16 probs round each value by at most 2**-11
+# relative (4.9e-4 in the sum), float32 softmax sums are off by ~1e-6.
+PROBS_SUM_TOLERANCE = 1e-3
 
 SideRecord = tuple[str, SideChannelRecord]  # (postprocessor_id, record)
 
@@ -101,7 +104,9 @@ class Verifier:
     model_ids: dict[str, str]
     prefill_chunk: int
     slot_idle_ttl_s: float
-    requests: dict[str, RequestState] = field(default_factory=dict)
+    # Keyed by (scheduler_id, request_id): request ids are unique per scheduler only, so two
+    # schedulers' requests with the same id must not share (and truncate) one slot.
+    requests: dict[tuple[str, str], RequestState] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     @property
@@ -152,7 +157,9 @@ class RowWork:
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
     model, cache = load_model_and_cache(config.target_model, config)
-    model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model)}
+    # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of
+    model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),
+                 "max_seq_len": str(config.max_seq_len)}
     return Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
                     prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
 
@@ -195,9 +202,13 @@ def check_row(verifier: Verifier, row: VerifyRow, prefix: str) -> None:
                       f"{prefix}.proposal.draft_vocab_size")
 
 
-def row_params(row: VerifyRow, device) -> SamplingTensors:
+def row_params(row: VerifyRow, device, prefix: str) -> SamplingTensors:
+    """The row's sampling tensors; a value the kernels refuse fails this row, naming the field."""
     s = row.sampling
-    return params_of(s.temperature, s.top_k, s.top_p, s.min_p, device)
+    try:
+        return params_of(s.temperature, s.top_k, s.top_p, s.min_p, device)
+    except SamplingInputError as exc:
+        raise invalid(exc.message, f"{prefix}.sampling.{exc.field}") from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -208,10 +219,18 @@ def params_of(temperature: float, top_k: int, top_p: float, min_p: float, device
 
 
 def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Tensor | None:
-    """The row's draft_probs (k, V) in target space; None for a point mass or a greedy row."""
+    """The row's draft_probs (k, V) in target space; None for a point mass or a greedy row.
+    Each draft distribution must sum to 1 within PROBS_SUM_TOLERANCE: the rejection sampler's
+    output has the target's law only if p_i is the law d_i was drawn from."""
     proposal = row.proposal
     if row.sampling.greedy or proposal.kind == "point_mass" or not len(row.draft_token_ids):
         return None
+    sums = proposal.probs.sum(axis=1, dtype=np.float64)
+    off = np.abs(sums - 1.0) > PROBS_SUM_TOLERANCE
+    if off.any():
+        position = int(np.argmax(off))
+        raise invalid(f"the draft distribution at position {position} sums to {sums[position]:.6g}, not 1 "
+                      f"(tolerance {PROBS_SUM_TOLERANCE})", f"{prefix}.proposal.probs")
     device = verifier.model.embed.device
     draft_ids = torch.from_numpy(row.draft_token_ids).long().to(device)[None]  # (1, k)
     if proposal.kind == "sparse":
@@ -222,15 +241,18 @@ def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Te
     try:
         return proposal_to_draft_probs(proposal.kind, draft_ids, verifier.vocab_size, **arrays)[0]
     except SamplingInputError as exc:
-        raise invalid(str(exc), f"{prefix}.proposal") from None
+        raise invalid(f"{exc.field}: {exc.message}", f"{prefix}.proposal") from None
 
 
-def prepare_row(verifier: Verifier, index: int, row: VerifyRow, now: float) -> RowWork | VerifyResult:
+def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow,
+                now: float) -> RowWork | VerifyResult:
     """A RowWork for a row that goes through the model, else its final VerifyResult."""
     prefix = f"rows[{index}]"
     check_row(verifier, row, prefix)
     draft_probs = decode_proposal(verifier, row, prefix)
-    state = verifier.requests.get(row.request_id)
+    params = row_params(row, verifier.model.embed.device, prefix)
+    key = (scheduler_id, row.request_id)
+    state = verifier.requests.get(key)
     if state is None:
         if row.cached_len > 0:
             verifier.counters["need_resync"] += 1
@@ -239,7 +261,7 @@ def prepare_row(verifier: Verifier, index: int, row: VerifyRow, now: float) -> R
             state = RequestState(slot=verifier.cache.allocate(), last_used=now)
         except CacheFullError as exc:
             raise SpecbusError(ErrorCode.no_capacity, str(exc)) from None
-        verifier.requests[row.request_id] = state
+        verifier.requests[key] = state
     state.last_used = now
     if int(verifier.cache.lengths[state.slot]) < row.cached_len:
         verifier.counters["need_resync"] += 1
@@ -251,7 +273,7 @@ def prepare_row(verifier: Verifier, index: int, row: VerifyRow, now: float) -> R
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
     work = RowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
                    num_draft=len(row.draft_token_ids), num_prompt=num_prompt,
-                   params=row_params(row, verifier.model.embed.device), draft_probs=draft_probs)
+                   params=params, draft_probs=draft_probs)
     if wants_prompt and row.cached_len < row.prompt_len:
         continue_prompt(verifier, work)
     return work
@@ -469,9 +491,21 @@ def verify_each(verifier: Verifier, works: list[RowWork]) -> list[Verified | Non
             verified.append(verify_drafts(verifier, [work])[0])
         except Exception as exc:
             log.exception("verify_row_failed", request_id=work.row.request_id)
-            work.error = Error.from_exception(exc, work.row.request_id)
+            work.error = row_failure(exc, work.row)
             verified.append(None)
     return verified
+
+
+def row_failure(exc: Exception, row: VerifyRow) -> Error:
+    """The error of one row the sampler failed on: a sampling value names its field in the
+    batch ("rows[i].sampling.top_p"); any other kernel input (e.g. non-finite logits from the
+    model) is `internal`, with the kernel's message."""
+    if isinstance(exc, SamplingInputError) and exc.field in RowSampling.model_fields:
+        return Error(code=exc.code, message=exc.message, field=f"rows[{row.row}].sampling.{exc.field}",
+                     request_id=row.request_id)
+    if isinstance(exc, SamplingInputError):
+        return Error(code=ErrorCode.internal, message=f"{exc.field}: {exc.message}", request_id=row.request_id)
+    return Error.from_exception(exc, row.request_id)
 
 
 def logprob_arrays(row: VerifyRow, logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors,
@@ -587,12 +621,12 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
     """One VerifyRequest (see the module docstring); results keyed by request_id, in the
     request's row order. now: time.monotonic() (for tests)."""
     now = time.monotonic() if now is None else now
-    release(verifier, request.release)
+    release(verifier, [(request.scheduler_id, request_id) for request_id in request.release])
     results: dict[str, VerifyResult] = {}
     records: list[SideRecord] = []
     works: list[RowWork] = []
     for index, row in enumerate(request.rows):
-        state = verifier.requests.get(row.request_id)
+        state = verifier.requests.get((request.scheduler_id, row.request_id))
         if state is not None and state.step == row.step and state.result is not None:
             verifier.counters["retries_answered"] += 1
             state.last_used = now
@@ -600,7 +634,7 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
             records.extend([state.record] if state.record is not None else [])
             continue
         try:
-            prepared = prepare_row(verifier, index, row, now)
+            prepared = prepare_row(verifier, request.scheduler_id, index, row, now)
         except SpecbusError as exc:
             results[row.request_id] = failed(verifier, row, Error.from_exception(exc, row.request_id))
             continue

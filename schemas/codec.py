@@ -70,7 +70,7 @@ def _unpack(data: bytes, max_bytes: int) -> dict:
                               max_str_len=max_bytes, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN,
                               max_ext_len=0)
     except ValueError as exc:  # every msgpack unpack failure (ExtraData, FormatError, StackError...)
-        raise CodecError(ErrorCode.malformed, f"not a valid msgpack message: {exc}") from exc
+        raise CodecError(ErrorCode.malformed, f"not a valid msgpack message: {unpack_failure(exc)}") from exc
     if not isinstance(raw, dict):
         raise CodecError(ErrorCode.malformed, f"expected a msgpack map, got {type(raw).__name__}")
     if raw.get("v") != PROTOCOL_VERSION or type(raw.get("v")) is not int:
@@ -79,6 +79,16 @@ def _unpack(data: bytes, max_bytes: int) -> dict:
     if not isinstance(raw.get("type"), str):
         raise CodecError(ErrorCode.wrong_message_type, "message has no type", "type")
     return raw
+
+
+def unpack_failure(exc: ValueError) -> str:
+    """What was wrong, never empty: msgpack raises some errors (StackError: nesting deeper than
+    its limit) with no text at all."""
+    if isinstance(exc, msgpack.StackError):
+        return "containers are nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    return str(exc) or type(exc).__name__
 
 
 def validate(message_type: type[M], raw: dict, context: dict[str, Any] | None = None) -> M:

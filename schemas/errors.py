@@ -14,6 +14,7 @@ class ErrorCode(str, Enum):
     timeout = "timeout"  # a deadline passed: the request's, a batch's (field "deadline") or a wait's
     cancelled = "cancelled"  # the request was cancelled
     not_found = "not_found"  # unknown request id or instance
+    duplicate_request_id = "duplicate_request_id"  # the request_id is running, queued or finished moments ago
     need_resync = "need_resync"  # receiver's cached state differs from what the sender expects
     no_capacity = "no_capacity"  # no live instance able to take the work
     unavailable = "unavailable"  # no responders / instance gone

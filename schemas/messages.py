@@ -35,6 +35,11 @@ MAX_BATCH_ROWS = 1024
 MAX_PROMPT_CHARS = 1 << 20
 MAX_CHAT_MESSAGES = 1024
 MAX_TIMEOUT_S = 3600.0
+MIN_TEMPERATURE = 0.01  # logits / 0.01 stay finite in float32 for any finite bf16/fp32 logit below ~3e36
+MAX_TEMPERATURE = 100.0  # flatter than this is uniform to float32 precision for any real model
+MIN_TOP_P = 1e-6  # a normal float32; top_p below the top token's probability keeps that token alone
+MAX_TOP_K = 1 << 20  # above any vocabulary; top_k >= vocab size is "off"
+MAX_INBOX_LEN = 256  # characters of a client's reply subject (Commit.client_inbox)
 
 # Reasons a chunk can be flagged with; `degraded` accepts any snake_case word so a new
 # fallback does not need a protocol bump, but these are the ones the pipeline emits.
@@ -109,13 +114,30 @@ class RowSampling(Model):
     temperature 0 means greedy (argmax; the filters are then irrelevant). top_k 0 = off,
     top_p 1 = off, min_p 0 = off. The scheduler fills `seed` for sampled rows when the client
     gave none, so a retried or migrated step draws the same tokens.
+
+    Ranges (the kernels compute in float32, so every accepted value must mean the same there as
+    here; the scheduler, the drafter and the verifier then agree on greedy vs sampled):
+    temperature 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (1e-300 would be 0 in float32, i.e.
+    greedy there but sampled here; 1e308 would be inf); top_p in [MIN_TOP_P, 1] (any top_p at
+    or below the top token's probability keeps that token alone, so nothing is lost); top_k in
+    [0, MAX_TOP_K]; min_p in [0, 1).
     """
 
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    min_p: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                               description=f"0 = greedy, else in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description=f"0 = off, at most {MAX_TOP_K}")
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1, allow_inf_nan=False,
+                         description=f"in [{MIN_TOP_P}, 1]; 1 = off")
+    min_p: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False, description="in [0, 1); 0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sane(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                             f"got {value}")
+        return value
 
     @property
     def greedy(self) -> bool:
@@ -668,7 +690,7 @@ class Commit(Message):
     step: Count
     seq: Count
     scheduler_id: InstanceId
-    client_inbox: str = Field(min_length=1, max_length=256)
+    client_inbox: str = Field(min_length=1, max_length=MAX_INBOX_LEN)
     token_ids: TokenIds = Field(default_factory=empty_ids)
     num_draft: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
     num_accepted: Count = 0

@@ -4,6 +4,11 @@
 `structlog.get_logger(__name__)`; ids bound with `log_context()` appear on every line logged
 inside that block, including lines from other modules, because they live in contextvars
 (one copy per asyncio task).
+
+Tracebacks are bounded: plain text (console) or frames without locals (JSON), at most
+MAX_TRACEBACK_FRAMES frames. structlog's defaults render every frame's locals (rich), and a
+local that is a tensor or a batch message made one failed verify ~640 KB of log and ~2 s of
+formatting, long enough for the service to miss its heartbeats.
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
 import structlog
 
+MAX_TRACEBACK_FRAMES = 20
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -36,15 +43,21 @@ def configure_logging(json: bool | None = None, level: str = "info", stream: Tex
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if json:
-        renderer = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        tracebacks = structlog.tracebacks.ExceptionDictTransformer(show_locals=False, max_frames=MAX_TRACEBACK_FRAMES)
+        renderer = [structlog.processors.ExceptionRenderer(tracebacks), structlog.processors.JSONRenderer()]
     else:
-        renderer = [structlog.dev.ConsoleRenderer(colors=False)]
+        renderer = [structlog.dev.ConsoleRenderer(colors=False, exception_formatter=plain_traceback)]
     structlog.configure(
         processors=[*shared, *renderer],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def plain_traceback(sio: TextIO, exc_info) -> None:
+    """The standard library's traceback text, without locals, its last MAX_TRACEBACK_FRAMES frames."""
+    sio.write("\n" + "".join(traceback.format_exception(*exc_info, limit=-MAX_TRACEBACK_FRAMES)))
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from services.bus import (BoundedHandler, Endpoint, add_micro_service, cancel_ta
                           heartbeat_loop, respond)
 from services.logs import log_context
 from services.metrics import MODEL_SERVICE_GAUGES, ModelServiceMetrics, serve_metrics
+from services.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -132,5 +133,5 @@ async def run_slot_service(owner: SlotOwner, config: ModelServiceConfig, service
         ]
         stack.push_async_callback(cancel_tasks, tasks)
         log.info(f"{service.role}_serving", subject=service.subject, metrics_port=config.metrics_port)
-        await stop.wait()
+        await run_until_stopped(stop, tasks)  # a crashed heartbeat or eviction loop: exit non-zero
         log.info(f"{service.role}_stopping", **owner.counters)

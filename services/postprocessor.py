@@ -31,6 +31,7 @@ from services.bus import (BusError, BusPayloadTooLarge, Endpoint, add_micro_serv
 from services.client import NO_RESPONDERS_STATUS
 from services.metrics import POSTPROCESSOR_GAUGES, Metrics, serve_metrics
 from services.postprocessor_core import NoticeOut, Out, Postprocessor
+from services.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -132,8 +133,11 @@ class PostprocessorService:
         try:
             self.queue(step(message, time.monotonic()))
         except Exception:
-            self.post.counters.bad_messages += 1
             log.exception("message_failed", type=message_type.__name__, request_id=message.request_id)
+            try:
+                self.queue(self.post.request_failed(message, time.monotonic()))
+            except Exception:
+                log.exception("request_fail_failed", request_id=message.request_id)
 
     async def on_bounce(self, msg) -> None:
         if not msg.headers or msg.headers.get("Status") != NO_RESPONDERS_STATUS:
@@ -163,6 +167,9 @@ class PostprocessorService:
             except BusError as exc:
                 self.num_send_failures += 1
                 log.warning("send_failed", error=str(exc), send_failures=self.num_send_failures)
+            except Exception:  # one message's bug must not stop every stream behind it
+                self.num_send_failures += 1
+                log.exception("send_crashed", send_failures=self.num_send_failures)
             finally:
                 self.outbox.task_done()
 
@@ -195,4 +202,4 @@ async def run_postprocessor(config: PostprocessorConfig, stop: asyncio.Event) ->
         stack.push_async_callback(nc.drain)
         service = await stack.enter_async_context(PostprocessorService(nc, post, config, model_ids))
         stack.enter_context(serve_metrics(service.metrics.registry, config.metrics_port))
-        await stop.wait()
+        await run_until_stopped(stop, service.tasks)  # a crashed send, tick or heartbeat loop: exit non-zero

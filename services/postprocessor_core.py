@@ -76,6 +76,8 @@ class Counters:
     logprobs_timeouts: int = 0
     clients_gone: int = 0
     refused_requests: int = 0  # over max_requests
+    duplicate_requests: int = 0  # a new request with the id of one running here (from another scheduler)
+    failed_requests: int = 0  # ended with `internal` because the logic raised on one of their messages
     expired_requests: int = 0  # no commit for idle_ttl_s: their scheduler is gone
     bad_messages: int = 0  # undecodable commits/records (counted by the service)
 
@@ -153,6 +155,13 @@ class Postprocessor:
 
     def on_commit(self, commit: Commit, now: float) -> list[Out]:
         state = self.requests.get(commit.request_id)
+        if state is not None and commit.scheduler_id != state.scheduler_id and commit.seq == 0 \
+                and commit.resume_token_ids is None:
+            # Request ids are unique per scheduler only: another scheduler's new request with this id.
+            if state.finished_at is None:
+                return self._refuse_duplicate(commit, state)
+            del self.requests[commit.request_id]
+            state = None
         if state is None:
             if self.load >= self.max_requests:
                 return self._refuse(commit, now)
@@ -205,6 +214,24 @@ class Postprocessor:
                     self._drop_record(record, "unjoined_records", "early_record_expired")
         return outs
 
+    def request_failed(self, message: Commit | SideChannelRecord, now: float) -> list[Out]:
+        """The logic raised on this message (a bug): its request ends with an `internal` error
+        and its scheduler is told, so the client does not wait out its timeout; others go on."""
+        self.counters.failed_requests += 1
+        state = self.requests.get(message.request_id)
+        if state is not None and state.finished_at is None:
+            return self._fail(state, state.next_seq, ErrorCode.internal,
+                              "the postprocessor failed on this request (see its log)", now)
+        if state is None and isinstance(message, Commit):
+            error = Error(code=ErrorCode.internal, message="the postprocessor failed on this request (see its log)",
+                          request_id=message.request_id)
+            notice = StopNotice(request_id=message.request_id, batch_id=message.batch_id, step=message.step,
+                                postprocessor_id=self.instance_id, reason="error")
+            return [ChunkOut(message.client_inbox, StreamChunk(request_id=message.request_id, seq=message.seq,
+                                                               finish_reason="error", error=error)),
+                    NoticeOut(message.scheduler_id, notice)]
+        return []
+
     def client_gone(self, request_id: str, now: float) -> list[Out]:
         """The client inbox has no subscriber: end the request and tell its scheduler."""
         state = self.requests.get(request_id)
@@ -255,6 +282,20 @@ class Postprocessor:
         state.last_batch_id, state.last_step = commit.batch_id, commit.step
         return self._fail(state, commit.seq, ErrorCode.overloaded,
                           f"postprocessor {self.instance_id} is at its limit of {self.max_requests} requests", now)
+
+    def _refuse_duplicate(self, commit: Commit, running: RequestState) -> list[Out]:
+        """A new request (another scheduler's) whose id a running request here already has: the
+        newcomer ends with `duplicate_request_id`; the running one is not disturbed."""
+        self.counters.duplicate_requests += 1
+        log.warning("duplicate_request_id", request_id=commit.request_id, scheduler_id=commit.scheduler_id,
+                    running_scheduler_id=running.scheduler_id)
+        error = Error(code=ErrorCode.duplicate_request_id, field="request_id", request_id=commit.request_id,
+                      message=f"request {commit.request_id} is already streaming through postprocessor "
+                              f"{self.instance_id}; use a fresh request_id")
+        chunk = StreamChunk(request_id=commit.request_id, seq=0, finish_reason="error", error=error)
+        notice = StopNotice(request_id=commit.request_id, batch_id=commit.batch_id, step=commit.step,
+                            postprocessor_id=self.instance_id, reason="error")
+        return [ChunkOut(commit.client_inbox, chunk), NoticeOut(commit.scheduler_id, notice)]
 
     def _missing_commit(self, state: RequestState, now: float) -> list[Out]:
         self.counters.missing_commits += 1

@@ -32,11 +32,12 @@ from schemas.messages import (CancelRequest, DraftRequest, DraftResponse, Error,
                               RequestId, StopNotice, StreamChunk, VerifyRequest, VerifyResponse, check_limits)
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
 from services.auth import inbox_prefix
-from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, Endpoint, add_micro_service, connect_service,
-                          heartbeat_loop, publish, request, serve)
+from services.bus import (BoundedHandler, BusDeadlineExpired, BusError, BusPayloadTooLarge, Endpoint,
+                          add_micro_service, connect_service, heartbeat_loop, publish, request, serve)
 from services.logs import log_context
 from services.metrics import SCHEDULER_GAUGES, serve_metrics
-from services.scheduler_core import Outbox, SchedulerState, StepPlan, prompt_token_ids
+from services.scheduler_core import Outbox, SchedulerState, StepPlan, internal_error, prompt_token_ids
+from services.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +77,7 @@ class Scheduler:
 
     async def start(self) -> None:
         subjects = self.subjects
+        self.state.max_payload = self.nc.max_payload
         self.subscriptions.append(await self.nc.subscribe(subjects.heartbeat, cb=self.on_heartbeat))
         self.subscriptions.append(await self.nc.subscribe(f"{subjects.cancel}.*", cb=self.on_cancel))
         self.state.metrics.watch_counts(self.stats, SCHEDULER_GAUGES)
@@ -150,14 +152,20 @@ class Scheduler:
             generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": self.config.max_tokens_cap})
             request_id = generate.request_id
             check_limits(generate, max_tokens_cap=self.config.max_tokens_cap)
-            prompt_ids = prompt_token_ids(generate, self.state.tokenizer)
+            self.state.check_prompt_text(generate)
+            # in a thread: a long prompt takes the tokenizer a while, and the step loops must go on
+            prompt_ids = await asyncio.to_thread(prompt_token_ids, generate, self.state.tokenizer)
             self.state.admit(generate, msg.reply, prompt_ids, time.time())
-        except SpecbusError as exc:
-            if request_id is None and exc.code not in (ErrorCode.malformed, ErrorCode.too_large):
+        except Exception as exc:  # a SpecbusError names the field; anything else is our bug, answered `internal`
+            if request_id is None and getattr(exc, "code", None) not in (ErrorCode.malformed, ErrorCode.too_large):
                 request_id = request_id_of(msg.data)
-            self.state.counters[f"refused_{exc.code.value}"] += 1
-            log.warning("generate_refused", request_id=request_id, code=exc.code.value, field=exc.field,
-                        message=exc.message)
+            if isinstance(exc, SpecbusError):
+                self.state.counters[f"refused_{exc.code.value}"] += 1
+                log.warning("generate_refused", request_id=request_id, code=exc.code.value, field=exc.field,
+                            message=exc.message)
+            else:
+                self.state.counters["refused_internal"] += 1
+                log.exception("generate_failed", request_id=request_id)
             chunk = StreamChunk(request_id=request_id or "unknown", seq=0, finish_reason="error",
                                 error=Error.from_exception(exc, request_id))
             await self.publish(msg.reply, encode(chunk))
@@ -238,12 +246,19 @@ class Scheduler:
                     pass
 
     async def fail_step(self, plan: StepPlan) -> None:
-        """After an unexpected exception: the step's requests end with "error"; others go on."""
+        """After an unexpected exception: the step's requests end with "error" (an `internal`
+        error naming no detail; that is in the log); other requests and the lane go on."""
         outbox = Outbox()
         for rows in plan.rows.values():
             for planned in rows:
-                if planned.request.request_id in self.state.running:
-                    outbox.extend(self.state.end(planned.request, "error", time.time()))
+                request = planned.request
+                if request.request_id not in self.state.running:
+                    continue
+                try:
+                    outbox.extend(self.state.end(request, "error", time.time(), error=internal_error(
+                        request.request_id, "the scheduler failed while running a step of this request (see its log)")))
+                except Exception:
+                    log.exception("fail_step_end_failed", request_id=request.request_id)
         try:
             await self.send(outbox)
         except Exception:
@@ -252,6 +267,7 @@ class Scheduler:
     async def step(self, plan: StepPlan) -> bool:
         """One step of one lane; False when there was nothing to verify (the loop then idles briefly)."""
         state = self.state
+        state.max_payload = self.nc.max_payload  # the server's; it may change across a reconnect
         started = time.monotonic()
         drafts = state.draft_batches(plan, time.time())
         replies = await asyncio.gather(*(self.draft(d, m) for d, m in drafts.items()))
@@ -259,6 +275,7 @@ class Scheduler:
             state.apply_draft(plan, drafter_id, message, reply)
         drafted = time.monotonic()
         verifies = state.verify_batches(plan, time.time())
+        await self.send(plan.outbox)  # requests whose row could not fit in a message
         replies = await asyncio.gather(*(self.verify(v, m, plan) for v, m in verifies.items()))
         verified = time.monotonic()
         for verifier_id, reply in zip(verifies, replies):
@@ -302,6 +319,10 @@ class Scheduler:
                     reply = decode_any(msg.data)
                 except BusDeadlineExpired:
                     break
+                except BusPayloadTooLarge as exc:  # our message, not the verifier: no retry, nobody is dead
+                    self.state.counters["verify_too_large"] += 1
+                    log.warning("verify_too_large", message=exc.message)
+                    return Error.from_exception(exc)
                 except SpecbusError as exc:
                     self.state.counters["verify_failures"] += 1
                     log.warning("verify_failed", code=exc.code.value, message=exc.message)
@@ -339,9 +360,7 @@ async def run_scheduler(config: SchedulerConfig, stop: asyncio.Event) -> None:
     try:
         await scheduler.start()
         with serve_metrics(state.metrics.registry, config.metrics_port):
-            stop_wait = asyncio.create_task(stop.wait())
-            await asyncio.wait({stop_wait, scheduler.tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
+            await run_until_stopped(stop, scheduler.tasks)  # a crashed lane or heartbeat: exit non-zero
     finally:
         await scheduler.stop()
         await nc.drain()

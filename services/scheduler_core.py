@@ -40,8 +40,9 @@ import structlog
 from gpu_worker.chat_template import ChatTemplateError, render_chat
 from gpu_worker.tokenizer import Tokenizer
 from schemas.config import SchedulerConfig
+from schemas.codec import encode
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_BATCH_ROWS, PROTOCOL_VERSION, Commit, DraftRequest, DraftResponse, DraftRow,
+from schemas.messages import (MAX_BATCH_ROWS, MAX_INBOX_LEN, PROTOCOL_VERSION, Commit, DraftRequest, DraftResponse, DraftRow,
                               DraftTokens, Error, FinishReason, GenerateRequest, Heartbeat, LogprobOptions,
                               SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
                               VerifyResponse, VerifyRow, seed_from_request_id)
@@ -51,15 +52,41 @@ from services.metrics import SchedulerMetrics
 log = structlog.get_logger(__name__)
 
 REPLAY_COMMITS = 32  # commits kept per request to replay to a replacement postprocessor, at least
+# A finished request's id is refused (duplicate_request_id) this long: a postprocessor ignores
+# commits for a request it finished for its finished_ttl_s (60 s by default), so a reused id
+# would otherwise wait out its timeout. At most MAX_RECENT_IDS ids are remembered.
+RECENT_ID_TTL_S = 60.0
+MAX_RECENT_IDS = 1 << 16
+# Bytes a message needs beyond the arrays counted below (keys, ids, numbers, options): generous,
+# so that an estimate under max_payload is never refused by the server.
+MESSAGE_OVERHEAD_BYTES = 4096
+ROW_OVERHEAD_BYTES = 1024
 
 
-def client_error(row_error: Error, request_id: str) -> Error:
-    """A verifier's row error before the first commit, in the client's terms: the row's new
-    tokens are then the prompt, so "rows[0].new_token_ids" becomes "prompt_token_ids" (and
-    "rows[0].logprobs.x" the request's "logprobs.x")."""
+def client_error(row_error: Error, request_id: str, first: bool = True) -> Error:
+    """A verifier's row error in the client's terms: "rows[0].logprobs.x" becomes the request's
+    "logprobs.x", and before the first commit (first) the row's new tokens are the prompt, so
+    "rows[0].new_token_ids" becomes "prompt_token_ids"."""
     field = row_error.field and re.sub(r"^rows\[\d+\]\.", "", row_error.field)
-    field = "prompt_token_ids" if field == "new_token_ids" else field
+    field = "prompt_token_ids" if field == "new_token_ids" and first else field
     return row_error.model_copy(update={"field": field, "request_id": request_id})
+
+
+def internal_error(request_id: str, message: str) -> Error:
+    return Error(code=ErrorCode.internal, message=message, request_id=request_id)
+
+
+def prompt_field(request: GenerateRequest) -> str:
+    if request.messages is not None:
+        return "messages"
+    return "prompt" if request.prompt is not None else "prompt_token_ids"
+
+
+def verify_row_bytes(row: VerifyRow) -> int:
+    """An upper estimate of a VerifyRow's encoded size: its arrays plus ROW_OVERHEAD_BYTES."""
+    proposal = row.proposal
+    arrays = (row.new_token_ids, row.draft_token_ids, row.logprobs.logprob_token_ids, proposal.ids, proposal.probs)
+    return ROW_OVERHEAD_BYTES + sum(a.nbytes for a in arrays if a is not None)
 
 
 def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
@@ -174,6 +201,7 @@ class StepPlan:
     draft_rows: dict[str, list[PlannedRow]]  # drafter_id -> rows to draft for
     verify_requests: dict[str, VerifyRequest] = field(default_factory=dict)
     retried: set[str] = field(default_factory=set)  # verifiers whose batch needed the retry
+    outbox: "Outbox" = field(default_factory=lambda: Outbox())  # requests ended while building the batches
 
     @property
     def empty(self) -> bool:
@@ -257,6 +285,9 @@ class SchedulerState:
         self.finishing: dict[str, tuple[Request, float]] = {}
         self.pinned_since_beat: Counter = Counter()  # requests pinned to an instance since its last heartbeat
         self.in_flight: set[str] = set()  # ids of requests in a step now in flight (any lane)
+        self.recent_ids: dict[str, float] = {}  # finished request id -> monotonic end time, oldest first
+        self.max_payload: int | None = None  # the NATS server's, set by the service; None: unchecked
+        self.max_token_chars: int | None = None  # characters of the vocabulary's longest token, once needed
         self.next_batch_id = 0
         self.num_plans = 0
         self.counters: Counter = Counter()
@@ -305,6 +336,13 @@ class SchedulerState:
     def alive(self, instance_id: str | None) -> bool:
         return instance_id is not None and self.registry.is_alive(instance_id, now=self.monotonic())
 
+    def max_seq_len(self) -> int | None:
+        """The smallest max_seq_len the live compatible verifiers advertise (heartbeat model_ids),
+        so a request fits whichever of them it runs or migrates on; None before any is known."""
+        limits = [int(inst.info.model_ids["max_seq_len"]) for inst in self.compatible("verifier")
+                  if inst.info.model_ids.get("max_seq_len", "").isdigit()]
+        return min(limits) if limits else None
+
     # ------------------------------------------------------------------ admission
 
     @property
@@ -312,16 +350,23 @@ class SchedulerState:
         return len(self.running) + len(self.waiting)
 
     def admit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int], now: float) -> Request:
-        """Queue a valid request; SpecbusError `overloaded` beyond max_running + max_queue, or
-        `invalid_field` for a limit of this scheduler."""
+        """Queue a valid request, or raise SpecbusError before any work: `overloaded` beyond
+        max_running + max_queue, `duplicate_request_id` for an id running, queued or finished in
+        the last RECENT_ID_TTL_S, `invalid_field` for a reply subject or a prompt too long
+        (check_prompt), `too_large` for a first commit over max_payload."""
         if self.load >= self.config.max_running + self.config.max_queue:
             raise SpecbusError(ErrorCode.overloaded,
                                f"{self.load} requests running or queued, the limit is "
                                f"{self.config.max_running} running + {self.config.max_queue} queued")
-        if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
-            raise SpecbusError(ErrorCode.invalid_field, f"request {request.request_id} is already running",
-                               "request_id")
+        self.check_request_id(request.request_id)
+        if len(client_inbox) > MAX_INBOX_LEN:
+            raise SpecbusError(ErrorCode.invalid_field, f"the reply subject is {len(client_inbox)} characters, "
+                                                        f"at most {MAX_INBOX_LEN}", "reply_subject")
+        length_error = self.check_prompt(len(prompt_ids), request.sampling.max_tokens, prompt_field(request))
+        if length_error is not None:
+            raise length_error
         resumed = self.check_resume(request)
+        self.check_first_commit(request, client_inbox, prompt_ids)
         sampling = request.sampling
         if not sampling.greedy and sampling.seed is None:
             sampling = sampling.model_copy(update={"seed": seed_from_request_id(request.request_id)})
@@ -347,6 +392,61 @@ class SchedulerState:
             raise SpecbusError(ErrorCode.invalid_field, f"token id {too_big[0]} is outside the vocabulary of "
                                                         f"{self.tokenizer.vocab_size}", "resume_token_ids")
         return resumed
+
+    def check_request_id(self, request_id: str) -> None:
+        """SpecbusError duplicate_request_id for an id in use or finished in the last RECENT_ID_TTL_S."""
+        expiry = self.monotonic() - RECENT_ID_TTL_S
+        while self.recent_ids and (len(self.recent_ids) > MAX_RECENT_IDS or next(iter(self.recent_ids.values())) < expiry):
+            del self.recent_ids[next(iter(self.recent_ids))]
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+            raise SpecbusError(ErrorCode.duplicate_request_id, f"request {request_id} is already running",
+                               "request_id")
+        if request_id in self.recent_ids:
+            raise SpecbusError(ErrorCode.duplicate_request_id,
+                               f"request {request_id} finished less than {RECENT_ID_TTL_S:.0f} s ago; "
+                               f"use a fresh request_id", "request_id")
+
+    def check_prompt(self, prompt_len: int, max_tokens: int, field_name: str) -> SpecbusError | None:
+        """The error for a prompt that leaves no room in max_seq_len (None while no verifier is
+        known; start() checks again): a generating request needs one position past its prompt."""
+        limit = self.max_seq_len()
+        if limit is None or prompt_len + (max_tokens > 0) <= limit:
+            return None
+        room = "" if max_tokens == 0 else " and at least one generated token"
+        return SpecbusError(ErrorCode.invalid_field, f"the prompt is {prompt_len} tokens; max_seq_len {limit} "
+                                                     f"holds the prompt{room}", field_name)
+
+    def check_prompt_text(self, request: GenerateRequest) -> None:
+        """Refuse a text prompt that cannot fit in max_seq_len before tokenizing it (1 MiB of text
+        takes the tokenizer ~10 s here): no token covers more than max_token_chars characters, so
+        a text over twice max_token_chars per position is too long whatever the tokenizer's
+        normalizer does (the factor 2 leaves room for one that drops characters)."""
+        limit = self.max_seq_len()
+        if request.prompt is None or limit is None:
+            return
+        if self.max_token_chars is None:
+            self.max_token_chars = max(map(len, self.tokenizer.hf.get_vocab()), default=1)
+        most = 2 * self.max_token_chars * limit
+        if len(request.prompt) > most:
+            raise SpecbusError(ErrorCode.invalid_field, f"the prompt is {len(request.prompt)} characters; max_seq_len "
+                                                        f"{limit} holds at most {most} characters of text", "prompt")
+
+    def check_first_commit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int]) -> None:
+        """SpecbusError too_large when the first commit (it carries the prompt, and a replay also
+        the completion) or its prompt logprobs could not fit in one NATS message."""
+        if self.max_payload is None:
+            return
+        commit = Commit(request_id=request.request_id, batch_id=0, step=0, seq=0, scheduler_id=self.config.instance_id,
+                        client_inbox=client_inbox, prompt_token_ids=prompt_ids, logprobs=request.logprobs,
+                        stop=request.sampling.stop, usage=Usage())
+        size = len(encode(commit)) + 4 * request.sampling.max_tokens + MESSAGE_OVERHEAD_BYTES
+        top_n = request.logprobs.prompt_logprobs
+        if top_n is not None:  # per prompt position: logprob, rank, logz, top-n ids and values, requested ids
+            size += len(prompt_ids) * (ROW_OVERHEAD_BYTES // 8 + 12 + 8 * top_n + 4 * len(request.logprobs.logprob_token_ids))
+        if size > self.max_payload:
+            raise SpecbusError(ErrorCode.too_large, f"a prompt of {len(prompt_ids)} tokens needs messages of about "
+                                                    f"{size} bytes, over the bus's max_payload of {self.max_payload}",
+                               prompt_field(request))
 
     def cancel(self, request_id: str, owner_inbox: str | None = None) -> bool:
         """Mark for the next step boundary; False when this scheduler does not own the request.
@@ -395,6 +495,9 @@ class SchedulerState:
             if request.end_reason is not None or now >= request.deadline:
                 reason = request.end_reason or "timeout"
                 outbox.extend(self.end(request, reason, now))
+            elif len(self.running) < self.config.max_running and (length_error := self.check_prompt(
+                    request.prompt_len, request.sampling.max_tokens, "prompt_token_ids")) is not None:
+                outbox.extend(self.end(request, "error", now, error=Error.from_exception(length_error, request.request_id)))
             elif len(self.running) < self.config.max_running and self.start(request):
                 self.running[request.request_id] = request
                 self.counters["started"] += 1
@@ -410,6 +513,12 @@ class SchedulerState:
         if verifier_id is None or postprocessor_id is None:
             return False
         request.verifier_id, request.postprocessor_id = self.took(verifier_id), self.took(postprocessor_id)
+        limit = self.max_seq_len()
+        if limit is not None and request.prompt_len + request.sampling.max_tokens > limit:
+            # Generation stops at max_seq_len with finish_reason "length", as at max_tokens.
+            capped = limit - request.prompt_len
+            request.sampling = request.sampling.model_copy(update={"max_tokens": capped})
+            self.counters["max_tokens_capped"] += 1
         if request.speculative.num_speculative_tokens > 0:
             request.drafter_id = self.took(self.pick("drafter"))
         lane_sizes = Counter(r.lane for r in self.running.values())
@@ -471,7 +580,9 @@ class SchedulerState:
         new_id = self.pick("verifier", exclude=old_id)
         if new_id is None:
             log.warning("no_verifier_to_migrate_to", request_id=request.request_id, verifier_id=old_id)
-            return self.end(request, "error", now)
+            return self.end(request, "error", now, error=Error(
+                code=ErrorCode.unavailable, message=f"verifier {old_id} failed and no other verifier has room",
+                request_id=request.request_id))
         self.release(old_id, request.request_id)
         request.verifier_id, request.verifier_len = self.took(new_id), 0
         request.step += 1
@@ -524,15 +635,24 @@ class SchedulerState:
         self.running.pop(request.request_id, None)
         self.release(request.verifier_id, request.request_id)
         self.release(request.drafter_id, request.request_id)
+        self.recent_ids.pop(request.request_id, None)
+        self.recent_ids[request.request_id] = self.monotonic()
         self.counters[f"finished_{reason or 'stop_notice'}"] += 1
         if reason is None:
             return Outbox()
-        if not self.alive(request.postprocessor_id):
-            return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
-        self.finishing[request.request_id] = (request, self.monotonic())
-        return Outbox(commits=[(request.postprocessor_id, self.commit(
-            request, batch_id if batch_id is not None else request.last_batch_id, tokens, num_draft, num_accepted,
-            degraded, reason, expect_side_channel, error))])
+        if reason == "error" and error is None:
+            error = internal_error(request.request_id, "the request failed in the scheduler (see its log)")
+        if self.alive(request.postprocessor_id):
+            try:
+                commit = self.commit(request, batch_id if batch_id is not None else request.last_batch_id, tokens,
+                                     num_draft, num_accepted, degraded, reason, expect_side_channel, error)
+            except Exception:  # the request must still end: its client gets the final chunk directly
+                log.exception("final_commit_failed", request_id=request.request_id)
+                reason, error = "error", internal_error(request.request_id, "the final commit could not be built")
+            else:
+                self.finishing[request.request_id] = (request, self.monotonic())
+                return Outbox(commits=[(request.postprocessor_id, commit)])
+        return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
 
     def direct_final_chunk(self, request: Request, reason: FinishReason, error: Error | None = None) -> StreamChunk:
         """A request ending with no live postprocessor: the client still gets a final chunk.
@@ -708,25 +828,52 @@ class SchedulerState:
 
     def verify_batches(self, plan: StepPlan, now: float) -> dict[str, VerifyRequest]:
         """One VerifyRequest per verifier with rows (or only slots to release). The deadline
-        covers the first try and the retries, so the retry can re-send the same message."""
+        covers the first try and the retries, so the retry can re-send the same message. A batch
+        is kept under max_payload: rows past it wait for the next step (their drafts are
+        dropped); a request whose row is too large alone ends with `too_large` (plan.outbox)."""
         deadline = now + self.config.verify_timeout_s * (self.config.verify_retries + 1)
         verifiers = set(plan.rows) | {i for i in self.releases if self.alive(i) and self.is_role(i, "verifier")}
         for verifier_id in sorted(verifiers):
-            rows = []
-            for index, planned in enumerate(plan.rows.get(verifier_id, [])):
+            release = self.take_releases(verifier_id)
+            budget = None if self.max_payload is None else \
+                self.max_payload - MESSAGE_OVERHEAD_BYTES - ROW_OVERHEAD_BYTES // 8 * len(release)
+            rows, kept = [], []
+            for planned in plan.rows.get(verifier_id, []):
                 request = planned.request
                 wants_side = request.logprobs.wants_side_channel
-                rows.append(VerifyRow(request_id=request.request_id, row=index, step=request.step,
-                                      cached_len=planned.cached_len,
-                                      new_token_ids=request.history[planned.cached_len:planned.end],
-                                      draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
-                                      sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
-                                      postprocessor_id=request.postprocessor_id if wants_side else None,
-                                      prompt_len=request.prompt_len, emit=planned.emit))
+                row = VerifyRow(request_id=request.request_id, row=len(rows), step=request.step,
+                                cached_len=planned.cached_len, new_token_ids=request.history[planned.cached_len:planned.end],
+                                draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
+                                sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
+                                postprocessor_id=request.postprocessor_id if wants_side else None,
+                                prompt_len=request.prompt_len, emit=planned.emit)
+                size = verify_row_bytes(row)
+                if budget is not None and size > budget:
+                    plan.outbox.extend(self.unplan(planned, size, budget, now, alone=not rows))
+                    continue
+                budget = None if budget is None else budget - size
+                rows.append(row)
+                kept.append(planned)
+            if verifier_id in plan.rows:
+                plan.rows[verifier_id] = kept
             plan.verify_requests[verifier_id] = VerifyRequest(
                 batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id, deadline=deadline, rows=rows,
-                release=self.take_releases(verifier_id))
+                release=release)
         return plan.verify_requests
+
+    def unplan(self, planned: PlannedRow, size: int, budget: int, now: float, alone: bool) -> Outbox:
+        """A row that does not fit in its batch's max_payload: it waits for the next step, or,
+        when it does not fit even alone, its request ends with `too_large`."""
+        request = planned.request
+        self.in_flight.discard(request.request_id)
+        if not alone:
+            self.counters["rows_deferred_payload"] += 1
+            log.info("row_deferred_payload", request_id=request.request_id, row_bytes=size, budget=budget)
+            return Outbox()
+        log.warning("row_too_large", request_id=request.request_id, row_bytes=size, max_payload=self.max_payload)
+        return self.end(request, "error", now, error=Error(
+            code=ErrorCode.too_large, message=f"one step of this request needs a {size}-byte message, over the "
+                                              f"bus's max_payload of {self.max_payload}", request_id=request.request_id))
 
     # ------------------------------------------------------------------ committing a step
 
@@ -739,11 +886,13 @@ class SchedulerState:
             self.restore_releases(verifier_id, request_message.release)
             return self.verifier_failed(verifier_id, now, plan)
         if isinstance(response, Error):
+            self.restore_releases(verifier_id, request_message.release)
             log.error("verify_batch_refused", verifier_id=verifier_id, batch_id=request_message.batch_id,
                       code=response.code.value, field=response.field, message=response.message)
             outbox = Outbox()
             for planned in plan.rows.get(verifier_id, []):
-                outbox.extend(self.end(planned.request, "error", now))
+                outbox.extend(self.end(planned.request, "error", now, error=client_error(
+                    response, planned.request.request_id, planned.request.seq == 0)))
             return outbox
         self.counters["steps"] += bool(plan.rows.get(verifier_id))
         results = {r.request_id: r for r in response.rows}
@@ -760,8 +909,13 @@ class SchedulerState:
                             batch_id=request_message.batch_id)
                 request.step += 1
                 continue
-            outbox.extend(self.commit_result(planned, result, request_message.batch_id,
-                                             verifier_id in plan.retried, now))
+            try:
+                outbox.extend(self.commit_result(planned, result, request_message.batch_id,
+                                                 verifier_id in plan.retried, now))
+            except Exception:  # this request's bug ends this request; the batch's other rows go on
+                log.exception("commit_result_failed", request_id=request.request_id)
+                outbox.extend(self.end(request, "error", now, error=internal_error(
+                    request.request_id, "the scheduler failed to commit a step (see its log)")))
         return outbox
 
     def commit_result(self, planned: PlannedRow, result, batch_id: int, retried: bool, now: float) -> Outbox:
@@ -772,9 +926,8 @@ class SchedulerState:
         if result.error is not None:
             log.warning("verify_row_failed", request_id=request.request_id, code=result.error.code.value,
                         field=result.error.field, message=result.error.message)
-            if request.seq == 0:  # nothing sent yet: the client learns why (e.g. a prompt too long)
-                return self.end(request, "error", now, error=client_error(result.error, request.request_id))
-            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded)
+            error = client_error(result.error, request.request_id, first=request.seq == 0)
+            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded, error=error)
         if result.need_resync:
             request.verifier_len = 0
             request.carried_degraded += [*degraded, "resync"]
@@ -785,7 +938,9 @@ class SchedulerState:
             self.counters["bad_verify_results"] += 1
             log.warning("verify_result_inconsistent", request_id=request.request_id, emit=planned.emit,
                         num_tokens=len(tokens), num_draft=result.num_draft, planned=planned.num_draft)
-            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded)
+            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded, error=internal_error(
+                request.request_id, f"the verifier's result does not match the step ({len(tokens)} tokens, "
+                                    f"{result.num_draft} drafts for {planned.num_draft} planned)"))
         request.verifier_len = planned.end + result.num_accepted
         request.num_draft_proposed += planned.num_draft
         request.num_draft_accepted += result.num_accepted

@@ -98,7 +98,7 @@ def test_drafts_equal_to_the_greedy_continuation_are_all_accepted_plus_bonus(tar
     assert result.token_ids.tolist() == greedy_tokens[:5]
     assert (result.num_draft, result.num_accepted) == (4, 4)
     # the bonus token is emitted, not cached: the slot holds the prompt and the 4 accepted drafts
-    assert int(verifier.cache.lengths[verifier.requests["a"].slot]) == len(PROMPT) + 4
+    assert int(verifier.cache.lengths[verifier.requests[("sched-test", "a")].slot]) == len(PROMPT) + 4
 
 
 def test_wrong_draft_is_rejected_at_the_first_mismatch(target, greedy_tokens):
@@ -107,7 +107,7 @@ def test_wrong_draft_is_rejected_at_the_first_mismatch(target, greedy_tokens):
     result, _ = one(verifier, vrow("a", PROMPT, drafts=[*greedy_tokens[:2], wrong, greedy_tokens[3]]))
     assert result.token_ids.tolist() == greedy_tokens[:3]  # two accepted, then the target's own token
     assert (result.num_draft, result.num_accepted) == (4, 2)
-    assert int(verifier.cache.lengths[verifier.requests["a"].slot]) == len(PROMPT) + 2
+    assert int(verifier.cache.lengths[verifier.requests[("sched-test", "a")].slot]) == len(PROMPT) + 2
 
 
 def test_speculative_decoding_equals_plain_decoding_token_by_token(target, greedy_tokens):
@@ -150,22 +150,22 @@ def test_a_row_gives_the_same_tokens_and_logprobs_alone_and_in_a_mixed_batch(tar
 def test_a_retried_step_returns_the_stored_answer_and_appends_nothing(target):
     verifier = new_verifier(target)
     first = one(verifier, vrow("a", PROMPT, drafts=[1, 2], logprobs=LogprobOptions(logprobs=2), **SAMPLED))
-    length = int(verifier.cache.lengths[verifier.requests["a"].slot])
+    length = int(verifier.cache.lengths[verifier.requests[("sched-test", "a")].slot])
     retried = one(verifier, vrow("a", PROMPT, drafts=[1, 2], logprobs=LogprobOptions(logprobs=2), **SAMPLED)
                   .model_copy(update={"is_retry": True}))
     assert retried[0] == first[0] and retried[1] == first[1]  # the side record is published again
-    assert int(verifier.cache.lengths[verifier.requests["a"].slot]) == length
+    assert int(verifier.cache.lengths[verifier.requests[("sched-test", "a")].slot]) == length
     assert verifier.counters["retries_answered"] == 1
 
 
 def test_cached_len_mismatch_answers_need_resync_and_changes_nothing(target):
     verifier = new_verifier(target)
     unknown, _ = one(verifier, vrow("new", PROMPT[3:], cached_len=3))
-    assert unknown.need_resync and len(unknown.token_ids) == 0 and "new" not in verifier.requests
+    assert unknown.need_resync and len(unknown.token_ids) == 0 and ("sched-test", "new") not in verifier.requests
     one(verifier, vrow("a", PROMPT[:5], emit=False))
     ahead, _ = one(verifier, vrow("a", PROMPT[8:], cached_len=8, step=1))
     assert ahead.need_resync and len(ahead.token_ids) == 0
-    assert int(verifier.cache.lengths[verifier.requests["a"].slot]) == 5
+    assert int(verifier.cache.lengths[verifier.requests[("sched-test", "a")].slot]) == 5
     # the scheduler then resends the whole history from 0
     assert len(one(verifier, vrow("a", PROMPT, step=2))[0].token_ids) == 1
 
@@ -175,7 +175,7 @@ def test_release_and_idle_eviction_free_slots(target):
     run(verifier, vrow("a", PROMPT), vrow("b", PROMPT[:4], prompt_len=4))
     assert verifier.cache.num_free == MAX_SLOTS - 2
     run(verifier, release=["a", "never-seen"])
-    assert "a" not in verifier.requests and verifier.cache.num_free == MAX_SLOTS - 1
+    assert ("sched-test", "a") not in verifier.requests and verifier.cache.num_free == MAX_SLOTS - 1
     assert verifier.counters["release_unknown"] == 1
     assert evict_idle(verifier, now=time.monotonic() + verifier.slot_idle_ttl_s + 1) == 1
     assert verifier.cache.num_free == MAX_SLOTS and not verifier.requests
@@ -255,6 +255,9 @@ def test_prompt_logprobs_equal_the_logprobs_emitted_while_generating(target, gre
     (dict(draft_token_ids=[1], sampling=RowSampling(temperature=1.0, seed=3),
           proposal=Proposal(kind="dense", probs=np.full((1, V + 1), 1.0 / V, np.float32), draft_vocab_size=V + 1)),
      "rows[1].proposal.draft_vocab_size"),
+    # issue 11 item 9: a draft distribution that does not sum to 1 would bias the output silently
+    (dict(draft_token_ids=[1], sampling=RowSampling(temperature=1.0, seed=3),
+          proposal=Proposal(kind="sparse", ids=[[1, 2]], probs=[[0.5, 0.2]])), "rows[1].proposal.probs"),
 ])
 def test_a_bad_row_gets_its_own_error_while_the_others_succeed(target, greedy_tokens, bad, field):
     verifier = new_verifier(target)
@@ -264,4 +267,34 @@ def test_a_bad_row_gets_its_own_error_while_the_others_succeed(target, greedy_to
     assert good.error is None and good.token_ids.tolist() == greedy_tokens[:3]
     error = results["bad"][0].error
     assert error.code == ErrorCode.invalid_field and error.field == field and error.request_id == "bad"
-    assert "bad" not in verifier.requests and verifier.counters["rows_failed"] == 1
+    assert ("sched-test", "bad") not in verifier.requests and verifier.counters["rows_failed"] == 1
+
+
+def test_sampling_values_the_kernels_refuse_fail_their_row_only(target, greedy_tokens):
+    """Issue 11 item 2: SamplingInputError was no SpecbusError, so one row's value failed the
+    whole batch as `internal`. The schema now refuses such values; a row that still carries one
+    (built around the schema) fails alone, naming its field."""
+    verifier = new_verifier(target)
+    hot = RowSampling.model_construct(temperature=1e308, top_k=0, top_p=1.0, min_p=0.0, seed=3)  # inf in float32
+    results = run(verifier, vrow("good", PROMPT, drafts=greedy_tokens[:2]),
+                  vrow("hot", PROMPT).model_copy(update={"sampling": hot}))
+    assert results["good"][0].error is None and results["good"][0].token_ids.tolist() == greedy_tokens[:3]
+    error = results["hot"][0].error
+    assert (error.code, error.field, error.request_id) == (ErrorCode.invalid_field, "rows[1].sampling.temperature", "hot")
+
+
+def test_two_schedulers_may_use_the_same_request_id(target, greedy_tokens):
+    """Issue 11 item 7: slots keyed by request_id alone let a second scheduler's request with the
+    same id truncate the first one's slot."""
+    verifier = new_verifier(target)
+
+    def batch(scheduler_id, row, batch_id):
+        request = VerifyRequest(batch_id=batch_id, scheduler_id=scheduler_id, deadline=time.time() + 30, rows=[row])
+        return verify_batch(verifier, request)[0].rows[0]
+
+    first = batch("sched-a", vrow("same", PROMPT), 1)
+    batch("sched-b", vrow("same", PROMPT[:5]), 1)
+    following = batch("sched-a", vrow("same", first.token_ids.tolist(), cached_len=len(PROMPT), step=1), 2)
+    assert not following.need_resync and following.error is None
+    assert [*first.token_ids.tolist(), *following.token_ids.tolist()] == greedy_tokens[:2]
+    assert sorted(verifier.requests) == [("sched-a", "same"), ("sched-b", "same")]

@@ -41,7 +41,7 @@ def prob_arrays(draw, shape):
 
 
 row_sampling_fields = dict(
-    temperature=st.floats(0, 10), top_k=st.integers(0, 1000), top_p=st.floats(0, 1, exclude_min=True),
+    temperature=st.just(0.0) | st.floats(0.01, 100), top_k=st.integers(0, 1000), top_p=st.floats(1e-6, 1),
     min_p=st.floats(0, 1, exclude_max=True), seed=st.none() | st.integers(0, 2**63 - 1))
 row_samplings = st.builds(RowSampling, **row_sampling_fields)
 sampling_params = st.builds(SamplingParams, **row_sampling_fields, max_tokens=st.integers(0, 4096),
@@ -286,11 +286,14 @@ VALID = encode(CancelRequest(request_id="r1"))
     (b"\xdd\xff\xff\xff\xff", "array header claiming 4G entries"),
     (b"\x91" * 200_000, "deep nesting"),
     (msgpack.packb({1: 2}), "non-string key"),
+    (b"\x81\xa2\xc3\x28\x01", "invalid UTF-8"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_malformed_bytes_are_refused(payload, what):
     with pytest.raises(CodecError, match="malformed") as caught:
         decode(payload, CancelRequest)
     assert caught.value.code == ErrorCode.malformed
+    # issue 11 item 9: the message says what is wrong (deep nesting used to end in ": ")
+    assert caught.value.message.strip() and not caught.value.message.rstrip().endswith(":")
 
 
 def test_oversized_payload_is_refused_before_unpacking():

@@ -28,7 +28,12 @@ def generate_payload(**overrides) -> bytes:
     ({"sampling__temperature": -0.5}, "sampling.temperature", "greater than or equal to 0"),
     ({"sampling__temperature": float("nan")}, "sampling.temperature", "finite"),
     ({"sampling__temperature": float("inf")}, "sampling.temperature", "finite"),
-    ({"sampling__top_p": 0.0}, "sampling.top_p", "greater than 0"),
+    ({"sampling__top_p": 0.0}, "sampling.top_p", "greater than or equal to 0.000001"),
+    # Issue 11 item 2: values that pass a float64 check but mean something else in float32
+    ({"sampling__temperature": 1e308}, "sampling.temperature", "less than or equal to 100"),
+    ({"sampling__temperature": 1e-300}, "sampling.temperature", "temperature must be 0 .greedy. or in .0.01, 100"),
+    ({"sampling__top_p": 1e-300}, "sampling.top_p", "greater than or equal to 0.000001"),
+    ({"sampling__top_k": 2**63}, "sampling.top_k", "less than or equal to 1048576"),
     ({"sampling__top_p": 1.5}, "sampling.top_p", "less than or equal to 1"),
     ({"sampling__top_p": float("nan")}, "sampling.top_p", "finite"),
     ({"sampling__top_k": -1}, "sampling.top_k", "greater than or equal to 0"),

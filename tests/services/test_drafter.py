@@ -149,7 +149,7 @@ def test_sparse_proposal_is_the_distribution_the_drafts_were_drawn_from(draft):
         assert proposal.probs[j][proposal.ids[j] == drafts[j]].item() > 0
         assert int(draft.d2t[draft.other_id]) not in proposal.ids[j].tolist()
     # the draft ids the drafter fed after the history; they must map to the drafts it sent
-    fed = drafter.requests["a"].token_ids
+    fed = drafter.requests[("sched-test", "a")].token_ids
     assert draft.d2t[torch.tensor(fed[len(PROMPT):])].tolist() == drafts[:k - 1].tolist()
     params = SamplingTensors.build([1.3], [40], [0.95], [0.02])
     sent = proposal_to_draft_probs("sparse", torch.from_numpy(drafts).long()[None], VT,
@@ -230,9 +230,9 @@ def test_idle_slots_are_freed_and_a_full_cache_evicts_the_least_recently_used(dr
     for i in range(MAX_SLOTS):
         draft_batch(drafter, draft_request(row(f"r{i}", PROMPT[:5])), now=now + i)
     got = draft_batch(drafter, draft_request(row("new", PROMPT[:5])), now=now + 10).rows[0]
-    assert len(got.draft_token_ids) == 4 and "r0" not in drafter.requests  # r0 was used least recently
+    assert len(got.draft_token_ids) == 4 and ("sched-test", "r0") not in drafter.requests  # r0 was used least recently
     draft_batch(drafter, draft_request(), now=now + 62.5)
-    assert sorted(drafter.requests) == ["new", "r3"]  # r1 (t+1) and r2 (t+2) idle for more than 60 s
+    assert sorted(rid for _, rid in drafter.requests) == ["new", "r3"]  # r1 (t+1) and r2 (t+2) idle for more than 60 s
 
 
 def test_bad_token_id_is_refused_by_field_and_changes_nothing(draft):
@@ -241,7 +241,7 @@ def test_bad_token_id_is_refused_by_field_and_changes_nothing(draft):
     with pytest.raises(SpecbusError, match="outside the target vocabulary") as raised:
         draft_batch(drafter, draft_request(row("b", PROMPT, index=0), row("c", [3, VT], index=1), release=["a"]))
     assert raised.value.field == "rows[1].new_token_ids"
-    assert sorted(drafter.requests) == ["a"] and drafter.cache.num_free == MAX_SLOTS - 1
+    assert sorted(rid for _, rid in drafter.requests) == ["a"] and drafter.cache.num_free == MAX_SLOTS - 1
 
 
 # --- over NATS ---------------------------------------------------------------------------------
@@ -286,3 +286,36 @@ async def test_run_drafter_serves_draft_requests_over_nats(nats_server, nc, draf
         pass
     stop.set()
     await asyncio.wait_for(task, timeout=15)
+
+
+# --- issue 11: limits ----------------------------------------------------------------------------
+
+
+def test_drafts_stop_where_the_verifier_would_refuse_the_row(draft):
+    """Item 4: the drafter offered one draft more than the verifier holds (history + drafts <= max_seq_len)."""
+    drafter = new_drafter(draft, max_seq_len=64)
+    history = (PROMPT * 5)[:62]
+    got = results(drafter, row("a", history, num_draft=4))["a"]
+    assert len(got.draft_token_ids) == 2 and not got.need_resync
+    full = results(drafter, row("b", (PROMPT * 5)[:64], num_draft=4))["b"]
+    assert len(full.draft_token_ids) == 0 and not full.need_resync
+
+
+def test_a_sampled_proposal_is_bounded_and_is_the_truncated_law_it_was_drawn_from(draft, monkeypatch):
+    """Item 5: a sampled draft's proposal covered the whole vocabulary (~1 MiB a row at 32k).
+    The drafter samples from its top MAX_DRAFT_SUPPORT ids, renormalised, and sends exactly that."""
+    monkeypatch.setattr("gpu_worker.drafter_core.MAX_DRAFT_SUPPORT", 8)
+    drafter = new_drafter(draft)
+    k = 3
+    got = results(drafter, row("a", PROMPT, num_draft=k, mode="sample", temperature=1.0, seed=5))["a"]
+    proposal, drafts = got.proposal, got.draft_token_ids
+    assert proposal.kind == "sparse" and proposal.ids.shape[1] <= 8 and len(drafts) == k
+    np.testing.assert_allclose(proposal.probs.sum(1), 1.0, atol=1e-5)
+    fed = drafter.requests[("sched-test", "a")].token_ids
+    sent = proposal_to_draft_probs("sparse", torch.from_numpy(drafts).long()[None], VT,
+                                   sparse_ids=torch.from_numpy(proposal.ids).long()[None],
+                                   sparse_probs=torch.from_numpy(proposal.probs)[None])[0]
+    params = SamplingTensors.build([1.0], [8])
+    for j in range(k):
+        probs = process_logits(draft_logits(draft, fed[:len(PROMPT) + j]).view(1, 1, -1), params).probs[0, 0]
+        torch.testing.assert_close(sent[j], torch.zeros(VT).index_add_(0, draft.d2t, probs), atol=1e-5, rtol=0)

@@ -60,3 +60,25 @@ def test_json_exceptions_are_structured():
 def test_unknown_level_is_refused():
     with pytest.raises(ValueError, match="level"):
         configure_logging(level="loud")
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_tracebacks_are_bounded_and_carry_no_locals(json_lines):
+    """Issue 11 item 2: a failed batch logged every frame's locals (its tensors, its message),
+    ~640 KB a failure. The traceback keeps the frames and the error, never the locals."""
+    out = io.StringIO()
+    configure_logging(json=json_lines, stream=out)
+
+    def deep(n: int, big_local: str) -> None:
+        if n == 0:
+            raise ValueError("row 3 failed")
+        deep(n - 1, big_local)
+
+    try:
+        deep(60, "%s-bytes" % "tensor" * 100_000)  # the source line does not hold the value
+    except ValueError:
+        structlog.get_logger("test").exception("batch_failed")
+    text = out.getvalue()
+    assert "row 3 failed" in text and "batch_failed" in text
+    assert "tensor-bytes" not in text
+    assert len(text) < 20_000, len(text)

@@ -444,6 +444,135 @@ def test_lanes_must_be_at_least_one():
     assert error.value.field == "lanes"
 
 
+# ------------------------------------------------------------------ issue 11: admission and failures end one request
+
+
+def beat_verifier(state, instance_id="v1", max_seq_len=None):
+    model_ids = {"tokenizer": TOKENIZER_HASH, **({"max_seq_len": str(max_seq_len)} if max_seq_len else {})}
+    state.observe(Heartbeat(instance_id=instance_id, role="verifier", capacity=8, load=0, model_ids=model_ids,
+                            sent_at=time.time(), interval_s=0.5))
+
+
+def test_a_reply_subject_too_long_for_a_commit_is_refused_at_admission(tokenizer):
+    """Item 1: the first Commit refused the inbox (max 256), and ending the request raised again."""
+    state = new_state(tokenizer)
+    generate = GenerateRequest(request_id="long", prompt_token_ids=[5, 6], sampling={"temperature": 0.0})
+    with pytest.raises(SpecbusError) as info:
+        state.admit(generate, "_INBOX.client." + "x" * 300, [5, 6], time.time())
+    assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "reply_subject")
+    assert "at most 256" in info.value.message and not state.waiting
+
+
+def test_a_final_commit_that_cannot_be_built_still_ends_the_request_with_an_error_chunk(tokenizer):
+    """Item 1: end() built the Commit outside any try, so one bad request killed its lane."""
+    state = new_state(tokenizer)
+    request = submit(state)
+    step(state)
+    request.client_inbox = "_INBOX." + "x" * 300  # a Commit refuses it
+    outbox = state.end(request, "error", time.time())
+    [(inbox, chunk)] = outbox.chunks
+    assert inbox == request.client_inbox and chunk.finish_reason == "error"
+    assert chunk.error.code == ErrorCode.internal and chunk.error.message
+    assert "r1" not in state.running
+
+
+def test_a_prompt_longer_than_the_verifiers_max_seq_len_is_refused_before_any_work(tokenizer):
+    """Item 3: a too-long prompt was refused by the verifier only after it was prefilled."""
+    state = new_state(tokenizer, roles=(("p1", "postprocessor"),))
+    beat_verifier(state, "v1", max_seq_len=16)
+    beat_verifier(state, "v2", max_seq_len=8)  # the smallest live limit holds: a request may migrate there
+    with pytest.raises(SpecbusError, match="max_seq_len 8") as info:
+        submit(state, prompt_ids=range(1, 9))
+    assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "prompt_token_ids")
+    assert submit(state, "fits", prompt_ids=range(1, 8)).prompt_len == 7
+    assert submit(state, "scoring", prompt_ids=range(1, 9), sampling={"max_tokens": 0}).prompt_len == 8
+
+
+def test_a_prompt_whose_first_commit_exceeds_max_payload_is_refused_too_large(tokenizer):
+    """Item 3: the Commit carrying prompt_token_ids went over max_payload and was only logged."""
+    state = new_state(tokenizer)
+    state.max_payload = 64 * 1024
+    with pytest.raises(SpecbusError, match="max_payload of 65536") as info:
+        submit(state, prompt_ids=[5] * 20_000)
+    assert (info.value.code, info.value.field) == (ErrorCode.too_large, "prompt_token_ids")
+    assert submit(state, "small", prompt_ids=[5] * 1000).prompt_len == 1000
+
+
+def test_max_tokens_is_capped_by_max_seq_len_and_the_request_ends_with_length(tokenizer):
+    """Item 4: reaching max_seq_len ended in an unexplained "error"."""
+    state = new_state(tokenizer, roles=(("p1", "postprocessor"), ("d1", "drafter")))
+    beat_verifier(state, "v1", max_seq_len=8)
+    request = submit(state, prompt_ids=(5, 6, 7), sampling={"max_tokens": 100}, speculative={"num_speculative_tokens": 4})
+    outbox = step(state, tokens={"r1": [20]})[2]
+    assert request.sampling.max_tokens == 5  # 8 - 3 prompt tokens
+    while "r1" in state.running:
+        _, requests, out = step(state, drafts={"r1": [21] * 4}, tokens={"r1": [21]})
+        outbox.extend(out)
+        for row in requests["v1"].rows:  # never more than the verifier holds
+            assert row.cached_len + len(row.new_token_ids) + len(row.draft_token_ids) <= 8
+    final = commits_of(outbox)[-1]
+    assert final.finish_reason == "length" and final.error is None and final.usage.completion_tokens == 5
+
+
+def test_an_error_after_the_first_commit_always_carries_its_reason(tokenizer):
+    """Item 4: a verifier's row error after the first chunk reached the client without one."""
+    state = new_state(tokenizer)
+    submit(state)
+    step(state)
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    message = state.verify_batches(plan, time.time())["v1"]
+    row_error = Error(code=ErrorCode.invalid_field, message="exceeds max_seq_len 8", field="rows[0].new_token_ids")
+    reply = VerifyResponse(batch_id=message.batch_id, verifier_id="v1",
+                           rows=[VerifyResult(request_id="r1", step=message.rows[0].step, error=row_error)])
+    [commit] = commits_of(state.apply_verify(plan, "v1", reply, time.time()))
+    assert commit.finish_reason == "error" and commit.error.message == "exceeds max_seq_len 8"
+    assert commit.error.field == "new_token_ids"
+    # every other way to end with "error" says why too
+    submit(state, "r2")
+    step(state)
+    [commit] = commits_of(step(state, verify_reply=False)[2], "r2")  # no other verifier to migrate to
+    assert commit.finish_reason == "error" and commit.error.code == ErrorCode.unavailable and commit.error.message
+
+
+def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alone(tokenizer):
+    """Item 5: an oversized VerifyRequest was retried, then treated as a dead verifier."""
+    state = new_state(tokenizer, max_step_tokens=100_000)
+    for name in ("a", "b", "c"):
+        submit(state, name, prompt_ids=[5] * 3000)
+    state.max_payload = 4096 + 3 * 1024 + 2 * 12_000 + 100  # room for two rows of ~13 KB, not three
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    message = state.verify_batches(plan, time.time())["v1"]
+    assert [r.request_id for r in message.rows] == ["a", "b"] and [r.row for r in message.rows] == [0, 1]
+    assert len(encode(message)) <= state.max_payload
+    assert "c" not in state.in_flight and state.counters["rows_deferred_payload"] == 1 and "c" in state.running
+    state.end_step(plan)
+    state.max_payload = 8192  # now not even one row fits: that request ends, with why
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    state.verify_batches(plan, time.time())
+    ended = {chunk_or_commit.request_id: chunk_or_commit for _, chunk_or_commit in plan.outbox.commits}
+    assert set(ended) == {"a", "b", "c"} and all(c.error.code == ErrorCode.too_large for c in ended.values())
+    assert state.avoid_until == {}  # the verifier is not blamed
+
+
+def test_a_request_id_in_use_or_just_finished_is_refused_as_duplicate(tokenizer):
+    """Item 7: a reused id was admitted, then silently dropped by the postprocessor."""
+    state = new_state(tokenizer)
+    submit(state, "same")
+    with pytest.raises(SpecbusError, match="already running") as info:
+        submit(state, "same")
+    assert (info.value.code, info.value.field) == (ErrorCode.duplicate_request_id, "request_id")
+    step(state, tokens={"same": [EOS]})
+    assert "same" not in state.running
+    with pytest.raises(SpecbusError, match="finished less than 60 s ago") as info:
+        submit(state, "same")
+    assert info.value.code == ErrorCode.duplicate_request_id
+    state.clock.now += 61
+    assert submit(state, "same").request_id == "same"
+
+
 def test_a_resumed_request_prefills_one_token_short_then_decodes_with_drafts(tokenizer):
     """Scheduler failover (GenerateRequest.resume_token_ids): the history is prompt + resumed
     tokens, the prefill stops one token short so the next token comes from a decode row with
@@ -470,3 +599,13 @@ def test_a_resume_that_cannot_continue_is_refused_naming_the_field(tokenizer, re
     with pytest.raises(SpecbusError, match=message) as refused:
         submit(state, resume_token_ids=resume, sampling={"max_tokens": 3})
     assert refused.value.field == "resume_token_ids"
+
+
+def test_a_text_prompt_far_over_max_seq_len_is_refused_before_tokenizing(tokenizer):
+    """Item 3: a 1 MiB text prompt kept the scheduler's event loop in the tokenizer for ~10 s."""
+    state = new_state(tokenizer, roles=(("p1", "postprocessor"),))
+    beat_verifier(state, "v1", max_seq_len=8)
+    with pytest.raises(SpecbusError, match="characters; max_seq_len 8") as info:
+        state.check_prompt_text(GenerateRequest(request_id="big", prompt="é" * (1 << 20)))
+    assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "prompt")
+    state.check_prompt_text(GenerateRequest(request_id="fine", prompt="the quick brown fox"))
