@@ -273,10 +273,11 @@ class Stream:
             while self.next_seq not in self.buffered:
                 await self._receive()
             chunk = self.buffered.pop(self.next_seq)
-            # `unavailable`: a commit never reached the postprocessor (lost in a dead NATS node) or
-            # no service was left for the request; a new run continues it from the tokens read.
-            if chunk.error is None or chunk.error.code != ErrorCode.unavailable or \
-                    not await self._failover(f"{chunk.error.code.value}: {chunk.error.message}"):
+            # An `unavailable` error that names no scheduler is not the scheduler's verdict: the
+            # postprocessor gave up on a commit lost on the way (a dead NATS node), or the
+            # scheduler found no postprocessor; a new run continues from the tokens read.
+            if chunk.error is None or chunk.error.code != ErrorCode.unavailable or chunk.scheduler_id is not None \
+                    or not await self._failover(f"{chunk.error.code.value}: {chunk.error.message}"):
                 break
         self.next_seq += 1
         self.delivered += chunk.token_ids.tolist()

@@ -25,6 +25,7 @@ import json
 import shutil
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -36,6 +37,7 @@ from ops.train_models import read_text, source_files
 from schemas.config import TINY_TARGET
 from schemas.messages import GenerateRequest, StreamChunk
 from services.client import Client, ClientError, make_request
+from services.natsserver import NatsServerConfig
 from services.stack import Stack, StackConfig
 from services.supervisor import supervise
 from tests.gpu_worker.conftest import write_hf_model
@@ -479,3 +481,103 @@ async def test_a_final_commit_lost_with_its_postprocessor_is_replayed(tokenizer)
     assert [c.seq for c in replayed] == list(range(len(replayed)))
     state.clock.now += 3 * HEARTBEAT_TIMEOUT_S
     assert not state.boundary(state.clock.now).commits and not state.finishing  # replayed once, then forgotten
+
+
+# ---------------------------------------------------------------------------------------------
+# the fault matrix (issue 15): each single-process kill against the same workload
+
+MATRIX_MAX_TOKENS = 96
+MATRIX_FAULTS = ("scheduler", "verifier", "drafter", "postprocessor", "nats-0", "nats-1", "nats-2")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def matrix_stack(models, tmp_path_factory):
+    """Every role twice but the drafter (its death costs drafts, not output), a 3-node NATS
+    cluster with monitoring on, supervised: every process there is something to kill."""
+    beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
+    config = StackConfig(
+        schedulers=2, verifiers=2, postprocessors=2, nats_cluster=3, nats=NatsServerConfig(http_port=0),
+        target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("matrix-logs"),
+        role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+                                 "--verify-timeout-s", str(VERIFY_TIMEOUT_S), "--draft-timeout-s", str(DRAFT_TIMEOUT_S)],
+                   "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
+                   "postprocessor": beat})
+    async with Stack(config) as running:
+        stop = asyncio.Event()
+        supervisor = asyncio.create_task(supervise(running, stop))
+        yield running
+        stop.set()
+        await supervisor
+
+
+async def inject(stack: Stack, fault: str, streams: list[Streamed]) -> str:
+    """SIGKILL one process: a NATS node by index, else an instance of the role (the scheduler
+    that runs most streams); returns what was killed."""
+    if fault.startswith("nats-"):
+        node = stack.server.nodes[int(fault.split("-")[1])]
+        node.process.kill()
+        await asyncio.to_thread(node.process.wait, 10)
+        return node.config.server_name
+    if fault == "scheduler":
+        owners = [got.chunks[-1][1].scheduler_id for got in streams]
+        victim = max(set(owners), key=owners.count)
+    else:
+        victim = running(stack, fault)[0]
+    await kill(stack, victim)
+    return victim
+
+
+async def recover(stack: Stack, fault: str, victim: str, killed_at: float) -> None:
+    """The killed node restarted (same ports: the routes find it again), or the supervisor's
+    replacement heartbeating; then every process heard from since the kill."""
+    if fault.startswith("nats-"):
+        await asyncio.to_thread(stack.server.nodes[int(fault.split("-")[1])].restart)
+    else:
+        await replacement(stack, fault, victim)
+    await heartbeats_since(stack, running(stack, "scheduler") + running(stack, "verifier") +
+                           running(stack, "drafter") + running(stack, "postprocessor"), killed_at)
+
+
+def matrix_row(fault: str, victim: str, streams: list[Streamed], reference: list[list[int]],
+               killed_at: float) -> dict:
+    """One fault's outcome, as the table shows it."""
+    identical = [got.error is None and got.finish_reason == "length" and got.token_ids == expected
+                 for got, expected in zip(streams, reference)]
+    flags = Counter(reason for got in streams for reason in got.degraded(since=killed_at))
+    return {"fault": f"{fault} ({victim})", "identical": sum(identical), "streams": len(streams),
+            "errors": [repr(got.error) for got in streams if got.error is not None],
+            "flagged": ", ".join(f"{reason} x{count}" for reason, count in sorted(flags.items())) or "-",
+            "ended_s": max(got.chunks[-1][0] for got in streams if got.chunks) - killed_at}
+
+
+def matrix_table(rows: list[dict]) -> str:
+    lines = ["fault (killed)                  | identical | flagged chunks                         | last end (s)",
+             "--------------------------------+-----------+----------------------------------------+-------------"]
+    lines += [f"{row['fault']:<32}| {row['identical']:>3} of {row['streams']:<3}| {row['flagged']:<39}| "
+              f"{row['ended_s']:>6.1f}" + (f"  errors: {row['errors']}" if row["errors"] else "") for row in rows]
+    return "\n".join(lines)
+
+
+async def test_fault_matrix_no_single_process_kill_changes_any_stream(matrix_stack, prompts, tokenizer):
+    """The same NUM_REQUESTS greedy streams against each single-process SIGKILL (each role, each
+    NATS node; at FAULT_AFTER_CHUNKS chunks per stream): every stream whole and identical to an
+    undisturbed run. Prints the table of outcomes per fault."""
+    async with matrix_stack.client(idle_timeout_s=WAIT_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as client:
+        undisturbed = await Load(client, requests_for(prompts, "matrix-reference",
+                                                      max_tokens=MATRIX_MAX_TOKENS)).finish()
+        reference = [got.token_ids for got in undisturbed]
+        assert all(len(tokens) == MATRIX_MAX_TOKENS for tokens in reference)
+        rows, outcomes = [], []
+        for fault in MATRIX_FAULTS:
+            load = await Load.start(client, requests_for(prompts, f"matrix-{fault}", max_tokens=MATRIX_MAX_TOKENS))
+            victim = await inject(matrix_stack, fault, load.streams)
+            killed_at = time.monotonic()
+            streams = await load.finish()
+            rows.append(matrix_row(fault, victim, streams, reference, killed_at))
+            outcomes.append(streams)
+            await recover(matrix_stack, fault, victim, killed_at)
+    print("\n" + matrix_table(rows))
+    for row, streams in zip(rows, outcomes):
+        assert row["identical"] == row["streams"], f"{row['fault']}: {row['errors']}\n{matrix_table(rows)}"
+        for got in streams:
+            check_whole(got, tokenizer)

@@ -122,6 +122,25 @@ async def test_a_lost_chunk_is_sent_again_by_a_run_resumed_after_what_was_read(n
     assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
 
 
+async def test_a_lost_commit_fails_over_but_a_schedulers_verdict_does_not(nc, service, client):
+    """The postprocessor's `unavailable` error for a commit that never came names no scheduler:
+    the client runs the rest again. The same code in a chunk that names the scheduler (its final
+    commit, e.g. no verifier left) is the request's end: RequestError, no new run."""
+    generate, _ = service
+    lost = Error(code=ErrorCode.unavailable, message="commit 1 of the stream never reached the postprocessor")
+    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+    await answer(nc, generate, chunk(0, "a", token_ids=[5], from_draft=[False], scheduler_id="s1"),
+                 chunk(1, finish_reason="error", error=lost))
+    resumed = await answer(nc, generate, chunk(0, "b", request_id="req-1.failover1", token_ids=[6], from_draft=[False],
+                                               scheduler_id="s2"),
+                           chunk(1, request_id="req-1.failover1", finish_reason="error", scheduler_id="s2",
+                                 error=Error(code=ErrorCode.unavailable, message="no verifier left")))
+    assert resumed.resume_token_ids.tolist() == [5]
+    with pytest.raises(RequestError, match="no verifier left") as ended:
+        await asyncio.wait_for(generation, timeout=5)
+    assert ended.value.partial.token_ids == [5, 6] and ended.value.partial.degraded == ["failover"]
+
+
 async def test_request_timeout_raises_and_cancels(nc, service, client):
     generate, cancel = service
     started = time.monotonic()
