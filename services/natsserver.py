@@ -229,6 +229,9 @@ class NatsServer:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # Ctrl-C in a terminal reaches the whole foreground group; the server must outlive
+                # the services' own shutdown (they drain through it) and be stopped last, by stop().
+                start_new_session=True,
             )
         try:
             ports = self.wait_until_ready()
