@@ -44,14 +44,14 @@ from gpu_worker.slots import evict_idle, free_request, instance_heartbeat, load_
 from gpu_worker.tokenizer import tokenizer_id
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat, Proposal
+from schemas.messages import (MAX_DRAFT_SUPPORT, DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat,
+                              Proposal)
 
 log = structlog.get_logger(__name__)
 
 # A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
 # (a resync prefill) go through their own forwards so decode rows are not padded to their length.
 SHORT_FEED = 32
-MAX_DRAFT_SUPPORT = 256  # ids per sampled draft's proposal (module docstring, step 5)
 
 
 @dataclass

@@ -40,6 +40,9 @@ MAX_TEMPERATURE = 100.0  # flatter than this is uniform to float32 precision for
 MIN_TOP_P = 1e-6  # a normal float32; top_p below the top token's probability keeps that token alone
 MAX_TOP_K = 1 << 20  # above any vocabulary; top_k >= vocab size is "off"
 MAX_INBOX_LEN = 256  # characters of a client's reply subject (Commit.client_inbox)
+# Ids of a sampled draft's sparse proposal, at most, per draft position: a drafter samples from
+# its top MAX_DRAFT_SUPPORT ids (renormalised), and schedulers size draft batches by it.
+MAX_DRAFT_SUPPORT = 256
 
 # Reasons a chunk can be flagged with; `degraded` accepts any snake_case word so a new
 # fallback does not need a protocol bump, but these are the ones the pipeline emits.

@@ -42,10 +42,10 @@ from gpu_worker.tokenizer import Tokenizer
 from schemas.config import SchedulerConfig
 from schemas.codec import encode
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_BATCH_ROWS, MAX_INBOX_LEN, PROTOCOL_VERSION, Commit, DraftRequest, DraftResponse, DraftRow,
-                              DraftTokens, Error, FinishReason, GenerateRequest, Heartbeat, LogprobOptions,
-                              SamplingParams, SpeculativeOptions, StreamChunk, Usage, VerifyRequest,
-                              VerifyResponse, VerifyRow, seed_from_request_id)
+from schemas.messages import (MAX_BATCH_ROWS, MAX_DRAFT_SUPPORT, MAX_INBOX_LEN, PROTOCOL_VERSION, Commit,
+                              DraftRequest, DraftResponse, DraftRow, DraftTokens, Error, FinishReason, GenerateRequest,
+                              Heartbeat, LogprobOptions, SamplingParams, SpeculativeOptions, StreamChunk, Usage,
+                              VerifyRequest, VerifyResponse, VerifyRow, seed_from_request_id)
 from services.bus import InstanceRegistry
 from services.metrics import SchedulerMetrics
 
@@ -396,8 +396,9 @@ class SchedulerState:
     def check_request_id(self, request_id: str) -> None:
         """SpecbusError duplicate_request_id for an id in use or finished in the last RECENT_ID_TTL_S."""
         expiry = self.monotonic() - RECENT_ID_TTL_S
-        while self.recent_ids and (len(self.recent_ids) > MAX_RECENT_IDS or next(iter(self.recent_ids.values())) < expiry):
-            del self.recent_ids[next(iter(self.recent_ids))]
+        recent = self.recent_ids  # oldest first
+        while recent and (len(recent) > MAX_RECENT_IDS or next(iter(recent.values())) < expiry):
+            del recent[next(iter(recent))]
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise SpecbusError(ErrorCode.duplicate_request_id, f"request {request_id} is already running",
                                "request_id")
@@ -442,7 +443,8 @@ class SchedulerState:
         size = len(encode(commit)) + 4 * request.sampling.max_tokens + MESSAGE_OVERHEAD_BYTES
         top_n = request.logprobs.prompt_logprobs
         if top_n is not None:  # per prompt position: logprob, rank, logz, top-n ids and values, requested ids
-            size += len(prompt_ids) * (ROW_OVERHEAD_BYTES // 8 + 12 + 8 * top_n + 4 * len(request.logprobs.logprob_token_ids))
+            per_position = ROW_OVERHEAD_BYTES // 8 + 12 + 8 * top_n + 4 * len(request.logprobs.logprob_token_ids)
+            size += len(prompt_ids) * per_position
         if size > self.max_payload:
             raise SpecbusError(ErrorCode.too_large, f"a prompt of {len(prompt_ids)} tokens needs messages of about "
                                                     f"{size} bytes, over the bus's max_payload of {self.max_payload}",
@@ -497,7 +499,8 @@ class SchedulerState:
                 outbox.extend(self.end(request, reason, now))
             elif len(self.running) < self.config.max_running and (length_error := self.check_prompt(
                     request.prompt_len, request.sampling.max_tokens, "prompt_token_ids")) is not None:
-                outbox.extend(self.end(request, "error", now, error=Error.from_exception(length_error, request.request_id)))
+                error = Error.from_exception(length_error, request.request_id)
+                outbox.extend(self.end(request, "error", now, error=error))
             elif len(self.running) < self.config.max_running and self.start(request):
                 self.running[request.request_id] = request
                 self.counters["started"] += 1
@@ -778,20 +781,40 @@ class SchedulerState:
 
     def draft_batches(self, plan: StepPlan, now: float) -> dict[str, DraftRequest]:
         """One DraftRequest per drafter with rows, plus release-only batches for drafters with
-        slots to free and nothing else to do."""
+        slots to free and nothing else to do. The request and its answer (MAX_DRAFT_SUPPORT
+        ids per sampled draft at most) are kept under max_payload: rows past it run this step
+        without drafts, flagged draft_timeout."""
         batches = {}
         deadline = now + self.config.draft_timeout_s
         drafters = set(plan.draft_rows) | {i for i in self.releases if self.alive(i) and self.is_role(i, "drafter")}
         for drafter_id in sorted(drafters):
-            rows = []
-            for index, planned in enumerate(plan.draft_rows.get(drafter_id, [])):
+            release = self.take_releases(drafter_id)
+            room = None if self.max_payload is None else \
+                self.max_payload - MESSAGE_OVERHEAD_BYTES - ROW_OVERHEAD_BYTES // 8 * len(release)
+            request_room = answer_room = room
+            rows, kept = [], []
+            for planned in plan.draft_rows.get(drafter_id, []):
                 request = planned.request
-                rows.append(DraftRow(request_id=request.request_id, row=index, step=request.step,
-                                     cached_len=request.drafter_len, new_token_ids=request.history[request.drafter_len:],
+                new_ids = request.history[request.drafter_len:]
+                request_bytes = ROW_OVERHEAD_BYTES + 4 * len(new_ids)
+                sampled = request.speculative.draft_mode == "sample" and not request.sampling.greedy
+                answer_bytes = ROW_OVERHEAD_BYTES + planned.num_draft * (4 + 8 * MAX_DRAFT_SUPPORT * sampled)
+                if room is not None and (request_bytes > request_room or answer_bytes > answer_room):
+                    planned.num_draft = 0
+                    planned.degraded.append("draft_timeout")
+                    self.counters["rows_undrafted_payload"] += 1
+                    continue
+                if room is not None:
+                    request_room, answer_room = request_room - request_bytes, answer_room - answer_bytes
+                rows.append(DraftRow(request_id=request.request_id, row=len(rows), step=request.step,
+                                     cached_len=request.drafter_len, new_token_ids=new_ids,
                                      num_draft=planned.num_draft, draft_mode=request.speculative.draft_mode,
                                      sampling=request.sampling.row_sampling()))
+                kept.append(planned)
+            if drafter_id in plan.draft_rows:
+                plan.draft_rows[drafter_id] = kept
             batches[drafter_id] = DraftRequest(batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id,
-                                               deadline=deadline, rows=rows, release=self.take_releases(drafter_id))
+                                               deadline=deadline, rows=rows, release=release)
         return batches
 
     def is_role(self, instance_id: str, role: str) -> bool:
@@ -842,7 +865,8 @@ class SchedulerState:
                 request = planned.request
                 wants_side = request.logprobs.wants_side_channel
                 row = VerifyRow(request_id=request.request_id, row=len(rows), step=request.step,
-                                cached_len=planned.cached_len, new_token_ids=request.history[planned.cached_len:planned.end],
+                                cached_len=planned.cached_len,
+                                new_token_ids=request.history[planned.cached_len:planned.end],
                                 draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
                                 sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
                                 postprocessor_id=request.postprocessor_id if wants_side else None,
@@ -872,8 +896,9 @@ class SchedulerState:
             return Outbox()
         log.warning("row_too_large", request_id=request.request_id, row_bytes=size, max_payload=self.max_payload)
         return self.end(request, "error", now, error=Error(
-            code=ErrorCode.too_large, message=f"one step of this request needs a {size}-byte message, over the "
-                                              f"bus's max_payload of {self.max_payload}", request_id=request.request_id))
+            code=ErrorCode.too_large, request_id=request.request_id,
+            message=f"one step of this request needs a {size}-byte message, over the bus's max_payload of "
+                    f"{self.max_payload}"))
 
     # ------------------------------------------------------------------ committing a step
 

@@ -12,8 +12,8 @@ from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (Commit, DraftResponse, DraftResult, Error, GenerateRequest, Heartbeat, VerifyResponse,
-                              VerifyResult, seed_from_request_id)
+from schemas.messages import (MAX_DRAFT_SUPPORT, Commit, DraftResponse, DraftResult, Error, GenerateRequest, Heartbeat,
+                              VerifyResponse, VerifyResult, seed_from_request_id)
 from services.scheduler_core import SchedulerState, cut_tokens, prompt_token_ids
 
 TOKENIZER_HASH = "0123456789abcdef"
@@ -502,7 +502,8 @@ def test_max_tokens_is_capped_by_max_seq_len_and_the_request_ends_with_length(to
     """Item 4: reaching max_seq_len ended in an unexplained "error"."""
     state = new_state(tokenizer, roles=(("p1", "postprocessor"), ("d1", "drafter")))
     beat_verifier(state, "v1", max_seq_len=8)
-    request = submit(state, prompt_ids=(5, 6, 7), sampling={"max_tokens": 100}, speculative={"num_speculative_tokens": 4})
+    request = submit(state, prompt_ids=(5, 6, 7), sampling={"max_tokens": 100},
+                     speculative={"num_speculative_tokens": 4})
     outbox = step(state, tokens={"r1": [20]})[2]
     assert request.sampling.max_tokens == 5  # 8 - 3 prompt tokens
     while "r1" in state.running:
@@ -609,3 +610,22 @@ def test_a_text_prompt_far_over_max_seq_len_is_refused_before_tokenizing(tokeniz
         state.check_prompt_text(GenerateRequest(request_id="big", prompt="é" * (1 << 20)))
     assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "prompt")
     state.check_prompt_text(GenerateRequest(request_id="fine", prompt="the quick brown fox"))
+
+
+def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer):
+    """Item 5: a sampled draft's answer is up to MAX_DRAFT_SUPPORT ids per draft; a DraftRequest
+    whose answer could pass max_payload was sent anyway, and its rows all lost their drafts."""
+    state = new_state(tokenizer)
+    sampled = {"sampling": {"temperature": 1.0}, "speculative": {"num_speculative_tokens": 4, "draft_mode": "sample"}}
+    for name in ("a", "b", "c"):
+        submit(state, name, **sampled)
+    step(state)  # prefill
+    one_answer = 1024 + 4 * (4 + 8 * MAX_DRAFT_SUPPORT)
+    state.max_payload = 4096 + 2 * one_answer + 100  # room for two rows' answers, not three
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    message = state.draft_batches(plan, time.time())["d1"]
+    assert [r.request_id for r in message.rows] == ["a", "b"] and [r.row for r in message.rows] == [0, 1]
+    undrafted = {p.request.request_id: p for p in plan.rows["v1"]}["c"]
+    assert undrafted.num_draft == 0 and undrafted.degraded == ["draft_timeout"]
+    assert state.counters["rows_undrafted_payload"] == 1 and state.avoid_until == {}
