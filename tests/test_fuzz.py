@@ -9,6 +9,14 @@ message of another type. A request with a reply subject (generate, draft.<id>, v
 the typed error the codec gives for those bytes (an error StreamChunk for generate); every bad
 message is counted by the service that dropped it and logged in at most one line at WARNING;
 afterwards every process is alive and a greedy generation gives what it gave before.
+
+Then extreme but valid requests (issue 11): hypothesis-generated GenerateRequests with every field
+at or between its schema limits (prompts over max_seq_len or of MAX_PROMPT_CHARS, token ids
+outside the vocabulary, temperatures and top_p at their bounds, max_tokens up to the cap,
+timeouts from 1 ns to an hour, ...) and CancelRequests racing them (right after the request, or
+after a few chunks), 1-3 at once beside a greedy canary request: each ends with a typed outcome
+(a final chunk, or a typed error) within its deadline, the canary's output is the undisturbed
+one, and every service process is the one that started (same pids: no crash, no restart).
 """
 
 import asyncio
@@ -24,12 +32,14 @@ import msgpack
 import numpy as np
 import pytest
 import pytest_asyncio
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from schemas.codec import MAX_ARRAY_LEN, decode
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (MAX_BATCH_ROWS, CancelRequest, Commit, DraftRequest, DraftRow, Error, GenerateRequest,
+from schemas.messages import (MAX_LOGPROB_TOKEN_IDS, MAX_MASK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS,
+                              MAX_PROMPT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K,
+                              MAX_TOP_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, MAX_BATCH_ROWS, CancelRequest, Commit, DraftRequest, DraftRow, Error, GenerateRequest,
                               Heartbeat, LogprobArrays, LogprobOptions, Message, Proposal, RowSampling, SamplingMask,
                               SamplingParams, SideChannelRecord, StopNotice, StreamChunk, VerifyRequest, VerifyResponse,
                               VerifyRow)
@@ -350,3 +360,135 @@ async def test_values_out_of_range_are_refused_naming_the_field(stack, nc, clien
     with pytest.raises(RequestError, match=f"max_seq_len {MAX_SEQ_LEN}") as refused:
         await client.generate(greedy(too_long))
     assert (refused.value.code, refused.value.field) == (ErrorCode.invalid_field, "prompt_token_ids")
+
+
+# ---------------------------------------------------------------------------------------------
+# extreme but valid requests through the real stack (issue 11)
+
+CANARY_TOKENS = 32
+OUTCOME_SLACK_S = 30.0  # past a request's deadline + the client's margin: a busy machine, not a hang
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """A long text prompt, drawn (and reported by hypothesis) as its character and length."""
+
+    char: str
+    count: int
+
+    @property
+    def text(self) -> str:
+        return self.char * self.count
+
+
+@st.composite
+def extreme_requests(draw) -> tuple[Any, dict, int | None]:
+    """(a prompt, request options at and between the limits of every field, after how many
+    chunks to cancel it: None = never, 0 = right after sending it); `extreme_request` makes the
+    request (kept apart so that a failing example is reported short)."""
+    ids = st.integers(0, INT32_MAX) if draw(st.booleans()) else st.integers(0, VT - 1)  # out of the vocabulary too
+    prompt = draw(st.one_of(
+        st.lists(ids, min_size=1, max_size=draw(st.sampled_from([8, MAX_SEQ_LEN + 8, 5000]))),
+        st.text(min_size=1, max_size=300),
+        st.builds(Repeated, st.sampled_from(["x", "é", " "]),  # over max_seq_len; up to MAX_PROMPT_CHARS
+                  st.sampled_from([MAX_SEQ_LEN + 1, 1 << 16, MAX_PROMPT_CHARS])),
+    ))
+    temperature = draw(st.one_of(st.just(0.0), st.sampled_from([MIN_TEMPERATURE, MAX_TEMPERATURE]),
+                                 st.floats(MIN_TEMPERATURE, MAX_TEMPERATURE)))
+    options = dict(
+        max_tokens=draw(st.one_of(st.sampled_from([0, 1, MAX_TOKENS_CAP]), st.integers(0, 2 * MAX_SEQ_LEN))),
+        temperature=temperature,
+        top_k=draw(st.one_of(st.sampled_from([0, 1, MAX_TOP_K]), st.integers(0, VT))),
+        top_p=draw(st.one_of(st.sampled_from([MIN_TOP_P, 1.0]), st.floats(MIN_TOP_P, 1.0))),
+        min_p=draw(st.one_of(st.sampled_from([0.0, 0.999999]), st.floats(0.0, 0.999999))),
+        seed=draw(st.one_of(st.none(), st.sampled_from([0, 2**63 - 1]))),
+        stop=draw(st.lists(st.text(min_size=1, max_size=256), max_size=MAX_STOP_STRINGS)),
+        stop_token_ids=draw(st.lists(ids, max_size=MAX_STOP_TOKEN_IDS)),
+        ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.one_of(st.none(), st.sampled_from([0, MAX_TOP_LOGPROBS]))),
+        prompt_logprobs=draw(st.one_of(st.none(), st.sampled_from([0, MAX_TOP_LOGPROBS]))),
+        logprobs_mode=draw(st.sampled_from(["raw", "processed"])),
+        logprob_token_ids=draw(st.lists(ids, max_size=MAX_LOGPROB_TOKEN_IDS)),
+        sampling_mask=draw(st.booleans()),
+        max_mask_size=draw(st.sampled_from([1, MAX_MASK_SIZE])),
+        num_speculative_tokens=draw(st.sampled_from([0, 1, MAX_SPECULATIVE_TOKENS])),
+        draft_mode=draw(st.sampled_from(["greedy", "sample"])),
+        timeout_s=draw(st.sampled_from([1e-9, 0.05, 30.0, MAX_TIMEOUT_S])),
+        stream=draw(st.booleans()),
+    )
+    return prompt, options, draw(st.one_of(st.none(), st.integers(0, 3)))
+
+
+def extreme_request(prompt, options: dict) -> GenerateRequest:
+    prompt = prompt.text if isinstance(prompt, Repeated) else prompt
+    try:
+        return make_request(prompt, **options)
+    except CodecError:  # a combination the schema refuses is not what this fuzz is about
+        assume(False)
+
+
+def canary_request(request_id: str) -> GenerateRequest:
+    return make_request(PROMPT, request_id=request_id, max_tokens=CANARY_TOKENS, temperature=0.0, ignore_eos=True,
+                        num_speculative_tokens=4, timeout_s=60.0)
+
+
+@dataclass
+class Outcome:
+    request: GenerateRequest
+    finish_reason: str | None = None
+    error: str | None = None  # the typed error's code, from a final chunk or a RequestError
+    untyped: str | None = None  # anything else: a timeout of the client, a broken stream, an exception
+
+
+async def run_request(client, request: GenerateRequest, cancel_after: int | None) -> Outcome:
+    outcome = Outcome(request)
+    try:
+        async with await client.open_stream(request) as stream:
+            if cancel_after == 0:
+                await client.cancel(request.request_id)
+            async for chunk in stream:
+                if cancel_after is not None and chunk.seq + 1 == cancel_after:
+                    await client.cancel(request.request_id)
+                if chunk.final:
+                    outcome.finish_reason = chunk.finish_reason
+    except RequestError as exc:
+        outcome.finish_reason, outcome.error = "error", ErrorCode(exc.code).value
+    except Exception as exc:  # noqa: BLE001 (StreamTimeout, StreamBroken, ...: what must not happen)
+        outcome.untyped = repr(exc)
+    return outcome
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def service_pids(stack) -> dict[str, int]:
+    return {p.instance_id: p.process.pid for p in stack.processes.values()}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def canary_reference(client) -> list[int]:
+    result = await client.generate(canary_request("canary-reference"))
+    assert result.finish_reason == "length" and len(result.token_ids) == CANARY_TOKENS
+    return result.token_ids
+
+
+# No shrinking: each example is seconds of a real stack; the failing example is reported as drawn.
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(drawn=st.lists(extreme_requests(), min_size=1, max_size=3))
+async def test_extreme_requests_and_racing_cancels_end_typed_and_leave_the_canary_and_services_alone(
+        stack, client, service_pids, canary_reference, drawn):
+    batch = [(extreme_request(prompt, options), cancel_after) for prompt, options, cancel_after in drawn]
+    canary = asyncio.create_task(client.generate(canary_request(f"canary-{time.monotonic_ns()}")))
+    bound_s = max(request.timeout_s for request, _ in batch) + client.timeout_margin_s + OUTCOME_SLACK_S
+    outcomes = await asyncio.wait_for(asyncio.gather(*(run_request(client, request, cancel_after)
+                                                       for request, cancel_after in batch)), timeout=bound_s)
+    canary_result = await asyncio.wait_for(canary, timeout=60.0)
+
+    for outcome in outcomes:
+        what = f"{outcome.request.request_id}: {outcome}"
+        assert outcome.untyped is None, what
+        assert outcome.finish_reason in ("length", "stop", "eos", "cancelled", "timeout", "error"), what
+        if outcome.finish_reason == "error":
+            assert outcome.error in {code.value for code in ErrorCode}, what
+    assert canary_result.finish_reason == "length" and canary_result.token_ids == canary_reference
+    assert {p.instance_id: p.process.pid for p in stack.processes.values() if p.running} == service_pids

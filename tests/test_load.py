@@ -7,6 +7,12 @@ $SRV.STATS: the queue bound holds, no KV cache reports more slots in use than it
 excess requests are refused `overloaded` at once, the admitted ones give what they give alone,
 and the stack then serves a new batch at full speed. Cancelling every request at once frees
 every slot, as the heartbeats show.
+
+Nothing depends on the machine's speed: a state is asserted only where the test holds it (long
+ignore_eos requests that run until cancelled fill every slot, and the test polls the heartbeats
+and $SRV.STATS until they show it, with generous bounds); during the crowd of short requests
+only bounds that hold at every moment are checked, since a poll or a heartbeat may fall between
+two waves of short requests on a fast machine.
 """
 
 import asyncio
@@ -31,6 +37,7 @@ MAX_RUNNING, MAX_QUEUE, SLOTS = 4, 4, 4
 NUM_PROMPTS = 8
 MAX_TOKENS = 16
 TIMEOUT_S = 60.0
+WAIT_S = 60.0  # bound of every wait for a condition
 HEARTBEAT_S = "0.1"  # frequent beats, so the watcher sees the slots as they are used
 
 
@@ -122,6 +129,13 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, VT, (12 + i,), generator=generator).tolist() for i in range(NUM_PROMPTS)]
 
 
+async def wait_until(condition, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.05)
+
+
 async def timed_batch(client, requests) -> tuple[list, float]:
     started = time.monotonic()
     results = await asyncio.gather(*(client.generate(r) for r in requests))
@@ -154,7 +168,7 @@ async def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(stac
     assert len(finished) >= MAX_RUNNING + MAX_QUEUE and len(refused) >= num_requests - 2 * (MAX_RUNNING + MAX_QUEUE)
     assert all(exc.code == ErrorCode.overloaded and "the limit is 4 running + 4 queued" in exc.message
                for _, exc, _ in refused)
-    assert max(s for _, _, s in refused) < 2.0  # at once: the request timeout is 60 s
+    assert max(s for _, _, s in refused) < TIMEOUT_S / 4  # refused, not queued until the 60 s timeout
     for index, result, _ in finished:
         assert result.finish_reason == "length" and result.token_ids == reference[index % NUM_PROMPTS], index
 
@@ -163,13 +177,11 @@ async def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(stac
     # them may still be queued (seen: 0 running, 8 queued), so the queue alone is not bounded by 4.
     assert watcher.stats and all(s["running"] <= MAX_RUNNING and s["running"] + s["queued"] <= MAX_RUNNING + MAX_QUEUE
                                  for s in watcher.stats)
-    assert max(s["running"] for s in watcher.stats) == MAX_RUNNING  # the watcher saw the stack full
     assert all(beat.load <= MAX_RUNNING + MAX_QUEUE for beat in watcher.beats_of("scheduler"))
     for role in ("verifier", "drafter"):
         beats = watcher.beats_of(role)
         assert beats and all(beat.capacity == SLOTS and 0 <= beat.free_slots <= SLOTS and beat.load <= SLOTS
                              and beat.load == SLOTS - beat.free_slots for beat in beats), role
-        assert min(beat.free_slots for beat in beats) == 0, role  # every slot was used, none twice
     stats = await scheduler_stats(stack)
     assert stats.get("finished_error", 0) == 0 and stats["refused_overloaded"] >= len(refused)
 
@@ -182,11 +194,18 @@ async def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(stac
 async def test_cancelling_every_request_at_once_frees_every_slot(stack, client, prompts):
     long_requests = [greedy(p, max_tokens=1000) for p in prompts[:MAX_RUNNING + MAX_QUEUE]]
     streams = [await client.open_stream(request) for request in long_requests]
-    first_chunks = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams[:MAX_RUNNING])), timeout=30)
+    first_chunks = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams[:MAX_RUNNING])), timeout=WAIT_S)
     assert all(len(chunk.token_ids) for chunk in first_chunks)
     async with Watcher(stack) as watcher:
-        # A drafter slot fills in the step after its request's first token, so wait for the beats.
-        await watcher.wait_slots(free=False, timeout_s=10.0)
+        # Full and held so until cancelled: every slot of the verifier and the drafter in use
+        # (none twice: the bounds of every beat hold), 4 running and 4 queued. A drafter slot
+        # fills in the step after its request's first token, so wait for the beats.
+        await watcher.wait_slots(free=False, timeout_s=WAIT_S)
+        await wait_until(lambda: watcher.stats and (watcher.stats[-1]["running"], watcher.stats[-1]["queued"])
+                         == (MAX_RUNNING, MAX_QUEUE), "4 running and 4 queued")
+        for role in ("verifier", "drafter"):
+            assert all(0 <= beat.free_slots <= SLOTS and beat.load == SLOTS - beat.free_slots
+                       for beat in watcher.beats_of(role)), role
         await asyncio.gather(*(client.cancel(request.request_id) for request in long_requests))
 
         async def final_chunk(stream):
@@ -194,9 +213,9 @@ async def test_cancelling_every_request_at_once_frees_every_slot(stack, client, 
                 last = chunk
             return last
 
-        finals = await asyncio.wait_for(asyncio.gather(*(final_chunk(s) for s in streams)), timeout=10)
+        finals = await asyncio.wait_for(asyncio.gather(*(final_chunk(s) for s in streams)), timeout=WAIT_S)
         assert [chunk.finish_reason for chunk in finals] == ["cancelled"] * len(streams)
-        freed_s = await watcher.wait_slots(free=True, timeout_s=5.0)
+        freed_s = await watcher.wait_slots(free=True, timeout_s=WAIT_S)
     print(f"\nevery slot free {freed_s:.2f} s after the cancelled streams ended")
     for stream in streams:
         await stream.close()
