@@ -53,8 +53,8 @@ class KnownModel:
 
     @property
     def present(self) -> bool:
-        return all((self.path / name).exists() for name in ("config.json", "tokenizer.json")) and \
-            any(self.path.glob("*.safetensors"))
+        files = ("config.json", "tokenizer.json")
+        return all((self.path / name).exists() for name in files) and any(self.path.glob("*.safetensors"))
 
 
 def known_models() -> list[KnownModel]:
