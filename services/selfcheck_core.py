@@ -279,6 +279,49 @@ def render_details(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table)
 
 
+def plain_json(value):
+    """value with every non-finite float made None (JSON has no inf or NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v) for v in value]
+    return value
+
+
 def report_json(results: Sequence[CheckResult], settings: dict) -> dict:
-    return {"passed": all(r.passed for r in results), "settings": settings,
-            "checks": [r.to_json() for r in results]}
+    """The report as plain JSON (an infinite statistic or difference is null)."""
+    return plain_json({"passed": all(r.passed for r in results), "settings": settings,
+                       "checks": [r.to_json() for r in results]})
+
+
+def distribution_results(details: Sequence[dict], alpha: float, num_samples: int) -> list[CheckResult]:
+    """The distribution row and the power row from per-cell details ("p": the cell's p-value,
+    None when untestable; "bypass_p": the simulated bypass's, where simulated). Both use the
+    Bonferroni factor of the cells tested; the power row passes when the bypass would fail."""
+    tested = [d for d in details if d["p"] is not None]
+    p_adjusted = bonferroni([d["p"] for d in tested])
+    worst = min(tested, key=lambda d: d["p"], default=None)
+
+    def where(d: dict) -> str:
+        return f"context {d['context']} T={d['temperature']} draft {d['draft_mode']} position {d['position']}"
+
+    notes = [f"{where(d)}: {d['outside_candidates']} sampled tokens outside the candidate set"
+             for d in details if d["outside_candidates"]]
+    if not tested:
+        notes.append("no cell had enough samples sharing a prefix to test")
+    elif p_adjusted < alpha:
+        notes.append(f"worst cell: {where(worst)}, G={worst['G']} dof={worst['dof']} p={format_p(worst['p'])}")
+    statistic = "-" if worst is None else f"worst G={worst['G']} dof={worst['dof']}, M={num_samples}"
+    distribution = CheckResult("distribution", len(tested), statistic, f"p_adj={format_p(p_adjusted)}",
+                               bool(tested) and p_adjusted >= alpha, list(details), notes)
+    bypass = [d["bypass_p"] for d in details if d.get("bypass_p") is not None]
+    factor = max(len(tested), 1)
+    bypass_adjusted = min(1.0, min(bypass, default=1.0) * factor)
+    caught = sum(p * factor < alpha for p in bypass)
+    power_notes = [] if bypass_adjusted < alpha else [
+        f"a verifier with the same-token bypass would pass at M={num_samples}: raise --samples"]
+    power = CheckResult("power: same-token bypass (simulated)", len(bypass), f"{caught}/{len(bypass)} cells reject",
+                        f"p_adj={format_p(bypass_adjusted)}", bypass_adjusted < alpha, [], power_notes)
+    return [distribution, power]

@@ -16,7 +16,8 @@ import pytest
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.selfcheck import MIN_GROUP, QUICK
 from services.selfcheck_core import (ALPHA, CheckResult, LogprobEntry, bin_counts, chi2_sf, distribution_bins,
-                                     logprob_diffs, merge_small_bins, pooled_gof, render_table, same_token_bypass)
+                                     distribution_results, logprob_diffs, merge_small_bins, pooled_gof, render_table,
+                                     same_token_bypass)
 from services.stack import Stack, StackConfig
 
 HOOK_DIR = Path(__file__).parent / "selfcheck_hook"
@@ -99,6 +100,17 @@ def test_logprob_comparison_handles_inf_and_ties_at_the_top_n_cut():
     assert "top id 8 in one list only" in problems and "logprob differs by inf" in problems
 
 
+def test_distribution_rows_fail_on_a_token_outside_the_candidates_and_on_too_little_power():
+    cell = {"context": 0, "temperature": 0.7, "draft_mode": "greedy", "position": 1, "G": 3.0, "dof": 4,
+            "p": 0.5, "outside_candidates": 0, "bypass_p": 1e-9}
+    distribution, power = distribution_results([cell, {**cell, "position": 2, "bypass_p": 0.3}], ALPHA, 200)
+    assert distribution.passed and power.passed and power.statistic == "1/2 cells reject"
+    distribution, power = distribution_results([{**cell, "p": 0.0, "outside_candidates": 2, "bypass_p": 0.3}],
+                                               ALPHA, 200)
+    assert not distribution.passed and "2 sampled tokens outside the candidate set" in distribution.notes[0]
+    assert not power.passed and "raise --samples" in power.notes[0]
+
+
 def test_the_table_marks_failures_and_says_the_run_failed():
     table = render_table([CheckResult("greedy identity", 12, "12/12 identical", "-", True),
                           CheckResult("distribution", 10, "worst G=47", "p_adj=1e-06", False, notes=["worst cell"])])
@@ -128,7 +140,7 @@ async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict]:
         sys.executable, "-m", "services.cli", "--log-level", "warning", "selfcheck", "--url", stack.url, "--json",
         *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=600)
-    assert stdout, stderr.decode()[-2000:]
+    assert stdout, f"exit {process.returncode}, no report; stderr ends:\n{stderr.decode()[-3000:]}"
     return process.returncode, json.loads(stdout)
 
 
@@ -139,7 +151,8 @@ async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path):
     assert code == 0 and report["passed"], json.dumps(report)[:3000]
     assert list(rows) == ["greedy identity", "distribution", "power: same-token bypass (simulated)",
                           "logprob identity", "seed reproducibility", "degradation honesty"]
-    assert rows["distribution"]["cells"] >= 4 and all(d["samples"] >= MIN_GROUP for d in rows["distribution"]["details"])
+    cells = rows["distribution"]["details"]
+    assert rows["distribution"]["cells"] >= 4 and all(d["samples"] >= MIN_GROUP for d in cells if d["p"] is not None)
     assert rows["greedy identity"]["cells"] == QUICK.greedy_prompts * 3
     assert sum(d["draft_accepted"] for d in rows["greedy identity"]["details"]) > 0  # speculation ran
 
@@ -148,9 +161,9 @@ async def test_selfcheck_fails_when_the_verifier_accepts_drafts_equal_to_its_own
     async with Stack(stack_config(tmp_path, bad_rule=True)) as stack:
         code, report = await selfcheck(stack, "--quick", "--checks", "distribution")
     rows = {row["name"]: row for row in report["checks"]}
-    assert code == 1 and not report["passed"]
-    assert not rows["distribution"]["passed"], json.dumps(rows["distribution"])[:3000]
-    assert rows["power: same-token bypass (simulated)"]["passed"]
-    # the first speculative position of the greedy-draft cells is where the bypass shows
+    shown = json.dumps(report)[:4000]
+    assert code == 1 and not report["passed"] and not rows["distribution"]["passed"], shown
+    assert rows["power: same-token bypass (simulated)"]["passed"], shown
+    # where the bypass shows: a speculative position of the greedy-draft cells (point-mass drafts)
     worst = min(rows["distribution"]["details"], key=lambda d: d["p"] if d["p"] is not None else 1.0)
-    assert worst["position"] >= 1 and worst["draft_mode"] == "greedy"
+    assert worst["position"] >= 1 and worst["draft_mode"] == "greedy", shown
