@@ -19,6 +19,13 @@ timeout_margin_s, the gap between two chunks by idle_timeout_s (after the first 
 timeout raises StreamTimeout and sends a CancelRequest. An Error chunk raises RequestError
 (Overloaded when the scheduler refused the request for lack of room); a request or inbox the
 NATS server refuses this user raises RequestError with code `forbidden` at once.
+
+Failover (docs/PROTOCOL.md#scheduler-failover; `failover=False` turns it off): the client reads
+the schedulers' heartbeats. When the scheduler running a request is silent for
+heartbeat_timeout_s, or the stream lost something on the way (a gap before the final chunk, an
+`unavailable` error chunk that names no scheduler: a lost commit, no chunk for idle_timeout_s),
+the request is sent again as a new run resuming after the tokens already read (same seed, same
+positions: the same output), at most MAX_FAILOVERS times; only then do the errors above apply.
 """
 
 from __future__ import annotations
@@ -315,6 +322,8 @@ class Stream:
             if final is not None and final.error is None and await self._failover(
                     f"seqs before the final {self.final_seq} never arrived"):
                 return  # chunks lost in a dead NATS node: a new run sends those tokens again
+            if bound == "idle" and await self._failover(f"no chunk for {self.client.idle_timeout_s} s"):
+                return  # the rest (its final chunk, say) lost on the way: run it again from here
             raise await self._timeout_error(bound) from None
         except PermissionDenied as exc:
             self.finished = True

@@ -22,9 +22,8 @@ import pytest
 import pytest_asyncio
 
 from services.natsserver import NatsCluster, NatsServer, NatsServerConfig
-from services.stack import Stack, StackConfig
-from tests.test_faults import (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, K, Load, Streamed, check_whole,
-                               greedy)
+from services.stack import Stack
+from tests.test_faults import K, Load, Streamed, check_whole, fault_config, greedy
 from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -32,20 +31,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 NODES = 3
 MAX_TOKENS = 96
 CHUNKS_BEFORE_KILL = 4
-VERIFY_TIMEOUT_S = 2.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(models, tmp_path_factory):
-    beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
-    config = StackConfig(
-        target_model=str(models[0]), draft_model=str(models[1]), nats_cluster=NODES,
-        nats=NatsServerConfig(http_port=0),  # /connz says which node each process is on
-        log_dir=tmp_path_factory.mktemp("cluster-logs"),
-        role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
-                                 "--verify-timeout-s", str(VERIFY_TIMEOUT_S)],
-                   "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
-                   "postprocessor": beat})
+    config = fault_config(models, tmp_path_factory.mktemp("cluster-logs"), nats_cluster=NODES,
+                          nats=NatsServerConfig(http_port=0))  # /connz says which node each process is on
     async with Stack(config) as running:
         yield running
 
