@@ -286,3 +286,26 @@ def children_of(parent_pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             pass
     return pids
+
+
+async def test_up_with_a_nats_cluster_gives_every_node_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """`specbus up --nats-cluster 3`: the URL line lists three nodes, a service's heartbeats reach
+    a reader on each node (over the routes), and Ctrl-C (SIGINT to the whole process group, as a
+    terminal sends it) stops every service cleanly before the nodes (exit 0, no service exits
+    with an error: the nodes, in their own sessions, outlive the services' drain)."""
+    async with specbus_process("up", "--port", "0", "--nats-cluster", "3", "--schedulers", "0", "--verifiers", "0",
+                               "--drafters", "0", "--gateways", "0", "--target-model", str(TINY_TARGET),
+                               "--log-dir", str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True) as process:  # a group of its own, as in a terminal
+        url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
+        nodes = url.split(",")
+        assert len(nodes) == 3 and all(node.startswith("nats://127.0.0.1:") for node in nodes)
+        ready = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
+        assert ready.startswith(f"ready: 0 scheduler, 0 verifier, 0 drafter, 1 postprocessor on {url}")
+        for node in nodes:
+            await wait_for_heartbeat(node, tmp_path, "postprocessor-0")
+        os.killpg(process.pid, signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), timeout=60) == 0
+        stderr = (await process.stderr.read()).decode()
+    assert "stack_process_stopped          instance_id=postprocessor-0 returncode=0" in stderr
+    assert stderr.count("nats_server_stopped") == 3
