@@ -472,7 +472,7 @@ async def canary_reference(client) -> list[int]:
 
 
 # No shrinking: each example is seconds of a real stack; the failing example is reported as drawn.
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(drawn=st.lists(extreme_requests(), min_size=1, max_size=3))
 async def test_extreme_requests_and_racing_cancels_end_typed_and_leave_the_canary_and_services_alone(
