@@ -355,14 +355,26 @@ class Stack:
         self.heartbeats[beat.instance_id] = beat
         self.heartbeat_seen_at[beat.instance_id] = time.monotonic()
 
+    def new_instance_id(self, role: str) -> str:
+        """The next unused id `<role>-<n>`."""
+        index = self.next_index.get(role, 0)
+        self.next_index[role] = index + 1
+        return f"{role}-{index}"
+
+    async def spawn_replacement(self, dead: ServiceProcess) -> ServiceProcess:
+        """A fresh instance (a new id) of a dead one's role in its place; does not wait for it. A
+        gateway listens on the dead one's HTTP port, so its clients' base URL stays valid."""
+        instance_id = self.new_instance_id(dead.role)
+        if dead.instance_id in self.gateway_ports:
+            self.gateway_ports[instance_id] = self.gateway_ports[dead.instance_id]
+        return await self.spawn(dead.role, instance_id)
+
     async def spawn(self, role: str, instance_id: str | None = None) -> ServiceProcess:
         """Start one instance of role (id `<role>-<n>` unless given); does not wait for it."""
         if role not in ROLES:
             raise ValueError(f"role: unknown role {role!r}, expected one of {ROLES}")
         if instance_id is None:
-            index = self.next_index.get(role, 0)
-            self.next_index[role] = index + 1
-            instance_id = f"{role}-{index}"
+            instance_id = self.new_instance_id(role)
         known = self.processes.get(instance_id)
         if known is not None and known.running:
             raise StackError(f"{instance_id} is already running (pid {known.process.pid})")

@@ -4,8 +4,8 @@
 
 A service process that exits while the stack runs (a crash, an OOM kill, a SIGKILL, or a clean
 exit nobody asked for) is replaced by a fresh process of the same role with a new instance id
-(`drafter-0` -> `drafter-1`): the scheduler sees a new instance appear by its heartbeat and the
-old one fall silent, which is exactly the fallback path of the README's guarantees table
+(`drafter-0` -> `drafter-1`; a gateway keeps its HTTP port): the scheduler sees a new instance
+appear by its heartbeat and the old one fall silent, which is exactly the fallback path of the README's guarantees table
 (resync from the history, migration, postprocessor replay). A new id, not the old one, so a
 restarted instance is never mistaken for the one whose state died with it.
 
@@ -73,7 +73,7 @@ async def supervise(stack: Stack, stop: asyncio.Event, policy: RestartPolicy = R
     the instance ids started as replacements, in order). CrashLoop: see the module docstring."""
     restarts: dict[str, RoleRestarts] = {}
     seen_exits = {p.process.pid for p in stack.processes.values() if not p.running}  # before we watched
-    due: list[tuple[float, str]] = []  # (time.monotonic() to start it, role)
+    due: list[tuple[float, ServiceProcess]] = []  # (time.monotonic() to replace it, the dead process)
     started: list[str] = []
     while not stop.is_set():
         now = time.monotonic()
@@ -82,14 +82,15 @@ async def supervise(stack: Stack, stop: asyncio.Event, policy: RestartPolicy = R
                 continue
             seen_exits.add(proc.process.pid)
             delay_s = restarts.setdefault(proc.role, RoleRestarts()).exited(proc, now, policy)
-            due.append((now + delay_s, proc.role))
+            due.append((now + delay_s, proc))
             log.warning("stack_process_exited", instance_id=proc.instance_id, returncode=proc.process.returncode,
                         ran_s=round(now - proc.started_at, 1), restart_in_s=delay_s)
         for entry in [entry for entry in due if entry[0] <= now]:
             due.remove(entry)
-            replacement = await stack.spawn(entry[1])  # inline, so a stop never leaves one unregistered
+            replacement = await stack.spawn_replacement(entry[1])  # inline: a stop never leaves one unregistered
             started.append(replacement.instance_id)
-            log.warning("stack_process_restarted", role=entry[1], instance_id=replacement.instance_id)
+            log.warning("stack_process_restarted", role=replacement.role, instance_id=replacement.instance_id,
+                        replaces=entry[1].instance_id)
         try:
             await asyncio.wait_for(stop.wait(), timeout=policy.poll_s)
         except asyncio.TimeoutError:

@@ -5,6 +5,7 @@ The full-stack kills (drafter, verifier, postprocessor under 8 streams, restarte
 supervisor) are in tests/test_faults.py."""
 
 import asyncio
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -79,3 +80,22 @@ async def test_a_role_that_keeps_dying_on_start_is_a_crash_loop(tmp_path):
         with pytest.raises(CrashLoop, match=r"(?s)postprocessor exited 3 times .*postprocessor-2, with code 2.*"
                                             r"heartbeat_interval_s"):
             await asyncio.wait_for(supervisor, timeout=120)
+
+
+async def test_a_replaced_gateway_listens_on_the_dead_ones_port(tmp_path):
+    """A client of the OpenAI API keeps its base URL (client.env's OPENAI_BASE_URL) across a restart."""
+    config = dataclasses.replace(postprocessors(tmp_path, count=1), gateways=1)
+    async with Stack(config) as stack:
+        port = stack.gateway_ports["gateway-0"]
+        stop = asyncio.Event()
+        supervisor = asyncio.create_task(supervise(stack, stop, FAST))
+        stack.kill("gateway-0", signal.SIGKILL)
+        await wait_until(lambda: "gateway-1" in stack.processes)
+        replacement = stack.processes["gateway-1"]
+        deadline = time.monotonic() + 60
+        while not await stack.is_ready(replacement):
+            assert replacement.running and time.monotonic() < deadline, replacement.log_tail()
+            await asyncio.sleep(0.1)
+        stop.set()
+        assert await supervisor == ["gateway-1"]
+        assert stack.gateway_ports["gateway-1"] == port
