@@ -44,7 +44,7 @@ import anyio
 import nats.errors
 import structlog
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Gauge, generate_latest
@@ -64,6 +64,10 @@ from services.gateway_core import (CHAT_PARAMS, COMPLETION_PARAMS, ApiError, Cha
 from services.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
 
 log = structlog.get_logger(__name__)
+
+# On stop, how long responses in flight may go on before they are cut (their requests then cancelled);
+# under the stack's SIGKILL stop_timeout_s.
+STOP_GRACE_S = 5.0
 
 
 class GatewayMetrics(Metrics):
@@ -130,9 +134,9 @@ class Running:
             try:
                 async for chunk in self.streams[position]:
                     await queue.put((position, chunk, None))
-            except (SpecbusError, ApiError) as exc:
+                await queue.put((position, None, None))
+            except Exception as exc:  # the reader raises it
                 await queue.put((position, None, exc))
-            await queue.put((position, None, None))
 
         tasks = [asyncio.create_task(pump(position)) for position in pending]
         try:
@@ -180,10 +184,9 @@ def piece_of(kind: str, choice: Choice, chunk: Any, *, delta: bool) -> dict:
     return choice.completion_piece(chunk) if kind == "completion" else choice.chat_piece(chunk, delta=delta)
 
 
-async def respond(gateway: Gateway, request: Request, body: CompletionBody | ChatBody,
+async def respond(gateway: Gateway, client: Client, body: CompletionBody | ChatBody,
                   kind: Literal["completion", "chat"], plans: list[Plan], top_n: int | None,
                   param_names: dict[str, str]) -> Response:
-    client = gateway.client_for(request)
     running = await open_choices(gateway, client, plans, top_n, param_names)
     envelope = Envelope(kind, gateway.model)
     if body.stream:
@@ -252,31 +255,27 @@ def build_app(gateway: Gateway) -> FastAPI:
         error = validation_error(exc.errors())
         return JSONResponse(error.to_json(), status_code=error.status)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    def authorized(request: Request) -> Client:
+        """The API key's client (a dependency: FastAPI runs it before it validates the body, so a
+        bad key is a 401 whatever the body holds)."""
+        return gateway.client_for(request)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        gateway.client_for(request)
+    async def models(client: Client = Depends(authorized)) -> dict:
         return {"object": "list", "data": [gateway.card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request) -> Response:
-        gateway.client_for(request)
+    async def completions(body: CompletionBody, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
         plans = completion_plans(body, gateway.tokenizer, gateway.config.timeout_s)
-        return await respond(gateway, request, body, "completion", plans, body.logprobs, COMPLETION_PARAMS)
+        return await respond(gateway, client, body, "completion", plans, body.logprobs, COMPLETION_PARAMS)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request) -> Response:
-        gateway.client_for(request)
+    async def chat_completions(body: ChatBody, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
         plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(gateway, request, body, "chat", plans, top_n, CHAT_PARAMS)
+        return await respond(gateway, client, body, "chat", plans, top_n, CHAT_PARAMS)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -292,6 +291,26 @@ def build_app(gateway: Gateway) -> FastAPI:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def counted(app: Any, metrics: GatewayMetrics) -> Any:
+    """app, counting each HTTP response by route and status as it starts (plain ASGI: Starlette's
+    BaseHTTPMiddleware would pass every SSE chunk through one more task)."""
+    routes = {route.path for route in app.routes}
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                path = scope["path"] if scope["path"] in routes else "other"
+                metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await app(scope, receive, send_counted)
+
+    return asgi
 
 
 class GatewayServer(uvicorn.Server):
@@ -334,7 +353,9 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         gateway = Gateway(config, clients, logins, health_nc, tokenizer, TokenTexts(tokenizer), model,
                           model_card(model, config.target_model, config.draft_model, created))
         listener = exit_stack.enter_context(http_socket(config.http_host, config.http_port))
-        server = GatewayServer(uvicorn.Config(build_app(gateway), log_config=None, access_log=False, lifespan="off"))
+        app = counted(build_app(gateway), gateway.metrics)
+        server = GatewayServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                              timeout_graceful_shutdown=STOP_GRACE_S))
         with serve_metrics(gateway.metrics.registry, config.metrics_port):
             serving = asyncio.create_task(server.serve(sockets=[listener]))
             log.info("gateway_listening", url=f"http://{config.http_host}:{listener.getsockname()[1]}/v1",

@@ -6,7 +6,8 @@ it, rather than silently ignored). Besides the OpenAI fields, every body takes s
 (documented in README.md, "OpenAI-compatible API"): top_k, min_p, ignore_eos, stop_token_ids,
 num_speculative_tokens, draft_mode, logprobs_mode, sampling_mask, timeout_s. Responses carry
 our extras next to the OpenAI fields: usage.draft_tokens_proposed / draft_tokens_accepted /
-acceptance_rate / steps, and per choice `degraded` (the reasons of the chunks flagged so far).
+acceptance_rate / steps, and per choice `degraded`: in a streamed chunk the reasons that chunk was
+flagged with (e.g. draft_timeout), in a whole response every reason seen, when there is any.
 
 One OpenAI request becomes one GenerateRequest per choice: `n` choices per prompt (seed + i when
 a seed is given, else each request id's own seed), choice index prompt_index * n + i, as OpenAI
@@ -31,7 +32,7 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -395,12 +396,10 @@ class Choice:
     text_offset: int = 0  # completions: characters of this choice's text so far
     finish_reason: str | None = None
     usage: Usage | None = None
-    degraded: list[str] = field(default_factory=list)
     started: bool = False
 
     def finish(self, chunk: StreamChunk) -> str | None:
         """The OpenAI finish_reason of a chunk; a request that timed out or was cancelled is an error."""
-        self.degraded += [reason for reason in chunk.degraded if reason not in self.degraded]
         if not chunk.final:
             return None
         if chunk.finish_reason == "timeout":
@@ -425,7 +424,7 @@ class Choice:
         piece = {"index": self.index, "text": text,
                  "logprobs": None if self.top_n is None else self.completion_logprobs(ids, entries),
                  "finish_reason": self.finish(chunk)}
-        return piece | ({"degraded": list(self.degraded)} if self.degraded else {})
+        return piece | ({"degraded": list(chunk.degraded)} if chunk.degraded else {})
 
     def completion_logprobs(self, ids: list[int], entries: Sequence[TokenLogprob | None]) -> dict:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -453,7 +452,7 @@ class Choice:
         message = {"content": chunk.text} if delta else {"role": "assistant", "content": chunk.text}
         piece = {"index": self.index, ("delta" if delta else "message"): message,
                  "logprobs": None if content is None else {"content": content}, "finish_reason": self.finish(chunk)}
-        return piece | ({"degraded": list(self.degraded)} if self.degraded else {})
+        return piece | ({"degraded": list(chunk.degraded)} if chunk.degraded else {})
 
     def chat_logprob(self, token_id: int, entry: TokenLogprob) -> dict:
         raw, token = self.texts.get(token_id)
@@ -467,6 +466,9 @@ class Choice:
 def merge_pieces(kind: Literal["completion", "chat"], pieces: Sequence[dict]) -> dict:
     """One non-streamed choice from its pieces in order (a non-streamed request usually has one)."""
     merged = dict(pieces[-1])
+    degraded = list(dict.fromkeys(reason for p in pieces for reason in p.get("degraded", ())))
+    if degraded:
+        merged["degraded"] = degraded
     if kind == "completion":
         merged["text"] = "".join(p["text"] for p in pieces)
         logprobs = [p["logprobs"] for p in pieces if p["logprobs"] is not None]

@@ -23,6 +23,7 @@ import pytest_asyncio
 
 from gpu_worker.tokenizer import load_tokenizer
 from services.client import make_request, score_request
+from services.natsserver import NatsServerConfig
 from services.stack import Stack, StackConfig
 from tests.gpu_worker.conftest import write_tiny_pair
 
@@ -47,6 +48,7 @@ def models(tmp_path_factory):
 async def stack(models, tmp_path_factory):
     config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), gateways=1,
                          client_users=("alice", "bob"), log_dir=tmp_path_factory.mktemp("gateway-logs"),
+                         nats=NatsServerConfig(http_port=0),  # /connz: who published what
                          role_args={"scheduler": ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5"]})
     async with Stack(config) as running:
         yield running
@@ -85,6 +87,23 @@ async def test_client_env_sets_up_the_sdk_and_models_lists_the_target(stack, mod
     assert listed.data[0].model_extra["draft_model"] == models[1].name
     bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
     assert [m.id for m in (await bob.models.list()).data] == [model]
+
+
+async def gateway_connections(stack) -> dict[str, dict]:
+    """The gateway's NATS connections by user, from the server's /connz."""
+    url = f"http://127.0.0.1:{stack.server.monitoring_port}/connz?auth=1"
+    connections = json.loads((await asyncio.to_thread(http_get, url))[1])["connections"]
+    return {c["authorized_user"]: c for c in connections if c.get("name", "").startswith("gateway-0-")}
+
+
+async def test_each_key_sends_on_its_own_users_connection(stack, model):
+    before = await gateway_connections(stack)
+    assert set(before) == {"alice", "bob", "monitor"}  # monitor: /health
+    bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
+    await bob.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    after = await gateway_connections(stack)
+    assert after["bob"]["in_msgs"] > before["bob"]["in_msgs"]  # bob's request went out as bob
+    assert after["alice"]["in_msgs"] == before["alice"]["in_msgs"]
 
 
 async def test_greedy_completion_equals_the_nats_clients_streamed_or_not(stack, api, client, model):
@@ -200,6 +219,8 @@ async def test_bad_key_unknown_model_and_no_chat_template_errors(stack, api, mod
     with pytest.raises(openai.AuthenticationError) as caught:
         await stranger.models.list()
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):  # the key is checked before the body
+        await stranger.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={"top_k": "x"})
     with pytest.raises(openai.NotFoundError) as caught:
         await api.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
     assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
@@ -246,6 +267,7 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack, a
     assert stats["running"] == 0 and stats["finished_cancelled"] == cancelled_before + 1, stats
     status, metrics = await asyncio.to_thread(http_get, stack.openai_base_url.removesuffix("/v1") + "/metrics")
     assert status == 200 and "specbus_gateway_disconnect_cancels_total 1.0" in metrics
+    assert 'specbus_gateway_http_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
 
 
 async def test_health_is_ready_with_a_scheduler_and_503_without(stack, api, model):

@@ -7,11 +7,13 @@ One stack (services.stack.Stack: nats-server, one process per service, one gatew
 pair by default. Every request: a --prompt-tokens-long prompt from --prompts code prompts, greedy,
 k=--k, exactly --max-tokens tokens (ignore_eos), streamed. A run keeps `batch` requests in flight
 (a new one sent as soon as one finishes) until --requests have finished; tokens/s = completion
-tokens / wall time. The two paths alternate run by run (--rounds each), so load from other
-processes on the shared cores falls on both; the ratio is gateway / NATS of the summed tokens and
+tokens / wall time. The two paths alternate run by run (--rounds each, which goes first swapping
+every round), so load from other processes on the shared cores falls on both; the ratio is gateway / NATS of the summed tokens and
 times. The shared cores make wall-clock ratios noisy, so the run also reports what the gateway
-costs whatever the load: its process's CPU time (/proc/<pid>/stat) per 1000 tokens it served, and
-that of the bench process itself (the SDK's SSE parsing against the NATS client's decoding).
+costs whatever the load: CPU time (/proc/<pid>/stat) per 1000 tokens of the gateway process, of
+the other service processes (the pipeline), and of the bench process itself (the SDK's SSE parsing
+against the NATS client's decoding). On a machine the pipeline keeps busy, tokens/s goes as
+1 / CPU per token, so `cpu ratio` = NATS path CPU / gateway path CPU is what the ratio tends to.
 Prints a table and writes --out (JSON).
 """
 
@@ -72,7 +74,8 @@ async def run(send: Callable[[str], Awaitable[int]], batch: int, num_requests: i
         nonlocal tokens
         while queue:
             index = queue.pop()
-            tokens += await send(PROMPTS[index % len(PROMPTS)])
+            done = await send(PROMPTS[index % len(PROMPTS)])  # not `tokens += await ...`: it reads tokens first
+            tokens += done
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(batch)))
@@ -91,28 +94,33 @@ async def bench(args: argparse.Namespace) -> dict:
         for send in paths.values():  # warm-up: first requests pay for allocations and imports
             await run(send, 2, 2)
         gateway_pid = stack.by_role("gateway")[0].process.pid
+        pipeline_pids = [p.process.pid for p in stack.processes.values() if p.role != "gateway"]
         for batch in args.batches:
-            totals = {name: {"tokens": 0, "wall_s": 0.0, "gateway_cpu_s": 0.0, "bench_cpu_s": 0.0} for name in paths}
-            for _ in range(args.rounds):
-                for name, send in paths.items():
-                    cpu_before = cpu_s(gateway_pid), cpu_s(os.getpid())
+            totals = {name: {"tokens": 0, "wall_s": 0.0, "gateway_cpu_s": 0.0, "bench_cpu_s": 0.0,
+                             "pipeline_cpu_s": 0.0} for name in paths}
+            for round_index in range(args.rounds):
+                order = list(paths.items()) if round_index % 2 == 0 else list(paths.items())[::-1]
+                for name, send in order:
+                    cpu_before = cpu_s(gateway_pid), cpu_s(os.getpid()), sum(map(cpu_s, pipeline_pids))
                     tokens, wall_s = await run(send, batch, max(args.requests, batch))
                     total = totals[name]
                     total["tokens"] += tokens
                     total["wall_s"] += wall_s
                     total["gateway_cpu_s"] += cpu_s(gateway_pid) - cpu_before[0]
                     total["bench_cpu_s"] += cpu_s(os.getpid()) - cpu_before[1]
+                    total["pipeline_cpu_s"] += sum(map(cpu_s, pipeline_pids)) - cpu_before[2]
             rates = {name: t["tokens"] / t["wall_s"] for name, t in totals.items()}
-            gateway_ms = 1e6 * totals["gateway"]["gateway_cpu_s"] / totals["gateway"]["tokens"]
-            client_ms = {name: 1e6 * t["bench_cpu_s"] / t["tokens"] for name, t in totals.items()}
+            cpu_ms = {name: {part: 1e6 * t[f"{part}_cpu_s"] / t["tokens"] for part in ("pipeline", "gateway", "bench")}
+                      for name, t in totals.items()}  # per 1000 tokens
+            cpu_ratio = sum(cpu_ms["nats"].values()) / sum(cpu_ms["gateway"].values())
             results["batches"][batch] = {"nats_tokens_per_s": rates["nats"], "gateway_tokens_per_s": rates["gateway"],
-                                         "ratio": rates["gateway"] / rates["nats"],
-                                         "gateway_cpu_ms_per_1k_tokens": gateway_ms,
-                                         "client_cpu_ms_per_1k_tokens": client_ms, "totals": totals}
+                                         "ratio": rates["gateway"] / rates["nats"], "cpu_ratio": cpu_ratio,
+                                         "cpu_ms_per_1k_tokens": cpu_ms, "totals": totals}
             print(f"batch {batch:>3}: NATS client {rates['nats']:7.1f} tokens/s, gateway {rates['gateway']:7.1f} "
-                  f"tokens/s, ratio {rates['gateway'] / rates['nats']:.3f}; CPU ms per 1000 tokens: gateway process "
-                  f"{gateway_ms:.0f}, client side NATS {client_ms['nats']:.0f} / SDK {client_ms['gateway']:.0f}",
-                  flush=True)
+                  f"tokens/s, ratio {rates['gateway'] / rates['nats']:.3f}; CPU ms per 1000 tokens (pipeline / "
+                  f"gateway / client): NATS path {cpu_ms['nats']['pipeline']:.0f} / - / {cpu_ms['nats']['bench']:.0f}, "
+                  f"gateway path {cpu_ms['gateway']['pipeline']:.0f} / {cpu_ms['gateway']['gateway']:.0f} / "
+                  f"{cpu_ms['gateway']['bench']:.0f}, cpu ratio {cpu_ratio:.3f}", flush=True)
     return results
 
 
@@ -122,7 +130,7 @@ def main() -> None:
     parser.add_argument("--draft-model", type=Path, default=TINY_DRAFT)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--requests", type=int, default=16, help="requests per run (at least the batch)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per path and batch, alternating")
+    parser.add_argument("--rounds", type=int, default=4, help="runs per path and batch, alternating")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("ops/bench/results/gateway.json"))

@@ -141,8 +141,9 @@ def test_completion_pieces_carry_openai_logprobs_offsets_and_degraded(tokenizer)
     first = choice.completion_piece(chunk(0, ids[:1], degraded=["draft_timeout"]))
     last = choice.completion_piece(chunk(1, ids[1:], final="eos"))
     assert first["finish_reason"] is None and last["finish_reason"] == "stop"
-    assert first["degraded"] == last["degraded"] == ["draft_timeout"]
+    assert first["degraded"] == ["draft_timeout"] and "degraded" not in last
     merged = merge_pieces("completion", [first, last])
+    assert merged["degraded"] == ["draft_timeout"] and merged["finish_reason"] == "stop"
     tokens = [tokenizer.decode([i]) for i in ids]
     assert merged["logprobs"]["tokens"] == tokens
     assert merged["logprobs"]["text_offset"] == [sum(len(t) for t in tokens[:k]) for k in range(len(ids))]
