@@ -123,8 +123,10 @@ async def stack(models, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(stack):
-    """The module's client; its idle bound outlasts a held scheduler (see the module docstring)."""
-    async with stack.client(idle_timeout_s=WAIT_S) as connected:
+    """The module's client: its idle bound outlasts a held scheduler (see the module docstring),
+    and it does not fail over (services/client.py), so what these tests show is the services' own
+    fallback, never a client resending around it (the fault matrix below tests the failover)."""
+    async with stack.client(idle_timeout_s=WAIT_S, failover=False) as connected:
         yield connected
 
 
