@@ -4,7 +4,8 @@ tiny random model pair whose target tokenizer got a ChatML chat template.
 
 Expected values come from the NATS client (services/client.py) for the same request: greedy
 text, logprobs, prompt scores. The scheduler admits 2 running + 2 queued requests, so a request
-with n=8 long choices meets `overloaded`. The test that stops the scheduler runs last.
+with n=8 long choices meets `overloaded`. The test that stops the scheduler runs after the others
+on that stack; the last test starts a second, bare stack without auth (a gateway and no scheduler).
 """
 
 import asyncio
@@ -280,3 +281,16 @@ async def test_health_is_ready_with_a_scheduler_and_503_without(stack, api, mode
     with pytest.raises(openai.InternalServerError) as caught:
         await api.completions.create(model=model, prompt=PROMPT, max_tokens=4)
     assert caught.value.status_code == 503
+
+
+async def test_without_auth_any_key_is_accepted_and_no_scheduler_is_a_503(models, tmp_path):
+    config = StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1, auth=False,
+                         target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path)
+    async with Stack(config) as bare:
+        env = dict(line.split("=", 1) for line in bare.client_env_path.read_text().splitlines())
+        assert env == {"OPENAI_BASE_URL": bare.openai_base_url, "OPENAI_API_KEY": bare.api_key()}
+        anyone = openai.AsyncOpenAI(base_url=bare.openai_base_url, api_key="anything", max_retries=0)
+        assert [m.id for m in (await anyone.models.list()).data] == [models[0].name]
+        with pytest.raises(openai.InternalServerError) as caught:
+            await anyone.completions.create(model=models[0].name, prompt=PROMPT, max_tokens=4)
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "unavailable"
