@@ -21,7 +21,8 @@ CLI, like every other service's).
 A request is sent and its first chunk awaited before any HTTP status goes out, so what the
 scheduler refuses (a bad field, overloaded, no scheduler) is an HTTP error, not a broken stream;
 an error after the first chunk ends the SSE stream with an error event and `data: [DONE]`. A
-client that disconnects mid-stream cancels its requests (Stream.close sends the CancelRequest).
+client that disconnects, mid-stream or while it waits for a non-streamed answer, cancels its
+requests (Stream.close sends the CancelRequest).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import nats.errors
@@ -68,6 +69,8 @@ log = structlog.get_logger(__name__)
 # On stop, how long responses in flight may go on before they are cut (their requests then cancelled);
 # under the stack's SIGKILL stop_timeout_s.
 STOP_GRACE_S = 5.0
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted, read by nobody
+T = TypeVar("T")
 
 
 class GatewayMetrics(Metrics):
@@ -184,26 +187,63 @@ def piece_of(kind: str, choice: Choice, chunk: Any, *, delta: bool) -> dict:
     return choice.completion_piece(chunk) if kind == "completion" else choice.chat_piece(chunk, delta=delta)
 
 
-async def respond(gateway: Gateway, client: Client, body: CompletionBody | ChatBody,
+async def respond(gateway: Gateway, request: Request, client: Client, body: CompletionBody | ChatBody,
                   kind: Literal["completion", "chat"], plans: list[Plan], top_n: int | None,
                   param_names: dict[str, str]) -> Response:
-    running = await open_choices(gateway, client, plans, top_n, param_names)
+    """The response: a stream once every choice's first chunk came, or the whole thing. A client
+    that goes away before (a non-streamed request: before the end) cancels the requests."""
     envelope = Envelope(kind, gateway.model)
     if body.stream:
+        running = await unless_gone(gateway, request, open_choices(gateway, client, plans, top_n, param_names))
+        if running is None:
+            return Response(status_code=CLIENT_GONE_STATUS)
         return StreamingResponse(stream_events(gateway, running, envelope, body, kind), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+    answer = await unless_gone(gateway, request, collect(gateway, client, envelope, body, plans, top_n, param_names))
+    return Response(status_code=CLIENT_GONE_STATUS) if answer is None else JSONResponse(answer)
+
+
+async def collect(gateway: Gateway, client: Client, envelope: Envelope, body: CompletionBody | ChatBody,
+                  plans: list[Plan], top_n: int | None, param_names: dict[str, str]) -> dict:
+    """A non-streamed response: every choice's chunks gathered."""
+    running = await open_choices(gateway, client, plans, top_n, param_names)
     pieces: dict[int, list[dict]] = {position: [] for position in range(len(plans))}
     try:
         async for position, chunk in running.chunks():
-            pieces[position].append(piece_of(kind, running.choices[position], chunk, delta=False))
+            pieces[position].append(piece_of(envelope.kind, running.choices[position], chunk, delta=False))
     except SpecbusError as exc:
         raise ApiError.from_specbus(exc, param_names) from None
     finally:
         await running.close()
-    choices = [merge_pieces(kind, pieces[position]) for position in range(len(plans))]
+    choices = [merge_pieces(envelope.kind, pieces[position]) for position in range(len(plans))]
     usage = usage_json(running.choices, body.n)
     gateway.metrics.generated_tokens.inc(usage["completion_tokens"])
-    return JSONResponse(envelope.wrap(choices, chunk=False, usage=usage))
+    return envelope.wrap(choices, chunk=False, usage=usage)
+
+
+async def unless_gone(gateway: Gateway, request: Request, work: Awaitable[T]) -> T | None:
+    """work's result, or None when the HTTP client disconnects first: work is then cancelled,
+    which closes its streams and so cancels their requests."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled() and task.done() and not gone.done():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    gateway.metrics.cancelled.inc()
+    log.info("gateway_client_gone", path=request.url.path)
+    return None
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def stream_events(gateway: Gateway, running: Running, envelope: Envelope, body: CompletionBody | ChatBody,
@@ -265,17 +305,17 @@ def build_app(gateway: Gateway) -> FastAPI:
         return {"object": "list", "data": [gateway.card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, client: Client = Depends(authorized)) -> Response:
+    async def completions(body: CompletionBody, request: Request, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
         plans = completion_plans(body, gateway.tokenizer, gateway.config.timeout_s)
-        return await respond(gateway, client, body, "completion", plans, body.logprobs, COMPLETION_PARAMS)
+        return await respond(gateway, request, client, body, "completion", plans, body.logprobs, COMPLETION_PARAMS)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, client: Client = Depends(authorized)) -> Response:
+    async def chat_completions(body: ChatBody, request: Request, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
         plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(gateway, client, body, "chat", plans, top_n, CHAT_PARAMS)
+        return await respond(gateway, request, client, body, "chat", plans, top_n, CHAT_PARAMS)
 
     @app.get("/health")
     async def health() -> JSONResponse:

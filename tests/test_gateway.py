@@ -266,8 +266,19 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack, a
     await stream.close()
     stats = await wait_idle(stack)
     assert stats["running"] == 0 and stats["finished_cancelled"] == cancelled_before + 1, stats
+
+    # not streamed: the client gives up (its HTTP request cancelled) once the request runs
+    waiting = asyncio.create_task(api.completions.create(model=model, prompt=PROMPT, max_tokens=2000,
+                                                         extra_body={"ignore_eos": True}))
+    deadline = time.monotonic() + 60
+    while not (await scheduler_stats(stack))["running"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    stats = await wait_idle(stack)
+    assert stats["running"] == 0 and stats["finished_cancelled"] == cancelled_before + 2, stats
     status, metrics = await asyncio.to_thread(http_get, stack.openai_base_url.removesuffix("/v1") + "/metrics")
-    assert status == 200 and "specbus_gateway_disconnect_cancels_total 1.0" in metrics
+    assert status == 200 and "specbus_gateway_disconnect_cancels_total 2.0" in metrics
     assert 'specbus_gateway_http_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
 
 
