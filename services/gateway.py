@@ -69,6 +69,7 @@ log = structlog.get_logger(__name__)
 # On stop, how long responses in flight may go on before they are cut (their requests then cancelled);
 # under the stack's SIGKILL stop_timeout_s.
 STOP_GRACE_S = 5.0
+RETRY_AFTER_S = 1
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted, read by nobody
 T = TypeVar("T")
 
@@ -288,7 +289,9 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.to_json(), status_code=exc.status)
+        # 429 and 503 pass: say when to retry (the openai SDK waits that long before its retries)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:

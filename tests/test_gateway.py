@@ -245,6 +245,7 @@ async def test_a_full_scheduler_is_a_429_and_a_deadline_a_504(stack, api, model)
     with pytest.raises(openai.RateLimitError) as caught:
         await api.completions.create(model=model, prompt=PROMPT, n=8, max_tokens=1500, extra_body={"ignore_eos": True})
     assert caught.value.status_code == 429 and caught.value.body["code"] == "overloaded"
+    assert caught.value.response.headers["retry-after"] == "1"
     stats = await wait_idle(stack)  # the choices that were admitted are cancelled with the refused ones
     assert stats["running"] == stats["queued"] == 0
     with pytest.raises(openai.APIStatusError) as caught:
