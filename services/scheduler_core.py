@@ -578,9 +578,18 @@ class SchedulerState:
         return replays
 
     def migrate(self, request: Request, now: float) -> Outbox:
-        """Move to another verifier, re-prefilled from history; none with room: finish "error"."""
+        """Move to another verifier, re-prefilled from history; none with room: start over on the
+        same one while it still heartbeats (its replies were lost on the way, e.g. in a dead NATS
+        node, more likely than the verifier), else finish "error"."""
         old_id = request.verifier_id
         new_id = self.pick("verifier", exclude=old_id)
+        if new_id is None and self.alive(old_id):
+            request.verifier_len, request.step = 0, request.step + 1  # cached_len 0: the verifier resets the slot
+            request.carried_degraded.append("migrated")
+            self.count_degraded(request, ["migrated"])
+            self.counters["reprefilled_in_place"] += 1
+            log.warning("request_reprefilled_in_place", request_id=request.request_id, verifier_id=old_id)
+            return Outbox()
         if new_id is None:
             log.warning("no_verifier_to_migrate_to", request_id=request.request_id, verifier_id=old_id)
             return self.end(request, "error", now, error=Error(

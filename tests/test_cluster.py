@@ -1,7 +1,7 @@
 """A 3-node NATS cluster (issue 15): the embedded stack with `nats_cluster=3`, every service a
 separate process given all three URLs, and the node one process is connected to SIGKILLed
-while NUM_REQUESTS greedy streams run (triggered when every stream has CHUNKS_BEFORE_KILL
-chunks, not by wall time).
+while NUM_REQUESTS greedy streams run (triggered when every stream has FAULT_AFTER_CHUNKS
+chunks, not by wall time; tests/test_faults.py's workload).
 
 Which node a process is on comes from each node's /connz monitoring endpoint (the connection
 named after the instance); the test's own client reads `nc.connected_url`. What a user checks:
@@ -23,14 +23,13 @@ import pytest_asyncio
 
 from services.natsserver import NatsCluster, NatsServer, NatsServerConfig
 from services.stack import Stack
-from tests.test_faults import K, Load, Streamed, check_whole, fault_config, greedy
+from tests.test_faults import Load, Streamed, check_whole, fault_config, greedy, heartbeats_since, requests_for
 from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 NODES = 3
 MAX_TOKENS = 96
-CHUNKS_BEFORE_KILL = 4
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -80,14 +79,6 @@ def client_node(stack: Stack, client) -> NatsServer:
     return next(node for node in stack.server.nodes if node.port == client.nc.connected_url.port)
 
 
-async def until_chunks(streams: list[Streamed], num_chunks: int) -> None:
-    """Until every stream has num_chunks chunks (or ended)."""
-    async with asyncio.timeout(60):
-        while any(len(got.chunks) < num_chunks and not got.error and not (got.chunks and got.chunks[-1][1].final)
-                  for got in streams):
-            await asyncio.sleep(0.01)
-
-
 def outcome(got: Streamed, expected: list[int]) -> str:
     """What one stream came to: "identical", "identical, failover" (a chunk or commit the dead
     node held was lost, and the client's failover ran the rest again from the tokens it had), or
@@ -99,18 +90,9 @@ def outcome(got: Streamed, expected: list[int]) -> str:
     return "identical, failover" if "failover" in got.degraded() else "identical"
 
 
-async def serving_again(stack: Stack, since: float) -> None:
-    """Until every process has heartbeated after `since` (time.monotonic())."""
-    async with asyncio.timeout(60):
-        while any(stack.heartbeat_seen_at.get(p.instance_id, -1.0) < since for p in stack.processes.values()):
-            await asyncio.sleep(0.05)
-
-
 @pytest.mark.parametrize("victim", ["scheduler-0", "postprocessor-0", "client"])
 async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, prompts, reference, tokenizer, victim):
-    load = Load(client, [greedy(p, f"kill-node-of-{victim}-{i}", max_tokens=MAX_TOKENS, num_speculative_tokens=K)
-                         for i, p in enumerate(prompts)])
-    await until_chunks(load.streams, CHUNKS_BEFORE_KILL)
+    load = await Load.start(client, requests_for(prompts, f"kill-node-of-{victim}", max_tokens=MAX_TOKENS))
     node = client_node(stack, client) if victim == "client" else await node_of(stack, victim)
     placement = await asyncio.to_thread(connection_names, stack)
     node.process.kill()
@@ -126,7 +108,7 @@ async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, p
         check_whole(got, tokenizer)
 
     await asyncio.to_thread(node.restart)  # the same ports: the other nodes' routes find it again
-    await serving_again(stack, killed_at)
+    await heartbeats_since(stack, list(stack.processes), killed_at)
     again = await asyncio.gather(*(client.generate(greedy(p, f"after-{victim}-{i}", max_tokens=MAX_TOKENS))
                                    for i, p in enumerate(prompts)))
     assert [r.token_ids for r in again] == reference

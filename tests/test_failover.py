@@ -1,5 +1,5 @@
 """Scheduler failover (issue 15): two schedulers, each a separate process, and the one running
-most of NUM_REQUESTS streams SIGKILLed once every stream has CHUNKS_BEFORE_KILL chunks (stream
+most of NUM_REQUESTS streams SIGKILLed once every stream has FAULT_AFTER_CHUNKS chunks (stream
 progress, not wall time). Half the requests are greedy, half seeded sampled; half of each ask for
 logprobs.
 
@@ -20,7 +20,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from services.client import Client, make_request
+from services.client import make_request
 from services.stack import Stack, StackConfig
 from tests.test_faults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, K, Load, Streamed, check_whole
 from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
@@ -28,7 +28,6 @@ from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixture
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MAX_TOKENS = 96
-CHUNKS_BEFORE_KILL = 4
 TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 60.0  # the client's: a failover must not wait for it
 # Generous draft and verify timeouts: a k=0 step (drafter late) takes another path through the
@@ -84,16 +83,9 @@ def logprobs(got: Streamed) -> list:
     return [entry for _, chunk in got.chunks for entry in (chunk.logprobs or [])]
 
 
-async def until_chunks(streams: list[Streamed], num_chunks: int) -> None:
-    async with asyncio.timeout(60):
-        while any(len(got.chunks) < num_chunks for got in streams):
-            await asyncio.sleep(0.01)
-
-
 async def test_a_killed_scheduler_hands_every_stream_to_the_other_with_outputs_unchanged(
         stack, client, prompts, reference, tokenizer):
-    load = Load(client, requests(prompts, "failover"))
-    await until_chunks(load.streams, CHUNKS_BEFORE_KILL)
+    load = await Load.start(client, requests(prompts, "failover"))
     owners = [got.chunks[-1][1].scheduler_id for got in load.streams]
     victim = max(set(owners), key=owners.count)
     stack.kill(victim, signal.SIGKILL)

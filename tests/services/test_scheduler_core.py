@@ -347,9 +347,29 @@ def test_no_verifier_left_ends_the_request_with_error(tokenizer):
     state = new_state(tokenizer)
     submit(state)
     step(state)
-    _, _, outbox = step(state, verify_reply=False)
+    state.clock.now += 5.0  # v1 silent past heartbeat_timeout_s: dead
+    for instance_id, role in (("d1", "drafter"), ("p1", "postprocessor")):
+        beat(state, instance_id, role)
+    _, _, outbox = step(state)
     [commit] = commits_of(outbox)
     assert commit.finish_reason == "error" and state.counters["finished_error"] == 1
+
+
+def test_a_verifier_that_misses_a_batch_but_heartbeats_gets_the_request_again_from_scratch(tokenizer):
+    """No other verifier, and the one that did not answer (try and retry) still heartbeats: its
+    replies were lost on the way (a dead NATS node), so the request is re-prefilled there."""
+    state = new_state(tokenizer)
+    request = submit(state)
+    step(state)
+    history = list(request.history)
+    _, _, outbox = step(state, verify_reply=False)
+    assert outbox.commits == [] and request.verifier_id == "v1" and request.verifier_len == 0
+    assert state.counters["finished_error"] == 0
+    _, requests, outbox = step(state)
+    row = requests["v1"].rows[0]
+    assert row.cached_len == 0 and row.new_token_ids.tolist() == history
+    [commit] = commits_of(outbox)
+    assert commit.degraded == ["migrated"] and commit.seq == 1
 
 
 def test_error_reply_ends_the_batch_with_error(tokenizer):
@@ -532,7 +552,10 @@ def test_an_error_after_the_first_commit_always_carries_its_reason(tokenizer):
     # every other way to end with "error" says why too
     submit(state, "r2")
     step(state)
-    [commit] = commits_of(step(state, verify_reply=False)[2], "r2")  # no other verifier to migrate to
+    state.clock.now += 5.0  # v1 dead (silent past heartbeat_timeout_s), no other verifier to migrate to
+    for instance_id, role in (("d1", "drafter"), ("p1", "postprocessor")):
+        beat(state, instance_id, role)
+    [commit] = commits_of(step(state)[2], "r2")
     assert commit.finish_reason == "error" and commit.error.code == ErrorCode.unavailable and commit.error.message
 
 
