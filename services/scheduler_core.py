@@ -582,21 +582,16 @@ class SchedulerState:
         same one while it still heartbeats (its replies were lost on the way, e.g. in a dead NATS
         node, more likely than the verifier), else finish "error"."""
         old_id = request.verifier_id
-        new_id = self.pick("verifier", exclude=old_id)
-        if new_id is None and self.alive(old_id):
-            request.verifier_len, request.step = 0, request.step + 1  # cached_len 0: the verifier resets the slot
-            request.carried_degraded.append("migrated")
-            self.count_degraded(request, ["migrated"])
-            self.counters["reprefilled_in_place"] += 1
-            log.warning("request_reprefilled_in_place", request_id=request.request_id, verifier_id=old_id)
-            return Outbox()
+        new_id = self.pick("verifier", exclude=old_id) or (old_id if self.alive(old_id) else None)
         if new_id is None:
             log.warning("no_verifier_to_migrate_to", request_id=request.request_id, verifier_id=old_id)
             return self.end(request, "error", now, error=Error(
                 code=ErrorCode.unavailable, message=f"verifier {old_id} failed and no other verifier has room",
                 request_id=request.request_id))
-        self.release(old_id, request.request_id)
-        request.verifier_id, request.verifier_len = self.took(new_id), 0
+        if new_id != old_id:
+            self.release(old_id, request.request_id)
+            request.verifier_id = self.took(new_id)
+        request.verifier_len = 0  # cached_len 0: a verifier kept resets the slot
         request.step += 1
         request.carried_degraded.append("migrated")
         self.count_degraded(request, ["migrated"])
