@@ -71,12 +71,12 @@ from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsUser, render_tls, rende
 
 CLIENT = "client"
 MONITOR = "monitor"
-SERVICE_ROLES = ("scheduler", "verifier", "drafter", "postprocessor")
-ROLES = (*SERVICE_ROLES, MONITOR)  # users named after their role; client users are named in CLIENT_USERS_ENV
-INBOX_ROOT = "_INBOX"
 # Not a client-side user: the user nats-servers of a cluster log in to each other's route port
 # as (ops/nats/cluster.conf); its password is generated with the others.
 ROUTE = "route"
+SERVICE_ROLES = ("scheduler", "verifier", "drafter", "postprocessor")
+ROLES = (*SERVICE_ROLES, MONITOR)  # users named after their role; client users are named in CLIENT_USERS_ENV
+INBOX_ROOT = "_INBOX"
 CLIENT_USERS_ENV = "SPECBUS_CLIENT_USERS"
 _USER_NAME = re.compile(INSTANCE_ID_PATTERN)  # a user name is an inbox subject token
 PASSWORD_LENGTH = 32  # generated: a letter, then letters and digits (~190 bits)
