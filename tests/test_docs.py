@@ -5,7 +5,7 @@
   #anchor) and every repository path the README and docs/ name in code spans exists, and
   docs/ARCHITECTURE.md names every module of schemas/, gpu_worker/ and services/;
 - the layering of docs/ARCHITECTURE.md holds: schemas <- gpu_worker <- services <- ops, and the
-  scheduler, postprocessor and client never import torch.
+  scheduler, postprocessor, client, gateway and `specbus models` never import torch.
 """
 
 import ast
@@ -25,7 +25,8 @@ MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 CODE_PATH = re.compile(r"`((?:schemas|services|gpu_worker|ops|tests|models|docs)/[\w./-]*)`")
 LAYERS = {"schemas": {"gpu_worker", "services", "ops"}, "gpu_worker": {"services", "ops"}, "services": {"ops"}}
-TORCH_FREE = ("schemas", "schemas.doc_tables", "services.scheduler", "services.postprocessor", "services.client")
+TORCH_FREE = ("schemas", "schemas.doc_tables", "services.scheduler", "services.postprocessor", "services.client",
+              "services.gateway", "services.models")
 
 
 def repo_files(suffix: str) -> list[Path]:
