@@ -311,7 +311,7 @@ class NatsServer:
 class NatsCluster:
     """`size` NatsServers joined by routes (module docstring); the same start/stop/url/running
     as one NatsServer, plus `nodes`. Node i is named `<cluster name>-<i>`; with a fixed client
-    port P, node i listens on P + i."""
+    port P (or monitoring port), node i listens on P + i."""
 
     config: NatsServerConfig = field(default_factory=NatsServerConfig)
     size: int = 3
@@ -348,6 +348,7 @@ class NatsCluster:
                 node_config = replace(
                     self.config, server_name=f"{self.name}-{index}",
                     port=self.config.port + index if self.config.port else 0,
+                    http_port=self.config.http_port + index if self.config.http_port else self.config.http_port,
                     cluster=ClusterConfig(self.name, password, routes=routes))
                 self.nodes.append(NatsServer(node_config).start())
         except BaseException:
