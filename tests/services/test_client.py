@@ -13,8 +13,9 @@ import pytest
 from schemas.codec import decode, encode
 from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (CancelRequest, Error, GenerateRequest, SamplingMask, StreamChunk, TokenLogprob,
-                              Usage, seed_from_request_id)
+from schemas.messages import (CancelRequest, Error, GenerateRequest, Heartbeat, SamplingMask, StreamChunk,
+                              TokenLogprob, Usage, seed_from_request_id)
+from schemas.subjects import Subjects
 from services.auth import generate_credentials, password_env, users_from_env
 from services.bus import connect
 from services.client import (Client, GenerationResult, Overloaded, RequestError, StreamBroken, StreamTimeout,
@@ -286,3 +287,31 @@ async def test_a_refused_request_is_a_forbidden_error_at_once(secured, when):
                 await stream.__anext__()
     assert refused.value.code == ErrorCode.forbidden and refused.value.request_id == stream.request.request_id
     assert time.monotonic() - started < 2.0
+
+
+async def test_a_scheduler_silent_before_the_first_chunk_gets_the_request_sent_again(nc, service, nats_server):
+    """Before the first chunk the client does not know which scheduler has the request: one of
+    those alive when it was sent falling silent for heartbeat_timeout_s is enough to send it
+    again (the same seed, nothing to resume from); the new run's chunks are the stream."""
+    generate, cancel = service
+
+    async def beat() -> None:  # s1 alive, until cancelled
+        while True:
+            heartbeat = Heartbeat(instance_id="s1", role="scheduler", capacity=8, load=0, sent_at=time.time(),
+                                  interval_s=0.05)
+            await nc.publish(Subjects().heartbeat, encode(heartbeat))
+            await asyncio.sleep(0.05)
+
+    async with Client(nats_server.url, heartbeat_timeout_s=0.3) as client:
+        beating = asyncio.create_task(beat())
+        async with asyncio.timeout(5):
+            while client.live_schedulers() != ["s1"]:
+                await asyncio.sleep(0.01)
+        generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+        first = await answer(nc, generate)
+        beating.cancel()  # s1 took it, then died: no chunk, no more beats
+        resumed = await answer(nc, generate, chunk(0, "a", request_id="req-1.failover1", finish_reason="length"))
+        result = await asyncio.wait_for(generation, timeout=5)
+    assert first.request_id == "req-1" and resumed.resume_token_ids is None
+    assert (result.text, result.finish_reason, result.degraded) == ("a", "length", ["failover"])
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
