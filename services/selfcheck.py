@@ -40,11 +40,15 @@ Checks, one row each in the report (services/selfcheck_core.py holds the statist
    (another batch composition): the same tokens. A run flagged degraded (e.g. a late drafter
    makes a step run with k = 0, which takes another path through the seeds) is run again, and
    left uncompared if it stays degraded.
-5. degradation honesty: over every request the checks sent, each degraded reason on a chunk is
+5. degradation honesty: over every request the checks ran to its end (the distribution samples are
+   cancelled after their third token, so they have no usage), each degraded reason on a chunk is
    counted in the final usage.degraded_steps at least as many times as chunks carry it.
 
---quick fits in about a minute on the default pair on a 2-core CPU; the full run draws more
-samples over more contexts and prompts. Both show a progress bar on a terminal.
+--quick sends about 500 requests, 400 of them distribution samples (M = 100 per cell, where the
+power row passes on both shipped pairs); the full run draws M = 800 over two
+contexts and checks more prompts. Both show a progress bar on a terminal. Measured on a shared
+2-core CPU: the quick run takes about 20 s on the tiny pair and about 3 minutes on the default
+pair (SmolLM2-135M on one torch thread serves about 2.6 distribution samples per second).
 
 --local runs its scheduler with a 5 s draft timeout (unless SPECBUS_DRAFT_TIMEOUT_S is set): on a
 busy small machine the default 0.5 s turns steps into k = 0, and a check of speculation would then
@@ -96,7 +100,9 @@ DIST_DRAFT_MODES = ("greedy", "sample")
 DIST_TOP_P = 0.9
 DIST_K = 4
 DIST_POSITIONS = (0, 1, 2)
-DIST_MAX_TOKENS = 1 + DIST_K + 1  # the first decode step gets all DIST_K drafts (the scheduler caps them)
+# The first decode step gets all DIST_K drafts (the scheduler caps them by the tokens left); only
+# the first len(DIST_POSITIONS) tokens are read, then the request is cancelled.
+DIST_MAX_TOKENS = 1 + DIST_K + 1
 MIN_GROUP = 10  # samples sharing a prefix needed to test it
 SEED_BASE = 1_000_003
 LOGPROB_TOLERANCE = 1e-4
@@ -122,8 +128,8 @@ class Plan:
     seed_draft_modes: int
 
 
-QUICK = Plan(greedy_prompts=4, greedy_tokens=24, samples=200, contexts=1, logprob_prompts=1, logprob_tokens=16,
-             seed_tokens=24, seed_draft_modes=1)
+QUICK = Plan(greedy_prompts=3, greedy_tokens=16, samples=100, contexts=1, logprob_prompts=1, logprob_tokens=12,
+             seed_tokens=16, seed_draft_modes=1)
 FULL = Plan(greedy_prompts=len(BUILTIN_PROMPTS), greedy_tokens=64, samples=800, contexts=2, logprob_prompts=3,
             logprob_tokens=48, seed_tokens=64, seed_draft_modes=2)
 
@@ -154,11 +160,13 @@ class Runner:
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.concurrency)
 
-    async def generate(self, request: GenerateRequest) -> GenerationResult:
+    async def generate(self, request: GenerateRequest, num_tokens: int | None = None) -> GenerationResult:
+        """The request's result; with num_tokens, only its first num_tokens tokens (the request
+        is cancelled once they came, so it has no usage and no audit)."""
         async with self.slots:
             for attempt in range(OVERLOAD_RETRIES + 1):
                 try:
-                    result = await self.collect(request)
+                    result = await self.collect(request, num_tokens)
                     break
                 except Overloaded:
                     if attempt == OVERLOAD_RETRIES:
@@ -168,19 +176,23 @@ class Runner:
         self.progress.update(1)
         return result
 
-    async def collect(self, request: GenerateRequest) -> GenerationResult:
+    async def collect(self, request: GenerateRequest, num_tokens: int | None) -> GenerationResult:
         result = GenerationResult(request.request_id, requested_ids=request.logprobs.logprob_token_ids.tolist())
         flagged: Counter = Counter()
-        async for chunk in self.client.stream(request):
-            result.add(chunk)
-            flagged.update(set(chunk.degraded))
+        async with contextlib.aclosing(self.client.stream(request)) as chunks:
+            async for chunk in chunks:
+                result.add(chunk)
+                flagged.update(set(chunk.degraded))
+                if num_tokens is not None and len(result.token_ids) >= num_tokens and not chunk.final:
+                    return result  # closing the stream cancels the request
         self.audits.append(Audit(request.request_id, flagged, result.usage))
         return result
 
-    async def generate_all(self, requests: Sequence[GenerateRequest]) -> list[GenerationResult]:
+    async def generate_all(self, requests: Sequence[GenerateRequest],
+                           num_tokens: int | None = None) -> list[GenerationResult]:
         self.progress.total = (self.progress.total or 0) + len(requests)
         self.progress.refresh()
-        return list(await asyncio.gather(*(self.generate(request) for request in requests)))
+        return list(await asyncio.gather(*(self.generate(request, num_tokens) for request in requests)))
 
 
 def request(prompt: str | Sequence[int], **options) -> GenerateRequest:
@@ -261,10 +273,10 @@ async def next_token(runner: Runner, prefix: Sequence[int], temperature: float,
     return NextToken(ids, probs, requested)
 
 
-async def pick_contexts(runner: Runner, count: int) -> list[list[int]]:
-    """The `count` built-in prompts whose exact distributions promise the most informative
-    samples at temperature 0.7: q0(t0*) * q1max * (1 - q1max), t0* the likeliest first token and
-    q1max the largest probability of the token after it. Uses no sample."""
+async def pick_contexts(runner: Runner, count: int) -> dict[int, list[int]]:
+    """The `count` built-in prompts (index -> token ids) whose exact distributions promise the
+    most informative samples at temperature 0.7: q0(t0*) * q1max * (1 - q1max), t0* the likeliest
+    first token and q1max the largest probability of the token after it. Uses no sample."""
     scored = await runner.generate_all([score_request(p, prompt_logprobs=0, timeout_s=REQUEST_TIMEOUT_S)
                                         for p in BUILTIN_PROMPTS])
     contexts = [result.prompt_token_ids for result in scored]
@@ -273,12 +285,12 @@ async def pick_contexts(runner: Runner, count: int) -> list[list[int]]:
                                      for ctx, first in zip(contexts, firsts)))
     scores = [first.probs[0] * second.probs[0] * (1 - second.probs[0]) for first, second in zip(firsts, seconds)]
     order = sorted(range(len(contexts)), key=lambda i: -scores[i])
-    return [contexts[i] for i in order[:count]]
+    return {i: contexts[i] for i in order[:count]}
 
 
 @dataclass
 class Cell:
-    context: int
+    context: int  # index in BUILTIN_PROMPTS
     temperature: float
     draft_mode: str
     position: int
@@ -288,11 +300,11 @@ class Cell:
 async def check_distribution(runner: Runner, plan: Plan, alpha: float) -> list[CheckResult]:
     """The distribution row and the power row (module docstring, check 2)."""
     contexts = await pick_contexts(runner, plan.contexts)
-    keys = [(c, t, mode) for c in range(len(contexts)) for t in DIST_TEMPERATURES for mode in DIST_DRAFT_MODES]
+    keys = [(c, t, mode) for c in contexts for t in DIST_TEMPERATURES for mode in DIST_DRAFT_MODES]
     samples = await runner.generate_all([
         request(contexts[c], max_tokens=DIST_MAX_TOKENS, temperature=t, top_p=DIST_TOP_P, seed=SEED_BASE + i,
                 ignore_eos=True, num_speculative_tokens=DIST_K, draft_mode=mode)
-        for c, t, mode in keys for i in range(plan.samples)])
+        for c, t, mode in keys for i in range(plan.samples)], num_tokens=len(DIST_POSITIONS))
     by_key = {key: samples[i * plan.samples:(i + 1) * plan.samples] for i, key in enumerate(keys)}
     cells, drafts = [], defaultdict(Counter)  # (context, temperature, prefix) -> accepted greedy drafts
     for (c, t, mode), results in by_key.items():
@@ -413,8 +425,8 @@ async def check_seeds(runner: Runner, prompts: Sequence[str], plan: Plan) -> Che
         for _ in range(SEED_RETRIES + 1):
             fresh = subject.model_copy(update={"request_id": new_request_id()})
             if with_traffic:
-                traffic = [request(prompt, max_tokens=plan.seed_tokens + 8 * j, temperature=0.9, seed=SEED_BASE + j,
-                                   ignore_eos=True, num_speculative_tokens=(0, 2, 8)[j % 3])
+                traffic = [request(prompt, max_tokens=max(4, plan.seed_tokens - 2 * j), temperature=0.9,
+                                   seed=SEED_BASE + j, ignore_eos=True, num_speculative_tokens=(0, 2, 8)[j % 3])
                            for j, prompt in enumerate([*prompts, *prompts][:6])]
                 results = await runner.generate_all([*traffic[:3], fresh, *traffic[3:]])
                 result = results[3]
@@ -472,8 +484,10 @@ def check_degradation(audits: Sequence[Audit]) -> CheckResult:
 
 
 async def run_checks(client: Client, prompts: Sequence[str], plan: Plan, checks: Sequence[str],
-                     alpha: float = ALPHA, concurrency: int = 32) -> list[CheckResult]:
-    """The selected checks in order; a check that raises (a request failed) is a failed row."""
+                     alpha: float = ALPHA, concurrency: int = 32,
+                     results: list[CheckResult] | None = None) -> list[CheckResult]:
+    """The selected checks in order, their rows appended to results (a fresh list if None) as
+    each ends; a check that raises (a request failed) is a failed row."""
     with tqdm(total=0, unit="req", desc="selfcheck", disable=None, leave=False) as progress:
         runner = Runner(client, concurrency, progress)
         greedy_prompts = [*BUILTIN_PROMPTS[:plan.greedy_prompts], *prompts]
@@ -484,7 +498,7 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: Plan, checks:
                                                                     plan)),
             "seeds": ("seed reproducibility", lambda: check_seeds(runner, greedy_prompts, plan)),
         }
-        results: list[CheckResult] = []
+        results = [] if results is None else results
         for name in checks:
             if name not in steps:
                 continue
@@ -559,7 +573,7 @@ def print_report(results: Sequence[CheckResult], settings: dict, as_json: bool) 
     print(render_table(results))
     distribution = next((r for r in results if r.name == "distribution"), None)
     if distribution is not None and distribution.details:
-        print("\ndistribution cells:")
+        print("\ndistribution cells (context: the number of a built-in prompt):")
         rows = [{**d, "p": format_p(d["p"]), "bypass_p": format_p(d.get("bypass_p"))} for d in distribution.details]
         print(render_details(rows, ("context", "temperature", "draft_mode", "position", "samples", "groups", "dof",
                                     "G", "p", "bypass_p")))
@@ -568,7 +582,7 @@ def print_report(results: Sequence[CheckResult], settings: dict, as_json: bool) 
 
 async def run_selfcheck_command(args: argparse.Namespace) -> int:
     """Exit 0 when every check passed, 1 when one failed, 2 on bad usage."""
-    from services.cli import print_error, shutdown_event, stack_config, start_stack
+    from services.cli import print_error, shutdown_event, stack_config, start_stack, until_stopped
 
     plan = QUICK if args.quick else FULL
     if args.samples is not None:
@@ -583,6 +597,7 @@ async def run_selfcheck_command(args: argparse.Namespace) -> int:
         return 2
     settings = {"mode": "quick" if args.quick else "full", "samples": plan.samples, "alpha": args.alpha,
                 "checks": args.checks, "prompts_from_file": len(prompts)}
+    stop = shutdown_event()  # Ctrl-C: the requests in flight are cancelled, a --local stack stopped
     async with contextlib.AsyncExitStack() as exit_stack:
         try:
             if args.local:
@@ -592,14 +607,18 @@ async def run_selfcheck_command(args: argparse.Namespace) -> int:
                                       LOCAL_DRAFT_TIMEOUT_S]
                     config = dataclasses.replace(config, role_args={**config.role_args, "scheduler": scheduler_args})
                 with contextlib.redirect_stdout(sys.stderr):  # stdout is the report's (--json)
-                    stack = await start_stack(config, shutdown_event(), exit_stack)
+                    stack = await start_stack(config, stop, exit_stack)
                 if stack is None:
                     return 1
                 client = await exit_stack.enter_async_context(stack.client())
             else:
                 bus = load_config(BusConfig, nats_url=args.url, prefix=args.prefix)
                 client = await exit_stack.enter_async_context(Client.from_config(bus))
-            results = await run_checks(client, prompts, plan, args.checks, args.alpha, args.concurrency)
+            results: list[CheckResult] = []
+            checks = run_checks(client, prompts, plan, args.checks, args.alpha, args.concurrency, results)
+            if not await until_stopped(checks, stop):
+                print("interrupted: no report", file=sys.stderr)
+                return 130
         except SpecbusError as exc:
             print_error(exc)
             return 1
