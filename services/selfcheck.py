@@ -110,6 +110,9 @@ LOGPROB_TOP_N = 5
 SEED_RETRIES = 2  # extra runs allowed when a reproducibility run comes back degraded
 OVERLOAD_RETRIES = 8
 REQUEST_TIMEOUT_S = 300.0
+# Between two chunks of one request (the client's default is 30 s): 32 requests in flight on a
+# loaded small CPU can stall a step that long, and a stalled request is not what is checked.
+IDLE_TIMEOUT_S = 120.0
 LOCAL_DRAFT_TIMEOUT_S = "5"  # --local's scheduler (module docstring)
 
 
@@ -610,10 +613,10 @@ async def run_selfcheck_command(args: argparse.Namespace) -> int:
                     stack = await start_stack(config, stop, exit_stack)
                 if stack is None:
                     return 1
-                client = await exit_stack.enter_async_context(stack.client())
+                client = await exit_stack.enter_async_context(stack.client(idle_timeout_s=IDLE_TIMEOUT_S))
             else:
                 bus = load_config(BusConfig, nats_url=args.url, prefix=args.prefix)
-                client = await exit_stack.enter_async_context(Client.from_config(bus))
+                client = await exit_stack.enter_async_context(Client.from_config(bus, idle_timeout_s=IDLE_TIMEOUT_S))
             results: list[CheckResult] = []
             checks = run_checks(client, prompts, plan, args.checks, args.alpha, args.concurrency, results)
             if not await until_stopped(checks, stop):
