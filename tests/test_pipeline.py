@@ -219,7 +219,7 @@ async def test_cli_generate_prints_the_result_json_and_streams_text(stack, clien
     assert [entry["token_id"] for entry in result["logprobs"]] == expected.token_ids
     assert result["usage"]["completion_tokens"] == MAX_TOKENS
 
-    streamed = await run_cli(*common, "--color", "always", env=env)
+    streamed = await run_cli(*common, "--color", "always", "--tokenizer", stack.config.target_model, env=env)
     assert streamed.returncode == 0, streamed.stderr
     plain = streamed.stdout.replace("\x1b[32m", "").replace("\x1b[0m", "")
     assert plain == expected.text + "\n"
