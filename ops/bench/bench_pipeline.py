@@ -6,8 +6,10 @@
 Prints a table per section and writes <results>/results.json, <results>/results.md (the same
 tables) and <results>/bench.png, <results> being --results (default
 ops/bench/results/<UTC timestamp>/). The model pair is copied first, so a checkpoint written during the run changes nothing. Prompts: --prompt-tokens tokens
-from held-out stdlib files (ops/train_models.py `source_files()`), --prompts of them, each
+from held-out stdlib files (ops/train_models.py `source_files()`), or with --chat held-out questions
+(ops/distill_draft.py, never trained on) in the target's chat template; --prompts of them, each
 request generating exactly --max-tokens tokens (ignore_eos; transformers: min_new_tokens).
+Sampled runs use --temperature and --top-p.
 tokens/s = completion tokens of all requests / wall time of the section's run.
 
 Sections (the stack, the in-process loop and the transformers models are all loaded first, and
@@ -57,6 +59,7 @@ from tqdm import tqdm
 from gpu_worker.tokenizer import load_tokenizer
 from ops.bench.bench_kernels import bench_one
 from ops.bench.inprocess import STAGES, load_inprocess, run_requests
+from ops.distill_draft import held_out_chat_prompts
 from ops.export_assistant_draft import check_expanded, export_assistant_draft, load_hf
 from ops.train_models import read_text, source_files
 from schemas.config import DEFAULT_DRAFT, SchedulerConfig, default_target_model
@@ -77,6 +80,7 @@ class Mode:
     name: str
     temperature: float
     draft_mode: str
+    top_p: float = 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +106,7 @@ def held_out_prompts(tokenizer_dir, count: int, length: int) -> list[list[int]]:
 
 def requests_for(prompts: list[list[int]], count: int, max_tokens: int, k: int, mode: Mode) -> list:
     return [make_request(prompts[i % len(prompts)], max_tokens=max_tokens, ignore_eos=True,
-                         temperature=mode.temperature, seed=i if mode.temperature else None,
+                         temperature=mode.temperature, top_p=mode.top_p, seed=i if mode.temperature else None,
                          num_speculative_tokens=k, draft_mode=mode.draft_mode, timeout_s=REQUEST_TIMEOUT_S)
             for i in range(count)]
 
@@ -232,16 +236,18 @@ async def bench_in(args: argparse.Namespace, work: Path) -> dict:
     shutil.copytree(args.target_model, target_dir)
     shutil.copytree(args.draft_model, draft_dir)
     device = args.device
-    prompts = held_out_prompts(target_dir, max(args.prompts, *args.scaling_batches, *args.overhead_batches),
-                               args.prompt_tokens)
+    count = max(args.prompts, *args.scaling_batches, *args.overhead_batches)
+    prompts = held_out_chat_prompts(load_tokenizer(target_dir), count) if args.chat else \
+        held_out_prompts(target_dir, count, args.prompt_tokens)
     batch1 = prompts[:args.prompts]
     greedy = Mode("greedy", 0.0, "greedy")
-    modes = [greedy, Mode("sampled/draft greedy", args.temperature, "greedy"),
-             Mode("sampled/draft sample", args.temperature, "sample")]
+    modes = [greedy, Mode("sampled/draft greedy", args.temperature, "greedy", args.top_p),
+             Mode("sampled/draft sample", args.temperature, "sample", args.top_p)]
     result: dict = {"settings": {k: v for k, v in vars(args).items() if k != "results"},
                     "machine": machine(device)}
     export_assistant_draft(draft_dir, target_dir, assistant_dir)
-    result["assistant_export"] = check_expanded(draft_dir, assistant_dir, torch.tensor(batch1[:4]))
+    shortest = min(len(p) for p in batch1[:4])  # chat prompts differ in length: check on their common length
+    result["assistant_export"] = check_expanded(draft_dir, assistant_dir, torch.tensor([p[:shortest] for p in batch1[:4]]))
     target, assistant = load_hf(target_dir, device), load_hf(assistant_dir, device)
     loop = load_inprocess(str(target_dir), str(draft_dir), device, max_slots=max(args.overhead_batches))
     config = StackConfig(target_model=str(target_dir), draft_model=str(draft_dir), log_level=args.log_level,
@@ -465,6 +471,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 2, 4, 8])
     parser.add_argument("--peer-k", type=int, default=4, help="specbus k of the peer, bus and scaling sections")
     parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled runs")
+    parser.add_argument("--top-p", type=float, default=1.0, help="of the sampled runs")
+    parser.add_argument("--chat", action="store_true",
+                        help="prompts: held-out chat and code questions of ops/distill_draft.py in the target's chat "
+                             "template (a chat model's use) instead of --prompt-tokens windows of stdlib files")
     parser.add_argument("--overhead-batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--kernel-batch", type=int, nargs="+", default=[1, 16])
