@@ -26,10 +26,13 @@ heartbeat_timeout_s, or the stream lost something on the way (a gap before the f
 `unavailable` error chunk that names no scheduler: a lost commit, no chunk for idle_timeout_s),
 the request is sent again as a new run resuming after the tokens already read (same seed, same
 positions: the same output), at most MAX_FAILOVERS times; only then do the errors above apply.
+A request whose scheduler died waits (up to its deadline) until another scheduler heartbeats, so
+the supervised restart of a stack's only scheduler takes it over too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import ssl
 import time
@@ -54,6 +57,7 @@ from services.bus import BusError, connect, permission_watch, publish, tls_conte
 log = structlog.get_logger(__name__)
 
 MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missing seq
+SCHEDULER_POLL_S = 0.05  # how often a failover waiting for a live scheduler looks again
 MAX_FAILOVERS = 3  # scheduler failovers of one request before it fails with StreamBroken
 MAX_RUN_ID_STEM = 110  # a failover run's id is <stem>.failover<n>, within RequestId's 128 characters
 NO_RESPONDERS_STATUS = "503"
@@ -313,6 +317,8 @@ class Stream:
             if bound == "owner":
                 if self.owner_dead_at() > time.monotonic():
                     return  # a beat came while waiting
+                dead = set(self.schedulers_at_send if self.owner is None else [self.owner])
+                await self._until_a_scheduler_lives(dead)
                 if await self._failover(f"scheduler {self.owner or '(not known yet)'} silent"):
                     return
                 self.finished = True
@@ -368,6 +374,13 @@ class Stream:
         owners = [self.owner] if self.owner is not None else self.schedulers_at_send
         seen = [beats[owner] for owner in owners if owner in beats]
         return min(seen) + self.client.heartbeat_timeout_s if seen else None
+
+    async def _until_a_scheduler_lives(self, dead: set[str]) -> None:
+        """Wait, polling heartbeats up to the deadline, for a live scheduler other than the dead
+        ones: with one scheduler, `specbus up` restarts it under a new instance id, and the
+        request goes on there instead of meeting `no responders` while it starts."""
+        while not set(self.client.live_schedulers()) - dead and time.monotonic() < self.deadline:
+            await asyncio.sleep(SCHEDULER_POLL_S)
 
     async def _failover(self, why: str) -> bool:
         """Send the request again, as a new run with the completion read so far as

@@ -22,6 +22,7 @@ import pytest_asyncio
 
 from services.client import make_request
 from services.stack import Stack, StackConfig
+from services.supervisor import RestartPolicy, supervise
 from tests.test_faults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, K, Load, Streamed, check_whole
 from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
 
@@ -36,25 +37,35 @@ SCHEDULER_ARGS = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--heartb
                   str(HEARTBEAT_TIMEOUT_S), "--draft-timeout-s", "10", "--verify-timeout-s", "20"]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
+def failover_config(models, log_dir, schedulers: int) -> StackConfig:
     beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
-    config = StackConfig(
-        schedulers=2, target_model=str(models[0]), draft_model=str(models[1]),
-        log_dir=tmp_path_factory.mktemp("failover-logs"),
+    return StackConfig(
+        schedulers=schedulers, target_model=str(models[0]), draft_model=str(models[1]), log_dir=log_dir,
         role_args={"scheduler": SCHEDULER_ARGS, "verifier": [*beat, "--max-seq-len", "512"],
                    "drafter": [*beat, "--max-seq-len", "512"], "postprocessor": beat})
-    async with Stack(config) as running:
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(models, tmp_path_factory):
+    async with Stack(failover_config(models, tmp_path_factory.mktemp("failover-logs"), schedulers=2)) as running:
         yield running
+
+
+async def connected_client(stack: Stack, num_schedulers: int):
+    """A client that has heard every scheduler, so a death before the first chunk counts too."""
+    client = stack.client(idle_timeout_s=IDLE_TIMEOUT_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    await client.__aenter__()
+    async with asyncio.timeout(30):
+        while len(client.live_schedulers()) < num_schedulers:
+            await asyncio.sleep(0.05)
+    return client
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(stack):
-    async with stack.client(idle_timeout_s=IDLE_TIMEOUT_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as connected:
-        async with asyncio.timeout(30):  # every scheduler heard from, so a death before the first chunk counts too
-            while len(connected.live_schedulers()) < 2:
-                await asyncio.sleep(0.05)
-        yield connected
+    client = await connected_client(stack, 2)
+    yield client
+    await client.__aexit__(None, None, None)
 
 
 def requests(prompts, name: str) -> list:
@@ -83,6 +94,33 @@ def logprobs(got: Streamed) -> list:
     return [entry for _, chunk in got.chunks for entry in (chunk.logprobs or [])]
 
 
+def check_unchanged(streams: list[Streamed], reference: list[Streamed], tokenizer) -> None:
+    """Every stream whole and token for token the undisturbed run's (none lost, none repeated),
+    text and logprobs too."""
+    for index, (got, expected) in enumerate(zip(streams, reference)):
+        assert got.error is None, f"request {index}: {got.error!r}"
+        check_whole(got, tokenizer)
+        assert got.finish_reason == "length", index
+        assert got.token_ids == expected.token_ids, f"request {index}: output changed"
+        assert got.text == expected.text, index
+        got_logprobs, expected_logprobs = logprobs(got), logprobs(expected)
+        assert len(got_logprobs) == len(expected_logprobs), index
+        for ours, theirs in zip(got_logprobs, expected_logprobs):
+            assert ours.token_id == theirs.token_id and ours.top_ids.tolist() == theirs.top_ids.tolist(), index
+            assert math.isclose(ours.logprob, theirs.logprob, abs_tol=1e-3), index
+
+
+def check_failed_over(moved: list[Streamed], killed_at: float, stack: Stack) -> None:
+    """Flagged `failover`, continued by a live scheduler, noticed by heartbeats: the first chunk
+    after the kill came well before the idle timeout."""
+    for got in moved:
+        assert "failover" in got.degraded(since=killed_at), got.request.request_id
+        assert {chunk.scheduler_id for at, chunk in got.chunks if at >= killed_at} - {None} <= \
+            {p.instance_id for p in stack.by_role("scheduler") if p.running}, got.request.request_id
+        first_after = min(at for at, _ in got.chunks if at >= killed_at)
+        assert first_after - killed_at < IDLE_TIMEOUT_S / 2, got.request.request_id
+
+
 async def test_a_killed_scheduler_hands_every_stream_to_the_other_with_outputs_unchanged(
         stack, client, prompts, reference, tokenizer):
     load = await Load.start(client, requests(prompts, "failover"))
@@ -95,25 +133,34 @@ async def test_a_killed_scheduler_hands_every_stream_to_the_other_with_outputs_u
 
     moved = [got for got, owner in zip(streams, owners) if owner == victim]
     print(f"\n{victim} killed, owning {len(moved)} of {len(streams)} streams")
-    for index, (got, expected) in enumerate(zip(streams, reference)):
-        assert got.error is None, f"request {index}: {got.error!r}"
-        check_whole(got, tokenizer)
-        assert got.finish_reason == "length", index
-        assert got.token_ids == expected.token_ids, f"request {index}: output changed"  # none lost, none repeated
-        assert got.text == expected.text, index
-        got_logprobs, expected_logprobs = logprobs(got), logprobs(expected)
-        assert len(got_logprobs) == len(expected_logprobs), index
-        for ours, theirs in zip(got_logprobs, expected_logprobs):
-            assert ours.token_id == theirs.token_id and ours.top_ids.tolist() == theirs.top_ids.tolist(), index
-            assert math.isclose(ours.logprob, theirs.logprob, abs_tol=1e-3), index
+    check_unchanged(streams, reference, tokenizer)
     assert moved, "the victim owned no stream"
-    for got in moved:
-        assert "failover" in got.degraded(since=killed_at), got.request.request_id
-        assert {chunk.scheduler_id for at, chunk in got.chunks if at >= killed_at} - {None} == \
-            {p.instance_id for p in stack.by_role("scheduler") if p.running}, got.request.request_id
-        # Noticed by heartbeats: the first chunk after the kill came well before the idle timeout.
-        first_after = min(at for at, _ in got.chunks if at >= killed_at)
-        assert first_after - killed_at < IDLE_TIMEOUT_S / 2, got.request.request_id
+    check_failed_over(moved, killed_at, stack)
     assert all("failover" not in got.degraded() for got, owner in zip(streams, owners) if owner != victim)
 
     await stack.start_instance("scheduler")
+
+
+async def test_the_only_scheduler_killed_under_supervision_is_restarted_and_takes_every_stream_over(
+        models, prompts, tokenizer, tmp_path_factory):
+    """One scheduler, supervised as `specbus up` does: its streams wait for the restarted one
+    (a new instance id) and go on there, unchanged. The restart is held back well past the
+    clients' heartbeat timeout, so they notice the death with no scheduler to send to."""
+    async with Stack(failover_config(models, tmp_path_factory.mktemp("only-logs"), schedulers=1)) as running:
+        stop = asyncio.Event()
+        held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
+        supervisor = asyncio.create_task(supervise(running, stop, held_back))
+        client = await connected_client(running, 1)
+        try:
+            reference = await Load(client, requests(prompts, "only-reference")).finish()
+            load = await Load.start(client, requests(prompts, "only-failover"))
+            [victim] = [p.instance_id for p in running.by_role("scheduler") if p.running]
+            running.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            streams = await load.finish()
+            check_unchanged(streams, reference, tokenizer)
+            check_failed_over(streams, killed_at, running)
+        finally:
+            await client.__aexit__(None, None, None)
+            stop.set()
+            await supervisor
