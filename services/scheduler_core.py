@@ -148,6 +148,7 @@ class Request:
     last_token_at: float | None = None  # ... at its last commit with tokens: inter-token latency
     lane: int = 0  # the step loop that plans it (module docstring)
     resumed_len: int = 0  # completion tokens it came with (GenerateRequest.resume_token_ids)
+    awaiting_verifier: bool = False  # its verifier died with no other to move to (migrate)
 
     @property
     def completion(self) -> list[int]:
@@ -580,14 +581,18 @@ class SchedulerState:
     def migrate(self, request: Request, now: float) -> Outbox:
         """Move to another verifier, re-prefilled from history; none with room: start over on the
         same one while it still heartbeats (its replies were lost on the way, e.g. in a dead NATS
-        node, more likely than the verifier), else finish "error"."""
+        node, more likely than the verifier), else wait, up to the deadline, for a verifier with
+        room (under `specbus up`, the restart of a stack's only verifier): plan_step leaves a
+        request whose verifier is dead alone, and each boundary tries again."""
         old_id = request.verifier_id
         new_id = self.pick("verifier", exclude=old_id) or (old_id if self.alive(old_id) else None)
         if new_id is None:
-            log.warning("no_verifier_to_migrate_to", request_id=request.request_id, verifier_id=old_id)
-            return self.end(request, "error", now, error=Error(
-                code=ErrorCode.unavailable, message=f"verifier {old_id} failed and no other verifier has room",
-                request_id=request.request_id))
+            if not request.awaiting_verifier:
+                request.awaiting_verifier = True
+                self.counters["verifier_awaited"] += 1
+                log.warning("no_verifier_to_migrate_to", request_id=request.request_id, verifier_id=old_id)
+            return Outbox()
+        request.awaiting_verifier = False
         if new_id != old_id:
             self.release(old_id, request.request_id)
             request.verifier_id = self.took(new_id)
@@ -726,7 +731,8 @@ class SchedulerState:
         for request in self.running.values():
             # A lane's own requests are never in a step when it plans (its steps run one at a time).
             ours = request.lane == lane if lane is not None else request.request_id not in self.in_flight
-            if ours and self.alive(request.postprocessor_id):  # else it waits for a postprocessor (or its deadline)
+            # else it waits for a postprocessor, or for a verifier (see migrate), or its deadline
+            if ours and self.alive(request.postprocessor_id) and self.alive(request.verifier_id):
                 by_verifier.setdefault(request.verifier_id, []).append(request)
         self.num_plans += 1
         for verifier_id, requests in by_verifier.items():

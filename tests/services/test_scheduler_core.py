@@ -343,16 +343,17 @@ def test_verifier_silent_after_retry_moves_requests_to_another_verifier(tokenize
     assert commit.degraded == ["migrated"] and commit.seq == 1
 
 
-def test_no_verifier_left_ends_the_request_with_error(tokenizer):
+def test_no_verifier_left_the_request_waits_then_ends_at_its_deadline(tokenizer):
     state = new_state(tokenizer)
-    submit(state)
+    submit(state, timeout_s=10.0)
     step(state)
     state.clock.now += 5.0  # v1 silent past heartbeat_timeout_s: dead
     for instance_id, role in (("d1", "drafter"), ("p1", "postprocessor")):
         beat(state, instance_id, role)
     _, _, outbox = step(state)
-    [commit] = commits_of(outbox)
-    assert commit.finish_reason == "error" and state.counters["finished_error"] == 1
+    assert not commits_of(outbox) and "r1" in state.running
+    [commit] = commits_of(state.boundary(time.time() + 11.0))
+    assert commit.finish_reason == "timeout" and state.counters["finished_timeout"] == 1
 
 
 def test_a_verifier_that_misses_a_batch_but_heartbeats_gets_the_request_again_from_scratch(tokenizer):
@@ -549,14 +550,25 @@ def test_an_error_after_the_first_commit_always_carries_its_reason(tokenizer):
     [commit] = commits_of(state.apply_verify(plan, "v1", reply, time.time()))
     assert commit.finish_reason == "error" and commit.error.message == "exceeds max_seq_len 8"
     assert commit.error.field == "new_token_ids"
-    # every other way to end with "error" says why too
+
+
+def test_a_request_whose_only_verifier_died_waits_for_another_and_moves_there(tokenizer):
+    """No verifier to move to is not the end: the request waits (up to its deadline) for one,
+    e.g. the supervisor's restart, and is re-prefilled there from its history."""
+    state = new_state(tokenizer)
     submit(state, "r2")
     step(state)
     state.clock.now += 5.0  # v1 dead (silent past heartbeat_timeout_s), no other verifier to migrate to
     for instance_id, role in (("d1", "drafter"), ("p1", "postprocessor")):
         beat(state, instance_id, role)
-    [commit] = commits_of(step(state)[2], "r2")
-    assert commit.finish_reason == "error" and commit.error.code == ErrorCode.unavailable and commit.error.message
+    state.boundary(time.time())
+    assert not state.plan_step(time.time()).rows and "r2" in state.running
+    assert state.counters["verifier_awaited"] == 1
+    beat(state, "v2", "verifier")
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    [row] = plan.rows["v2"]
+    assert row.request.request_id == "r2" and row.cached_len == 0 and state.counters["migrated"] == 1
 
 
 def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alone(tokenizer):
