@@ -1,14 +1,14 @@
 """Distil the shipped draft for SmolLM2-135M-Instruct (models/smollm2-draft) from the target itself.
 
-    python ops/distill_draft.py data  --target DIR      # the target answers chat and code prompts
-    python ops/distill_draft.py train --target DIR      # distil the draft (--resume continues)
-    python ops/distill_draft.py eval  --target DIR      # held-out acceptance and cost ratio
-    python ops/distill_draft.py export --target DIR     # export the last checkpoint again
+    python ops/distill_draft.py data  --threads 1       # the target answers 704 chat and code prompts
+    python ops/distill_draft.py train --threads 1       # distil the draft (--resume continues)
+    python ops/distill_draft.py eval  --threads 1       # held-out acceptance and cost ratio
+    python ops/distill_draft.py export                  # export the last checkpoint again
 
-DIR is the HF-layout directory of the target (what `specbus models pull` writes). `all` runs the
-three steps in order. Work files (generations, checkpoints) go to .train/smollm2-draft/;
-the draft is exported to models/smollm2-draft/ at every checkpoint, so an interrupted run still
-leaves a usable draft. The seed is fixed; CUDA is used when present.
+--target DIR: the HF-layout directory of the target, default where `specbus models pull` puts
+it. `all` runs data, train and eval in order; `train --follow` starts while `data` still runs.
+Work files (generations, checkpoints) go to .train/smollm2-draft/; the draft is exported to
+models/smollm2-draft/ at every checkpoint, so an interrupted run still leaves a usable draft. The seed is fixed; CUDA is used when present.
 
 Design (the reasons are in models/README.md):
 - Data: self-distillation. The target answers PROMPTS (chat questions built from templates and
@@ -20,11 +20,11 @@ Design (the reasons are in models/README.md):
   log-probabilities at every answer position: the labels. Prompts whose subject hashes into the
   held-out tenth are never trained on; acceptance is measured on their answers.
 - Draft: LlamaForCausalLM with the target's width (hidden 576, 9 / 3 heads), DRAFT_LAYERS layers
-  started from target layers LAYER_SOURCES, the target's final norm, and a reduced vocabulary
-  of DRAFT_VOCAB ids, tied input/output embeddings started from the target's rows: the
-  DRAFT_VOCAB - 1 target tokens that occur most often in the training generations (prompts and
-  answers) plus one input-only "other" id for every other target token (d2t.safetensors maps
-  draft ids to target ids; gpu_worker/checkpoint.py).
+  started from target layers LAYER_SOURCES, the target's final norm (rescaled: `calibrate_norm`),
+  and a reduced vocabulary of DRAFT_VOCAB ids with tied input/output embeddings that are the
+  target's rows and stay frozen: the DRAFT_VOCAB - 1 target tokens most frequent in the training
+  generations (`draft_vocabulary`) plus one input-only "other" id for every other target token
+  (d2t.safetensors maps draft ids to target ids; gpu_worker/checkpoint.py).
 - Loss, on answer positions only (the drafter only ever drafts answers): cross-entropy on the
   target's greedy token (what greedy acceptance checks) plus KL(target top-k || draft), the
   top-k renormalised and mapped into the draft vocabulary, the mass of ids outside it on
@@ -40,7 +40,7 @@ import itertools
 import json
 import math
 import random
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +56,10 @@ from gpu_worker.model import forward
 from gpu_worker.sampling import SamplingTensors, make_uniforms, sample
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.config import default_target_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_models import forward_ms  # noqa: E402
+from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "models" / "smollm2-draft"
@@ -329,14 +333,6 @@ def batch_tensors(examples: list[dict], t2d: torch.Tensor, other_id: int, device
     return inputs.to(device), to(rows), to(cols), to(labels), to(teacher)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def export(draft, target: Path, d2t, t2d, other_id: int) -> None:
     """models/smollm2-draft: config.json, model.safetensors (bf16: half the file; the runtime
     converts to its dtype at load), d2t.safetensors and the target's tokenizer files (the
@@ -501,30 +497,13 @@ def acceptance(draft_dir: Path, examples: list[dict], dtype=torch.float32) -> di
             "greedy_acceptance_on_greedy_answers": round(greedy_hits / max(1, greedy_total), 4)}
 
 
-def forward_ms(path: Path, num_tokens: int, context: int, repeats: int, dtype) -> float:
-    """Median wall ms of one batch-1 forward of num_tokens new tokens after `context` cached ones."""
-    model, config = load_model(path, dtype=dtype, max_seq_len=1024)
-    cache = KVCache(config, max_slots=1, max_seq_len=context + num_tokens + 1, dtype=dtype)
-    slot = torch.tensor([cache.allocate()])
-    forward(model, cache, slot, torch.randint(0, 1000, (1, context)), torch.tensor([context]),
-            logits_index=torch.tensor([[context - 1]]))
-    new = torch.randint(0, 1000, (1, num_tokens))
-    times = []
-    for _ in range(repeats):
-        cache.truncate(int(slot), context)
-        start = time.perf_counter()
-        forward(model, cache, slot, new, torch.tensor([num_tokens]))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def evaluate(target: Path, dtypes: list[str], repeats: int, context: int) -> dict:
     _, held = load_examples()
     result = {"threads": torch.get_num_threads(), "context": context, **acceptance(OUT, held)}
     for name in dtypes:
         dtype = getattr(torch, name)
-        draft_ms = forward_ms(OUT, 1, context, repeats, dtype)
-        target_ms = forward_ms(target, 5, context, max(10, repeats // 10), dtype)
+        draft_ms = forward_ms(OUT, context, 1, repeats, dtype)
+        target_ms = forward_ms(target, context, 5, max(10, repeats // 10), dtype)
         result[name] = {"draft_1_token_ms": round(draft_ms, 3), "target_5_tokens_ms": round(target_ms, 2),
                         "cost_ratio": round(draft_ms / target_ms, 4)}
     result["weight_mb"] = round(sum(p.stat().st_size for p in OUT.glob("*.safetensors")) / 1e6, 2)
@@ -539,7 +518,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=Path(default_target_model()),
                         help="HF-layout directory of SmolLM2-135M-Instruct (default: where `specbus models pull` puts it)")
     parser.add_argument("--gen-batch", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=640, help="answers to generate (0: every prompt)")
+    parser.add_argument("--prompts", type=int, default=704, help="answers to generate (0: every prompt)")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=8, help="answers per training step")
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -27,10 +27,10 @@ from gpu_worker.model import forward  # noqa: E402
 from gpu_worker.tokenizer import load_tokenizer  # noqa: E402
 
 
-def forward_ms(path: Path, context: int, num_tokens: int, repeats: int) -> float:
+def forward_ms(path: Path, context: int, num_tokens: int, repeats: int, dtype=torch.float32) -> float:
     """Median wall ms of one forward of num_tokens new tokens after `context` cached ones."""
-    model, config = load_model(path)
-    cache = KVCache(config, max_slots=1, max_seq_len=context + num_tokens + 1)
+    model, config = load_model(path, dtype=dtype)
+    cache = KVCache(config, max_slots=1, max_seq_len=context + num_tokens + 1, dtype=dtype)
     slot = torch.tensor([cache.allocate()])
     prompt = torch.randint(0, config.vocab_size, (1, context))
     forward(model, cache, slot, prompt, torch.tensor([context]), logits_index=torch.tensor([[context - 1]]))

@@ -141,6 +141,10 @@ def run_requests(loop: InProcess, requests: list[GenerateRequest], concurrency: 
         run.steps += not plan.empty
         outs = []
         with timed(run.stage_s, "commit"):
+            # heartbeats arrive every interval in a stack, also while a model works: a verify
+            # longer than heartbeat_timeout_s (a real model on a loaded CPU) must not make the
+            # instances look dead to the commit
+            observe_instances(loop)
             for verifier_id, response, records in replies:
                 outbox.extend(state.apply_verify(plan, verifier_id, response, time.time()))
                 for record in records:
