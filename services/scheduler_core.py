@@ -752,10 +752,11 @@ class SchedulerState:
             for request in prefill:
                 if budget < 1:
                     break
-                # A resumed request stops its prefill one token short: the next token then comes
-                # from a decode step with drafts at the same position as in the interrupted run,
-                # so a seeded sampled request draws the same tokens (docs/PROTOCOL.md#scheduler-failover).
-                pending = request.pending_len - (request.resumed_len > 0 and len(request.completion) > 0)
+                # A request with completion tokens (resumed, or migrated to a verifier that starts
+                # from scratch) stops its prefill one token short: the next token then comes from
+                # a decode step with drafts at the same position as in the interrupted run, so a
+                # seeded sampled request draws the same tokens (docs/PROTOCOL.md#scheduler-failover).
+                pending = request.pending_len - (len(request.completion) > 0)
                 chunk = min(pending, budget)
                 end = request.verifier_len + chunk
                 planned.append(PlannedRow(request, request.verifier_len, end,

@@ -94,15 +94,17 @@ def logprobs(got: Streamed) -> list:
     return [entry for _, chunk in got.chunks for entry in (chunk.logprobs or [])]
 
 
-def check_unchanged(streams: list[Streamed], reference: list[Streamed], tokenizer) -> None:
+def check_unchanged(streams: list[Streamed], reference: list[Streamed], tokenizer, with_logprobs: bool = True) -> None:
     """Every stream whole and token for token the undisturbed run's (none lost, none repeated),
-    text and logprobs too."""
+    text and (with_logprobs) logprobs too."""
     for index, (got, expected) in enumerate(zip(streams, reference)):
         assert got.error is None, f"request {index}: {got.error!r}"
         check_whole(got, tokenizer)
         assert got.finish_reason == "length", index
         assert got.token_ids == expected.token_ids, f"request {index}: output changed"
         assert got.text == expected.text, index
+        if not with_logprobs:
+            continue
         got_logprobs, expected_logprobs = logprobs(got), logprobs(expected)
         assert len(got_logprobs) == len(expected_logprobs), index
         for ours, theirs in zip(got_logprobs, expected_logprobs):
@@ -141,26 +143,38 @@ async def test_a_killed_scheduler_hands_every_stream_to_the_other_with_outputs_u
     await stack.start_instance("scheduler")
 
 
-async def test_the_only_scheduler_killed_under_supervision_is_restarted_and_takes_every_stream_over(
-        models, prompts, tokenizer, tmp_path_factory):
-    """One scheduler, supervised as `specbus up` does: its streams wait for the restarted one
-    (a new instance id) and go on there, unchanged. The restart is held back well past the
-    clients' heartbeat timeout, so they notice the death with no scheduler to send to."""
-    async with Stack(failover_config(models, tmp_path_factory.mktemp("only-logs"), schedulers=1)) as running:
+@pytest.mark.parametrize("role", ["scheduler", "verifier", "postprocessor"])
+async def test_the_only_instance_of_a_role_killed_under_supervision_loses_no_stream(
+        role, models, prompts, tokenizer, tmp_path_factory):
+    """One instance per role, supervised as `specbus up` does: when it is SIGKILLed, the streams
+    wait for the restarted one (a new instance id) and go on, token for token unchanged: the
+    client fails over to the new scheduler, the scheduler moves requests to the new verifier,
+    and re-pins and replays them to the new postprocessor (replayed chunks come without their
+    logprobs, `logprobs_timeout`). The restart is held back well past the heartbeat timeout,
+    so the death is noticed with no instance of that role to go to."""
+    async with Stack(failover_config(models, tmp_path_factory.mktemp(f"only-{role}-logs"), schedulers=1)) as running:
         stop = asyncio.Event()
         held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
         supervisor = asyncio.create_task(supervise(running, stop, held_back))
         client = await connected_client(running, 1)
         try:
             reference = await Load(client, requests(prompts, "only-reference")).finish()
-            load = await Load.start(client, requests(prompts, "only-failover"))
-            [victim] = [p.instance_id for p in running.by_role("scheduler") if p.running]
+            load = await Load.start(client, requests(prompts, f"only-{role}"))
+            [victim] = [p.instance_id for p in running.by_role(role) if p.running]
             running.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
             streams = await load.finish()
-            check_unchanged(streams, reference, tokenizer)
-            check_failed_over(streams, killed_at, running)
+            check_unchanged(streams, reference, tokenizer, with_logprobs=role != "postprocessor")
+            if role == "scheduler":
+                check_failed_over(streams, killed_at, running)
+            elif role == "verifier":
+                assert all("migrated" in got.degraded(since=killed_at) for got in streams)
+            assert await stop_supervisor(stop, supervisor) == [f"{role}-1"]
         finally:
-            await client.__aexit__(None, None, None)
             stop.set()
-            await supervisor
+            await client.__aexit__(None, None, None)
+
+
+async def stop_supervisor(stop: asyncio.Event, supervisor: asyncio.Task) -> list[str]:
+    stop.set()
+    return await supervisor

@@ -307,6 +307,20 @@ def test_dead_drafter_is_replaced_and_the_new_one_gets_the_whole_history(tokeniz
     assert message.rows[0].new_token_ids.tolist() == request.history
 
 
+def re_prefill(state, verifier_id: str, history: list[int]):
+    """The two steps of a re-prefill from scratch (resync, migration): history but its last token
+    without emitting, then that token as a decode row (so a seeded sampled request draws the
+    same tokens as before, docs/PROTOCOL.md#scheduler-failover). Returns the decode step's outbox."""
+    _, requests, outbox = step(state)
+    row = requests[verifier_id].rows[0]
+    assert row.cached_len == 0 and row.new_token_ids.tolist() == history[:-1] and not row.emit
+    assert commits_of(outbox) == []
+    _, requests, outbox = step(state)
+    row = requests[verifier_id].rows[0]
+    assert row.cached_len == len(history) - 1 and row.new_token_ids.tolist() == history[-1:] and row.emit
+    return outbox
+
+
 def test_need_resync_resends_the_whole_history_and_flags_the_next_commit(tokenizer):
     state = new_state(tokenizer)
     request = submit(state)
@@ -319,11 +333,7 @@ def test_need_resync_resends_the_whole_history_and_flags_the_next_commit(tokeniz
     outbox.extend(state.apply_verify(plan, "v1", reply, time.time()))
     state.end_step(plan)
     assert commits_of(outbox) == [] and request.verifier_len == 0
-    history = list(request.history)
-    _, requests, outbox = step(state)
-    row = requests["v1"].rows[0]
-    assert row.cached_len == 0 and row.new_token_ids.tolist() == history and row.emit
-    [commit] = commits_of(outbox)
+    [commit] = commits_of(re_prefill(state, "v1", list(request.history)))
     assert commit.degraded == ["resync"] and request.degraded_steps["resync"] == 1
 
 
@@ -336,10 +346,7 @@ def test_verifier_silent_after_retry_moves_requests_to_another_verifier(tokenize
     _, _, outbox = step(state, verify_reply=False)
     assert outbox.commits == [] and request.verifier_id == "v2" and request.verifier_len == 0
     assert state.releases["v1"] == ["r1"]
-    _, requests, outbox = step(state)
-    row = requests["v2"].rows[0]
-    assert row.cached_len == 0 and row.new_token_ids.tolist() == history and row.emit
-    [commit] = commits_of(outbox)
+    [commit] = commits_of(re_prefill(state, "v2", history))
     assert commit.degraded == ["migrated"] and commit.seq == 1
 
 
@@ -366,10 +373,7 @@ def test_a_verifier_that_misses_a_batch_but_heartbeats_gets_the_request_again_fr
     _, _, outbox = step(state, verify_reply=False)
     assert outbox.commits == [] and request.verifier_id == "v1" and request.verifier_len == 0
     assert state.counters["finished_error"] == 0
-    _, requests, outbox = step(state)
-    row = requests["v1"].rows[0]
-    assert row.cached_len == 0 and row.new_token_ids.tolist() == history
-    [commit] = commits_of(outbox)
+    [commit] = commits_of(re_prefill(state, "v1", history))
     assert commit.degraded == ["migrated"] and commit.seq == 1
 
 
