@@ -68,11 +68,11 @@ async def client(stack):
     await client.__aexit__(None, None, None)
 
 
-def requests(prompts, name: str) -> list:
-    """Greedy and seeded sampled, each with and without logprobs (top 3)."""
+def requests(prompts, name: str, with_sampled: bool = True) -> list:
+    """Greedy and (with_sampled) seeded sampled, each with and without logprobs (top 3)."""
     out = []
     for index, prompt in enumerate(prompts):
-        sampled, logprobs = index % 2 == 1, index % 4 >= 2
+        sampled, logprobs = with_sampled and index % 2 == 1, index % 4 >= 2
         options = dict(temperature=0.8, top_p=0.95, seed=1000 + index, draft_mode="sample") if sampled \
             else dict(temperature=0.0)
         out.append(make_request(prompt, request_id=f"{name}-{index}-{time.monotonic_ns()}", max_tokens=MAX_TOKENS,
@@ -151,15 +151,18 @@ async def test_the_only_instance_of_a_role_killed_under_supervision_loses_no_str
     client fails over to the new scheduler, the scheduler moves requests to the new verifier,
     and re-pins and replays them to the new postprocessor (replayed chunks come without their
     logprobs, `logprobs_timeout`). The restart is held back well past the heartbeat timeout,
-    so the death is noticed with no instance of that role to go to."""
+    so the death is noticed with no instance of that role to go to. Greedy streams only: every
+    stream here restarts its step structure at the fault, and a seeded sampled token drawn at a
+    near-tie can flip with the floating-point differences between two step splits (seen once,
+    for one token; the two-scheduler test above keeps the sampled streams)."""
     async with Stack(failover_config(models, tmp_path_factory.mktemp(f"only-{role}-logs"), schedulers=1)) as running:
         stop = asyncio.Event()
         held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
         supervisor = asyncio.create_task(supervise(running, stop, held_back))
         client = await connected_client(running, 1)
         try:
-            reference = await Load(client, requests(prompts, "only-reference")).finish()
-            load = await Load.start(client, requests(prompts, f"only-{role}"))
+            reference = await Load(client, requests(prompts, "only-reference", with_sampled=False)).finish()
+            load = await Load.start(client, requests(prompts, f"only-{role}", with_sampled=False))
             [victim] = [p.instance_id for p in running.by_role(role) if p.running]
             running.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()

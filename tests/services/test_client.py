@@ -295,22 +295,24 @@ async def test_a_scheduler_silent_before_the_first_chunk_gets_the_request_sent_a
     again (the same seed, nothing to resume from); the new run's chunks are the stream."""
     generate, cancel = service
 
-    async def beat() -> None:  # s1 alive, until cancelled
+    async def beat(instance_id: str) -> None:  # alive, until cancelled
         while True:
-            heartbeat = Heartbeat(instance_id="s1", role="scheduler", capacity=8, load=0, sent_at=time.time(),
+            heartbeat = Heartbeat(instance_id=instance_id, role="scheduler", capacity=8, load=0, sent_at=time.time(),
                                   interval_s=0.05)
             await nc.publish(Subjects().heartbeat, encode(heartbeat))
             await asyncio.sleep(0.05)
 
     async with Client(nats_server.url, heartbeat_timeout_s=0.3) as client:
-        beating = asyncio.create_task(beat())
+        beating = asyncio.create_task(beat("s1"))
         async with asyncio.timeout(5):
             while client.live_schedulers() != ["s1"]:
                 await asyncio.sleep(0.01)
         generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
         first = await answer(nc, generate)
-        beating.cancel()  # s1 took it, then died: no chunk, no more beats
+        beating.cancel()  # s1 took it, then died: no chunk, no more beats; s2 (its restart, say) lives
+        beating = asyncio.create_task(beat("s2"))
         resumed = await answer(nc, generate, chunk(0, "a", request_id="req-1.failover1", finish_reason="length"))
+        beating.cancel()
         result = await asyncio.wait_for(generation, timeout=5)
     assert first.request_id == "req-1" and resumed.resume_token_ids is None
     assert (result.text, result.finish_reason, result.degraded) == ("a", "length", ["failover"])
