@@ -421,7 +421,8 @@ async def test_with_every_verifier_frozen_requests_wait_for_one_and_finish_uncha
         stack, client, prompts, reference, tokenizer):
     verifiers = running(stack, "verifier")
     short_timeout_s = 4.0
-    requests = [greedy(p, f"all-frozen-{i}", timeout_s=short_timeout_s if i % 2 else TIMEOUT_S)
+    requests = [greedy(p, f"all-frozen-{i}", timeout_s=short_timeout_s) if i % 2 else
+                greedy(p, f"all-frozen-{i}", max_tokens=LONG_MAX_TOKENS)  # still running at the freeze
                 for i, p in enumerate(prompts)]
     long_ones = sum(r.timeout_s == TIMEOUT_S for r in requests)
     before = await scheduler_stats(stack)
@@ -450,8 +451,9 @@ async def test_with_every_verifier_frozen_requests_wait_for_one_and_finish_uncha
             assert got.finish_reason == "timeout", index
             assert got.token_ids == expected[:len(got.token_ids)], index
         else:
-            assert got.finish_reason == "length" and got.token_ids == expected[:MAX_TOKENS], index
-            assert "migrated" in got.degraded(), index
+            # (flagged `migrated` when a verify timed out on the way; a thawed verifier whose
+            # slot survived goes on from it unflagged)
+            assert got.finish_reason == "length" and got.token_ids == expected[:LONG_MAX_TOKENS], index
     result = await client.generate(greedy(prompts[0], "after-thaw"))
     assert result.token_ids == reference[0][:MAX_TOKENS]
 
