@@ -5,11 +5,12 @@ from schemas.arrays import (MAX_ARRAY_BYTES, IdMatrix, LogprobMatrix, LogprobVec
 from schemas.codec import DEFAULT_MAX_BYTES, decode, decode_any, encode, error_reply, field_path, validate
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.messages import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
-                              MESSAGE_TYPES, PROTOCOL_VERSION, CancelRequest, Commit, DraftRequest, DraftResponse,
-                              DraftResult, DraftRow, Error, GenerateRequest, Heartbeat, LogprobArrays,
-                              LogprobOptions, Message, Proposal, RowSampling, SamplingMask, SamplingParams,
-                              SideChannelRecord, SpeculativeOptions, StopNotice, StreamChunk, TokenLogprob, Usage,
-                              VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, check_limits, new_request_id)
+                              MESSAGE_TYPES, PROTOCOL_VERSION, Admitted, CancelRequest, Commit, DraftRequest,
+                              DraftResponse, DraftResult, DraftRow, Error, GenerateRequest, Heartbeat,
+                              LogprobArrays, LogprobOptions, Message, Proposal, RowSampling, SamplingMask,
+                              SamplingParams, SideChannelRecord, SpeculativeOptions, StopNotice, StreamChunk,
+                              TokenLogprob, Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow,
+                              check_limits, new_request_id)
 from schemas.subjects import DEFAULT_PREFIX, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
 
 __all__ = [
@@ -17,8 +18,8 @@ __all__ = [
     "DEFAULT_MAX_BYTES", "decode", "decode_any", "encode", "error_reply", "field_path", "validate",
     "CodecError", "ErrorCode", "SpecbusError",
     "DEGRADED_REASONS", "MAX_SPECULATIVE_TOKENS", "MAX_TOKENS_CAP", "MAX_TOP_LOGPROBS", "MESSAGE_TYPES",
-    "PROTOCOL_VERSION", "CancelRequest", "Commit", "DraftRequest", "DraftResponse", "DraftResult", "DraftRow",
-    "Error", "GenerateRequest", "Heartbeat", "LogprobArrays", "LogprobOptions", "Message", "Proposal",
+    "PROTOCOL_VERSION", "Admitted", "CancelRequest", "Commit", "DraftRequest", "DraftResponse", "DraftResult",
+    "DraftRow", "Error", "GenerateRequest", "Heartbeat", "LogprobArrays", "LogprobOptions", "Message", "Proposal",
     "RowSampling", "SamplingMask", "SamplingParams", "SideChannelRecord", "SpeculativeOptions", "StopNotice",
     "StreamChunk", "TokenLogprob", "Usage", "VerifyRequest", "VerifyResponse", "VerifyResult", "VerifyRow",
     "check_limits", "new_request_id",

@@ -43,7 +43,8 @@ BLOCK = re.compile(r"(<!-- generated: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- 
 # A new Subjects member needs a row here: the generator refuses to render without one.
 SUBJECT_ROUTES = {
     "generate_for": ("client user `<user>`", "one scheduler (queue group `schedulers`)", "GenerateRequest",
-                     "publish with reply = the client's inbox; the StreamChunks (or one Error chunk) come back there"),
+                     "publish with reply = the client's inbox; Admitted (on arrival, on start) and the StreamChunks "
+                     "(or one Error chunk) come back there"),
     "cancel_for": ("client user `<user>`", "every scheduler", "CancelRequest",
                    "publish; the owning scheduler acts, others ignore it"),
     "generate": None,  # the scheduler subscribes `<p>.generate.*`

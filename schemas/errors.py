@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     need_resync = "need_resync"  # receiver's cached state differs from what the sender expects
     no_capacity = "no_capacity"  # no live instance able to take the work
     unavailable = "unavailable"  # no responders / instance gone
+    shutting_down = "shutting_down"  # the scheduler is stopping: resend the request (the client library does)
     forbidden = "forbidden"  # the NATS server refused this user a publish or subscription
     internal = "internal"  # unexpected failure; details are in the server log, not the reply
 

@@ -395,6 +395,21 @@ class StreamChunk(Message):
         return self
 
 
+class Admitted(Message):
+    """scheduler -> client inbox, beside the StreamChunks (not one of them: no seq): the
+    request reached scheduler `scheduler_id` and waits in its queue (`started` False, sent on
+    admission), or it has started running (`started` True). A client that hears neither this
+    nor a chunk within its admission_timeout_s sends the request again (the GenerateRequest or
+    this answer was lost, e.g. in a dying NATS node); once the request started, a silence
+    longer than idle_timeout_s means its output was lost (docs/PROTOCOL.md#scheduler-failover).
+    """
+
+    type: Literal["admitted"] = "admitted"
+    request_id: RequestId
+    scheduler_id: InstanceId
+    started: bool = False
+
+
 # ---------------------------------------------------------------- scheduler <-> drafter / verifier
 
 
@@ -749,6 +764,6 @@ class Heartbeat(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
-    for cls in (GenerateRequest, CancelRequest, Error, StreamChunk, DraftRequest, DraftResponse, VerifyRequest,
-                VerifyResponse, SideChannelRecord, Commit, StopNotice, Heartbeat)
+    for cls in (GenerateRequest, CancelRequest, Error, StreamChunk, Admitted, DraftRequest, DraftResponse,
+                VerifyRequest, VerifyResponse, SideChannelRecord, Commit, StopNotice, Heartbeat)
 }

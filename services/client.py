@@ -19,6 +19,8 @@ timeout_margin_s, the gap between two chunks by idle_timeout_s (after the first 
 timeout raises StreamTimeout and sends a CancelRequest. An Error chunk raises RequestError
 (Overloaded when the scheduler refused the request for lack of room); a request or inbox the
 NATS server refuses this user raises RequestError with code `forbidden` at once.
+Beside the chunks the scheduler answers Admitted: on arrival (queued) and when the request
+starts; from the start on, idle_timeout_s also bounds the wait for the first chunk.
 
 Failover (docs/PROTOCOL.md#scheduler-failover; `failover=False` turns it off): the client reads
 the schedulers' heartbeats. When the scheduler running a request is silent for
@@ -26,6 +28,9 @@ heartbeat_timeout_s, or the stream lost something on the way (a gap before the f
 `unavailable` error chunk that names no scheduler: a lost commit, no chunk for idle_timeout_s),
 the request is sent again as a new run resuming after the tokens already read (same seed, same
 positions: the same output), at most MAX_FAILOVERS times; only then do the errors above apply.
+A request no scheduler acknowledged within admission_timeout_s (it, or the answer, was lost in a
+dying NATS node) is sent again the same way, and so is one whose scheduler stops (SIGTERM: an
+error chunk `shutting_down`), to another scheduler.
 A request whose scheduler died waits (up to its deadline) until another scheduler heartbeats, so
 the supervised restart of a stack's only scheduler takes it over too.
 """
@@ -44,12 +49,12 @@ import nats.errors
 import numpy as np
 import structlog
 
-from schemas.codec import decode, encode, validate
+from schemas.codec import decode, decode_any, encode, validate
 from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (CancelRequest, Error, GenerateRequest, Heartbeat, LogprobOptions, SamplingMask,
-                              SamplingParams, SpeculativeOptions, StreamChunk, TokenLogprob, Usage, new_request_id,
-                              seed_from_request_id)
+from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, Heartbeat, LogprobOptions,
+                              SamplingMask, SamplingParams, SpeculativeOptions, StreamChunk, TokenLogprob, Usage,
+                              new_request_id, seed_from_request_id)
 from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
 from services.auth import PermissionDenied, inbox_prefix
 from services.bus import BusError, connect, permission_watch, publish, tls_context
@@ -260,7 +265,11 @@ class Stream:
         self.buffered: dict[int, StreamChunk] = {}
         self.final_seq: int | None = None
         self.final_arrived = 0.0
-        self.last_chunk_at: float | None = None
+        # The run now in progress: sent at `sent_at`; `heard` once an Admitted or a chunk of it
+        # came; `started` once it runs (idle_timeout_s applies from `last_heard_at`).
+        self.sent_at = time.monotonic()
+        self.heard = self.started = False
+        self.last_heard_at: float | None = None
         self.finished = False  # the final chunk (or an Error) has been read
         self.closed = False
         self.num_duplicates = 0
@@ -284,11 +293,7 @@ class Stream:
             while self.next_seq not in self.buffered:
                 await self._receive()
             chunk = self.buffered.pop(self.next_seq)
-            # An `unavailable` error that names no scheduler is not the scheduler's verdict: the
-            # postprocessor gave up on a commit lost on the way (a dead NATS node), or the
-            # scheduler found no postprocessor; a new run continues from the tokens read.
-            if chunk.error is None or chunk.error.code != ErrorCode.unavailable or chunk.scheduler_id is not None \
-                    or not await self._failover(f"{chunk.error.code.value}: {chunk.error.message}"):
+            if chunk.error is None or not await self._failover_after(chunk):
                 break
         self.next_seq += 1
         self.delivered += chunk.token_ids.tolist()
@@ -298,12 +303,28 @@ class Stream:
         self.finished = chunk.final
         return chunk
 
+    async def _failover_after(self, chunk: StreamChunk) -> bool:
+        """Fail over on an error chunk that is not the request's end (False: it is): its
+        scheduler is stopping (`shutting_down`: wait for another one), or an `unavailable` error
+        that names no scheduler, not the scheduler's verdict but the postprocessor giving up on
+        a commit lost on the way (a dead NATS node), or the scheduler finding no postprocessor."""
+        error = chunk.error
+        if not self.client.failover or self.num_failovers >= MAX_FAILOVERS:
+            return False
+        if error.code == ErrorCode.shutting_down:
+            await self._until_a_scheduler_lives({chunk.scheduler_id or self.owner})
+        elif error.code != ErrorCode.unavailable or chunk.scheduler_id is not None:
+            return False
+        return await self._failover(f"{error.code.value}: {error.message}")
+
     async def _receive(self) -> None:
         """Wait for one more message within the tightest bound that applies, and buffer it."""
         now = time.monotonic()
         waits = {"deadline": self.deadline - now}
-        if self.last_chunk_at is not None:
-            waits["idle"] = self.last_chunk_at + self.client.idle_timeout_s - now
+        if not self.heard and self.client.failover:
+            waits["admission"] = self.sent_at + self.client.admission_timeout_s - now
+        if self.started:
+            waits["idle"] = self.last_heard_at + self.client.idle_timeout_s - now
         if self.final_seq is not None:
             waits["gap"] = self.final_arrived + self.client.gap_grace_s - now
         elif (owner_dead_at := self.owner_dead_at()) is not None:
@@ -330,6 +351,9 @@ class Stream:
                 return  # chunks lost in a dead NATS node: a new run sends those tokens again
             if bound == "idle" and await self._failover(f"no chunk for {self.client.idle_timeout_s} s"):
                 return  # the rest (its final chunk, say) lost on the way: run it again from here
+            if bound == "admission" and await self._failover(
+                    f"no scheduler acknowledged it within {self.client.admission_timeout_s} s"):
+                return  # the request (or its acknowledgement) lost on the way: send it again
             raise await self._timeout_error(bound) from None
         except PermissionDenied as exc:
             self.finished = True
@@ -339,18 +363,23 @@ class Stream:
             raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.generate_subject!r}",
                                request_id=self.request.request_id)
         try:
-            chunk = decode(msg.data, StreamChunk)
+            message = decode_any(msg.data)
+            if not isinstance(message, (StreamChunk, Admitted)):
+                raise CodecError(ErrorCode.wrong_message_type, f"a {message.type} message on a stream inbox", "type")
         except CodecError as exc:
             self.num_ignored += 1
             log.warning("bad_chunk_ignored", request_id=self.request.request_id, error=str(exc))
             return
-        self._buffer(chunk)
+        if isinstance(message, Admitted):
+            self._admitted(message)
+        else:
+            self._buffer(message)
 
     async def _next_msg(self, timeout_s: float) -> Any:
         """The next message; until the first chunk, PermissionDenied as soon as the server
         refuses the request's publish or the inbox subscription (else the wait would end only
-        at the timeout). Once a chunk came, both went through."""
-        if self.last_chunk_at is not None:
+        at the timeout). Once the scheduler answered, both went through."""
+        if self.heard:
             return await self.subscription.next_msg(timeout=timeout_s)
         watch = permission_watch(self.client.nc)
         if self.num_refusals() > self.refusals_at_open:
@@ -408,7 +437,8 @@ class Stream:
                     resumed_tokens=len(self.delivered), seq=self.next_seq)
         self.buffered.clear()
         self.final_seq = None
-        self.base_seq, self.owner, self.last_chunk_at = self.next_seq, None, time.monotonic()
+        self.base_seq, self.owner = self.next_seq, None
+        self.sent_at, self.heard, self.started, self.last_heard_at = time.monotonic(), False, False, None
         self.schedulers_at_send = self.client.live_schedulers()
         self.subscription = await self.client.nc.subscribe(self.client.nc.new_inbox())
         self.subscribes = [self.subscription.subject]
@@ -425,11 +455,24 @@ class Stream:
         log.warning("foreign_chunk_ignored", request_id=self.request.request_id, chunk_request_id=chunk.request_id,
                     seq=chunk.seq)
 
+    def _heard(self, started: bool) -> None:
+        """The run now in progress answered: an Admitted or a chunk (which means it started)."""
+        self.heard, self.started = True, self.started or started
+        self.last_heard_at = time.monotonic()
+
+    def _admitted(self, admitted: Admitted) -> None:
+        if admitted.request_id != self.run_id:
+            self.num_ignored += 1  # an earlier run's, answered after its failover
+            return
+        self.owner = admitted.scheduler_id
+        self._heard(admitted.started)
+
     def _buffer(self, chunk: StreamChunk) -> None:
         if chunk.request_id != self.run_id:
             return self._ignore(chunk)
         if chunk.scheduler_id is not None:
             self.owner = chunk.scheduler_id
+        self._heard(started=True)
         if self.run_id != self.request.request_id:  # a failover run: this stream's id and seqs
             degraded = ["failover", *chunk.degraded] if chunk.seq == 0 else chunk.degraded
             chunk = chunk.model_copy(update={"request_id": self.request.request_id, "seq": self.base_seq + chunk.seq,
@@ -445,9 +488,8 @@ class Stream:
             raise StreamBroken(f"request {self.request.request_id}: more than {MAX_BUFFERED_CHUNKS} chunks arrived "
                                f"while waiting for seq {self.next_seq}")
         self.buffered[chunk.seq] = chunk
-        self.last_chunk_at = time.monotonic()
         if chunk.final or chunk.error is not None:
-            self.final_seq, self.final_arrived = chunk.seq, self.last_chunk_at
+            self.final_seq, self.final_arrived = chunk.seq, self.last_heard_at
 
     async def _timeout_error(self, bound: str) -> ClientError:
         """The error for a wait that ran out; a timed-out request is cancelled first."""
@@ -464,6 +506,9 @@ class Stream:
         if bound == "idle":
             return StreamTimeout(f"request {request_id}: no chunk for {self.client.idle_timeout_s} s "
                                  "(idle timeout); cancelled")
+        if bound == "admission":
+            return StreamTimeout(f"request {request_id}: no scheduler acknowledged it within "
+                                 f"{self.client.admission_timeout_s} s, {MAX_FAILOVERS} times; cancelled")
         return StreamTimeout(f"request {request_id}: not finished within timeout_s {self.request.timeout_s} s + "
                              f"{self.client.timeout_margin_s} s; cancelled")
 
@@ -498,7 +543,7 @@ class Client:
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  name: str = "specbus-client", connect_timeout_s: float = 5.0, timeout_margin_s: float = 5.0,
                  idle_timeout_s: float = 30.0, gap_grace_s: float = 1.0, failover: bool = True,
-                 heartbeat_timeout_s: float = 2.0):
+                 heartbeat_timeout_s: float = 2.0, admission_timeout_s: float = 5.0):
         self.url = url
         self.subjects = Subjects(prefix)
         self.user, self.password = user, password
@@ -513,6 +558,7 @@ class Client:
         self.gap_grace_s = gap_grace_s
         self.failover = failover
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.admission_timeout_s = admission_timeout_s
         self.scheduler_beats: dict[str, float] = {}  # scheduler instance id -> time.monotonic() of its last beat
         self.nc = None
 

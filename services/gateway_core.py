@@ -68,6 +68,7 @@ STATUS_OF_CODE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.overloaded: (429, "rate_limit_error"),
     ErrorCode.no_capacity: (503, "service_unavailable"),
     ErrorCode.unavailable: (503, "service_unavailable"),
+    ErrorCode.shutting_down: (503, "service_unavailable"),
     ErrorCode.timeout: (504, "timeout"),
     ErrorCode.cancelled: (500, "server_error"),
     ErrorCode.need_resync: (500, "server_error"),

@@ -12,8 +12,9 @@ request acts, and only when the user is the request's own), `<p>.heartbeat` (in 
 
 On stop: admission closes, the step in flight finishes (within stop_grace_s, else it is cancelled
 and its requests fail), then every running or queued request
-ends with finish_reason "error" (a final commit, or a final error chunk when it has no live
-postprocessor) so no client waits for a scheduler that is gone.
+ends with finish_reason "error", code `shutting_down` (a final commit, or a final error chunk when
+it has no live postprocessor), so no client waits for a scheduler that is gone: the client
+library hands the request over to another scheduler (docs/PROTOCOL.md#scheduler-failover).
 """
 
 import asyncio
@@ -85,13 +86,18 @@ class Scheduler:
             self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
             endpoints={"stop": Endpoint(subjects.stop_notice(self.config.instance_id), self.on_stop_notice)},
             metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.state.metrics.stats())
+        # Listen before admitting: after heartbeat_timeout_s every live instance has been heard, so
+        # the first requests get a drafter too (one started without would run k=0 steps: the same
+        # greedy output, but another seeded sample, which a failover to this scheduler must not change).
+        await asyncio.sleep(self.config.heartbeat_timeout_s)
         self.step_loops = [asyncio.create_task(self.step_loop(lane), name=f"scheduler-lane-{lane}")
                            for lane in range(self.config.lanes)]
-        self.tasks = [*self.step_loops, asyncio.create_task(heartbeat_loop(
-            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat")]
         self.handlers.append(await serve(self.nc, f"{subjects.generate}.*", self.on_generate,
                                          queue=SCHEDULER_QUEUE_GROUP, max_concurrency=4,
                                          max_pending=4 * self.config.max_queue + 64))
+        # Heartbeats last: a client that hears this scheduler may send it requests (failover).
+        self.tasks = [*self.step_loops, asyncio.create_task(heartbeat_loop(
+            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat")]
         log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
 
     async def stop(self) -> None:
@@ -170,6 +176,8 @@ class Scheduler:
                                 error=Error.from_exception(exc, request_id))
             await self.publish(msg.reply, encode(chunk))
             return
+        # The client resends a request it hears nothing about (schemas.messages.Admitted).
+        await self.publish(msg.reply, encode(self.state.admitted(request_id, started=False)))
         self.wake()
 
     async def on_cancel(self, msg) -> None:
@@ -340,8 +348,8 @@ class Scheduler:
     async def send(self, outbox: Outbox) -> None:
         for postprocessor_id, commit in outbox.commits:
             await self.publish(self.subjects.post_commit(postprocessor_id), encode(commit))
-        for inbox, chunk in outbox.chunks:
-            await self.publish(inbox, encode(chunk))
+        for inbox, message in [*outbox.acks, *outbox.chunks]:
+            await self.publish(inbox, encode(message))
 
     async def publish(self, subject: str, payload: bytes) -> None:
         try:

@@ -42,10 +42,10 @@ from gpu_worker.tokenizer import Tokenizer
 from schemas.config import SchedulerConfig
 from schemas.codec import encode
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_BATCH_ROWS, MAX_DRAFT_SUPPORT, MAX_INBOX_LEN, PROTOCOL_VERSION, Commit,
-                              DraftRequest, DraftResponse, DraftRow, DraftTokens, Error, FinishReason, GenerateRequest,
-                              Heartbeat, LogprobOptions, SamplingParams, SpeculativeOptions, StreamChunk, Usage,
-                              VerifyRequest, VerifyResponse, VerifyRow, seed_from_request_id)
+from schemas.messages import (MAX_BATCH_ROWS, MAX_DRAFT_SUPPORT, MAX_INBOX_LEN, PROTOCOL_VERSION, Admitted,
+                              Commit, DraftRequest, DraftResponse, DraftRow, DraftTokens, Error, FinishReason,
+                              GenerateRequest, Heartbeat, LogprobOptions, SamplingParams, SpeculativeOptions,
+                              StreamChunk, Usage, VerifyRequest, VerifyResponse, VerifyRow, seed_from_request_id)
 from services.bus import InstanceRegistry
 from services.metrics import SchedulerMetrics
 
@@ -213,10 +213,12 @@ class StepPlan:
 class Outbox:
     commits: list[tuple[str, Commit]] = field(default_factory=list)  # (postprocessor_id, commit)
     chunks: list[tuple[str, StreamChunk]] = field(default_factory=list)  # (client inbox, chunk)
+    acks: list[tuple[str, Admitted]] = field(default_factory=list)  # (client inbox, "started")
 
     def extend(self, other: "Outbox") -> "Outbox":
         self.commits += other.commits
         self.chunks += other.chunks
+        self.acks += other.acks
         return self
 
 
@@ -505,10 +507,15 @@ class SchedulerState:
             elif len(self.running) < self.config.max_running and self.start(request):
                 self.running[request.request_id] = request
                 self.counters["started"] += 1
+                outbox.acks.append((request.client_inbox, self.admitted(request.request_id, started=True)))
             else:
                 still_waiting.append(request)
         self.waiting = still_waiting
         return outbox
+
+    def admitted(self, request_id: str, *, started: bool) -> Admitted:
+        """The answer to the client that its request is here (queued) or running (started)."""
+        return Admitted(request_id=request_id, scheduler_id=self.config.instance_id, started=started)
 
     def start(self, request: Request) -> bool:
         """Pin a verifier, a postprocessor and (when it wants drafts) a drafter; False: wait."""
@@ -711,10 +718,14 @@ class SchedulerState:
         return commit
 
     def drain(self, now: float) -> Outbox:
-        """On shutdown: every running and queued request ends with finish_reason "error"."""
+        """On shutdown: every running and queued request ends with finish_reason "error", code
+        `shutting_down`: a hand-over, not a verdict (the client sends it to another scheduler,
+        resuming after the tokens it read)."""
         outbox = Outbox()
         for request in [*self.running.values(), *self.waiting]:
-            outbox.extend(self.end(request, "error", now))
+            error = Error(code=ErrorCode.shutting_down, request_id=request.request_id,
+                          message=f"scheduler {self.config.instance_id} is stopping; send the request again")
+            outbox.extend(self.end(request, "error", now, error=error))
         self.waiting.clear()
         return outbox
 

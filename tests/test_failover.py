@@ -20,6 +20,10 @@ import time
 import pytest
 import pytest_asyncio
 
+from schemas.codec import decode
+from schemas.messages import GenerateRequest
+from schemas.subjects import SCHEDULER_QUEUE_GROUP
+from services.bus import connect
 from services.client import make_request
 from services.stack import Stack, StackConfig
 from services.supervisor import RestartPolicy, supervise
@@ -101,7 +105,9 @@ def check_unchanged(streams: list[Streamed], reference: list[Streamed], tokenize
         assert got.error is None, f"request {index}: {got.error!r}"
         check_whole(got, tokenizer)
         assert got.finish_reason == "length", index
-        assert got.token_ids == expected.token_ids, f"request {index}: output changed"
+        diverged = next((i for i, (a, b) in enumerate(zip(got.token_ids, expected.token_ids)) if a != b), None)
+        assert got.token_ids == expected.token_ids, \
+            f"request {index}: output changed at token {diverged}; chunks {chunk_log(got)}; reference {chunk_log(expected)}"
         assert got.text == expected.text, index
         if not with_logprobs:
             continue
@@ -110,6 +116,11 @@ def check_unchanged(streams: list[Streamed], reference: list[Streamed], tokenize
         for ours, theirs in zip(got_logprobs, expected_logprobs):
             assert ours.token_id == theirs.token_id and ours.top_ids.tolist() == theirs.top_ids.tolist(), index
             assert math.isclose(ours.logprob, theirs.logprob, abs_tol=1e-3), index
+
+
+def chunk_log(got: Streamed) -> list:
+    """(seq, number of tokens, degraded, scheduler) per chunk: where a changed output came from."""
+    return [(chunk.seq, len(chunk.token_ids), chunk.degraded, chunk.scheduler_id) for _, chunk in got.chunks]
 
 
 def check_failed_over(moved: list[Streamed], killed_at: float, stack: Stack) -> None:
@@ -126,24 +137,74 @@ def check_failed_over(moved: list[Streamed], killed_at: float, stack: Stack) -> 
         assert first_after - killed_at < IDLE_TIMEOUT_S / 2, got.request.request_id
 
 
-async def test_a_killed_scheduler_hands_every_stream_to_the_other_with_outputs_unchanged(
-        stack, client, prompts, reference, tokenizer):
-    load = await Load.start(client, requests(prompts, "failover"))
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+async def test_a_killed_or_stopped_scheduler_hands_every_stream_to_the_other_with_outputs_unchanged(
+        sig, stack, client, prompts, reference, tokenizer):
+    """SIGKILL: the client notices the silence; SIGTERM: the scheduler ends its requests with
+    `shutting_down` and the client hands each over at once (before the process has exited)."""
+    load = await Load.start(client, requests(prompts, f"failover-{sig.name}"))
     owners = [got.chunks[-1][1].scheduler_id for got in load.streams]
     victim = max(set(owners), key=owners.count)
-    stack.kill(victim, signal.SIGKILL)
-    assert await stack.wait_exit(victim) == -signal.SIGKILL
-    killed_at = time.monotonic()
+    signalled_at = time.monotonic()
+    stack.kill(victim, sig)
+    assert await stack.wait_exit(victim, timeout_s=60) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+    # a killed one's last chunks may still arrive after the kill; a stopped one hands over while it stops
+    killed_at = time.monotonic() if sig == signal.SIGKILL else signalled_at
     streams = await load.finish()
 
     moved = [got for got, owner in zip(streams, owners) if owner == victim]
-    print(f"\n{victim} killed, owning {len(moved)} of {len(streams)} streams")
+    print(f"\n{victim} got {sig.name}, owning {len(moved)} of {len(streams)} streams")
     check_unchanged(streams, reference, tokenizer)
     assert moved, "the victim owned no stream"
     check_failed_over(moved, killed_at, stack)
     assert all("failover" not in got.degraded() for got, owner in zip(streams, owners) if owner != victim)
 
     await stack.start_instance("scheduler")
+
+
+async def test_a_request_lost_before_any_scheduler_saw_it_is_sent_again_with_outputs_unchanged(
+        stack, client, prompts, reference, tokenizer):
+    """A GenerateRequest lost on the way (inside a dying NATS node, say): a subscriber that joins
+    the schedulers' queue group and drops what it gets plays the loss, leaving as soon as it got
+    one. The client hears no Admitted within admission_timeout_s and sends the request again;
+    the streams come out unchanged, the resent ones flagged `failover`. The queue group picks its
+    member at random, so rounds of the 8 requests are sent until one was dropped (each request
+    has a 1 in 3 chance; 8 rounds all missing is (2/3)^64, about 5e-12)."""
+    dropped: list[str] = []
+    lossy = await connect(stack.url, "pytest-lost-requests", **stack.login("scheduler"))
+
+    async def drop(msg) -> None:
+        dropped.append(decode(msg.data, GenerateRequest).request_id)
+        if len(dropped) == 1:
+            await hole.unsubscribe()  # those already on the way to it are dropped too
+
+    try:
+        hole = await lossy.subscribe(f"{stack.subjects.generate}.*", queue=SCHEDULER_QUEUE_GROUP, cb=drop)
+        await lossy.flush(timeout=10)
+        for round_ in range(8):
+            streams = await Load(client, requests(prompts, f"lost-{round_}")).finish()
+            if dropped:
+                break
+    finally:
+        await lossy.close()
+    print(f"\ndropped {len(dropped)} of {len(streams)} requests in round {round_}")
+    check_unchanged(streams, reference, tokenizer)
+    assert dropped, "the lossy subscriber never got a request"
+    for got in streams:
+        assert ("failover" in got.degraded()) == (got.request.request_id in dropped), got.request.request_id
+
+
+async def test_a_restarted_nats_server_loses_no_stream(stack, client, prompts, tokenizer):
+    """The one nats-server restarted under 8 streams: every connection reconnects, and what the
+    server dropped meanwhile is recovered by the client's failover (every scheduler's heartbeats
+    stopped with it) and the schedulers' fallbacks: every stream whole and unchanged. Greedy
+    streams only: a draft reply lost in the restart makes that step run without drafts
+    (`draft_timeout`), which changes which seeded draws a sampled stream uses (README,
+    Guarantees, first row)."""
+    reference = await Load(client, requests(prompts, "restart-reference", with_sampled=False)).finish()
+    load = await Load.start(client, requests(prompts, "nats-restart", with_sampled=False))
+    await asyncio.to_thread(stack.server.restart)
+    check_unchanged(await load.finish(), reference, tokenizer)
 
 
 @pytest.mark.parametrize("role", ["scheduler", "verifier", "postprocessor"])

@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from schemas import (DEGRADED_REASONS, MESSAGE_TYPES, CancelRequest, CodecError, Commit, DraftRequest, DraftResponse,
-                     DraftResult, DraftRow, Error, ErrorCode, GenerateRequest, Heartbeat, LogprobArrays,
-                     LogprobOptions, Proposal, RowSampling, SamplingMask, SamplingParams, SideChannelRecord,
-                     SpecbusError, SpeculativeOptions, StopNotice, StreamChunk, TokenLogprob, Usage, VerifyRequest,
-                     VerifyResponse, VerifyResult, VerifyRow, decode, decode_any, encode, error_reply)
+from schemas import (DEGRADED_REASONS, MESSAGE_TYPES, Admitted, CancelRequest, CodecError, Commit, DraftRequest,
+                     DraftResponse, DraftResult, DraftRow, Error, ErrorCode, GenerateRequest, Heartbeat,
+                     LogprobArrays, LogprobOptions, Proposal, RowSampling, SamplingMask, SamplingParams,
+                     SideChannelRecord, SpecbusError, SpeculativeOptions, StopNotice, StreamChunk, TokenLogprob,
+                     Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, decode, decode_any, encode,
+                     error_reply)
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -211,6 +212,7 @@ STRATEGIES = {
     CancelRequest: st.builds(CancelRequest, request_id=request_ids),
     Error: errors,
     StreamChunk: stream_chunks(),
+    Admitted: st.builds(Admitted, request_id=request_ids, scheduler_id=instance_ids, started=st.booleans()),
     DraftRequest: st.builds(DraftRequest, batch_id=counts, scheduler_id=instance_ids, deadline=deadlines,
                             rows=batch_rows(draft_row)),
     DraftResponse: st.builds(DraftResponse, batch_id=counts, drafter_id=instance_ids, rows=batch_rows(draft_result)),

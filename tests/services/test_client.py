@@ -13,8 +13,8 @@ import pytest
 from schemas.codec import decode, encode
 from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (CancelRequest, Error, GenerateRequest, Heartbeat, SamplingMask, StreamChunk,
-                              TokenLogprob, Usage, seed_from_request_id)
+from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, Heartbeat, SamplingMask,
+                              StreamChunk, TokenLogprob, Usage, seed_from_request_id)
 from schemas.subjects import Subjects
 from services.auth import generate_credentials, password_env, users_from_env
 from services.bus import connect
@@ -41,6 +41,15 @@ async def client(nats_server):
 
 def chunk(seq, text="", request_id="req-1", **fields):
     return StreamChunk(request_id=request_id, seq=seq, text=text, **fields)
+
+
+async def beat(nc, instance_id: str) -> None:
+    """A scheduler's heartbeats every 0.05 s, until cancelled."""
+    while True:
+        heartbeat = Heartbeat(instance_id=instance_id, role="scheduler", capacity=8, load=0, sent_at=time.time(),
+                              interval_s=0.05)
+        await nc.publish(Subjects().heartbeat, encode(heartbeat))
+        await asyncio.sleep(0.05)
 
 
 async def answer(nc, generate, *chunks):
@@ -142,6 +151,30 @@ async def test_a_lost_commit_fails_over_but_a_schedulers_verdict_does_not(nc, se
     assert ended.value.partial.token_ids == [5, 6] and ended.value.partial.degraded == ["failover"]
 
 
+async def test_a_stopping_scheduler_hands_the_request_to_another_resuming_after_what_was_read(
+        nc, service, nats_server):
+    """`shutting_down` (the scheduler got SIGTERM) is a hand-over: the client waits until another
+    scheduler heartbeats, then sends the rest as a new run, the seed and positions unchanged."""
+    generate, _ = service
+
+    stopping = Error(code=ErrorCode.shutting_down, message="scheduler s1 is stopping; send the request again")
+    async with Client(nats_server.url, heartbeat_timeout_s=0.3) as client:
+        beating = [asyncio.create_task(beat(nc, "s1"))]
+        generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1", temperature=0.7)))
+        await answer(nc, generate, chunk(0, "a", token_ids=[5], from_draft=[False], scheduler_id="s1"),
+                     chunk(1, finish_reason="error", error=stopping, scheduler_id="s1"))
+        await asyncio.sleep(0.5)  # s1 still beats while it drains: the client waits for another scheduler
+        assert generate.empty() and not generation.done()
+        beating.append(asyncio.create_task(beat(nc, "s2")))
+        resumed = await answer(nc, generate, chunk(0, "b", request_id="req-1.failover1", token_ids=[6],
+                                                   from_draft=[False], scheduler_id="s2", finish_reason="length"))
+        result = await asyncio.wait_for(generation, timeout=5)
+        for task in beating:
+            task.cancel()
+    assert resumed.resume_token_ids.tolist() == [5] and resumed.sampling.seed == seed_from_request_id("req-1")
+    assert (result.text, result.token_ids, result.degraded) == ("ab", [5, 6], ["failover"])
+
+
 async def test_request_timeout_raises_and_cancels(nc, service, client):
     generate, cancel = service
     started = time.monotonic()
@@ -155,11 +188,46 @@ async def test_request_timeout_raises_and_cancels(nc, service, client):
 
 async def test_idle_timeout_between_chunks_raises_and_cancels(nc, service, nats_server):
     generate, cancel = service
-    async with Client(nats_server.url, idle_timeout_s=0.3) as client:
+    async with Client(nats_server.url, idle_timeout_s=0.3, failover=False) as client:
         generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
         await answer(nc, generate, chunk(0, "a"))
         with pytest.raises(StreamTimeout, match="idle"):
             await asyncio.wait_for(generation, timeout=5)
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
+
+
+async def test_a_request_no_scheduler_acknowledges_is_sent_again(nc, service, nats_server):
+    """The GenerateRequest, or the scheduler's Admitted, lost on the way (in a dying NATS node,
+    say): after admission_timeout_s without an answer the request goes again as a new run, and
+    the first one is cancelled in case it lives after all."""
+    generate, cancel = service
+    async with Client(nats_server.url, admission_timeout_s=0.3) as client:
+        generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+        first = await answer(nc, generate)  # lost: neither an Admitted nor a chunk comes back
+        resent = await answer(nc, generate, Admitted(request_id="req-1.failover1", scheduler_id="s1", started=True),
+                              chunk(0, "a", request_id="req-1.failover1", finish_reason="length"))
+        result = await asyncio.wait_for(generation, timeout=5)
+    assert first.request_id == "req-1" and resent.resume_token_ids is None
+    assert (result.text, result.finish_reason, result.degraded) == ("a", "length", ["failover"])
+    assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
+
+
+async def test_a_queued_request_is_not_sent_again_and_a_started_one_is_bounded_by_idle(nc, service, nats_server):
+    """Admitted (queued) ends the admission wait: a request may sit in a scheduler's queue for
+    long, bounded by its deadline and its scheduler's heartbeats only. Admitted (started) starts
+    the idle bound, so a run whose every chunk was lost is run again."""
+    generate, cancel = service
+    async with Client(nats_server.url, admission_timeout_s=0.2, idle_timeout_s=0.4) as client:
+        generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+        msg = await asyncio.wait_for(generate.get(), timeout=5)
+        await nc.publish(msg.reply, encode(Admitted(request_id="req-1", scheduler_id="s1")))
+        await asyncio.sleep(1.0)  # five admission timeouts, two idle ones: a queued request waits them out
+        assert generate.empty() and not generation.done()
+        await nc.publish(msg.reply, encode(Admitted(request_id="req-1", scheduler_id="s1", started=True)))
+        resent = await answer(nc, generate, chunk(0, "a", request_id="req-1.failover1", finish_reason="length"))
+        result = await asyncio.wait_for(generation, timeout=5)
+    assert resent.request_id == "req-1.failover1"
+    assert (result.text, result.degraded) == ("a", ["failover"])
     assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
 
 
@@ -295,22 +363,15 @@ async def test_a_scheduler_silent_before_the_first_chunk_gets_the_request_sent_a
     again (the same seed, nothing to resume from); the new run's chunks are the stream."""
     generate, cancel = service
 
-    async def beat(instance_id: str) -> None:  # alive, until cancelled
-        while True:
-            heartbeat = Heartbeat(instance_id=instance_id, role="scheduler", capacity=8, load=0, sent_at=time.time(),
-                                  interval_s=0.05)
-            await nc.publish(Subjects().heartbeat, encode(heartbeat))
-            await asyncio.sleep(0.05)
-
     async with Client(nats_server.url, heartbeat_timeout_s=0.3) as client:
-        beating = asyncio.create_task(beat("s1"))
+        beating = asyncio.create_task(beat(nc, "s1"))
         async with asyncio.timeout(5):
             while client.live_schedulers() != ["s1"]:
                 await asyncio.sleep(0.01)
         generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
         first = await answer(nc, generate)
         beating.cancel()  # s1 took it, then died: no chunk, no more beats; s2 (its restart, say) lives
-        beating = asyncio.create_task(beat("s2"))
+        beating = asyncio.create_task(beat(nc, "s2"))
         resumed = await answer(nc, generate, chunk(0, "a", request_id="req-1.failover1", finish_reason="length"))
         beating.cancel()
         result = await asyncio.wait_for(generation, timeout=5)

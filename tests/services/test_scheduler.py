@@ -14,7 +14,7 @@ import pytest
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode
-from schemas.messages import CancelRequest, Commit, GenerateRequest, Heartbeat, StreamChunk
+from schemas.messages import Admitted, CancelRequest, Commit, GenerateRequest, Heartbeat, StreamChunk
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from gpu_worker.tokenizer import tokenizer_id
 from services.verifier import run_verifier
@@ -196,6 +196,23 @@ async def test_cancel_ends_the_request_with_a_final_commit(stack, model_dirs):
     await stack.nc.publish(SUBJECTS.cancel_for(DEFAULT_CLIENT_USER), encode(CancelRequest(request_id="to-cancel")))
     commits = await running
     assert commits[-1].finish_reason == "cancelled" and len(completion(commits)) < 100
+
+
+async def test_the_client_hears_when_its_request_arrives_and_when_it_starts(stack, model_dirs):
+    """Admitted (started False) on arrival, Admitted (started True) when it leaves the queue: a
+    client that hears neither sends the request again (services/client.py)."""
+    await stack.be_postprocessor()
+    stack.start("scheduler", run_scheduler, scheduler_config(stack))  # no verifier yet: it stays queued
+    await stack.wait_for_instances("sched-test")
+    inbox = await stack.nc.subscribe(stack.nc.new_inbox())
+    await stack.nc.publish(GENERATE, encode(greedy("acked", PROMPTS[0], k=0, max_tokens=4)), reply=inbox.subject)
+    queued = decode((await inbox.next_msg(timeout=10)).data, Admitted)
+    assert (queued.request_id, queued.scheduler_id, queued.started) == ("acked", "sched-test", False)
+    stack.start("verifier", run_verifier, load_config(  # with a verifier it starts
+        VerifierConfig, env={}, nats_url=stack.nats_url, heartbeat_interval_s=0.1, max_slots=16, max_seq_len=128,
+        target_model=str(model_dirs["target"]), instance_id="verifier-a"))
+    started = decode((await inbox.next_msg(timeout=60)).data, Admitted)
+    assert (started.request_id, started.scheduler_id, started.started) == ("acked", "sched-test", True)
 
 
 async def test_queue_full_is_refused_with_overloaded(stack):

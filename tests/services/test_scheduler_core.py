@@ -144,8 +144,10 @@ def test_pins_the_verifier_with_most_free_slots(tokenizer):
     beat(state, "v2", "verifier", capacity=8, free_slots=2)
     beat(state, "v1", "verifier", capacity=8, free_slots=5)
     first, second = submit(state, "a"), submit(state, "b")
-    state.boundary(time.time())
+    outbox = state.boundary(time.time())
     assert (first.verifier_id, first.drafter_id, first.postprocessor_id) == ("v1", "d1", "p1")
+    assert [(inbox, ack.request_id, ack.started) for inbox, ack in outbox.acks] == [
+        (first.client_inbox, "a", True), (second.client_inbox, "b", True)]  # the client hears they started
     assert second.verifier_id == "v1"  # v1: min(5, 8 - 1) = 5 free still beats v2's 2
 
 
@@ -231,6 +233,22 @@ def test_commits_are_numbered_and_the_final_one_has_usage(tokenizer):
                                         "draft_tokens_accepted": 3, "acceptance_rate": 1.0, "steps": 3,
                                         "degraded_steps": {}}
     assert request.request_id not in state.running and state.releases == {"v1": ["r1"], "d1": ["r1"]}
+
+
+def test_a_stopping_scheduler_hands_every_request_over_with_shutting_down(tokenizer):
+    """drain(): running and queued requests end with code `shutting_down`, which the client
+    library takes as "send it to another scheduler", not as the request's end."""
+    state = new_state(tokenizer, max_running=1)
+    running, queued = submit(state, "r1"), submit(state, "r2")
+    step(state, tokens={"r1": [20]})
+    assert running.request_id in state.running and list(state.waiting) == [queued]
+    outbox = state.drain(time.time())
+    finals = {c.request_id: c for c in commits_of(outbox)}
+    # r2, queued, had no postprocessor: its final chunk goes straight to the client
+    assert set(finals) == {"r1"} and [chunk.request_id for _, chunk in outbox.chunks] == ["r2"]
+    for error in (finals["r1"].error, outbox.chunks[0][1].error):
+        assert error.code == ErrorCode.shutting_down and "sched-1 is stopping" in error.message
+    assert not state.running and not state.waiting
 
 
 def test_eos_ends_the_request_and_slots_are_released_on_the_next_batch(tokenizer):
