@@ -46,8 +46,8 @@ MAX_DRAFT_SUPPORT = 256
 
 # Reasons a chunk can be flagged with; `degraded` accepts any snake_case word so a new
 # fallback does not need a protocol bump, but these are the ones the pipeline emits.
-DEGRADED_REASONS = ("draft_timeout", "logprobs_timeout", "migrated", "verifier_retry", "residual_fallback", "resync",
-                    "failover")
+DEGRADED_REASONS = ("draft_timeout", "logprobs_timeout", "logprobs_invalid", "migrated", "verifier_retry",
+                    "residual_fallback", "resync", "failover")
 
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 InstanceId = Annotated[str, StringConstraints(pattern=INSTANCE_ID_PATTERN)]
