@@ -94,6 +94,16 @@ def test_at_the_chosen_m_the_test_accepts_exact_samples_and_rejects_the_bypass(n
     assert exact_fail <= 3 and biased_fail >= min_power * 300
 
 
+def test_logprob_comparison_handles_inf_and_ties_at_the_top_n_cut():
+    inf = -math.inf
+    entry = LogprobEntry(5, -0.5, {5: -0.5, 6: -1.0, 7: -2.0}, [-3.0, inf])
+    same, count, problems = logprob_diffs(entry, LogprobEntry(5, -0.50001, {5: -0.5, 6: -1.0, 8: -2.00002},
+                                                              [-3.0, inf]), 1e-4)
+    assert problems == [] and same == pytest.approx(1e-5) and count == 1 + 2 + 2
+    _, _, problems = logprob_diffs(entry, LogprobEntry(5, -0.5, {5: -0.5, 6: -1.0, 8: -1.5}, [-3.0, -9.0]), 1e-4)
+    assert "top id 8 in one list only" in problems and "logprob differs by inf" in problems
+
+
 def test_distribution_rows_fail_on_a_token_outside_the_candidates_and_on_too_little_power():
     cell = {"context": 0, "temperature": 0.7, "draft_mode": "greedy", "position": 1, "G": 3.0, "dof": 4,
             "p": 0.5, "outside_candidates": 0, "bypass_p": 1e-9}
