@@ -487,10 +487,8 @@ def check_degradation(audits: Sequence[Audit]) -> CheckResult:
 
 
 async def run_checks(client: Client, prompts: Sequence[str], plan: Plan, checks: Sequence[str],
-                     alpha: float = ALPHA, concurrency: int = 32,
-                     results: list[CheckResult] | None = None) -> list[CheckResult]:
-    """The selected checks in order, their rows appended to results (a fresh list if None) as
-    each ends; a check that raises (a request failed) is a failed row."""
+                     alpha: float = ALPHA, concurrency: int = 32) -> list[CheckResult]:
+    """The selected checks in order; a check that raises (a request failed) is a failed row."""
     with tqdm(total=0, unit="req", desc="selfcheck", disable=None, leave=False) as progress:
         runner = Runner(client, concurrency, progress)
         greedy_prompts = [*BUILTIN_PROMPTS[:plan.greedy_prompts], *prompts]
@@ -501,7 +499,7 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: Plan, checks:
                                                                     plan)),
             "seeds": ("seed reproducibility", lambda: check_seeds(runner, greedy_prompts, plan)),
         }
-        results = [] if results is None else results
+        results: list[CheckResult] = []
         for name in checks:
             if name not in steps:
                 continue
@@ -619,11 +617,12 @@ async def run_selfcheck_command(args: argparse.Namespace) -> int:
             else:
                 bus = load_config(BusConfig, nats_url=args.url, prefix=args.prefix)
                 client = await exit_stack.enter_async_context(Client.from_config(bus, idle_timeout_s=IDLE_TIMEOUT_S))
-            results: list[CheckResult] = []
-            checks = run_checks(client, prompts, plan, args.checks, args.alpha, args.concurrency, results)
+            checks = asyncio.ensure_future(run_checks(client, prompts, plan, args.checks, args.alpha,
+                                                      args.concurrency))
             if not await until_stopped(checks, stop):
                 print("interrupted: no report", file=sys.stderr)
                 return 130
+            results = checks.result()
         except SpecbusError as exc:
             print_error(exc)
             return 1

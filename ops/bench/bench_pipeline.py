@@ -247,7 +247,8 @@ async def bench_in(args: argparse.Namespace, work: Path) -> dict:
                     "machine": machine(device)}
     export_assistant_draft(draft_dir, target_dir, assistant_dir)
     shortest = min(len(p) for p in batch1[:4])  # chat prompts differ in length: check on their common length
-    result["assistant_export"] = check_expanded(draft_dir, assistant_dir, torch.tensor([p[:shortest] for p in batch1[:4]]))
+    result["assistant_export"] = check_expanded(draft_dir, assistant_dir,
+                                                torch.tensor([p[:shortest] for p in batch1[:4]]))
     target, assistant = load_hf(target_dir, device), load_hf(assistant_dir, device)
     loop = load_inprocess(str(target_dir), str(draft_dir), device, max_slots=max(args.overhead_batches))
     config = StackConfig(target_model=str(target_dir), draft_model=str(draft_dir), log_level=args.log_level,
