@@ -1,7 +1,7 @@
 """The drafter: owns the draft model and its KV cache slots, proposes draft tokens per request.
 
 Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_drafter(config)
--> Drafter`, `draft_batch(drafter, request) -> DraftResponse`. services/drafter.py
+-> Drafter`, `draft_batch(drafter, request) -> DraftResponse`. services/pipeline/drafter.py
 `run_drafter(config, stop)` serves it.
 
 `draft_batch`, in order (docs/PROTOCOL.md#receiver-rule-and-resync):

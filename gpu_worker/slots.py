@@ -9,12 +9,11 @@ gone), and heartbeats report capacity = max_slots, load = slots in use, free_slo
 `load_model_and_cache` loads the model with its cache from the settings both configs share
 (schemas/config.py ModelServiceConfig), dtype "auto" resolved by `resolve_dtype`.
 Counters: `slots_<reason>` per freed slot, `release_unknown` per released id without a slot.
-The NATS service around a slot owner is services/model_service.py.
+The NATS service around a slot owner is services/pipeline/model_service.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from pathlib import Path
@@ -123,16 +122,6 @@ def evict_idle(owner: SlotOwner, now: float | None = None) -> int:
     if idle:
         log.info("slots_evicted", count=len(idle), free_slots=owner.cache.num_free)
     return len(idle)
-
-
-async def evict_idle_loop(owner: SlotOwner, lock: asyncio.Lock) -> None:
-    """Free idle slots while no batches arrive, so heartbeats show the capacity back. lock:
-    the one the service holds while a batch runs."""
-    interval_s = min(max(owner.slot_idle_ttl_s / 4, 0.05), 10.0)
-    while True:
-        await asyncio.sleep(interval_s)
-        async with lock:
-            evict_idle(owner)
 
 
 def instance_heartbeat(owner: SlotOwner, role: str, interval_s: float) -> Heartbeat:

@@ -86,7 +86,7 @@ class SchedulerConfig(InstanceConfig):
     max_batch_rows: int = 64  # rows in one step's batch per verifier
     max_step_tokens: int = 1024  # new tokens per verifier per step (prefill is chunked to fit)
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
-    # another's verification (services/scheduler_core.py); 1: one step at a time. max_batch_rows and
+    # another's verification (services/pipeline/scheduler_core.py); 1: one step at a time. max_batch_rows and
     # max_step_tokens hold per lane.
     lanes: int = 2
     max_tokens_cap: int = 4096
@@ -135,7 +135,7 @@ class PostprocessorConfig(InstanceConfig):
 
 @dataclasses.dataclass
 class GatewayConfig(BusConfig):
-    """The OpenAI-compatible HTTP gateway (services/gateway.py). It logs in to NATS as the
+    """The OpenAI-compatible HTTP gateway (services/gateway/gateway.py). It logs in to NATS as the
     client users (SPECBUS_CLIENT_USERS, their passwords, their API keys SPECBUS_<USER>_API_KEY)
     and as "monitor" for /health; no_auth: any API key, one connection with nats_user/_password."""
 

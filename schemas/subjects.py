@@ -11,7 +11,7 @@
 
 The client user's name is the last token of its generate and cancel subjects: NATS does not tell
 a subscriber who published, so that token, which the server lets each user publish only with its
-own name (services/auth.py), is how the scheduler knows who sent a request. Without auth a
+own name (services/runtime/auth.py), is how the scheduler knows who sent a request. Without auth a
 client uses DEFAULT_CLIENT_USER.
 """
 

@@ -12,7 +12,6 @@ import dataclasses
 import importlib
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -23,30 +22,26 @@ import structlog
 
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import validate
-from schemas.config import DEFAULT_DRAFT, ENV_PREFIX, ROLES, BusConfig, check_model_dir, default_target_model, load_config
+from schemas.config import ENV_PREFIX, ROLES, BusConfig, default_target_model, load_config
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.messages import (ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk,
                               new_request_id)
 from schemas.subjects import DEFAULT_PREFIX
-from services.auth import CLIENT, users_from_env
+from services.runtime.auth import users_from_env
 from services.client import Client
-from services.logs import LEVELS, configure_logging
-from services.models import add_models_arguments, run_models
-from services.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerConfig, NatsServerError
-from services.selfcheck import add_selfcheck_arguments, run_selfcheck_command
-from services.stack import PARENT_PID_ENV, Stack, StackConfig, StackError
-from services.supervisor import CrashLoop, supervise
+from services.runtime.logs import LEVELS, configure_logging
+from services.commands.models import add_models_arguments, run_models
+from services.launch.natsserver import NatsServer, NatsServerConfig
+from services.runtime.auth import DEFAULT_MAX_PAYLOAD
+from services.commands.selfcheck import add_selfcheck_arguments, run_selfcheck_command
+from services.launch.stack import PARENT_PID_ENV
+from services.launch.supervisor import CrashLoop, supervise
+from services.launch.up import add_stack_arguments, print_error, stack_config, start_stack
+from services.runtime.tasks import shutdown_event, until_stopped
 
 log = structlog.get_logger(__name__)
 
 
-def shutdown_event() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM (call inside the running loop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +55,7 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jetstream-dir", default=None, help="enable JetStream, storing under this dir")
     parser.add_argument("--auth", action="store_true",
                         help="one user per role with subject permissions: users in SPECBUS_CLIENT_USERS, passwords "
-                             "in SPECBUS_<USER>_NATS_PASSWORD (python -m services.auth credentials makes them)")
+                             "in SPECBUS_<USER>_NATS_PASSWORD (python -m services.runtime.auth credentials makes them)")
 
 
 async def run_nats(args: argparse.Namespace) -> int:
@@ -89,11 +84,11 @@ async def run_nats(args: argparse.Namespace) -> int:
 
 # role -> (module, function): imported only when that role runs, so `generate` never loads torch.
 RUNNERS = {
-    "scheduler": ("services.scheduler", "run_scheduler"),
-    "verifier": ("services.verifier", "run_verifier"),
-    "drafter": ("services.drafter", "run_drafter"),
-    "postprocessor": ("services.postprocessor", "run_postprocessor"),
-    "gateway": ("services.gateway", "run_gateway"),
+    "scheduler": ("services.pipeline.scheduler", "run_scheduler"),
+    "verifier": ("services.pipeline.verifier", "run_verifier"),
+    "drafter": ("services.pipeline.drafter", "run_drafter"),
+    "postprocessor": ("services.pipeline.postprocessor", "run_postprocessor"),
+    "gateway": ("services.gateway.gateway", "run_gateway"),
 }
 # Settings only the environment may give: a flag would show in `ps` and shell history.
 ENV_ONLY_FIELDS = {"nats_password"}
@@ -168,107 +163,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add_stack_arguments(parser)
 
 
-def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefix", default=None, help=f"subject prefix (default {DEFAULT_PREFIX!r}, env SPECBUS_PREFIX)")
-    parser.add_argument("--target-model", default=None,
-                        help="HF-layout target dir (env SPECBUS_TARGET_MODEL; default: SmolLM2-135M-Instruct as "
-                             "`specbus models pull` puts it in $SPECBUS_HOME)")
-    parser.add_argument("--draft-model", default=None,
-                        help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: models/smollm2-draft)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
-                        help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
-                             "on CUDA and on CPUs with native bf16, else float32)")
-    for role in ROLES:
-        parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
-    parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
-    parser.add_argument("--nats-cluster", type=int, default=1, metavar="N",
-                        help="nats-servers joined as a cluster on loopback (default 1: one server); every service "
-                             "gets every node's URL and moves to another node when its own dies")
-    parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
-    parser.add_argument("--clients", default=CLIENT, metavar="NAMES",
-                        help="NATS client users, comma-separated (default 'client'): each may read and cancel only "
-                             "its own requests; each login in <log-dir>/client-<name>.env")
-    parser.add_argument("--no-auth", action="store_true",
-                        help="no NATS users, and the gateways accept any API key (default: one user per role, "
-                             "random passwords and API keys written to the log dir)")
-    parser.add_argument("--metrics-port-base", type=int, default=0, metavar="PORT",
-                        help="serve each instance's Prometheus /metrics on PORT, PORT+1, ... (default 0: none)")
-
-
-def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
-    """Model dirs are passed on only when given: the children read SPECBUS_* themselves."""
-    return StackConfig(
-        **{f"{role}s": getattr(args, f"{role}s") for role in ROLES},
-        # from the environment too, so the scheduler and postprocessor get the target's tokenizer
-        target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
-        draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
-        dtype=args.dtype,
-        prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
-        nats=NatsServerConfig(port=port),
-        nats_cluster=args.nats_cluster,
-        log_dir=args.log_dir,
-        log_level=args.log_level,
-        ready_timeout_s=args.ready_timeout,
-        auth=not args.no_auth,
-        client_users=tuple(name.strip() for name in args.clients.split(",") if name.strip()),
-        metrics_port_base=args.metrics_port_base,
-        http_port=getattr(args, "http_port", 0),  # `demo`: free ports
-    )
-
-
-async def until_stopped(awaitable: Awaitable, stop: asyncio.Event) -> bool:
-    """Await awaitable unless stop is set first (then cancel it); True when it finished."""
-    task = asyncio.ensure_future(awaitable)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        done, _ = await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if task in done:
-        task.result()  # re-raise its error
-        return True
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return False
-
-
-async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: AsyncExitStack) -> Stack | None:
-    """Start server and services, printing the URL then a ready line. None when Ctrl-C came
-    first or a part failed to start (its error printed)."""
-    try:  # a missing model dir fails here, naming it, rather than in each child's log
-        if config.verifiers or config.schedulers or config.postprocessors:
-            check_model_dir(config.target_model or default_target_model(), "target_model")
-        if config.drafters:
-            check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
-    except SpecbusError as exc:
-        print_error(exc)
-        return None
-    stack = Stack(config)
-    exit_stack.push_async_callback(stack.stop)
-    try:
-        if not await until_stopped(stack.start_server(), stop):
-            return None
-        print(stack.url, flush=True)
-        if not await until_stopped(stack.start_services(), stop):
-            return None
-    except (StackError, NatsServerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
-    counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
-    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
-    if stack.credentials:
-        print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
-              f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
-              f"in {stack.credentials_path})", flush=True)
-    if stack.gateway_ports:
-        print(f"openai: {config.gateways} gateway(s), the first on {stack.openai_base_url} (OPENAI_BASE_URL and "
-              f"OPENAI_API_KEY in {stack.client_env_path})", flush=True)
-    return stack
-
-
 async def run_up(args: argparse.Namespace) -> int:
     """Run the embedded stack until Ctrl-C, restarting a service process that exits
-    (services/supervisor.py); exit 1 when one role keeps crashing."""
+    (services/launch/supervisor.py); exit 1 when one role keeps crashing."""
     stop = shutdown_event()
     async with AsyncExitStack() as exit_stack:
         stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
@@ -358,11 +255,6 @@ def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
     if args.timeout is not None:
         raw["timeout_s"] = args.timeout
     return validate(GenerateRequest, raw)
-
-
-def print_error(exc: SpecbusError) -> None:
-    where = f" (field: {exc.field})" if exc.field else ""
-    print(f"error: {exc.code.value}: {exc.message}{where}", file=sys.stderr)
 
 
 def split_draft_text(tokenizer, completion_ids: list[int], chunk: StreamChunk) -> tuple[str, str]:

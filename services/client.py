@@ -56,8 +56,8 @@ from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, H
                               SamplingMask, SamplingParams, SpeculativeOptions, StreamChunk, TokenLogprob, Usage,
                               new_request_id, seed_from_request_id)
 from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
-from services.auth import PermissionDenied, inbox_prefix
-from services.bus import BusError, connect, permission_watch, publish, tls_context
+from services.runtime.auth import PermissionDenied, inbox_prefix
+from services.runtime.bus import NO_RESPONDERS_STATUS, BusError, connect, permission_watch, publish, tls_context
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +65,6 @@ MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missi
 SCHEDULER_POLL_S = 0.05  # how often a failover waiting for a live scheduler looks again
 MAX_FAILOVERS = 3  # scheduler failovers of one request before it fails with StreamBroken
 MAX_RUN_ID_STEM = 110  # a failover run's id is <stem>.failover<n>, within RequestId's 128 characters
-NO_RESPONDERS_STATUS = "503"
 
 
 class ClientError(SpecbusError):

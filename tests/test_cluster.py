@@ -21,8 +21,8 @@ from collections import Counter
 import pytest
 import pytest_asyncio
 
-from services.natsserver import NatsCluster, NatsServer, NatsServerConfig
-from services.stack import Stack
+from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
+from services.launch.stack import Stack
 from tests.test_faults import Load, Streamed, check_whole, fault_config, greedy, heartbeats_since, requests_for
 from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
 

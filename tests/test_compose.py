@@ -17,12 +17,13 @@ import pytest
 import yaml
 
 from schemas.config import ENV_PREFIX, ROLES as CONFIGS
-from services.auth import CLIENT_USERS_ENV, SERVICE_ROLES, generate_credentials, password_env
-from services.bus import BusUnavailable, connect
+from services.runtime.auth import CLIENT_USERS_ENV, SERVICE_ROLES, generate_credentials, password_env
+from services.runtime.bus import BusUnavailable, connect
 from services.cli import build_parser
-from services.gateway_core import api_key_env
-from services.natsserver import DEFAULT_MAX_PAYLOAD, find_nats_server_binary
-from services.stack import ROLES, StackConfig, serve_command
+from services.runtime.auth import api_key_env
+from services.launch.natsserver import find_nats_server_binary
+from services.runtime.auth import DEFAULT_MAX_PAYLOAD
+from services.launch.stack import ROLES, StackConfig, serve_command
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_CONFIG_ENV = {"SPECBUS_LOG_JSON"}  # read by the CLI's logging, not a service setting
@@ -116,7 +117,7 @@ def test_nats_is_a_cluster_of_three_official_images_with_a_healthz_healthcheck(s
         assert nats["image"].split(":")[0] == "nats", name
         assert any("/healthz" in part and ":8222" in part for part in nats["healthcheck"]["test"]), name
         mounts = dict(volume.split(":")[:2] for volume in nats["volumes"])
-        # the users and permissions services/auth.py renders, included by the cluster's own config
+        # the users and permissions services/runtime/auth.py renders, included by the cluster's own config
         assert mounts["./ops/nats/nats-server.conf"] == "/etc/specbus/nats-server.conf", name
         assert nats["command"][-1] == mounts["./ops/nats/cluster.conf"] == "/etc/specbus/cluster.conf", name
         assert nats["environment"]["SPECBUS_NATS_SERVER_NAME"] == name

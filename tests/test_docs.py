@@ -4,8 +4,10 @@
 - every `*.md` a docstring or comment names, every relative link of a markdown file (with its
   #anchor) and every repository path the README and docs/ name in code spans exists, and
   docs/ARCHITECTURE.md names every module of schemas/, gpu_worker/ and services/;
-- the layering of docs/ARCHITECTURE.md holds: schemas <- gpu_worker <- services <- ops, and the
-  scheduler, postprocessor, client, gateway and `specbus models` never import torch.
+- the layering of docs/ARCHITECTURE.md holds: schemas <- gpu_worker <- services <- ops, inside
+  services/ runtime <- client, pipeline <- gateway, launch <- commands <- cli; no import circle
+  anywhere; gpu_worker/ knows nothing of asyncio or NATS; the scheduler, postprocessor, client,
+  gateway and `specbus models` never import torch.
 """
 
 import ast
@@ -25,8 +27,21 @@ MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 CODE_PATH = re.compile(r"`((?:schemas|services|gpu_worker|ops|tests|models|docs)/[\w./-]*)`")
 LAYERS = {"schemas": {"gpu_worker", "services", "ops"}, "gpu_worker": {"services", "ops"}, "services": {"ops"}}
-TORCH_FREE = ("schemas", "schemas.doc_tables", "services.scheduler", "services.postprocessor", "services.client",
-              "services.gateway", "services.models")
+# Inside services/: a room may import the rooms left of it in
+# runtime <- client, pipeline <- gateway, launch <- commands <- cli (client and pipeline are
+# independent, and so are gateway and launch).
+SERVICE_ROOMS = ("runtime", "client", "pipeline", "gateway", "launch", "commands", "cli")
+SERVICE_ROOM_FORBIDDEN = {
+    "runtime": {"client", "pipeline", "gateway", "launch", "commands", "cli"},
+    "client": {"pipeline", "gateway", "launch", "commands", "cli"},
+    "pipeline": {"client", "gateway", "launch", "commands", "cli"},
+    "gateway": {"pipeline", "launch", "commands", "cli"},
+    "launch": {"pipeline", "gateway", "commands", "cli"},
+    "commands": {"pipeline", "gateway", "cli"},
+}
+NO_ASYNC_IN_GPU_WORKER = {"asyncio", "nats"}
+TORCH_FREE = ("schemas", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
+              "services.gateway.gateway", "services.commands.models")
 
 
 def repo_files(suffix: str) -> list[Path]:
@@ -135,23 +150,89 @@ def test_paths_named_in_docs_exist():
 
 def test_every_module_is_on_the_map():
     architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    missing = [str(path.relative_to(ROOT)) for package in LAYERS for path in sorted((ROOT / package).glob("*.py"))
+    missing = [str(path.relative_to(ROOT)) for package in LAYERS for path in sorted((ROOT / package).rglob("*.py"))
                if path.name != "__init__.py" and f"`{path.relative_to(ROOT)}`" not in architecture]
     assert not missing, f"modules docs/ARCHITECTURE.md does not name (add them to its Module map): {missing}"
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in a file, at module level or inside functions;
+    `from a.b import c` names a.b.c when that is a module of ours, else a.b."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                is_module = (ROOT / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (ROOT / Path(*sub.split(".")) / "__init__.py").exists()
+                found.append((node.lineno, sub if is_module else node.module))
+    return found
+
+
+def package_files() -> list[Path]:
+    return [path for path in repo_files(".py") if path.relative_to(ROOT).parts[0] in LAYERS]
+
+
+def service_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "services" and len(parts) > 1 else None
+
+
 def test_layers_import_only_downwards():
     problems = []
-    for package, forbidden in LAYERS.items():
-        for path in repo_files(".py"):
-            if path.relative_to(ROOT).parts[0] != package:
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
-                problems += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
-                             if name.split(".")[0] in forbidden]
+    for path in package_files():
+        package = path.relative_to(ROOT).parts[0]
+        room = service_room(module_name(path))
+        for line, name in imports(path):
+            if name.split(".")[0] in LAYERS[package]:
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+            elif room in SERVICE_ROOM_FORBIDDEN and service_room(name) in SERVICE_ROOM_FORBIDDEN[room]:
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {name} (services/{room} may not)")
     assert not problems, "imports against the layering (docs/ARCHITECTURE.md#layering):\n" + "\n".join(problems)
+
+
+def test_no_import_circle():
+    """Tarjan's strongly connected components over our modules' imports (function-level ones too)."""
+    graph = {module_name(path): {name for _, name in imports(path)} for path in package_files()}
+    graph = {module: {name for name in names if name in graph and name != module} for module, names in graph.items()}
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for name in sorted(graph[module]):
+            if name not in index:
+                visit(name)
+                low[module] = min(low[module], low[name])
+            elif name in on_stack:
+                low[module] = min(low[module], index[name])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_gpu_worker_knows_no_asyncio_or_nats():
+    problems = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in package_files()
+                if path.relative_to(ROOT).parts[0] == "gpu_worker" for line, name in imports(path)
+                if name.split(".")[0] in NO_ASYNC_IN_GPU_WORKER]
+    assert not problems, "gpu_worker/ is the tensor layer, without asyncio or NATS:\n" + "\n".join(problems)
 
 
 def test_torch_free_modules_stay_torch_free():

@@ -24,10 +24,10 @@ import pytest_asyncio
 from schemas.codec import decode
 from schemas.messages import GenerateRequest
 from schemas.subjects import SCHEDULER_QUEUE_GROUP
-from services.bus import connect
+from services.runtime.bus import connect
 from services.client import make_request
-from services.stack import Stack, StackConfig
-from services.supervisor import RestartPolicy, supervise
+from services.launch.stack import Stack, StackConfig
+from services.launch.supervisor import RestartPolicy, supervise
 from tests.test_faults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, K, Load, Streamed, check_whole
 from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
 

@@ -1,4 +1,4 @@
-"""Fault injection (issue 6, Deliver 1): every service a separate process (services.stack), a
+"""Fault injection (issue 6, Deliver 1): every service a separate process (services.launch.stack), a
 real nats-server, and parts of the stack killed with SIGKILL or frozen with SIGSTOP while
 NUM_REQUESTS greedy streaming requests run. What a user checks: every stream is whole (seq 0, 1,
 2, ... without gap or duplicate, and its text is the decoding of its token ids), greedy outputs
@@ -8,7 +8,7 @@ no request hangs, and the stack serves new requests afterwards.
 One stack for the module (starting one takes tens of seconds on a busy machine): 1 scheduler,
 2 verifiers, 1 drafter, 2 postprocessors, with heartbeat and verify timeouts short enough that
 a fault is noticed within seconds, supervised as `specbus up` supervises it
-(services/supervisor.py): what a test kills comes back as a fresh instance by itself, and each
+(services/launch/supervisor.py): what a test kills comes back as a fresh instance by itself, and each
 test waits for that before it ends. The checkpoints are tiny and random (greedy equality does not
 depend on the weights); the draft is the target with noise added, so most drafts are accepted
 and "the drafter is used again" shows as accepted draft tokens.
@@ -37,11 +37,11 @@ from ops.train_models import read_text, source_files
 from schemas.config import TINY_TARGET
 from schemas.messages import GenerateRequest, StreamChunk
 from services.client import Client, ClientError, make_request
-from services.natsserver import NatsServerConfig
-from services.stack import Stack, StackConfig
-from services.supervisor import supervise
+from services.launch.natsserver import NatsServerConfig
+from services.launch.stack import Stack, StackConfig
+from services.launch.supervisor import supervise
 from tests.gpu_worker.conftest import write_hf_model
-from tests.services.test_scheduler_core import beat, new_state, step, submit
+from tests.services.pipeline.test_scheduler_core import beat, new_state, step, submit
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -44,10 +44,10 @@ from schemas.messages import (MAX_LOGPROB_TOKEN_IDS, MAX_MASK_SIZE, MAX_SPECULAT
                               SamplingParams, SideChannelRecord, StopNotice, StreamChunk, VerifyRequest, VerifyResponse,
                               VerifyRow)
 from schemas.subjects import Subjects
-from services.auth import inbox_prefix
-from services.bus import connect
+from services.runtime.auth import inbox_prefix
+from services.runtime.bus import connect
 from services.client import RequestError, make_request
-from services.stack import Stack, StackConfig
+from services.launch.stack import Stack, StackConfig
 from tests.gpu_worker.conftest import VT, write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -24,8 +24,8 @@ import pytest_asyncio
 
 from gpu_worker.tokenizer import load_tokenizer
 from services.client import make_request, score_request
-from services.natsserver import NatsServerConfig
-from services.stack import Stack, StackConfig
+from services.launch.natsserver import NatsServerConfig
+from services.launch.stack import Stack, StackConfig
 from tests.gpu_worker.conftest import write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -28,7 +28,7 @@ from schemas.codec import decode
 from schemas.errors import ErrorCode
 from schemas.messages import Heartbeat
 from services.client import Overloaded, make_request
-from services.stack import Stack, StackConfig
+from services.launch.stack import Stack, StackConfig
 from tests.gpu_worker.conftest import VT, write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -28,9 +28,9 @@ from schemas.config import TINY_DRAFT, TINY_TARGET
 from schemas.errors import SpecbusError
 from schemas.messages import GenerateRequest
 from services.client import make_request
-from services.models import GGUF_MEMBER, source_gguf
-from services.scheduler_core import prompt_token_ids
-from services.stack import Stack, StackConfig
+from services.commands.models import GGUF_MEMBER, source_gguf
+from services.pipeline.scheduler_core import prompt_token_ids
+from services.launch.stack import Stack, StackConfig
 
 TIMEOUT_S = 300.0
 CHATS = [

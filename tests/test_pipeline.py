@@ -1,4 +1,4 @@
-"""End to end (issue 5, Done means): every service a separate process (services.stack.Stack), a
+"""End to end (issue 5, Done means): every service a separate process (services.launch.stack.Stack), a
 real nats-server, the shipped model pair.
 
 The models in models/ are being retrained and overwritten by checkpoints, so the module copies
@@ -33,10 +33,11 @@ from schemas.codec import decode
 from schemas.config import REPO_MODELS
 from schemas.errors import ErrorCode
 from schemas.messages import GenerateRequest, StreamChunk
-from services.bus import connect
+from services.runtime.bus import connect
 from services.client import Client, Overloaded, RequestError, make_request, score_request
-from services.natsserver import NatsServerConfig, NatsUser
-from services.stack import Stack, StackConfig
+from services.launch.natsserver import NatsServerConfig
+from services.runtime.auth import NatsUser
+from services.launch.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

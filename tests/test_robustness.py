@@ -1,4 +1,4 @@
-"""Issue 11, through a real stack (services.stack.Stack: every service its own process, a real
+"""Issue 11, through a real stack (services.launch.stack.Stack: every service its own process, a real
 nats-server, the tiny model pair shipped in models/tiny): requests that used to take a lane, a
 batch or the whole stack down, or to hang, now end alone with a typed error, and the stack
 serves on. Each test ends by checking that every service process is still running.
@@ -20,7 +20,7 @@ from schemas.config import TINY_DRAFT, TINY_TARGET
 from schemas.errors import ErrorCode
 from schemas.messages import StreamChunk
 from services.client import RequestError, make_request
-from services.stack import Stack, StackConfig
+from services.launch.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

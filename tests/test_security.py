@@ -1,7 +1,7 @@
 """NATS auth end to end (issue 6, security): the embedded stack with auth on (its default), every
 service a process logged in as its role's user, tiny random checkpoints. Clients alice and bob.
 
-services/auth.py's own tests check each permission against a bare nats-server; these check that
+services/runtime/auth.py's own tests check each permission against a bare nats-server; these check that
 the real services work under them and that what a client is refused reaches it as an error.
 """
 
@@ -15,11 +15,11 @@ import pytest_asyncio
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode
 from schemas.messages import CancelRequest, Error
-from services.auth import PermissionDenied
-from services.bus import connect, permission_watch, request
+from services.runtime.auth import PermissionDenied
+from services.runtime.bus import connect, permission_watch, request
 from services.client import Client, RequestError, make_request
-from services.stack import Stack, StackConfig
-from tests.services.test_scheduler import model_dirs  # noqa: F401 (a fixture: tiny target and draft)
+from services.launch.stack import Stack, StackConfig
+from tests.services.pipeline.test_scheduler import model_dirs  # noqa: F401 (a fixture: tiny target and draft)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

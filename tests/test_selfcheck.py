@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from schemas.config import TINY_DRAFT, TINY_TARGET
-from services.selfcheck import FULL, MIN_GROUP, QUICK
-from services.selfcheck_core import (ALPHA, CheckResult, LogprobEntry, bin_counts, chi2_sf, distribution_bins,
+from services.commands.selfcheck import FULL, MIN_GROUP, QUICK
+from services.commands.selfcheck_core import (ALPHA, CheckResult, LogprobEntry, bin_counts, chi2_sf, distribution_bins,
                                      distribution_results, logprob_diffs, merge_small_bins, pooled_gof, render_table,
                                      same_token_bypass)
-from services.stack import Stack, StackConfig
+from services.launch.stack import Stack, StackConfig
 
 HOOK_DIR = Path(__file__).parent / "selfcheck_hook"
 CELLS = 10  # the quick run's distribution cells: the Bonferroni factor the tests below use

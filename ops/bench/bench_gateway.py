@@ -3,7 +3,7 @@ against the NATS client (services/client.py) on the same stack, at each --batche
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_gateway.py            # ~2 min on 2 shared CPU cores
 
-One stack (services.stack.Stack: nats-server, one process per service, one gateway), the tiny
+One stack (services.launch.stack.Stack: nats-server, one process per service, one gateway), the tiny
 pair by default. Every request: a --prompt-tokens-long prompt from --prompts code prompts, greedy,
 k=--k, exactly --max-tokens tokens (ignore_eos), streamed. A run keeps `batch` requests in flight
 (a new one sent as soon as one finishes) until --requests have finished; tokens/s = completion
@@ -29,7 +29,7 @@ import openai
 
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.client import Client, make_request
-from services.stack import Stack, StackConfig
+from services.launch.stack import Stack, StackConfig
 
 PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv=None):\n    ",

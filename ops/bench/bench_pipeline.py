@@ -30,7 +30,7 @@ from other processes would otherwise decide the ratios):
    mean tokens emitted per step over steps planned with all k drafts; predicted:
    (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, eq. 1); their ratio.
 4. bus: at each --overhead-batches concurrency, greedy k=--peer-k, the full pipeline
-   (services.stack.Stack: nats-server + one process per service), then at once the same requests
+   (services.launch.stack.Stack: nats-server + one process per service), then at once the same requests
    through ops/bench/inprocess.py (one process, direct calls): throughput ratio pipeline /
    in-process, and ms per step: in-process by stage, codec (one msgpack encode + decode of every
    message, timed inside the in-process run and left out of its throughput and ms/step),
@@ -65,8 +65,8 @@ from ops.train_models import read_text, source_files
 from schemas.config import DEFAULT_DRAFT, SchedulerConfig, default_target_model
 from schemas.messages import StreamChunk
 from services.client import Client, make_request
-from services.logs import configure_logging
-from services.stack import Stack, StackConfig
+from services.runtime.logs import configure_logging
+from services.launch.stack import Stack, StackConfig
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 REQUEST_TIMEOUT_S = 600.0

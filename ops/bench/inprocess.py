@@ -2,7 +2,7 @@
 prices the bus (issue 7, "Bus overhead").
 
 The same objects the services run, driven by plain calls in the order the scheduler's step loop
-makes them (services/scheduler.py `Scheduler.step`):
+makes them (services/pipeline/scheduler.py `Scheduler.step`):
 
     state.boundary -> state.plan_step -> state.draft_batches    scheduler    ("schedule")
     draft_batch(drafter, message) -> state.apply_draft           drafter      ("draft")
@@ -25,15 +25,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
-from services.verifier import heartbeat as verifier_heartbeat
+from services.pipeline.verifier import heartbeat as verifier_heartbeat
 from gpu_worker.verifier_core import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.messages import GenerateRequest, Heartbeat, StreamChunk
 from gpu_worker.drafter_core import Drafter, draft_batch, load_drafter
 from gpu_worker.drafter_core import heartbeat as drafter_heartbeat
-from services.postprocessor_core import ChunkOut, Postprocessor
-from services.scheduler_core import SchedulerState, prompt_token_ids
+from services.pipeline.postprocessor_core import ChunkOut, Postprocessor
+from services.pipeline.scheduler_core import SchedulerState, prompt_token_ids
 
 STAGES = ("schedule", "draft", "verify", "commit", "codec")
 POSTPROCESSOR_ID = "postprocessor-inprocess"

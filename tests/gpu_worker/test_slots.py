@@ -1,6 +1,5 @@
 """Request slots (gpu_worker/slots.py) over the KV cache of a tiny random Llama written to disk."""
 
-import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.slots import evict_idle, evict_idle_loop, instance_heartbeat, load_model_and_cache, release
+from gpu_worker.slots import evict_idle, instance_heartbeat, load_model_and_cache, release
 from schemas.config import DrafterConfig, VerifierConfig, load_config
 from schemas.errors import SpecbusError
 from tests.gpu_worker.conftest import write_hf_model
@@ -81,19 +80,6 @@ def test_heartbeat_reports_capacity_load_and_free_slots(owner):
     assert (beat.role, beat.instance_id, beat.capacity, beat.load, beat.free_slots) == \
         ("verifier", "owner-test", MAX_SLOTS, 1, MAX_SLOTS - 1)
     assert beat.model_ids == {"target": "tiny"} and beat.interval_s == 0.5
-
-
-async def test_evict_idle_loop_gives_capacity_back_without_batches(owner):
-    owner.slot_idle_ttl_s = 0.05
-    take(owner, "a", time.monotonic())
-    task = asyncio.create_task(evict_idle_loop(owner, asyncio.Lock()))
-    try:
-        deadline = time.monotonic() + 5.0
-        while owner.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-    finally:
-        task.cancel()
-    assert not owner.requests and owner.cache.num_free == MAX_SLOTS
 
 
 def test_torch_threads_is_applied_at_load(model_dir):

@@ -20,11 +20,12 @@ from schemas.errors import SpecbusError
 from schemas.codec import decode
 from schemas.messages import Heartbeat, StreamChunk
 from schemas.subjects import Subjects
-from services.auth import generate_credentials, password_env
-from services.bus import BusUnavailable, connect
+from services.runtime.auth import generate_credentials, password_env
+from services.runtime.bus import BusUnavailable, connect
 from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
-from services.natsserver import NatsServerConfig, NatsUser
-from services.stack import Stack, StackConfig, StackError
+from services.launch.natsserver import NatsServerConfig
+from services.runtime.auth import NatsUser
+from services.launch.stack import Stack, StackConfig, StackError
 
 
 def specbus(*args):
@@ -191,7 +192,7 @@ async def test_stack_kills_and_restarts_instances():
 
 
 async def test_up_restarts_a_service_that_dies_and_exits_1_on_a_crash_loop(tmp_path):
-    """A killed service comes back as a new instance (the supervisor, services/supervisor.py);
+    """A killed service comes back as a new instance (the supervisor, services/launch/supervisor.py);
     one killed again each time it comes back is a crash loop: `up` gives up and exits 1."""
     async with specbus_process("up", "--port", "0", "--schedulers", "0", "--verifiers", "0", "--drafters", "0",
                                "--gateways", "0", "--target-model", str(TINY_TARGET), "--clients", "alice,bob",

@@ -16,11 +16,11 @@ from schemas.errors import CodecError, ErrorCode
 from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, Heartbeat, SamplingMask,
                               StreamChunk, TokenLogprob, Usage, seed_from_request_id)
 from schemas.subjects import Subjects
-from services.auth import generate_credentials, password_env, users_from_env
-from services.bus import connect
+from services.runtime.auth import generate_credentials, password_env, users_from_env
+from services.runtime.bus import connect
 from services.client import (Client, GenerationResult, Overloaded, RequestError, StreamBroken, StreamTimeout,
                              make_request, score_request)
-from services.natsserver import NatsServer, NatsServerConfig
+from services.launch.natsserver import NatsServer, NatsServerConfig
 
 
 @pytest.fixture

@@ -1,0 +1,443 @@
+"""The OpenAI-compatible HTTP gateway: `specbus serve gateway` (README.md, "OpenAI-compatible API").
+
+    GET  /v1/models             the target (with the draft as an extra field)
+    POST /v1/completions        text or token-id prompts; stream, logprobs, echo, n
+    POST /v1/chat/completions   messages (the scheduler renders the target's chat template)
+    GET  /health                200 once a scheduler answers $SRV.PING, else 503
+    GET  /metrics               Prometheus
+
+It is just another NATS client (services/client.py's Client): each API key maps to a client
+user, and the gateway holds one NATS connection per user, so the isolation NATS gives client
+users (own subjects, own inbox) holds through HTTP too; a "monitor" connection pings the
+schedulers for /health. Any number of gateways can run behind a load balancer: they share no
+state. services/gateway/gateway_core.py holds everything that is not I/O (bodies, mapping, shapes).
+
+FastAPI on uvicorn, as vLLM and SGLang serve their OpenAI APIs: request bodies are typed models
+(validated before a handler runs, and published as the OpenAPI schema at /docs), Starlette's
+StreamingResponse does SSE and tells a handler when its client went away, and uvicorn's server
+runs inside our own asyncio loop next to the NATS connections (its signal handling is left to the
+CLI, like every other service's).
+
+A request is sent and its first chunk awaited before any HTTP status goes out, so what the
+scheduler refuses (a bad field, overloaded, no scheduler) is an HTTP error, not a broken stream;
+an error after the first chunk ends the SSE stream with an error event and `data: [DONE]`. A
+client that disconnects, mid-stream or while it waits for a non-streamed answer, cancels its
+requests (Stream.close sends the CancelRequest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import anyio
+import nats.errors
+import structlog
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gpu_worker.tokenizer import Tokenizer, load_tokenizer
+from schemas.config import GatewayConfig
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.subjects import DEFAULT_CLIENT_USER
+from services.runtime.auth import MONITOR, check_user_names, env_file_text, inbox_prefix, password_env
+from services.runtime.bus import connect_service
+from services.client import Client, Stream
+from services.gateway.gateway_core import CHAT_PARAMS, COMPLETION_PARAMS, ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, Plan, TokenTexts, chat_plans, completion_plans, gateway_logins, merge_pieces, model_card, sse, usage_json, user_for_key, validation_error
+from services.runtime.auth import generate_api_keys
+from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
+
+log = structlog.get_logger(__name__)
+
+# On stop, how long responses in flight may go on before they are cut (their requests then cancelled);
+# under the stack's SIGKILL stop_timeout_s.
+STOP_GRACE_S = 5.0
+RETRY_AFTER_S = 1
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted, read by nobody
+T = TypeVar("T")
+
+
+class GatewayMetrics(Metrics):
+    def __init__(self) -> None:
+        super().__init__("gateway")
+        self.requests = self.counter("http_requests", "HTTP requests answered", ("endpoint", "status"))
+        self.cancelled = self.counter("disconnect_cancels", "requests cancelled because their client went away")
+        self.generated_tokens = self.counter("generated_tokens", "completion tokens sent to HTTP clients")
+        self.time_to_first_chunk = self.histogram("time_to_first_chunk_seconds",
+                                                  "request received to its first chunk", LATENCY_BUCKETS)
+        self.open_streams = Gauge(self.prefix + "open_streams", "SSE responses in progress", registry=self.registry)
+
+
+@dataclass
+class Gateway:
+    """What the HTTP handlers share: the config, one Client per client user, the tokenizer."""
+
+    config: GatewayConfig
+    clients: dict[str, Client]  # client user -> its connection
+    logins: list[Login] | None  # None: no_auth (every key goes to the one client)
+    health_nc: Any  # a connection allowed to publish $SRV.PING
+    tokenizer: Tokenizer
+    texts: TokenTexts
+    model: str
+    card: dict
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+
+    def client_for(self, request: Request) -> Client:
+        if self.logins is None:
+            return next(iter(self.clients.values()))
+        return self.clients[user_for_key(self.logins, request.headers.get("authorization"))]
+
+    def check_model(self, model: str) -> None:
+        if model != self.model:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model!r}",
+                           type="invalid_request_error", param="model", code="model_not_found")
+
+
+# ---------------------------------------------------------------------------------------------
+# running a request's choices
+
+
+@dataclass
+class Running:
+    """The open streams of one HTTP request, each with its Choice and its first chunk."""
+
+    streams: list[Stream | None]  # None: not opened (yet)
+    choices: list[Choice]
+    firsts: list[Any]
+
+    async def close(self) -> None:
+        """Close every stream (cancelling the unfinished), even inside a cancelled scope."""
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*(s.close() for s in self.streams if s is not None), return_exceptions=True)
+
+    async def chunks(self) -> AsyncIterator[tuple[int, Any]]:
+        """(position, chunk) of every stream as they come, first chunks first."""
+        for position, first in enumerate(self.firsts):
+            yield position, first
+        queue: asyncio.Queue = asyncio.Queue()
+        pending = [position for position, first in enumerate(self.firsts) if not first.final]
+
+        async def pump(position: int) -> None:
+            try:
+                async for chunk in self.streams[position]:
+                    await queue.put((position, chunk, None))
+                await queue.put((position, None, None))
+            except Exception as exc:  # the reader raises it
+                await queue.put((position, None, exc))
+
+        tasks = [asyncio.create_task(pump(position)) for position in pending]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                position, chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    remaining -= 1
+                    continue
+                yield position, chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def open_choices(gateway: Gateway, client: Client, plans: list[Plan], top_n: int | None,
+                       param_names: dict[str, str]) -> Running:
+    """Send every choice's request and wait for each first chunk; an error closes them all."""
+    running = Running([None] * len(plans), [], [])
+
+    async def first(position: int, plan: Plan) -> Any:
+        running.streams[position] = await client.open_stream(plan.request)
+        return await anext(running.streams[position])
+
+    started = time.monotonic()
+    tasks = [asyncio.create_task(first(position, plan)) for position, plan in enumerate(plans)]
+    try:
+        running.firsts = list(await asyncio.gather(*tasks))
+    except BaseException as exc:
+        for task in tasks:  # the other choices stop too; close() then cancels their requests
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await running.close()
+        if isinstance(exc, SpecbusError):
+            raise ApiError.from_specbus(exc, param_names) from None
+        raise
+    running.choices = [Choice(plan.index, gateway.texts, top_n, plan.echo_text) for plan in plans]
+    gateway.metrics.time_to_first_chunk.observe(time.monotonic() - started)
+    return running
+
+
+def piece_of(kind: str, choice: Choice, chunk: Any, *, delta: bool) -> dict:
+    return choice.completion_piece(chunk) if kind == "completion" else choice.chat_piece(chunk, delta=delta)
+
+
+async def respond(gateway: Gateway, request: Request, client: Client, body: CompletionBody | ChatBody,
+                  kind: Literal["completion", "chat"], plans: list[Plan], top_n: int | None,
+                  param_names: dict[str, str]) -> Response:
+    """The response: a stream once every choice's first chunk came, or the whole thing. A client
+    that goes away before (a non-streamed request: before the end) cancels the requests."""
+    envelope = Envelope(kind, gateway.model)
+    if body.stream:
+        running = await unless_gone(gateway, request, open_choices(gateway, client, plans, top_n, param_names))
+        if running is None:
+            return Response(status_code=CLIENT_GONE_STATUS)
+        return StreamingResponse(stream_events(gateway, running, envelope, body, kind), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    answer = await unless_gone(gateway, request, collect(gateway, client, envelope, body, plans, top_n, param_names))
+    return Response(status_code=CLIENT_GONE_STATUS) if answer is None else JSONResponse(answer)
+
+
+async def collect(gateway: Gateway, client: Client, envelope: Envelope, body: CompletionBody | ChatBody,
+                  plans: list[Plan], top_n: int | None, param_names: dict[str, str]) -> dict:
+    """A non-streamed response: every choice's chunks gathered."""
+    running = await open_choices(gateway, client, plans, top_n, param_names)
+    pieces: dict[int, list[dict]] = {position: [] for position in range(len(plans))}
+    try:
+        async for position, chunk in running.chunks():
+            pieces[position].append(piece_of(envelope.kind, running.choices[position], chunk, delta=False))
+    except SpecbusError as exc:
+        raise ApiError.from_specbus(exc, param_names) from None
+    finally:
+        await running.close()
+    choices = [merge_pieces(envelope.kind, pieces[position]) for position in range(len(plans))]
+    usage = usage_json(running.choices, body.n)
+    gateway.metrics.generated_tokens.inc(usage["completion_tokens"])
+    return envelope.wrap(choices, chunk=False, usage=usage)
+
+
+async def unless_gone(gateway: Gateway, request: Request, work: Awaitable[T]) -> T | None:
+    """work's result, or None when the HTTP client disconnects first: work is then cancelled,
+    which closes its streams and so cancels their requests."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled() and task.done() and not gone.done():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    gateway.metrics.cancelled.inc()
+    log.info("gateway_client_gone", path=request.url.path)
+    return None
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def stream_events(gateway: Gateway, running: Running, envelope: Envelope, body: CompletionBody | ChatBody,
+                        kind: str) -> AsyncIterator[str]:
+    """The SSE events of a streamed response; closing early (a client gone) cancels the requests."""
+    include_usage = body.include_usage
+    finished = False
+    gateway.metrics.open_streams.inc()
+    try:
+        if kind == "chat":
+            roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for c in running.choices]
+            yield sse(envelope.wrap(roles, chunk=True, usage=None) | ({"usage": None} if include_usage else {}))
+        async for position, chunk in running.chunks():
+            piece = piece_of(kind, running.choices[position], chunk, delta=True)
+            gateway.metrics.generated_tokens.inc(len(chunk.token_ids))
+            event = envelope.wrap([piece], chunk=True)
+            yield sse(event | ({"usage": None} if include_usage else {}))
+        if include_usage:
+            yield sse(envelope.wrap([], chunk=True, usage=usage_json(running.choices, body.n)))
+        finished = True
+    except (SpecbusError, ApiError) as exc:
+        error = exc if isinstance(exc, ApiError) else ApiError.from_specbus(exc)
+        log.warning("gateway_stream_error", status=error.status, message=error.message)
+        yield sse(error.to_json())
+        finished = True
+    finally:
+        gateway.metrics.open_streams.dec()
+        if not finished:
+            gateway.metrics.cancelled.inc()
+            log.info("gateway_client_gone", request_ids=[s.request.request_id for s in running.streams])
+        await running.close()
+    yield sse("[DONE]")
+
+
+# ---------------------------------------------------------------------------------------------
+# the app
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="specbus", description="OpenAI-compatible API of a specbus deployment")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        # 429 and 503 pass: say when to retry (the openai SDK waits that long before its retries)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc.errors())
+        return JSONResponse(error.to_json(), status_code=error.status)
+
+    def authorized(request: Request) -> Client:
+        """The API key's client (a dependency: FastAPI runs it before it validates the body, so a
+        bad key is a 401 whatever the body holds)."""
+        return gateway.client_for(request)
+
+    @app.get("/v1/models")
+    async def models(client: Client = Depends(authorized)) -> dict:
+        return {"object": "list", "data": [gateway.card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request, client: Client = Depends(authorized)) -> Response:
+        gateway.check_model(body.model)
+        plans = completion_plans(body, gateway.tokenizer, gateway.config.timeout_s)
+        return await respond(gateway, request, client, body, "completion", plans, body.logprobs, COMPLETION_PARAMS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request, client: Client = Depends(authorized)) -> Response:
+        gateway.check_model(body.model)
+        plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s)
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        return await respond(gateway, request, client, body, "chat", plans, top_n, CHAT_PARAMS)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await gateway.health_nc.request("$SRV.PING.scheduler", b"", timeout=gateway.config.health_timeout_s)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
+            error = ApiError(503, "no scheduler answers", type="service_unavailable", code="unavailable")
+            return JSONResponse(error.to_json(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def counted(app: Any, metrics: GatewayMetrics) -> Any:
+    """app, counting each HTTP response by route and status as it starts (plain ASGI: Starlette's
+    BaseHTTPMiddleware would pass every SSE chunk through one more task)."""
+    routes = {route.path for route in app.routes}
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                path = scope["path"] if scope["path"] in routes else "other"
+                metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await app(scope, receive, send_counted)
+
+    return asgi
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the CLI's stop event ends it (module docstring)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def connect_clients(config: GatewayConfig, exit_stack: AsyncExitStack) -> tuple[dict[str, Client], Any,
+                                                                                       list[Login] | None]:
+    """One Client per client user (or the config's one login with no_auth) and the /health connection."""
+    if config.no_auth:
+        client = await exit_stack.enter_async_context(Client.from_config(config, name=f"{config.instance_id}"))
+        return {config.nats_user or DEFAULT_CLIENT_USER: client}, client.nc, None
+    logins = gateway_logins(os.environ)
+    clients = {}
+    for login in logins:
+        bus = dataclasses.replace(config, nats_user=login.user, nats_password=login.password)
+        clients[login.user] = await exit_stack.enter_async_context(
+            Client.from_config(bus, name=f"{config.instance_id}-{login.user}"))
+    monitor_password = os.environ.get(password_env(MONITOR), "")
+    if not monitor_password:
+        raise SpecbusError(ErrorCode.invalid_field, "the gateway pings schedulers for /health as the monitor user",
+                           password_env(MONITOR))
+    health_nc = await connect_service(config, f"{config.instance_id}-health", user=MONITOR, password=monitor_password,
+                                      inbox_prefix=inbox_prefix(MONITOR))
+    exit_stack.push_async_callback(health_nc.close)
+    return clients, health_nc, logins
+
+
+async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
+    """Serve the API on http_host:http_port until stop is set."""
+    tokenizer = load_tokenizer(config.target_model)
+    model = config.served_model_name or Path(config.target_model).name
+    created = int((Path(config.target_model) / "config.json").stat().st_mtime)
+    async with AsyncExitStack() as exit_stack:
+        clients, health_nc, logins = await connect_clients(config, exit_stack)
+        gateway = Gateway(config, clients, logins, health_nc, tokenizer, TokenTexts(tokenizer), model,
+                          model_card(model, config.target_model, config.draft_model, created))
+        listener = exit_stack.enter_context(http_socket(config.http_host, config.http_port))
+        app = counted(build_app(gateway), gateway.metrics)
+        server = GatewayServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                              timeout_graceful_shutdown=STOP_GRACE_S))
+        with serve_metrics(gateway.metrics.registry, config.metrics_port):
+            serving = asyncio.create_task(server.serve(sockets=[listener]))
+            log.info("gateway_listening", url=f"http://{config.http_host}:{listener.getsockname()[1]}/v1",
+                     model=model, users=sorted(clients), auth=logins is not None)
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            server.should_exit = True
+            stopping.cancel()
+            await serving
+
+
+def http_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so a taken port is an error naming http_port (uvicorn
+    would exit the process)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise SpecbusError(ErrorCode.invalid_field, f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}",
+                           "http_port") from None
+    return listener
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.gateway.gateway api-keys --client-users a,b`: fresh API keys as KEY=value lines
+    (append them to docker compose's .env; `specbus up` makes its own)."""
+    parser = argparse.ArgumentParser(prog="python -m services.gateway.gateway")
+    commands = parser.add_subparsers(dest="command", required=True)
+    keys = commands.add_parser("api-keys", help="random API keys as SPECBUS_<USER>_API_KEY=value lines")
+    keys.add_argument("--client-users", default=DEFAULT_CLIENT_USER, help="comma-separated client user names")
+    args = parser.parse_args(argv)
+    try:
+        users = check_user_names([u for u in args.client_users.split(",") if u])
+    except SpecbusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(env_file_text(generate_api_keys(users)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

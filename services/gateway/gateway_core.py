@@ -1,0 +1,519 @@
+"""The OpenAI API's side of the gateway, NATS-free: request bodies, their mapping to
+GenerateRequests, StreamChunks turned into OpenAI responses and SSE chunks, errors.
+
+Request bodies are pydantic models (FastAPI validates them; an unknown field is refused, naming
+it, rather than silently ignored). Besides the OpenAI fields, every body takes specbus's own
+(documented in README.md, "OpenAI-compatible API"): top_k, min_p, ignore_eos, stop_token_ids,
+num_speculative_tokens, draft_mode, logprobs_mode, sampling_mask, timeout_s. Responses carry
+our extras next to the OpenAI fields: usage.draft_tokens_proposed / draft_tokens_accepted /
+acceptance_rate / steps, and per choice `degraded`: in a streamed chunk the reasons that chunk was
+flagged with (e.g. draft_timeout), in a whole response every reason seen, when there is any.
+
+One OpenAI request becomes one GenerateRequest per choice: `n` choices per prompt (seed + i when
+a seed is given, else each request id's own seed), choice index prompt_index * n + i, as OpenAI
+numbers them. `usage` sums the choices, counting each prompt's tokens once.
+
+Logprob shapes (as vLLM's OpenAI server gives them):
+- completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"};
+  a top_logprobs dict holds the top-N and the chosen token; with `echo` the prompt tokens come
+  first, the first one with logprob null (it has no context).
+- chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
+A token's text is its own bytes decoded (a token that ends inside a UTF-8 character shows U+FFFD;
+`bytes` keeps the exact bytes). A logprob of -inf (outside the candidate set in logprobs_mode
+"processed") is written -9999.0, as vLLM does: JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpu_worker.tokenizer import Tokenizer
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import (MAX_TOP_LOGPROBS, GenerateRequest, StreamChunk, TokenLogprob, Usage)
+from services.runtime.auth import AuthConfigError, api_key_env, client_user_names, password_env
+from services.client import make_request
+
+MAX_CHOICES = 16  # n times the number of prompts
+NEG_INF_LOGPROB = -9999.0
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# specbus field name -> the body's name for it, where they differ
+COMPLETION_PARAMS = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
+CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+# ErrorCode -> (HTTP status, OpenAI error type); a code missing here is a 500
+STATUS_OF_CODE: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.bad_request: (400, "invalid_request_error"),
+    ErrorCode.invalid_field: (400, "invalid_request_error"),
+    ErrorCode.unsupported_version: (400, "invalid_request_error"),
+    ErrorCode.wrong_message_type: (400, "invalid_request_error"),
+    ErrorCode.malformed: (400, "invalid_request_error"),
+    ErrorCode.too_large: (400, "invalid_request_error"),
+    ErrorCode.forbidden: (403, "permission_error"),
+    ErrorCode.not_found: (404, "not_found_error"),
+    ErrorCode.duplicate_request_id: (409, "invalid_request_error"),
+    ErrorCode.overloaded: (429, "rate_limit_error"),
+    ErrorCode.no_capacity: (503, "service_unavailable"),
+    ErrorCode.unavailable: (503, "service_unavailable"),
+    ErrorCode.shutting_down: (503, "service_unavailable"),
+    ErrorCode.timeout: (504, "timeout"),
+    ErrorCode.cancelled: (500, "server_error"),
+    ErrorCode.need_resync: (500, "server_error"),
+    ErrorCode.internal: (500, "server_error"),
+}
+
+
+class ApiError(Exception):
+    """An OpenAI error object with its HTTP status: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def to_json(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_specbus(cls, exc: SpecbusError, param_names: Mapping[str, str] = {}) -> ApiError:
+        """The OpenAI error for a specbus error; its field ("sampling.top_p") becomes the body's
+        name for it (param_names: specbus option -> body field, e.g. logprobs -> top_logprobs)."""
+        status, kind = STATUS_OF_CODE.get(exc.code, (500, "server_error"))  # a code newer than this table
+        param = None
+        if exc.field:
+            name = exc.field.rsplit(".", 1)[-1]
+            param = param_names.get(name, name)
+        return cls(status, f"{param}: {exc.message}" if param else exc.message, type=kind, param=param,
+                   code=exc.code.value)
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """A 400 for pydantic's (FastAPI's) validation errors: the first, its location as param
+    ("messages[0].role"; "body" and pydantic's union-member tags left out)."""
+    first = errors[0]
+    path = ""
+    for part in first.get("loc", ())[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", str(part)) and part not in ("str", "int", "float", "bool"):
+            path += f".{part}" if path else str(part)
+        else:
+            break
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return ApiError(400, f"{path}: {message}" if path else message, param=path or None,
+                    code="invalid_field" if path else "bad_request")
+
+
+# ---------------------------------------------------------------------------------------------
+# API keys: SPECBUS_<USER>_API_KEY per client user
+
+
+@dataclass(frozen=True)
+class Login:
+    user: str
+    password: str
+    api_key: str
+
+
+def gateway_logins(env: Mapping[str, str]) -> list[Login]:
+    """Every client user in SPECBUS_CLIENT_USERS with its NATS password and API key;
+    AuthConfigError naming the variable that is missing."""
+    logins = []
+    for user in client_user_names(env):
+        password, api_key = env.get(password_env(user), ""), env.get(api_key_env(user), "")
+        for variable, value in ((password_env(user), password), (api_key_env(user), api_key)):
+            if not value:
+                raise AuthConfigError(f"the gateway needs it for the client user {user!r}", variable)
+        logins.append(Login(user, password, api_key))
+    return logins
+
+
+def user_for_key(logins: Sequence[Login], authorization: str | None) -> str:
+    """The client user whose key is in `Authorization: Bearer <key>`; 401 otherwise. Every key is
+    compared in constant time."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+    found = [login.user for login in logins if hmac.compare_digest(login.api_key.encode(), key.strip().encode())]
+    if not found:
+        raise ApiError(401, "incorrect API key", code="invalid_api_key")
+    return found[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# request bodies
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class Body(BaseModel):
+    """What /v1/completions and /v1/chat/completions share, OpenAI's fields then specbus's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted for the SDKs; unused
+    # specbus's own
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    num_speculative_tokens: int | None = None
+    draft_mode: Literal["greedy", "sample"] | None = None
+    logprobs_mode: Literal["raw", "processed"] | None = None
+    sampling_mask: bool | None = None
+    timeout_s: float | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    def common_options(self) -> dict[str, Any]:
+        """make_request options from the shared fields (None: the schema's default)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "stop": [self.stop] if isinstance(self.stop, str)
+                else self.stop, "top_k": self.top_k, "min_p": self.min_p, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": self.stop_token_ids, "num_speculative_tokens": self.num_speculative_tokens,
+                "draft_mode": self.draft_mode, "logprobs_mode": self.logprobs_mode,
+                "sampling_mask": self.sampling_mask, "stream": self.stream}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatBody(Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI request -> GenerateRequests
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One choice: its index in the response, its GenerateRequest, and for `echo` the prompt text."""
+
+    index: int
+    request: GenerateRequest
+    echo_text: str | None = None
+
+
+def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, options: dict[str, Any],
+                  param_names: Mapping[str, str], echo_texts: Sequence[str] | None = None) -> list[Plan]:
+    """A GenerateRequest per choice (module docstring) from each input ({"prompt": ...} or
+    {"messages": ...}); a bad value is a 400 naming the body's field."""
+    if not inputs:
+        raise ApiError(400, "prompt: give at least one prompt", param="prompt", code="invalid_field")
+    if len(inputs) * n > MAX_CHOICES:
+        raise ApiError(400, f"n: {len(inputs)} prompts x n={n} choices is above {MAX_CHOICES}", param="n",
+                       code="invalid_field")
+    plans = []
+    for prompt_index, given in enumerate(inputs):
+        for i in range(n):
+            choice_seed = None if seed is None else (seed + i) % 2**63
+            try:
+                request = make_request(**given, seed=choice_seed, **options)
+            except SpecbusError as exc:
+                raise ApiError.from_specbus(exc, param_names) from None
+            plans.append(Plan(prompt_index * n + i, request, None if echo_texts is None else echo_texts[prompt_index]))
+    return plans
+
+
+def completion_plans(body: CompletionBody, tokenizer: Tokenizer, timeout_s: float) -> list[Plan]:
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of: only best_of == n is supported", param="best_of", code="invalid_field")
+    options = body.common_options() | {
+        "max_tokens": COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+        "logprobs": body.logprobs, "timeout_s": body.timeout_s or timeout_s,
+        # echo + logprobs scores the prompt too (max_tokens=0: only the prompt)
+        "prompt_logprobs": body.logprobs if body.echo and body.logprobs is not None else None,
+    }
+    prompts = body.prompts()
+    echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
+    return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, COMPLETION_PARAMS, echo_texts)
+
+
+def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> list[Plan]:
+    """The messages go as they are: the scheduler renders them with the target's chat template
+    (a model without one: a 400 naming messages)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_field")
+    max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), default_max_tokens)
+    options = body.common_options() | {
+        "max_tokens": max_tokens, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+        "timeout_s": body.timeout_s or timeout_s,
+    }
+    names = CHAT_PARAMS | {"max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return plan_requests([{"messages": messages}], body.n, body.seed, options, names)
+
+
+# ---------------------------------------------------------------------------------------------
+# token texts
+
+
+@lru_cache(maxsize=1)
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet reversed (character -> byte): printable bytes stand for
+    themselves, the others are shifted to 256 + i (openai/gpt-2 src/encoder.py, bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + sum(1 for other in range(b) if other not in printable)
+    return {chr(c): b for b, c in chars.items()}
+
+
+class TokenTexts:
+    """Per-token bytes and text for the logprob shapes (module docstring), cached by id."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        described = json.loads(tokenizer.hf.to_str())
+        self.byte_level = (described.get("decoder") or {}).get("type") == "ByteLevel"
+        self.special = {t["id"] for t in described.get("added_tokens", [])}
+        self.cache: dict[int, tuple[bytes, str]] = {}
+
+    def get(self, token_id: int) -> tuple[bytes, str]:
+        if token_id not in self.cache:
+            piece = self.tokenizer.hf.id_to_token(token_id) or ""
+            if self.byte_level and token_id not in self.special:
+                decoder = byte_decoder()
+                raw = bytes(decoder[c] for c in piece if c in decoder)
+            elif self.byte_level:
+                raw = piece.encode()
+            else:
+                raw = self.tokenizer.decode([token_id]).encode()
+            self.cache[token_id] = (raw, raw.decode("utf-8", errors="replace"))
+        return self.cache[token_id]
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[1]
+
+
+def json_logprob(value: float) -> float:
+    return NEG_INF_LOGPROB if math.isinf(value) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# StreamChunks -> OpenAI choices
+
+
+@dataclass
+class Choice:
+    """One choice's state across its chunks: what was sent so far and the logprobs wanted."""
+
+    index: int
+    texts: TokenTexts
+    top_n: int | None  # logprobs wanted: top-N per token (0: the chosen one's); None: none
+    echo_text: str | None = None
+    text_offset: int = 0  # completions: characters of this choice's text so far
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    started: bool = False
+
+    def finish(self, chunk: StreamChunk) -> str | None:
+        """The OpenAI finish_reason of a chunk; a request that timed out or was cancelled is an error."""
+        if not chunk.final:
+            return None
+        if chunk.finish_reason == "timeout":
+            raise ApiError(504, "the request ran past its timeout_s", type="timeout", code="timeout")
+        if chunk.finish_reason not in FINISH_REASONS:
+            raise ApiError(500, f"the request ended with {chunk.finish_reason!r}", type="server_error",
+                           code=chunk.finish_reason)
+        self.finish_reason, self.usage = FINISH_REASONS[chunk.finish_reason], chunk.usage
+        return self.finish_reason
+
+    def completion_piece(self, chunk: StreamChunk) -> dict:
+        """The choice's part of a completion (its text so far or its delta), with logprobs."""
+        text, ids = chunk.text, chunk.token_ids.tolist()
+        entries = list(chunk.logprobs) if chunk.logprobs is not None else [None] * len(ids)
+        if not self.started and self.echo_text is not None:
+            text = self.echo_text + text
+            if chunk.prompt_token_ids is not None:
+                prompt_ids = chunk.prompt_token_ids.tolist()
+                entries = list(chunk.prompt_logprobs or [None] * len(prompt_ids)) + entries
+                ids = prompt_ids + ids
+        self.started = True
+        piece = {"index": self.index, "text": text,
+                 "logprobs": None if self.top_n is None else self.completion_logprobs(ids, entries),
+                 "finish_reason": self.finish(chunk)}
+        return piece | ({"degraded": list(chunk.degraded)} if chunk.degraded else {})
+
+    def completion_logprobs(self, ids: list[int], entries: Sequence[TokenLogprob | None]) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, entry in zip(ids, entries):
+            token = self.texts.text(token_id)
+            tokens.append(token)
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+            if entry is None:  # the first prompt token, or a chunk flagged logprobs_timeout
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(json_logprob(entry.logprob))
+            top = {self.texts.text(i): json_logprob(v) for i, v in entry.top[:self.top_n]}
+            top.setdefault(token, json_logprob(entry.logprob))
+            top_logprobs.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def chat_piece(self, chunk: StreamChunk, *, delta: bool) -> dict:
+        """The choice's part of a chat completion: `delta` (streaming) or `message`."""
+        content = None
+        if self.top_n is not None:
+            content = [self.chat_logprob(i, e) for i, e in zip(chunk.token_ids.tolist(), chunk.logprobs or [])]
+        message = {"content": chunk.text} if delta else {"role": "assistant", "content": chunk.text}
+        piece = {"index": self.index, ("delta" if delta else "message"): message,
+                 "logprobs": None if content is None else {"content": content}, "finish_reason": self.finish(chunk)}
+        return piece | ({"degraded": list(chunk.degraded)} if chunk.degraded else {})
+
+    def chat_logprob(self, token_id: int, entry: TokenLogprob) -> dict:
+        raw, token = self.texts.get(token_id)
+        top = []
+        for top_id, value in entry.top[:self.top_n]:
+            top_raw, top_token = self.texts.get(top_id)
+            top.append({"token": top_token, "logprob": json_logprob(value), "bytes": list(top_raw)})
+        return {"token": token, "logprob": json_logprob(entry.logprob), "bytes": list(raw), "top_logprobs": top}
+
+
+def merge_pieces(kind: Literal["completion", "chat"], pieces: Sequence[dict]) -> dict:
+    """One non-streamed choice from its pieces in order (a non-streamed request usually has one)."""
+    merged = dict(pieces[-1])
+    degraded = list(dict.fromkeys(reason for p in pieces for reason in p.get("degraded", ())))
+    if degraded:
+        merged["degraded"] = degraded
+    if kind == "completion":
+        merged["text"] = "".join(p["text"] for p in pieces)
+        logprobs = [p["logprobs"] for p in pieces if p["logprobs"] is not None]
+        if logprobs:
+            merged["logprobs"] = {key: [v for lp in logprobs for v in lp[key]] for key in logprobs[0]}
+        return merged
+    merged["message"] = {"role": "assistant", "content": "".join(p["message"]["content"] for p in pieces)}
+    contents = [p["logprobs"]["content"] for p in pieces if p["logprobs"] is not None]
+    if contents:
+        merged["logprobs"] = {"content": [entry for content in contents for entry in content]}
+    return merged
+
+
+def usage_json(choices: Sequence[Choice], n: int) -> dict:
+    """OpenAI usage summed over choices (each prompt counted once) plus specbus's draft counts."""
+    usages = [(c.index, c.usage) for c in choices if c.usage is not None]
+    prompt = sum(u.prompt_tokens for index, u in usages if index % n == 0)
+    completion = sum(u.completion_tokens for _, u in usages)
+    proposed = sum(u.draft_tokens_proposed for _, u in usages)
+    accepted = sum(u.draft_tokens_accepted for _, u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "draft_tokens_proposed": proposed, "draft_tokens_accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0, "steps": sum(u.steps for _, u in usages)}
+
+
+def response_id(kind: Literal["completion", "chat"]) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + secrets.token_hex(12)
+
+
+@dataclass
+class Envelope:
+    """The fields every response and chunk of one request repeats."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or response_id(self.kind)
+        self.created = self.created or int(time.time())
+
+    def wrap(self, choices: list[dict], *, chunk: bool, usage: dict | None = None) -> dict:
+        kind = "text_completion" if self.kind == "completion" else \
+            ("chat.completion.chunk" if chunk else "chat.completion")
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return body | ({"usage": usage} if usage is not None or not chunk else {})
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def model_card(served_name: str, target_dir: str | Path, draft_dir: str | Path, created: int) -> dict:
+    """The entry of /v1/models: the OpenAI fields, then ours (the draft, the target's dir name)."""
+    return {"id": served_name, "object": "model", "created": created, "owned_by": "specbus",
+            "root": Path(target_dir).name, "draft_model": Path(draft_dir).name}

@@ -1,0 +1,488 @@
+"""The embedded stack: a nats-server and every service, each a separate process.
+
+    async with Stack(StackConfig(verifiers=1, drafters=1)) as stack:
+        print(stack.url)                       # clients connect here
+        stack.kill("drafter-0", signal.SIGKILL)  # fault injection
+        await stack.start_instance("drafter")  # a fresh drafter-1, back once it heartbeats
+
+Each service runs as `python -m services.cli serve <role> --instance-id <role>-<n> ...` (the
+same command a container runs), with its stdout/stderr in a log file under `log_dir`.
+
+NATS auth is on by default (services/runtime/auth.py): fresh random passwords per start, one user per
+role with its subject permissions, each process given only its own role's login
+(SPECBUS_NATS_USER/_PASSWORD), the stack's heartbeat watcher connected as "monitor", and the
+clients' logins from `client_login()` / `client()`. `log_dir/credentials.env` (mode 0600) holds
+every password, `log_dir/client.env` the first client user's login as `specbus generate` reads
+it (with several client users, also `client-<user>.env` for each). Each client user may read and
+cancel only its own requests (services/runtime/auth.py).
+
+Gateways (StackConfig.gateways, the OpenAI-compatible API of services/gateway/gateway.py) are clients,
+not roles with a NATS user: each gets every client user's password and API key and the monitor's
+password; `openai_base_url` and `api_key(user)` say how to reach them, and client.env gets
+OPENAI_BASE_URL and OPENAI_API_KEY.
+
+A Stack starts and stops processes when asked; `services.launch.supervisor.supervise` restarts those
+that exit by themselves (what `specbus up` runs).
+
+Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat` (a gateway:
+until it accepts HTTP connections); a process that exits first, or an instance still silent after
+ready_timeout_s, fails the start with the tail of that process's log. Stopping goes upstream to
+downstream, one role group at a time (STOP_ORDER): gateways first (no new requests come in), then
+schedulers, so each finishes its step in flight against live drafters and verifiers and sends
+every request's final commit to a live postprocessor; then drafters and verifiers; postprocessors
+last, after they have forwarded those final commits. Each process gets SIGTERM, stop_timeout_s to
+exit by itself, then SIGKILL; the server stops last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from nats.aio.client import Client
+
+from schemas.codec import decode
+from schemas.config import ENV_PREFIX, ROLES as CONFIGS
+from schemas.errors import SpecbusError
+from schemas.messages import Heartbeat
+from schemas.subjects import DEFAULT_PREFIX, Subjects
+from services.runtime.auth import (CLIENT, CLIENT_USERS_ENV, MONITOR, check_user_names, env_file_text, generate_credentials,
+                           password_env, users_from_env, write_secret)
+from services.runtime.bus import connect
+from services.client import Client as SpecbusClient
+from services.runtime.auth import api_key_env, generate_api_keys
+from services.launch.natsserver import STDERR_TAIL_CHARS, NatsCluster, NatsServer, NatsServerConfig
+
+log = structlog.get_logger(__name__)
+
+# Every role the stack runs, in start order (docker-compose.yml runs the same set).
+ROLES = tuple(CONFIGS)  # scheduler, verifier, drafter, postprocessor
+STOP_ORDER = (("gateway",), ("scheduler",), ("drafter", "verifier"), ("postprocessor",))  # upstream first
+# Set for every service: `specbus serve` stops by itself once that process is gone (a stack
+# killed with SIGKILL cannot stop its children).
+PARENT_PID_ENV = "SPECBUS_PARENT_PID"
+CREDENTIALS_FILE = "credentials.env"
+CLIENT_ENV_FILE = "client.env"
+NO_AUTH_API_KEY = "no-auth"  # the openai SDK insists on some key
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class StackError(RuntimeError):
+    """A service process died or stayed silent while the stack was starting."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to run. counts: instances per role. target_model/draft_model None: the services'
+    defaults (the shipped pair, or SPECBUS_TARGET_MODEL / SPECBUS_DRAFT_MODEL).
+    role_args: extra `serve <role>` flags, e.g. {"scheduler": ["--max-queue", "4"]}.
+    role_env: extra environment per role (it wins over the stack's own).
+    auth: generate users and passwords for every role and for client_users (module docstring).
+    auth=False: no users but those in nats.users, with nats_user/nats_password for the stack's
+    own connection (it watches heartbeats) and the services' logins in role_env.
+    nats_cluster: nats-server processes; above 1, a NatsCluster of that many nodes joined by
+    routes, every service and client given every node's URL (a node's death moves its
+    connections to the others)."""
+
+    schedulers: int = 1
+    verifiers: int = 1
+    drafters: int = 1
+    postprocessors: int = 1
+    # OpenAI-compatible HTTP gateways (services/gateway/gateway.py), none unless asked for: each is one more
+    # process. Gateway i listens on 127.0.0.1:http_port + i (http_port 0: free ports), in gateway_ports.
+    gateways: int = 0
+    http_port: int = 0
+    target_model: str | None = None
+    draft_model: str | None = None
+    dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
+    prefix: str = DEFAULT_PREFIX
+    nats: NatsServerConfig = field(default_factory=NatsServerConfig)
+    nats_cluster: int = 1
+    role_args: dict[str, list[str]] = field(default_factory=dict)
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    auth: bool = True
+    client_users: tuple[str, ...] = (CLIENT,)
+    nats_user: str | None = None
+    nats_password: str | None = None
+    log_dir: str | Path | None = None  # None: a temporary dir, removed on stop
+    log_level: str = "info"
+    ready_timeout_s: float = 120.0
+    # Prometheus endpoints: 0 = none; else each new instance id gets the next port from here
+    # (a restarted id keeps its own), listed in Stack.metrics_ports.
+    metrics_port_base: int = 0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            if self.count(role) < 0:
+                raise ValueError(f"{role}s: must be >= 0, got {self.count(role)}")
+        unknown = (set(self.role_args) | set(self.role_env)) - set(ROLES)
+        if unknown:
+            raise ValueError(f"role_args/role_env: unknown role {sorted(unknown)[0]!r}, expected one of {ROLES}")
+        if self.auth and (self.nats.users or self.nats_user is not None):
+            raise ValueError("nats.users/nats_user: auth=True makes its own users; set auth=False to bring yours")
+        if self.auth and not self.client_users:
+            raise ValueError("client_users: auth=True needs at least one client user")
+        if self.auth:
+            check_user_names(self.client_users)
+        if self.nats_cluster < 1:
+            raise ValueError(f"nats_cluster: must be >= 1 (nats-server processes), got {self.nats_cluster}")
+        if not 0 <= self.metrics_port_base < 65536:
+            raise ValueError(f"metrics_port_base: must be a port or 0 (off), got {self.metrics_port_base}")
+
+    def count(self, role: str) -> int:
+        return getattr(self, f"{role}s")
+
+
+def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfig) -> list[str]:
+    """The argv that runs one service instance (as a container would, plus the stack's flags)."""
+    argv = [sys.executable, "-m", "services.cli", "--log-level", config.log_level, "serve", role,
+            "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
+    # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
+    model_dirs = {"target_model": config.target_model, "tokenizer": config.target_model,
+                  "draft_model": config.draft_model, "dtype": config.dtype}
+    for config_field in dataclasses.fields(CONFIGS[role]):
+        if model_dirs.get(config_field.name) is not None:
+            argv += ["--" + config_field.name.replace("_", "-"), str(model_dirs[config_field.name])]
+    # Several model processes share one machine: on a small one, one torch thread each avoids
+    # OpenMP threads spinning against each other (role_args come later, so they still win).
+    if "torch_threads" in {f.name for f in dataclasses.fields(CONFIGS[role])} and (os.cpu_count() or 1) <= 4:
+        argv += ["--torch-threads", "1"]
+    return argv + list(config.role_args.get(role, []))
+
+
+@dataclass
+class ServiceProcess:
+    role: str
+    instance_id: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    started_at: float  # time.monotonic()
+
+    @property
+    def running(self) -> bool:
+        return self.process.returncode is None
+
+    def log_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return text if len(text) <= chars else text[-chars:].split("\n", 1)[-1]  # from a line start
+
+
+@dataclass
+class Stack:
+    config: StackConfig = field(default_factory=StackConfig)
+    server: NatsServer | NatsCluster | None = field(default=None, init=False)
+    processes: dict[str, ServiceProcess] = field(default_factory=dict, init=False)  # instance id -> process
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict, init=False)  # instance id -> last beat
+    heartbeat_seen_at: dict[str, float] = field(default_factory=dict, init=False)  # time.monotonic()
+    num_bad_heartbeats: int = field(default=0, init=False)
+    nc: Client | None = field(default=None, init=False, repr=False)
+    log_dir: Path | None = field(default=None, init=False)
+    next_index: dict[str, int] = field(default_factory=dict, init=False)
+    exit_stack: AsyncExitStack = field(default_factory=AsyncExitStack, init=False, repr=False)
+    owns_log_dir: bool = field(default=False, init=False)
+    credentials: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # as users_from_env reads
+    metrics_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> /metrics port
+    gateway_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> HTTP port
+
+    @property
+    def credentials_path(self) -> Path | None:
+        """Every user's password as KEY=value lines (None without auth)."""
+        return self.log_dir / CREDENTIALS_FILE if self.credentials and self.log_dir else None
+
+    @property
+    def client_env_path(self) -> Path | None:
+        """The first client user's SPECBUS_NATS_USER/_PASSWORD (with auth) and, with gateways,
+        OPENAI_BASE_URL and OPENAI_API_KEY (None when it holds neither)."""
+        return self.log_dir / CLIENT_ENV_FILE if (self.credentials or self.gateway_ports) and self.log_dir else None
+
+    @property
+    def openai_base_url(self) -> str:
+        """The first gateway's API root, http://127.0.0.1:<port>/v1."""
+        if not self.gateway_ports:
+            raise StackError("no gateway in this stack: StackConfig(gateways=1)")
+        return f"http://127.0.0.1:{next(iter(self.gateway_ports.values()))}/v1"
+
+    def api_key(self, user: str | None = None) -> str:
+        """A client user's API key for the gateways (default: the first client user's); without
+        auth any key is accepted, and this is a placeholder."""
+        if not self.credentials:
+            return NO_AUTH_API_KEY
+        return self.credentials[api_key_env(user or self.config.client_users[0])]
+
+    def login(self, user: str) -> dict[str, str]:
+        """{"user", "password"} of a user of this stack (a role or a client user); {} without auth."""
+        if not self.credentials:
+            return {}
+        variable = password_env(user)
+        if variable not in self.credentials:
+            raise KeyError(f"user: no user {user!r} in this stack; client users: {list(self.config.client_users)}")
+        return {"user": user, "password": self.credentials[variable]}
+
+    def client_login(self, user: str | None = None) -> dict[str, str]:
+        """A client user's login (default: the first client user) as Client(...) keywords."""
+        return self.login(user or self.config.client_users[0])
+
+    def client(self, user: str | None = None, **options) -> SpecbusClient:
+        """A Client for this stack (url, prefix, a client user's login); `async with` it."""
+        return SpecbusClient(self.url, prefix=self.config.prefix, **self.client_login(user), **options)
+
+    @property
+    def url(self) -> str:
+        if self.server is None:
+            raise StackError("stack not started: no url yet")
+        return self.server.url
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.config.prefix)
+
+    def by_role(self, role: str) -> list[ServiceProcess]:
+        return [p for p in self.processes.values() if p.role == role]
+
+    async def start(self) -> Stack:
+        """Server, then every instance; returns once all have heartbeated (StackError if not)."""
+        await self.start_server()
+        await self.start_services()
+        return self
+
+    async def start_server(self) -> str:
+        """The nats-server and the stack's heartbeat watcher; returns the url."""
+        try:
+            self.prepare_log_dir()
+            server = NatsServer(self.nats_config()) if self.config.nats_cluster == 1 else \
+                NatsCluster(self.nats_config(), size=self.config.nats_cluster)
+            self.server = await self.exit_stack.enter_async_context(server)
+            own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
+            self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0, **own)
+            self.exit_stack.push_async_callback(self.nc.close)
+            await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+        except BaseException:
+            await self.stop()
+            raise
+        return self.server.url
+
+    async def start_services(self) -> None:
+        """Every configured instance, at once; returns when all have heartbeated."""
+        try:
+            started = [await self.spawn(role) for role in ROLES for _ in range(self.config.count(role))]
+            await self.wait_ready(started)
+            self.add_openai_env()
+        except BaseException:
+            await self.stop()
+            raise
+
+    def nats_config(self) -> NatsServerConfig:
+        """The server's config: with auth, fresh credentials for every user (also written to
+        credentials.env and client.env in the log dir, owner-only)."""
+        if not self.config.auth:
+            return self.config.nats
+        assert self.log_dir is not None
+        self.credentials = generate_credentials(self.config.client_users) | generate_api_keys(self.config.client_users)
+        write_secret(self.log_dir / CREDENTIALS_FILE, env_file_text(self.credentials))
+        for index, user in enumerate(self.config.client_users):  # client.env: the first one's login
+            login = self.client_login(user)
+            text = env_file_text({ENV_PREFIX + "NATS_USER": user, ENV_PREFIX + "NATS_PASSWORD": login["password"]})
+            if index == 0:
+                write_secret(self.log_dir / CLIENT_ENV_FILE, text)
+            if len(self.config.client_users) > 1:
+                write_secret(self.log_dir / f"client-{user}.env", text)
+        users = users_from_env(self.credentials, self.config.prefix)
+        return dataclasses.replace(self.config.nats, users=tuple(users))
+
+    def add_openai_env(self) -> None:
+        """With gateways, OPENAI_BASE_URL and OPENAI_API_KEY added to client.env (the first
+        client user's key) and to each client-<user>.env (that user's), so `set -a; . file; set +a`
+        sets up the openai SDK too; without auth, client.env holds only these two."""
+        if not self.gateway_ports:
+            return
+        files = {CLIENT_ENV_FILE: None}
+        if self.credentials and len(self.config.client_users) > 1:
+            files |= {f"client-{user}.env": user for user in self.config.client_users}
+        for name, user in files.items():
+            path = self.log_dir / name
+            text = path.read_text() if path.exists() else ""
+            write_secret(path, text + env_file_text({"OPENAI_BASE_URL": self.openai_base_url,
+                                                     "OPENAI_API_KEY": self.api_key(user)}))
+
+    def role_login_env(self, role: str) -> dict[str, str]:
+        """A role's NATS login as SPECBUS_NATS_USER/_PASSWORD; a gateway gets every client user's
+        password and API key and the monitor's password instead (services/gateway/gateway.py)."""
+        if role != "gateway":
+            return {f"{ENV_PREFIX}NATS_{key.upper()}": value for key, value in self.login(role).items()}
+        if not self.credentials:
+            return {ENV_PREFIX + "NO_AUTH": "1"}
+        users = (*self.config.client_users, MONITOR)
+        return {CLIENT_USERS_ENV: ",".join(self.config.client_users),
+                **{password_env(u): self.credentials[password_env(u)] for u in users},
+                **{api_key_env(u): self.credentials[api_key_env(u)] for u in self.config.client_users}}
+
+    def prepare_log_dir(self) -> None:
+        if self.config.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="specbus-stack-"))
+            self.owns_log_dir = True
+        else:
+            self.log_dir = Path(self.config.log_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    async def on_heartbeat(self, msg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except SpecbusError as exc:
+            self.num_bad_heartbeats += 1
+            log.warning("stack_bad_heartbeat", error=str(exc), count=self.num_bad_heartbeats)
+            return
+        self.heartbeats[beat.instance_id] = beat
+        self.heartbeat_seen_at[beat.instance_id] = time.monotonic()
+
+    def new_instance_id(self, role: str) -> str:
+        """The next unused id `<role>-<n>`."""
+        index = self.next_index.get(role, 0)
+        self.next_index[role] = index + 1
+        return f"{role}-{index}"
+
+    async def spawn_replacement(self, dead: ServiceProcess) -> ServiceProcess:
+        """A fresh instance (a new id) of a dead one's role in its place; does not wait for it. A
+        gateway listens on the dead one's HTTP port, so its clients' base URL stays valid."""
+        instance_id = self.new_instance_id(dead.role)
+        if dead.instance_id in self.gateway_ports:
+            self.gateway_ports[instance_id] = self.gateway_ports[dead.instance_id]
+        return await self.spawn(dead.role, instance_id)
+
+    async def spawn(self, role: str, instance_id: str | None = None) -> ServiceProcess:
+        """Start one instance of role (id `<role>-<n>` unless given); does not wait for it."""
+        if role not in ROLES:
+            raise ValueError(f"role: unknown role {role!r}, expected one of {ROLES}")
+        if instance_id is None:
+            instance_id = self.new_instance_id(role)
+        known = self.processes.get(instance_id)
+        if known is not None and known.running:
+            raise StackError(f"{instance_id} is already running (pid {known.process.pid})")
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{instance_id}.log"
+        login = self.role_login_env(role)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **login,
+               **self.config.role_env.get(role, {})}
+        argv = serve_command(role, instance_id, self.url, self.config)
+        if self.config.metrics_port_base:
+            port = self.metrics_ports.setdefault(instance_id, self.config.metrics_port_base + len(self.metrics_ports))
+            argv += ["--metrics-port", str(port)]
+        if role == "gateway":
+            port = self.gateway_ports.get(instance_id) or (
+                self.config.http_port + len(self.gateway_ports) if self.config.http_port else free_port())
+            self.gateway_ports[instance_id] = port
+            argv += ["--http-port", str(port)]
+        with log_path.open("ab") as log_file:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
+                start_new_session=True,  # Ctrl-C in a terminal reaches the stack only; it stops the children
+            )
+        self.heartbeats.pop(instance_id, None)
+        self.heartbeat_seen_at.pop(instance_id, None)
+        started = ServiceProcess(role, instance_id, process, log_path, time.monotonic())
+        self.processes[instance_id] = started
+        log.info("stack_process_started", role=role, instance_id=instance_id, pid=process.pid,
+                 metrics_port=self.metrics_ports.get(instance_id))
+        return started
+
+    async def start_instance(self, role: str, instance_id: str | None = None,
+                             timeout_s: float | None = None) -> ServiceProcess:
+        """Start one more instance of role (or restart a dead one by id) and wait for its heartbeat."""
+        started = await self.spawn(role, instance_id)
+        await self.wait_ready([started], timeout_s)
+        return started
+
+    async def wait_ready(self, started: list[ServiceProcess], timeout_s: float | None = None) -> None:
+        """Until each instance has heartbeated since it started; StackError with its log tail
+        when one exits first or the time runs out."""
+        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        waiting = list(started)
+        while waiting:
+            for proc in waiting:
+                if not proc.running:
+                    raise StackError(f"{proc.instance_id} exited with code {proc.process.returncode} while "
+                                     f"starting; its log ({proc.log_path}) ends with:\n{proc.log_tail()}")
+            waiting = [p for p in waiting if not await self.is_ready(p)]
+            if waiting and time.monotonic() > deadline:
+                silent = waiting[0]
+                raise StackError(f"no heartbeat from {', '.join(p.instance_id for p in waiting)} within "
+                                 f"{timeout_s:.0f} s; the log of {silent.instance_id} ({silent.log_path}) "
+                                 f"ends with:\n{silent.log_tail()}")
+            await asyncio.sleep(0.05)
+        log.info("stack_ready", instances=sorted(p.instance_id for p in started))
+
+    async def is_ready(self, proc: ServiceProcess) -> bool:
+        """A service has heartbeated since it started; a gateway (no heartbeat: it is a client)
+        accepts HTTP connections, which it does once its NATS connections are up."""
+        if proc.role != "gateway":
+            return self.heartbeat_seen_at.get(proc.instance_id, -1.0) >= proc.started_at
+        port = self.gateway_ports[proc.instance_id]
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout=1.0)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
+        """Send sig to one instance (SIGKILL: a crash; SIGTERM: a polite stop)."""
+        proc = self.processes.get(instance_id)
+        if proc is None:
+            raise KeyError(f"instance_id: no process {instance_id!r}; known: {sorted(self.processes)}")
+        if proc.running:
+            proc.process.send_signal(sig)
+            log.info("stack_process_signalled", instance_id=instance_id, signal=signal.Signals(sig).name)
+
+    async def wait_exit(self, instance_id: str, timeout_s: float = 10.0) -> int:
+        """The exit code of an instance, waiting up to timeout_s (asyncio.TimeoutError after)."""
+        return await asyncio.wait_for(self.processes[instance_id].process.wait(), timeout=timeout_s)
+
+    async def stop_process(self, proc: ServiceProcess) -> None:
+        if not proc.running:
+            return
+        proc.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.process.wait(), timeout=self.config.stop_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("stack_process_killed", instance_id=proc.instance_id, after_s=self.config.stop_timeout_s)
+            proc.process.kill()
+            await asyncio.wait_for(proc.process.wait(), timeout=self.config.stop_timeout_s)
+        log.info("stack_process_stopped", instance_id=proc.instance_id, returncode=proc.process.returncode)
+
+    async def stop(self) -> None:
+        """SIGTERM the processes role group by role group (STOP_ORDER; then SIGKILL), then close
+        the connection and stop the server. Idempotent; keeps the log dir when it was given,
+        removes a temporary one."""
+        for roles in STOP_ORDER:
+            await asyncio.gather(*(self.stop_process(p) for p in self.processes.values() if p.role in roles))
+        await self.exit_stack.aclose()
+        if self.owns_log_dir and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.owns_log_dir = False
+
+    async def __aenter__(self) -> Stack:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()

@@ -1,0 +1,104 @@
+"""The embedded stack as the commands start it (`specbus up`, `demo`, `selfcheck --local`): the
+stack flags, the StackConfig they give, and a start that prints the URL, a ready line and where
+the credentials are, or the error, and gives up when Ctrl-C comes first."""
+
+import argparse
+import asyncio
+import os
+import sys
+from contextlib import AsyncExitStack
+
+from schemas.config import DEFAULT_DRAFT, ENV_PREFIX, ROLES, check_model_dir, default_target_model
+from schemas.errors import SpecbusError
+from schemas.subjects import DEFAULT_PREFIX
+from services.launch.natsserver import NatsServerConfig, NatsServerError
+from services.launch.stack import Stack, StackConfig, StackError
+from services.runtime.auth import CLIENT
+from services.runtime.tasks import until_stopped
+
+
+def print_error(exc: SpecbusError) -> None:
+    where = f" (field: {exc.field})" if exc.field else ""
+    print(f"error: {exc.code.value}: {exc.message}{where}", file=sys.stderr)
+
+
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix", default=None, help=f"subject prefix (default {DEFAULT_PREFIX!r}, env SPECBUS_PREFIX)")
+    parser.add_argument("--target-model", default=None,
+                        help="HF-layout target dir (env SPECBUS_TARGET_MODEL; default: SmolLM2-135M-Instruct as "
+                             "`specbus models pull` puts it in $SPECBUS_HOME)")
+    parser.add_argument("--draft-model", default=None,
+                        help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: models/smollm2-draft)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
+                             "on CUDA and on CPUs with native bf16, else float32)")
+    for role in ROLES:
+        parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
+    parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
+    parser.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                        help="nats-servers joined as a cluster on loopback (default 1: one server); every service "
+                             "gets every node's URL and moves to another node when its own dies")
+    parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for every service to heartbeat")
+    parser.add_argument("--clients", default=CLIENT, metavar="NAMES",
+                        help="NATS client users, comma-separated (default 'client'): each may read and cancel only "
+                             "its own requests; each login in <log-dir>/client-<name>.env")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="no NATS users, and the gateways accept any API key (default: one user per role, "
+                             "random passwords and API keys written to the log dir)")
+    parser.add_argument("--metrics-port-base", type=int, default=0, metavar="PORT",
+                        help="serve each instance's Prometheus /metrics on PORT, PORT+1, ... (default 0: none)")
+
+
+def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
+    """Model dirs are passed on only when given: the children read SPECBUS_* themselves."""
+    return StackConfig(
+        **{f"{role}s": getattr(args, f"{role}s") for role in ROLES},
+        # from the environment too, so the scheduler and postprocessor get the target's tokenizer
+        target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
+        draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
+        dtype=args.dtype,
+        prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
+        nats=NatsServerConfig(port=port),
+        nats_cluster=args.nats_cluster,
+        log_dir=args.log_dir,
+        log_level=args.log_level,
+        ready_timeout_s=args.ready_timeout,
+        auth=not args.no_auth,
+        client_users=tuple(name.strip() for name in args.clients.split(",") if name.strip()),
+        metrics_port_base=args.metrics_port_base,
+        http_port=getattr(args, "http_port", 0),  # `demo`: free ports
+    )
+
+
+async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: AsyncExitStack) -> Stack | None:
+    """Start server and services, printing the URL then a ready line. None when Ctrl-C came
+    first or a part failed to start (its error printed)."""
+    try:  # a missing model dir fails here, naming it, rather than in each child's log
+        if config.verifiers or config.schedulers or config.postprocessors:
+            check_model_dir(config.target_model or default_target_model(), "target_model")
+        if config.drafters:
+            check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
+    except SpecbusError as exc:
+        print_error(exc)
+        return None
+    stack = Stack(config)
+    exit_stack.push_async_callback(stack.stop)
+    try:
+        if not await until_stopped(stack.start_server(), stop):
+            return None
+        print(stack.url, flush=True)
+        if not await until_stopped(stack.start_services(), stop):
+            return None
+    except (StackError, NatsServerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
+    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
+    if stack.credentials:
+        print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
+              f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
+              f"in {stack.credentials_path})", flush=True)
+    if stack.gateway_ports:
+        print(f"openai: {config.gateways} gateway(s), the first on {stack.openai_base_url} (OPENAI_BASE_URL and "
+              f"OPENAI_API_KEY in {stack.client_env_path})", flush=True)
+    return stack

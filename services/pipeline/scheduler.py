@@ -1,0 +1,374 @@
+"""The scheduler service (docs/ARCHITECTURE.md#the-step-loop): admission on `<p>.generate`, the step
+loop (draft -> verify -> commit), cancel and stop notices, heartbeats in and out.
+
+The decisions live in services/pipeline/scheduler_core.py (`SchedulerState`); this module moves messages.
+
+    await run_scheduler(load_config(SchedulerConfig), stop)
+
+Subjects: `<p>.generate.<user>` (queue group "schedulers"; the reply subject must be that client
+user's own inbox `_INBOX.<user>.`), `<p>.cancel.<user>` (every scheduler; the one that owns the
+request acts, and only when the user is the request's own), `<p>.heartbeat` (in and out),
+`stop_notice(instance_id)` (a nats.micro endpoint, so $SRV.STATS.scheduler shows the counters).
+
+On stop: admission closes, the step in flight finishes (within stop_grace_s, else it is cancelled
+and its requests fail), then every running or queued request
+ends with finish_reason "error", code `shutting_down` (a final commit, or a final error chunk when
+it has no live postprocessor), so no client waits for a scheduler that is gone: the client
+library hands the request over to another scheduler (docs/PROTOCOL.md#scheduler-failover).
+"""
+
+import asyncio
+import time
+
+import msgpack
+import structlog
+from nats.aio.client import Client
+from pydantic import TypeAdapter, ValidationError
+
+from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
+from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
+from schemas.config import SchedulerConfig
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import (CancelRequest, DraftRequest, DraftResponse, Error, GenerateRequest, Heartbeat,
+                              RequestId, StopNotice, StreamChunk, VerifyRequest, VerifyResponse, check_limits)
+from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
+from services.runtime.auth import inbox_prefix
+from services.runtime.bus import (BoundedHandler, BusDeadlineExpired, BusError, BusPayloadTooLarge, Endpoint,
+                          add_micro_service, connect_service, heartbeat_loop, publish, request, serve)
+from services.runtime.logs import log_context
+from services.runtime.metrics import SCHEDULER_GAUGES, serve_metrics
+from services.pipeline.scheduler_core import Outbox, SchedulerState, StepPlan, internal_error, prompt_token_ids
+from services.runtime.tasks import run_until_stopped
+
+log = structlog.get_logger(__name__)
+
+VERSION = "0.1.0"
+IDLE_WAIT_S = 0.05  # how often an idle loop re-checks deadlines, queued requests and dead instances
+# Error replies a retry or another verifier may cure; any other code means the message itself
+# was refused, and its requests end with "error".
+RETRYABLE_CODES = {ErrorCode.timeout, ErrorCode.unavailable, ErrorCode.no_capacity, ErrorCode.internal}
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The request_id of a GenerateRequest that failed validation elsewhere, when that field
+    itself is valid, so the error chunk names the request."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
+        return TypeAdapter(RequestId).validate_python(raw.get("request_id"))
+    except (ValueError, AttributeError, ValidationError):
+        return None
+
+
+class Scheduler:
+    """Subscriptions, the step loop task and the heartbeat task around one SchedulerState."""
+
+    def __init__(self, config: SchedulerConfig, nc: Client, state: SchedulerState):
+        self.config = config
+        self.nc = nc
+        self.state = state
+        self.subjects = Subjects(config.prefix)
+        self.wakeups = [asyncio.Event() for _ in range(config.lanes)]  # one per lane's step loop
+        self.closing = False
+        self.stopping = False
+        self.handlers: list[BoundedHandler] = []
+        self.subscriptions = []
+        self.step_loops: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task] = []  # the step loops and the heartbeat
+        self.service = None
+
+    async def start(self) -> None:
+        subjects = self.subjects
+        self.state.max_payload = self.nc.max_payload
+        self.subscriptions.append(await self.nc.subscribe(subjects.heartbeat, cb=self.on_heartbeat))
+        self.subscriptions.append(await self.nc.subscribe(f"{subjects.cancel}.*", cb=self.on_cancel))
+        self.state.metrics.watch_counts(self.stats, SCHEDULER_GAUGES)
+        self.service = await add_micro_service(
+            self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
+            endpoints={"stop": Endpoint(subjects.stop_notice(self.config.instance_id), self.on_stop_notice)},
+            metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.state.metrics.stats())
+        # Listen before admitting: after heartbeat_timeout_s every live instance has been heard, so
+        # the first requests get a drafter too (one started without would run k=0 steps: the same
+        # greedy output, but another seeded sample, which a failover to this scheduler must not change).
+        await asyncio.sleep(self.config.heartbeat_timeout_s)
+        self.step_loops = [asyncio.create_task(self.step_loop(lane), name=f"scheduler-lane-{lane}")
+                           for lane in range(self.config.lanes)]
+        self.handlers.append(await serve(self.nc, f"{subjects.generate}.*", self.on_generate,
+                                         queue=SCHEDULER_QUEUE_GROUP, max_concurrency=4,
+                                         max_pending=4 * self.config.max_queue + 64))
+        # Heartbeats last: a client that hears this scheduler may send it requests (failover).
+        self.tasks = [*self.step_loops, asyncio.create_task(heartbeat_loop(
+            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat")]
+        log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
+
+    async def stop(self) -> None:
+        """Close admission, let the step in flight finish, end every request, stop. Idempotent."""
+        if self.stopping:
+            return
+        self.stopping = True
+        for handler in self.handlers:
+            await handler.stop(timeout_s=2.0)
+        self.closing = True
+        self.wake()
+        if self.step_loops:
+            _, pending = await asyncio.wait(self.step_loops, timeout=self.config.stop_grace_s)
+            for step_loop in pending:
+                step_loop.cancel()
+                log.warning("step_loop_cancelled_on_stop", lane=step_loop.get_name(), after_s=self.config.stop_grace_s)
+            await asyncio.gather(*pending, return_exceptions=True)  # drain() below ends their requests
+        await self.send(self.state.drain(time.time()))
+        for task in self.tasks:
+            task.cancel()
+        for subscription in self.subscriptions:
+            await subscription.unsubscribe()
+        if self.service is not None:
+            await self.service.stop()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        log.info("scheduler_stopped", **self.state.stats())
+
+    def stats(self) -> dict:
+        """The counters and gauges (running, queued) of $SRV.STATS, before the metrics' own."""
+        return {**self.state.stats(), **{f"generate_{k}": v for h in self.handlers for k, v in h.stats().items()}}
+
+    def heartbeat(self) -> bytes:
+        config = self.config
+        return encode(Heartbeat(instance_id=config.instance_id, role="scheduler",
+                                capacity=config.max_running + config.max_queue, load=self.state.load,
+                                model_ids={"tokenizer": self.state.tokenizer_hash}, sent_at=time.time(),
+                                interval_s=config.heartbeat_interval_s))
+
+    # ------------------------------------------------------------------ handlers
+
+    async def on_generate(self, msg) -> None:
+        if not msg.reply:
+            self.state.counters["dropped_generate_no_reply"] += 1
+            log.warning("generate_without_reply_subject", dropped=self.state.counters["dropped_generate_no_reply"])
+            return
+        user = self.subjects.user_of(msg.subject)
+        if not msg.reply.startswith(inbox_prefix(user) + "."):
+            # Only the sender's own inbox: `<p>.verify.x` would aim our answers at a service,
+            # `_INBOX.<another user>.x` a stream at another client. Nothing is sent: an error
+            # chunk to that subject would be the redirect itself.
+            self.state.counters["refused_generate_reply_not_own_inbox"] += 1
+            log.warning("generate_refused", code=ErrorCode.forbidden.value, field="reply_subject", user=user,
+                        message=f"the reply subject is not in the inbox of {user!r}", reply=msg.reply[:200],
+                        refused=self.state.counters["refused_generate_reply_not_own_inbox"])
+            return
+        request_id = None
+        try:
+            generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": self.config.max_tokens_cap})
+            request_id = generate.request_id
+            check_limits(generate, max_tokens_cap=self.config.max_tokens_cap)
+            self.state.check_prompt_text(generate)
+            # in a thread: a long prompt takes the tokenizer a while, and the step loops must go on
+            prompt_ids = await asyncio.to_thread(prompt_token_ids, generate, self.state.tokenizer)
+            self.state.admit(generate, msg.reply, prompt_ids, time.time())
+        except Exception as exc:  # a SpecbusError names the field; anything else is our bug, answered `internal`
+            if request_id is None and getattr(exc, "code", None) not in (ErrorCode.malformed, ErrorCode.too_large):
+                request_id = request_id_of(msg.data)
+            if isinstance(exc, SpecbusError):
+                self.state.counters[f"refused_{exc.code.value}"] += 1
+                log.warning("generate_refused", request_id=request_id, code=exc.code.value, field=exc.field,
+                            message=exc.message)
+            else:
+                self.state.counters["refused_internal"] += 1
+                log.exception("generate_failed", request_id=request_id)
+            chunk = StreamChunk(request_id=request_id or "unknown", seq=0, finish_reason="error",
+                                error=Error.from_exception(exc, request_id))
+            await self.publish(msg.reply, encode(chunk))
+            return
+        # The client resends a request it hears nothing about (schemas.messages.Admitted).
+        await self.publish(msg.reply, encode(self.state.admitted(request_id, started=False)))
+        self.wake()
+
+    async def on_cancel(self, msg) -> None:
+        cancel = self.decode_or_drop(msg, CancelRequest)
+        if cancel is None:
+            return
+        user = self.subjects.user_of(msg.subject)
+        try:
+            cancelled = self.state.cancel(cancel.request_id, owner_inbox=inbox_prefix(user) + ".")
+        except SpecbusError as exc:  # another user's request: refused, counted, and answered if asked
+            self.state.counters["refused_cancel_not_owner"] += 1
+            log.warning("cancel_refused", request_id=cancel.request_id, user=user, code=exc.code.value,
+                        field=exc.field, message=exc.message, refused=self.state.counters["refused_cancel_not_owner"])
+            if msg.reply and msg.reply.startswith(inbox_prefix(user) + "."):
+                await self.publish(msg.reply, encode(Error.from_exception(exc, cancel.request_id)))
+            return
+        if cancelled:
+            self.wake()
+
+    async def on_stop_notice(self, msg) -> None:
+        notice = self.decode_or_drop(msg, StopNotice)
+        if notice is not None and self.state.stop_notice(notice.request_id):
+            log.info("stop_notice", request_id=notice.request_id, reason=notice.reason,
+                     postprocessor_id=notice.postprocessor_id)
+            self.wake()
+
+    async def on_heartbeat(self, msg) -> None:
+        heartbeat = self.decode_or_drop(msg, Heartbeat)
+        if heartbeat is not None and heartbeat.instance_id != self.config.instance_id \
+                and self.state.observe(heartbeat):
+            self.wake()  # a new instance: queued requests may start now
+
+    def decode_or_drop(self, msg, message_type):
+        """The message, or None for a bad one (counted and logged; these subjects have no reply)."""
+        try:
+            return decode(msg.data, message_type)
+        except SpecbusError as exc:
+            kind = message_type.model_fields["type"].default
+            self.state.counters[f"dropped_bad_{kind}"] += 1
+            log.warning("bad_message_dropped", kind=kind, code=exc.code.value, field=exc.field, message=exc.message)
+            return None
+
+    # ------------------------------------------------------------------ the step loop
+
+    def wake(self) -> None:
+        """Every lane: something may be ready to run (a request, a cancel, an instance, a stop)."""
+        for event in self.wakeups:
+            event.set()
+
+    async def step_loop(self, lane: int) -> None:
+        wakeup = self.wakeups[lane]
+        while not self.closing:
+            wakeup.clear()  # before the boundary: a wake() from here on ends the idle wait below
+            plan = None
+            try:
+                started = self.state.counters["started"]
+                await self.send(self.state.boundary(time.time(), lane))
+                if self.state.counters["started"] != started:
+                    self.wake()  # a request started on another lane, whose loop may be idle
+                plan = self.state.plan_step(time.time(), lane)
+                busy = await self.step(plan)
+            except Exception:
+                log.exception("step_failed", lane=lane, batch_ids=plan and [m.batch_id for m in plan.verify_requests.values()])
+                if plan is not None:
+                    await self.fail_step(plan)
+                busy = False
+            finally:
+                if plan is not None:
+                    self.state.end_step(plan)
+            if not busy:
+                try:
+                    await asyncio.wait_for(wakeup.wait(), timeout=IDLE_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def fail_step(self, plan: StepPlan) -> None:
+        """After an unexpected exception: the step's requests end with "error" (an `internal`
+        error naming no detail; that is in the log); other requests and the lane go on."""
+        outbox = Outbox()
+        for rows in plan.rows.values():
+            for planned in rows:
+                request = planned.request
+                if request.request_id not in self.state.running:
+                    continue
+                try:
+                    outbox.extend(self.state.end(request, "error", time.time(), error=internal_error(
+                        request.request_id, "the scheduler failed while running a step of this request (see its log)")))
+                except Exception:
+                    log.exception("fail_step_end_failed", request_id=request.request_id)
+        try:
+            await self.send(outbox)
+        except Exception:
+            log.exception("fail_step_send_failed")
+
+    async def step(self, plan: StepPlan) -> bool:
+        """One step of one lane; False when there was nothing to verify (the loop then idles briefly)."""
+        state = self.state
+        state.max_payload = self.nc.max_payload  # the server's; it may change across a reconnect
+        started = time.monotonic()
+        drafts = state.draft_batches(plan, time.time())
+        replies = await asyncio.gather(*(self.draft(d, m) for d, m in drafts.items()))
+        for (drafter_id, message), reply in zip(drafts.items(), replies):
+            state.apply_draft(plan, drafter_id, message, reply)
+        drafted = time.monotonic()
+        verifies = state.verify_batches(plan, time.time())
+        await self.send(plan.outbox)  # requests whose row could not fit in a message
+        replies = await asyncio.gather(*(self.verify(v, m, plan) for v, m in verifies.items()))
+        verified = time.monotonic()
+        for verifier_id, reply in zip(verifies, replies):
+            await self.send(state.apply_verify(plan, verifier_id, reply, time.time()))
+        if not plan.empty:  # release-only batches are not steps
+            state.metrics.step_timed(drafted - started if drafts else None, verified - drafted,
+                                     time.monotonic() - verified)
+        return not plan.empty
+
+    async def draft(self, drafter_id: str, message: DraftRequest) -> DraftResponse | None:
+        """The drafter's answer, or None when it was late, gone or answered with an error."""
+        subject = self.subjects.draft(drafter_id)
+        try:
+            msg = await request(self.nc, subject, encode(message), timeout_s=self.config.draft_timeout_s)
+            reply = decode_any(msg.data)
+        except SpecbusError as exc:
+            self.state.counters["draft_failures"] += 1
+            log.warning("draft_failed", drafter_id=drafter_id, batch_id=message.batch_id, code=exc.code.value,
+                        message=exc.message)
+            return None
+        if not isinstance(reply, DraftResponse) or reply.batch_id != message.batch_id:
+            self.state.counters["draft_failures"] += 1
+            log.warning("draft_unexpected_reply", drafter_id=drafter_id, batch_id=message.batch_id,
+                        reply=getattr(reply, "code", reply.type))
+            return None
+        return reply
+
+    async def verify(self, verifier_id: str, message: VerifyRequest, plan: StepPlan) -> VerifyResponse | Error | None:
+        """The verifier's answer after at most verify_retries re-sends of the same message (rows
+        flagged is_retry); None when it never answered usefully."""
+        subject = self.subjects.verify(verifier_id)
+        for attempt in range(self.config.verify_retries + 1):
+            if attempt:
+                plan.retried.add(verifier_id)
+                message = message.model_copy(update={"rows": [r.model_copy(update={"is_retry": True})
+                                                              for r in message.rows]})
+            with log_context(verifier_id=verifier_id, batch_id=message.batch_id, attempt=attempt):
+                try:
+                    msg = await request(self.nc, subject, encode(message), timeout_s=self.config.verify_timeout_s,
+                                        deadline=message.deadline)
+                    reply = decode_any(msg.data)
+                except BusDeadlineExpired:
+                    break
+                except BusPayloadTooLarge as exc:  # our message, not the verifier: no retry, nobody is dead
+                    self.state.counters["verify_too_large"] += 1
+                    log.warning("verify_too_large", message=exc.message)
+                    return Error.from_exception(exc)
+                except SpecbusError as exc:
+                    self.state.counters["verify_failures"] += 1
+                    log.warning("verify_failed", code=exc.code.value, message=exc.message)
+                    continue
+                if isinstance(reply, VerifyResponse) and reply.batch_id == message.batch_id:
+                    return reply
+                if isinstance(reply, Error) and reply.code not in RETRYABLE_CODES:
+                    return reply
+                self.state.counters["verify_failures"] += 1
+                log.warning("verify_unexpected_reply", reply=getattr(reply, "code", reply.type))
+        return None
+
+    # ------------------------------------------------------------------ output
+
+    async def send(self, outbox: Outbox) -> None:
+        for postprocessor_id, commit in outbox.commits:
+            await self.publish(self.subjects.post_commit(postprocessor_id), encode(commit))
+        for inbox, message in [*outbox.acks, *outbox.chunks]:
+            await self.publish(inbox, encode(message))
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        try:
+            await publish(self.nc, subject, payload)
+        except BusError as exc:
+            self.state.counters["dropped_publish_failed"] += 1
+            log.warning("publish_failed", subject=subject, code=exc.code.value, message=exc.message)
+
+
+async def run_scheduler(config: SchedulerConfig, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set, then drain (module docstring)."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    state = SchedulerState(config, tokenizer, tokenizer_id(config.tokenizer))
+    nc = await connect_service(config, config.instance_id)
+    scheduler = Scheduler(config, nc, state)
+    try:
+        await scheduler.start()
+        with serve_metrics(state.metrics.registry, config.metrics_port):
+            await run_until_stopped(stop, scheduler.tasks)  # a crashed lane or heartbeat: exit non-zero
+    finally:
+        await scheduler.stop()
+        await nc.drain()
