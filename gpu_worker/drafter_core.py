@@ -17,8 +17,15 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
    short feeds (decode rows) in a forward apart from long ones (resync) to limit padding; the
    logits of each row's last fed token give its first draft;
 5. draft: one batched forward per draft position; rows with fewer drafts ride along with
-   num_new=0. other_id's logit is -inf before choosing. greedy rows (draft_mode "greedy", or a
-   temperature-0 row) take the argmax and send a point_mass proposal; sampled rows draw from
+   num_new=0. other_id's logit is -inf before choosing; then a row's logit_bias and penalties
+   (`penalise`) as the verifier applies them, over the history in draft ids (prompt_len from
+   the row) and the drafts chosen before (ids the draft lacks carry no bias). Correctness does
+   not depend on it (the proposal sent is whatever distribution the draft was drawn from), but
+   a draft that ignored a bias of -100 would propose a banned token, rejected every time.
+   greedy rows (draft_mode "greedy", or a temperature-0 row) take the argmax (of the penalised
+   logits) and send a point_mass proposal; Gumbel-coupled rows (coupling "gumbel", whatever
+   their draft_mode) propose argmax(log q + G) with the target's noise at the same position
+   (gpu_worker/coupling.py) out of the distribution below; sampled rows draw from
    process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with make_uniforms(seed, absolute
    position, STREAM_DRAFT) and send that distribution as a sparse proposal. The top-k cap
    bounds a proposal to MAX_DRAFT_SUPPORT ids per draft (~2 KB, where the whole vocabulary would
@@ -37,13 +44,14 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import load_d2t, model_id
+from gpu_worker.coupling import gumbel_argmax
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model, forward
-from gpu_worker.sampling import STREAM_DRAFT, SamplingTensors, make_uniforms, request_seed, sample
+from gpu_worker.sampling import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
+                                 row_seed, sample)
 from gpu_worker.slots import evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
-from gpu_worker.tokenizer import tokenizer_id
+from gpu_worker.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import DrafterConfig
-from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (MAX_DRAFT_SUPPORT, DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat,
                               Proposal)
 
@@ -55,7 +63,7 @@ SHORT_FEED = 32
 
 
 @dataclass
-class SlotState:
+class DraftSlot:
     """One request's cache slot. token_ids: the draft ids the slot holds, position by position
     (len == cache.lengths[slot]); the first committed_len are committed history, the rest are
     drafts fed last step (kept so accepted ones need not be recomputed)."""
@@ -85,7 +93,7 @@ class Drafter:
     prefill_chunk: int
     slot_idle_ttl_s: float
     # Keyed by (scheduler_id, request_id): request ids are unique per scheduler only.
-    requests: dict[tuple[str, str], SlotState] = field(default_factory=dict)
+    requests: dict[tuple[str, str], DraftSlot] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     @property
@@ -94,12 +102,12 @@ class Drafter:
 
 
 @dataclass
-class RowWork:
+class DraftRowWork:
     """A row that needs the model: feed (draft ids) is appended to its slot, then num_draft
     drafts are proposed; the first lands at absolute position `start` of the history."""
 
     row: DraftRow
-    state: SlotState
+    state: DraftSlot
     feed: list[int]
     num_draft: int
     start: int
@@ -129,7 +137,7 @@ def load_drafter(config: DrafterConfig) -> Drafter:
 
 
 def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, str]],
-             now: float) -> SlotState | None:
+             now: float) -> DraftSlot | None:
     """A fresh slot for key (scheduler_id, request_id). With none free, the least recently used
     slot of a request outside this batch is taken (that request resyncs when it comes back);
     None if there is none."""
@@ -142,7 +150,7 @@ def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, 
         victim = min(idle)[1]
         free_request(drafter, victim, "evicted_full")
         log.warning("slot_evicted_for_new_request", evicted=victim[1], request_id=key[1])
-    state = SlotState(slot=drafter.cache.allocate(), token_ids=[], committed_len=0, last_used=now)
+    state = DraftSlot(slot=drafter.cache.allocate(), token_ids=[], committed_len=0, last_used=now)
     drafter.requests[key] = state
     return state
 
@@ -153,10 +161,7 @@ def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, 
 
 def check_token_ids(drafter: Drafter, request: DraftRequest) -> None:
     for index, row in enumerate(request.rows):
-        if len(row.new_token_ids) and int(row.new_token_ids.max()) >= drafter.target_vocab_size:
-            raise SpecbusError(ErrorCode.invalid_field,
-                               f"token id {int(row.new_token_ids.max())} is outside the target vocabulary "
-                               f"[0, {drafter.target_vocab_size})", f"rows[{index}].new_token_ids")
+        check_in_vocabulary(row.new_token_ids, drafter.target_vocab_size, f"rows[{index}].new_token_ids")
 
 
 def common_prefix(a: list[int], b: list[int], start: int) -> int:
@@ -169,8 +174,8 @@ def common_prefix(a: list[int], b: list[int], start: int) -> int:
 
 
 def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
-                now: float) -> RowWork | DraftResult:
-    """Apply the receiver rule to one row: a RowWork for the model, or the row's final answer."""
+                now: float) -> DraftRowWork | DraftResult:
+    """Apply the receiver rule to one row: a DraftRowWork for the model, or the row's final answer."""
     key = (scheduler_id, row.request_id)
     state = drafter.requests.get(key)
     held = 0 if state is None else state.committed_len
@@ -200,15 +205,16 @@ def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: 
     del state.token_ids[keep:]
     state.committed_len = len(history)
     state.last_used = now
-    greedy = row.draft_mode == "greedy" or row.sampling.greedy
-    return RowWork(row=row, state=state, feed=history[keep:], num_draft=num_draft, start=len(history), greedy=greedy)
+    # a Gumbel-coupled row always proposes with the target's noise (draft_mode aside)
+    greedy = row.sampling.greedy or (row.draft_mode == "greedy" and not row.sampling.gumbel)
+    return DraftRowWork(row=row, state=state, feed=history[keep:], num_draft=num_draft, start=len(history), greedy=greedy)
 
 
 def forward_last(drafter: Drafter, slots: torch.Tensor, token_ids: torch.Tensor,
                  num_new: torch.Tensor) -> torch.Tensor:
     """Append token_ids[b, :num_new[b]] (B, T) to cache slots[b] (B,) in one forward; return
     the logits of each row's last new token (B, V_draft). Rows with num_new 0 ride along: their
-    logits are zeros. Callers record the tokens in their SlotState."""
+    logits are zeros. Callers record the tokens in their DraftSlot."""
     B, T = token_ids.shape
     logits_index = None if T == 1 else (num_new - 1).clamp_min(0).view(B, 1)
     # Choosing drafts needs the values on the host anyway; (B, V_draft) is small.
@@ -218,11 +224,11 @@ def forward_last(drafter: Drafter, slots: torch.Tensor, token_ids: torch.Tensor,
     return logits.masked_fill_(riding.view(B, 1), 0.0) if bool(riding.any()) else logits
 
 
-def slot_tensor(works: list[RowWork]) -> torch.Tensor:
+def slot_tensor(works: list[DraftRowWork]) -> torch.Tensor:
     return torch.tensor([work.state.slot for work in works], dtype=torch.int64)
 
 
-def feed(drafter: Drafter, works: list[RowWork]) -> list[torch.Tensor | None]:
+def feed(drafter: Drafter, works: list[DraftRowWork]) -> list[torch.Tensor | None]:
     """Append every row's feed to its slot (chunked); the (V_draft,) logits of each row's last
     fed token, or None for rows that fed nothing."""
     offsets = [0] * len(works)
@@ -248,7 +254,30 @@ def feed(drafter: Drafter, works: list[RowWork]) -> list[torch.Tensor | None]:
                     last_logits[i] = logits[b]
 
 
-def propose(drafter: Drafter, works: list[RowWork], first_logits: torch.Tensor):
+def draft_penalties(drafter: Drafter, work: DraftRowWork) -> Penalties:
+    """A row's logit_bias and penalties in draft ids, over the history its slot holds. Bias ids
+    outside the target vocabulary are skipped here (the verifier fails that row, naming the
+    field; failing the draft batch would cost every other row its drafts), and so are ids the
+    draft has no id of its own for (other_id)."""
+    s = work.row.sampling
+    V = drafter.model.config.vocab_size
+    bias_ids = bias_values = None
+    if s.logit_bias is not None:
+        target_ids = torch.from_numpy(s.logit_bias.token_ids.astype("int64"))
+        values = torch.from_numpy(s.logit_bias.bias)
+        keep = target_ids < drafter.target_vocab_size
+        draft_ids = drafter.t2d[target_ids[keep]]
+        values = values[keep]
+        if drafter.other_id is not None:
+            values, draft_ids = values[draft_ids != drafter.other_id], draft_ids[draft_ids != drafter.other_id]
+        bias_ids, bias_values = draft_ids, values
+    history = torch.tensor(work.state.token_ids[:work.start], dtype=torch.int64)
+    return Penalties.build(V, history, work.row.prompt_len, bias_ids=bias_ids, bias_values=bias_values,
+                           repetition=s.repetition_penalty, frequency=s.frequency_penalty,
+                           presence=s.presence_penalty)
+
+
+def propose(drafter: Drafter, works: list[DraftRowWork], first_logits: torch.Tensor):
     """Choose num_draft drafts per row, one batched forward per position.
 
     first_logits: (B, V_draft), the logits after each row's last fed token (other_id is set to
@@ -268,24 +297,34 @@ def propose(drafter: Drafter, works: list[RowWork], first_logits: torch.Tensor):
             top_k=[min(work.row.sampling.top_k or MAX_DRAFT_SUPPORT, MAX_DRAFT_SUPPORT) for work in works],
             top_p=[work.row.sampling.top_p for work in works],
             min_p=[work.row.sampling.min_p for work in works])
-        seeds = torch.tensor([request_seed(work.row.sampling.seed, work.row.request_id) for work in works],
+        seeds = torch.tensor([0 if work.greedy else row_seed(work.row.sampling) for work in works],
                              dtype=torch.int64)
         starts = torch.tensor([work.start for work in works], dtype=torch.int64)
         # draft j of a row lands at absolute position start + j
         uniforms = make_uniforms(seeds, starts.view(B, 1) + torch.arange(K), STREAM_DRAFT)  # (B, K)
+        gumbel = torch.tensor([work.row.sampling.gumbel for work in works])
     draft_ids = torch.full((B, K), -1, dtype=torch.int64)
     step_probs = []
     logits = first_logits
+    penalised = [b for b, work in enumerate(works) if work.row.sampling.penalised]
+    penalties = Penalties.cat([draft_penalties(drafter, works[b]) for b in penalised]) if penalised else None
     for j in range(K):
         if drafter.other_id is not None:
             logits[:, drafter.other_id] = float("-inf")  # stands for "not in my vocabulary": never proposed
+        if penalties is not None:
+            logits[penalised] = penalise(logits[penalised][:, None], penalties)[:, 0]
         if all_greedy:
             ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
         else:
             processed, ids = sample(logits.view(B, 1, -1), params, uniforms[:, j:j + 1])
             ids = ids[:, 0]
+            if gumbel.any():  # the target's noise at the same position, keyed by target ids
+                ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], starts[gumbel].view(-1, 1) + j,
+                                            drafter.d2t)[:, 0]
             step_probs.append(processed.probs[:, 0])
         draft_ids[:, j] = torch.where(j < num_draft, ids, -1)
+        if penalties is not None:
+            penalties = add_tokens(penalties, draft_ids[penalised, j])
         if j + 1 < K:
             feeding = j + 1 < num_draft  # (B,) rows that need another draft
             logits = forward_last(drafter, slots, ids.clamp_min(0).view(B, 1), feeding.long())
@@ -315,7 +354,7 @@ def sparse_supports(drafter: Drafter, probs: torch.Tensor):
 
 
 @torch.inference_mode()
-def run_model(drafter: Drafter, works: list[RowWork]) -> dict[str, DraftResult]:
+def run_model(drafter: Drafter, works: list[DraftRowWork]) -> dict[str, DraftResult]:
     """Feed every row, then propose for the rows that want drafts: request_id -> DraftResult."""
     first_logits = feed(drafter, works)
     drafting = [(work, logits) for work, logits in zip(works, first_logits) if work.num_draft > 0]
@@ -350,7 +389,7 @@ def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = Non
     evict_idle(drafter, now)
     batch_keys = {(request.scheduler_id, row.request_id) for row in request.rows}
     prepared = [prepare_row(drafter, request.scheduler_id, row, batch_keys, now) for row in request.rows]
-    works = [item for item in prepared if isinstance(item, RowWork)]
+    works = [item for item in prepared if isinstance(item, DraftRowWork)]
     try:
         drafts = run_model(drafter, works)
     except Exception:

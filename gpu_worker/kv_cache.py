@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Attention reads keys in blocks of KEY_BLOCK (torch's CPU flash attention splits keys at 512),
+# a window always a whole number of blocks, so each block's reductions have one shape whatever
+# the window (model.attention).
+KEY_BLOCK = 512
+
 
 class CacheFullError(RuntimeError):
     """No free slot is left."""
@@ -32,7 +37,7 @@ class ForwardPlan:
     """Index tensors (on the cache's device) for one batched forward; see `KVCache.plan`."""
     write_pos: torch.Tensor          # (B, T) cache column of each token; max_seq_len = scratch
     rope_pos: torch.Tensor           # (B, T) position of each token, clamped to the table
-    mask: torch.Tensor | None        # (B, 1, T, W) bool, True = may attend; None = attend all
+    mask: torch.Tensor               # (B, 1, T, W) bool, True = may attend
     window: int                      # W: keys 0..W-1 of each slot are read
     first_slot: int | None           # slots are first_slot, first_slot+1, ...: read a view
 
@@ -129,19 +134,16 @@ class KVCache:
                     f"slot {s}: committed length {start} + {n} new tokens exceeds "
                     f"max_seq_len {self.max_seq_len}")
         ends = [start + n for start, n in zip(starts, new_list)]
-        window = max(max(ends), 1)
+        # Whole key blocks while they fit in the cache's columns (model.forward pads the rest).
+        window = min(-(-max(max(ends), 1) // KEY_BLOCK) * KEY_BLOCK, self.max_seq_len + 1)
         last = self.max_seq_len - 1
         write_pos = [[start + t if t < n else self.max_seq_len for t in range(T)]
                      for start, n in zip(starts, new_list)]
         rope_pos = [[min(start + t, last) for t in range(T)] for start in starts]
         index = torch.tensor([write_pos, rope_pos]).to(self.k.device)  # (2, B, T)
-        # One new token per row, all rows ending at the window's end: the token may attend to
-        # the whole window, so no mask (rows with num_new == 0 produce unspecified logits).
-        # Padding tokens' clamped positions only change their own (unspecified) outputs.
-        if T == 1 and all(e == window for e, n in zip(ends, new_list) if n):
-            mask = None
-        else:
-            mask = (self._arange[:window] <= index[1, :, :, None]).unsqueeze(1)
+        # Always a mask, even where a decode step could attend to everything: one attention path
+        # for every step. Padding tokens' clamped positions only change their own outputs.
+        mask = (self._arange[:window] <= index[1, :, :, None]).unsqueeze(1)
         contiguous = slot_list == list(range(slot_list[0], slot_list[0] + B))
         return ForwardPlan(write_pos=index[0], rope_pos=index[1], mask=mask, window=window,
                            first_slot=slot_list[0] if contiguous else None)

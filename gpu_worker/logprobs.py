@@ -6,9 +6,11 @@ tokens come out in order), and the candidate sets its own `sample` call produced
 (`gather_logprobs` does both). Prompt logprobs go through the same `gather_logprobs` /
 `token_logprobs`, with K computed by the sampler's own `select_candidates`.
 
-Definitions, per emitted token x with logits l, scaled logits s = l / temperature (s = l for
-greedy rows), candidate set K:
-- raw logprob: log_softmax(l)[x], full vocabulary, no temperature.
+Definitions, per emitted token x with logits l (the model's logits m after logit_bias and the
+penalties, sampling.py `penalise`; l = m for a row without them), scaled logits
+s = l / temperature (s = l for greedy rows), candidate set K:
+- raw logprob: log_softmax(m)[x], full vocabulary, no temperature, no logit_bias or penalty
+  (vLLM's raw_logprobs too are taken before any processing).
 - logZ_K = log sum_{j in K} softmax(s)_j: log of the mass K holds under the
   temperature-scaled distribution (0 when K is the whole vocabulary).
 - processed logprob: log of the distribution the token was sampled from,
@@ -75,10 +77,13 @@ def token_logprobs(
     top_n: int = 0,
     requested_ids: torch.Tensor | None = None,
     mask_cap: int = 256,
+    raw_logits: torch.Tensor | None = None,
 ) -> TokenLogprobs:
-    """logits [N, V] at the emitted positions; token_ids [N] int64; temperature [N] (0 =
-    greedy); candidate_ids [N, C] and num_candidates [N] as `ProcessedLogits` gives them at
-    those positions; requested_ids [N, R] int64, -1 padded."""
+    """logits [N, V] at the emitted positions (after logit_bias and penalties); token_ids [N]
+    int64; temperature [N] (0 = greedy); candidate_ids [N, C] and num_candidates [N] as
+    `ProcessedLogits` gives them at those positions; requested_ids [N, R] int64, -1 padded;
+    raw_logits [N, V]: the model's logits before logit_bias and penalties, for the raw
+    logprobs (None: they are `logits`)."""
     check(mode in LOGPROBS_MODES, "mode", f"unknown logprobs mode {mode!r}, expected one of {LOGPROBS_MODES}")
     check(logits.dim() == 2, "logits", f"expected [N, V], got {tuple(logits.shape)}")
     N, V = logits.shape
@@ -96,10 +101,13 @@ def token_logprobs(
         check(bool(((requested_ids >= -1) & (requested_ids < V)).all()), "requested_ids",
               f"ids out of range [0, {V}) (-1 pads)")
 
+    if raw_logits is not None:
+        check_shape(raw_logits, (N, V), "raw_logits")
     logits = logits.float()
-    raw = logits.log_softmax(-1)  # (N, V); the fused kernel is the cheapest logsumexp on CPU
+    # (N, V); the fused kernel is the cheapest logsumexp on CPU
+    raw = (logits if raw_logits is None else raw_logits.float()).log_softmax(-1)
     scaled_logits = scale_logits(logits, temperature)
-    scaled = raw if scaled_logits is logits else scaled_logits.log_softmax(-1)  # (N, V)
+    scaled = raw if scaled_logits is logits and raw_logits is None else scaled_logits.log_softmax(-1)  # (N, V)
 
     # K is either everything or the listed prefix of candidate_ids; only the listed part is read
     everything = num_candidates >= V
@@ -149,16 +157,19 @@ def gather_logprobs(
     token_ids: torch.Tensor,
     params: SamplingTensors,
     processed: ProcessedLogits | None = None,
+    raw_logits: torch.Tensor | None = None,
     **options,
 ):
     """Logprobs at the positions where token_ids [B, T] is not -1, gathered before any O(V) work.
 
     logits [B, T, V]: logits[b, t] is the distribution token_ids[b, t] was drawn from (for a
-    verify step: the K+1 verify positions and `RejectionResult.token_ids`; for a prompt: the
-    prompt positions and the next prompt ids). params for the B rows. processed: the
-    `sample` output for these logits, whose K is reused; None (prompt logprobs) computes K on
-    the gathered positions with the sampler's own `select_candidates`. options are
-    `token_logprobs`' keyword arguments. Returns (rows [N], cols [N], TokenLogprobs).
+    verify step: the K+1 verify positions, after logit_bias and penalties, and
+    `RejectionResult.token_ids`; for a prompt: the prompt positions and the next prompt ids).
+    params for the B rows. processed: the `sample` output for these logits, whose K is reused;
+    None (prompt logprobs, greedy batches) computes K on the gathered positions with the
+    sampler's own `select_candidates`. raw_logits [B, T, V]: the model's logits where they
+    differ from `logits` (penalised rows), for the raw logprobs. options are `token_logprobs`'
+    keyword arguments. Returns (rows [N], cols [N], TokenLogprobs).
     """
     check(logits.dim() == 3, "logits", f"expected [B, T, V], got {tuple(logits.shape)}")
     check_shape(token_ids, logits.shape[:2], "token_ids")
@@ -171,6 +182,9 @@ def gather_logprobs(
         candidate_ids, num_candidates = candidate_ids[:, 0], num_candidates[:, 0]
     else:
         candidate_ids, num_candidates = processed.candidate_ids[rows, cols], processed.num_candidates[rows, cols]
+    if raw_logits is not None:
+        check_shape(raw_logits, logits.shape, "raw_logits")
+        options["raw_logits"] = raw_logits[rows, cols]
     result = token_logprobs(
         gathered, token_ids[rows, cols], row_params.temperature, candidate_ids, num_candidates, **options
     )

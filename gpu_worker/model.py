@@ -14,6 +14,12 @@ pos * theta^(-2i/D):  rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) 
 q/k weights into the half layout, which is what the safetensors files hold.) We fold the sign
 into the sine table, so rotate_half(x) * sin == x.roll(D/2) * signed_sin: one op instead of
 three.
+
+Batch invariance: a position's logits are the same bits whether it is computed in a decode step,
+a verify step, a prefill chunk or a whole prompt, alone or next to other rows. Every reduction
+runs in an order fixed per row: projections through `linear` (one kernel family for every
+number of rows), attention through `attention` (keys in fixed-size blocks, blocks summed left
+to right). tests/gpu_worker/test_batch_invariance.py checks it with torch.equal.
 """
 
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_cache import KEY_BLOCK, KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -111,16 +117,16 @@ class ModelConfig:
 
 @dataclass
 class Layer:
-    """Projection weights are stored as (in, out) for `x @ w`: transposed views of the
-    checkpoint's contiguous (out, in) tensors, so no per-call transpose and BLAS reads rows."""
+    """Projection weights as `pack_weight` leaves them, for `linear`: shapes below are the
+    checkpoint's (out, in); on a CPU oneDNN's packed copies, else (in, out) views."""
     attn_norm: torch.Tensor        # (E,)
-    wqkv: torch.Tensor             # (E, (H + 2*Hkv) * D): q, k, v projections fused at load
+    wqkv: torch.Tensor             # ((H + 2*Hkv) * D, E): q, k, v projections fused at load
     bqkv: torch.Tensor | None      # ((H + 2*Hkv) * D,)
-    wo: torch.Tensor               # (H*D, E)
+    wo: torch.Tensor               # (E, H*D)
     bo: torch.Tensor | None        # (E,)
     mlp_norm: torch.Tensor         # (E,)
-    w_gate_up: torch.Tensor        # (E, 2*I): gate and up projections fused at load
-    w_down: torch.Tensor           # (I, E)
+    w_gate_up: torch.Tensor        # (2*I, E): gate and up projections fused at load
+    w_down: torch.Tensor           # (E, I)
 
 
 @dataclass
@@ -129,7 +135,7 @@ class Model:
     embed: torch.Tensor            # (V, E)
     layers: list[Layer]
     norm: torch.Tensor             # (E,)
-    lm_head: torch.Tensor          # (E, V); a view of `embed` when tied
+    lm_head: torch.Tensor          # (V, E) through `pack_weight` (of `embed` when tied)
     rope_cos: torch.Tensor         # (P, D) for positions 0..P-1
     rope_sin: torch.Tensor         # (P, D) with the rotate-half sign folded in: (-sin, sin)
 
@@ -168,28 +174,117 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
     def get(name):
         return weights[name].to(device=device, dtype=dtype)
 
-    def cat(*names):  # (out, in) pieces -> one (in, out_total) view
-        return torch.cat([get(n) for n in names]).t()
+    def cat(*names):  # (out, in) pieces -> one (out_total, in) tensor
+        return torch.cat([get(n) for n in names])
 
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
         layers.append(Layer(
             attn_norm=get(p + "attn_norm"),
-            wqkv=cat(p + "wq", p + "wk", p + "wv"),
+            wqkv=pack_weight(cat(p + "wq", p + "wk", p + "wv")),
             bqkv=cat(p + "bq", p + "bk", p + "bv") if config.qkv_bias else None,
-            wo=get(p + "wo").t(),
+            wo=pack_weight(get(p + "wo")),
             bo=get(p + "bo") if config.o_bias else None,
             mlp_norm=get(p + "mlp_norm"),
-            w_gate_up=cat(p + "w_gate", p + "w_up"),
-            w_down=get(p + "w_down").t(),
+            w_gate_up=pack_weight(cat(p + "w_gate", p + "w_up")),
+            w_down=pack_weight(get(p + "w_down")),
         ))
     embed = get("embed")
     cos, sin = rope_tables(config, num_positions)
     return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
-                 lm_head=(embed if config.tie_word_embeddings else get("lm_head")).t(),
+                 lm_head=pack_weight(embed if config.tie_word_embeddings else get("lm_head")),
                  rope_cos=cos.to(device=device, dtype=dtype),
                  rope_sin=sin.to(device=device, dtype=dtype))
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w (out, in) -> what `linear` takes: oneDNN's packed copy where oneDNN serves w's dtype on
+    this CPU, else the (in, out) view for `x @ w` (BLAS reads rows, no per-call transpose).
+
+    Why oneDNN: MKL, torch's float32 BLAS on x86, picks its kernel by the number of rows (a GEMV
+    at one row, other kernels and thread splits at a few rows), each summing over `in` in its
+    own order, so a row's bits depend on how many rows share the call. oneDNN's kernel for a
+    packed weight is one blocked GEMM for every row count (packed for a few rows: packed for
+    one, it sends one row to a GEMV of its own). Where oneDNN does not serve the dtype
+    (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel computes each output
+    as one dot product over `in`, whatever the row count. A GPU needs batch-invariant matmul
+    kernels instead (a fixed tile configuration, no split-K chosen from the row count).
+    """
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 4)
+        except RuntimeError:  # oneDNN refuses the dtype on this CPU
+            pass
+    return w.t()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x @ W^T + b for x (N, in) and w = pack_weight(W); (N, out). A row's bits do
+    not depend on N."""
+    if w.is_mkldnn:
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+    out = torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
+    return out if b is None else out.add_(b)
+
+
+QUERY_TILE = 4  # query rows per attention unit: every unit has the same shape whatever T and B
+
+
+def attention_mask(mask: torch.Tensor, Hkv: int, G: int, W: int) -> torch.Tensor:
+    """mask (B, 1, T, window) bool, True = may attend -> (nq, B*Hkv, QUERY_TILE, W) float32.
+
+    The additive mask of `attention`'s units (0 = may attend, -inf = may not). A unit's rows
+    are QUERY_TILE of the T*G query rows of one key/value head, in (t, g) order, padded to nq
+    units (padding rows attend to every key); keys are the window padded to W (hidden).
+    """
+    B, _, T, window = mask.shape
+    R, nq = T * G, -(-T * G // QUERY_TILE)
+    visible = F.pad(mask[:, 0], (0, W - window))                         # (B, T, W)
+    visible = visible.repeat_interleave(G, 1)                            # (B, R, W), row t*G + g
+    visible = F.pad(visible, (0, 0, 0, nq * QUERY_TILE - R), value=True)
+    visible = visible.view(B, 1, nq, QUERY_TILE, W).expand(B, Hkv, nq, QUERY_TILE, W)
+    visible = visible.permute(2, 0, 1, 3, 4).reshape(nq, B * Hkv, QUERY_TILE, W)
+    return torch.zeros(visible.shape, device=mask.device).masked_fill_(~visible, float("-inf"))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention whose bits per query row do not depend on T, B or the window.
+
+    q: (B, T, H, D); k, v: (B, Hkv, W, D) with W a multiple of KEY_BLOCK and (B, Hkv) mergeable
+    into one dim (the cache's slot-major layout, or contiguous); mask: `attention_mask`.
+    Returns (B, T, H*D) in q's dtype.
+
+    SDPA's reductions over keys follow its split of the work, chosen from the query and key
+    lengths, and a call without a mask takes another path. Here every call goes to the same
+    kernel (torch's CPU flash attention) with the same shape per unit of work: QUERY_TILE
+    query rows (the G query heads of a key/value head fold into rows, so K/V are never
+    repeated) against W keys read in blocks of exactly KEY_BLOCK = the kernel's key split, so
+    each block's matmuls, max and sum have one shape and the blocks are folded left to right
+    (online softmax). Keys a row cannot see get weight exactly 0, and a trailing block of them
+    rescales by exactly 1, so wherever the window ends the row's bits are the same. Units
+    differ only in number; each runs on one thread. On a GPU this is where a fixed-split
+    attention kernel goes (FlashInfer / FlexAttention with a fixed KV split size).
+    """
+    B, T, H, D = q.shape
+    Hkv, W = k.shape[1], k.shape[2]
+    G, R = H // Hkv, T * (H // Hkv)
+    nq = mask.shape[0]
+    units = q.new_zeros(B * Hkv, nq * QUERY_TILE, D)                  # padding rows: zeros
+    units[:, :R].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).transpose(1, 2))
+    q = units.view(B * Hkv, nq, QUERY_TILE, D).transpose(0, 1)          # (nq, B*Hkv, QT, D)
+    k, v = (t.view(1, B * Hkv, W, D).expand(nq, -1, -1, -1) for t in (k, v))
+    if q.device.type == "cpu":  # the flash kernel itself: no dispatch to another backend
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=D ** -0.5)[0]                  # (nq, B*Hkv, QT, D)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5)
+    out = out.transpose(0, 1).reshape(B, Hkv, nq * QUERY_TILE, D)[:, :, :R]
+    return out.reshape(B, Hkv, T, G * D).transpose(1, 2).reshape(B, T, H * D)
 
 
 @torch.inference_mode()
@@ -225,26 +320,24 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     dev_slots = slots.to(device)
     cos = model.rope_cos[plan.rope_pos].unsqueeze(2)                 # (B, T, 1, D)
     sin = model.rope_sin[plan.rope_pos].unsqueeze(2)                 # (B, T, 1, D)
+    W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK                     # the plan pads it if it fits
+    mask = attention_mask(plan.mask, Hkv, H // Hkv, W)
 
     x = model.embed[token_ids.to(device).view(-1)]                   # (B*T, E)
     for i, layer in enumerate(model.layers):
         h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
-        qkv = torch.mm(h, layer.wqkv) if layer.bqkv is None else \
-            torch.addmm(layer.bqkv, h, layer.wqkv)
-        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        qkv = linear(h, layer.wqkv, layer.bqkv).view(B, T, H + 2 * Hkv, D)
         qk = qkv[:, :, :H + Hkv]                                     # (B, T, H+Hkv, D)
         qk = qk * cos + qk.roll(D // 2, -1) * sin
         cache.update(i, dev_slots, plan.write_pos, qk[:, :, H:], qkv[:, :, H + Hkv:])
-        k, v = cache.window(i, dev_slots, plan)                      # (B, Hkv, W, D)
-        o = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), k, v,
-                                           attn_mask=plan.mask, enable_gqa=H != Hkv)  # (B, H, T, D)
-        x = torch.addmm(x, o.transpose(1, 2).reshape(B * T, H * D), layer.wo)
-        if layer.bo is not None:
-            x += layer.bo
+        k, v = cache.window(i, dev_slots, plan)                      # (B, Hkv, window, D)
+        if W > plan.window:  # the window reached the cache's end: pad to whole key blocks
+            k, v = F.pad(k, (0, 0, 0, W - plan.window)), F.pad(v, (0, 0, 0, W - plan.window))
+        o = attention(qk[:, :, :H], k, v, mask)                      # (B, T, H*D)
+        x = linear(o.reshape(B * T, H * D), layer.wo, layer.bo, residual=x)
         h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
-        gate_up = torch.mm(h, layer.w_gate_up)                       # (B*T, 2I)
-        gate, up = gate_up.chunk(2, -1)
-        x = torch.addmm(x, F.silu(gate) * up, layer.w_down)
+        gate, up = linear(h, layer.w_gate_up).chunk(2, -1)           # (B*T, I) each
+        x = linear(F.silu(gate) * up, layer.w_down, residual=x)
     cache.commit(slots, num_new)
 
     x = x.view(B, T, E)
@@ -252,4 +345,5 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
         assert logits_index.shape[0] == B and logits_index.dim() == 2, logits_index.shape
         index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
-    return F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) @ model.lm_head
+    x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
+    return linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], -1)

@@ -54,6 +54,19 @@ def _check_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, name: st
     check(bool(((ids == -1) | in_range).all()), name, "padding must be -1")
 
 
+def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
+    """accepted [B, K] bool, per draft slot -> [B] int64, the length of the accepted prefix (a
+    draft counts only when every draft before it was accepted)."""
+    return accepted.long().cumprod(-1).sum(-1)
+
+
+def greedy_accepted(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor) -> torch.Tensor:
+    """The greedy rule: draft_token_ids [B, K] (-1 padded) against the target's draws
+    target_token_ids [B, K+1]; [B] int64, drafts accepted while they equal the target's draw."""
+    K = draft_token_ids.shape[1]
+    return accepted_prefix(draft_token_ids == target_token_ids[:, :K])
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,
     num_draft: torch.Tensor,
@@ -125,7 +138,7 @@ def rejection_sample(
     accept_sampled = uniforms * draft_at_draft < target_at_draft
     accept_greedy = draft_token_ids == target_token_ids[:, :K]
     accepted = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid[:, :K]
-    num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,): length of the accepted prefix
+    num_accepted = accepted_prefix(accepted)  # (B,)
 
     # bonus (all accepted), greedy recovered token, or the fallback for an empty residual
     last_token = target_token_ids.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)

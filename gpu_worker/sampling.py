@@ -1,8 +1,25 @@
-"""Per-row sampling: temperature, top-k, top-p, min-p, and counter-based uniforms.
+"""Per-row sampling: logit_bias and penalties, temperature, top-k, top-p, min-p, and
+counter-based uniforms.
 
-Pipeline of `process_logits` / `sample`, per row, in this order (the order of transformers'
-logits warpers: temperature, top-k, top-p, min-p; vLLM v1 applies min-p before top-k/top-p):
+Pipeline, per row and position, in this order. Steps 0a-0b (`penalise`) depend on the tokens
+before the position and come first, in vLLM v1's order (vllm/v1/sample/sampler.py `Sampler`:
+allowed-token and bad-words masks, then the logits processors that can change the argmax,
+min_tokens and logit_bias, then the penalties, repetition, frequency, presence, and only then
+temperature, min-p and top-k/top-p). The rest (`process_logits` / `sample`) follows the order
+of transformers' logits warpers: temperature, top-k, top-p, min-p (vLLM v1 applies min-p
+before top-k/top-p):
 
+0a. logit_bias: logits[j] += bias[j].
+0b. penalties, over the history before the position: the prompt and the output so far (for a
+   verified position: the committed output, then this step's drafts before it, the history the
+   target's distribution there is conditioned on). With c[j] the count of j in the output and
+   seen[j] = j in the prompt or the output: repetition (vLLM's extra; 1 = off) divides a
+   positive logit of a seen token by it and multiplies a negative one; then, as OpenAI defines
+   them, logits[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty. A row whose
+   penalties are all off comes out bit for bit as it went in. Greedy rows take the argmax of
+   these penalised logits. Counting the drafts is what vLLM v1's rejection sampler does too
+   (vllm/v1/sample/rejection_sampler.py `_combine_outputs_with_spec_tokens`). The drafter
+   applies the same steps to its own proposal, for acceptance only (drafter_core.py).
 1. temperature: scaled = logits / temperature. Greedy rows (temperature 0) skip 2-5: their
    distribution is the one-hot of argmax(logits), lowest id on ties, and K = {argmax}.
 2. one stable descending sort of the scaled logits; rank r = position in that order, so tied
@@ -18,7 +35,8 @@ logits warpers: temperature, top-k, top-p, min-p; vLLM v1 applies min-p before t
    float64 uniform per (row, position), so the draw depends on that uniform and that row only.
 
 Outputs: `probs` are processed (what the token is drawn from, and the `target_probs` of the
-rejection sampler); raw logprobs are the logprob module's business (log_softmax of logits).
+rejection sampler); raw logprobs are the logprob module's business (log_softmax of the model's
+logits, before step 0).
 
 Uniforms are counter-based: u = hash(seed, stream, absolute position), splitmix64 built from
 torch int64 ops, so a request's draws do not depend on its batch, its row, or how its positions
@@ -31,7 +49,6 @@ from dataclasses import dataclass
 import torch
 
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import seed_from_request_id
 
 STREAM_DRAFT = 0
 STREAM_TARGET = 1
@@ -39,10 +56,14 @@ STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
 
 
-def request_seed(seed: int | None, request_id: str) -> int:
-    """seed, or for a sampled row that has none (the scheduler normally fills it) a stable one
-    from its request id, so retries, migration and batching still draw the same tokens."""
-    return seed if seed is not None else seed_from_request_id(request_id)
+def row_seed(sampling) -> int:
+    """The seed of a row's RowSampling; 0 for a greedy row, which draws nothing. GenerateRequest
+    fills it for a sampled request that gave none (schemas/messages.py), so a sampled row
+    without one is refused, naming the field."""
+    if sampling.greedy:
+        return 0
+    check(sampling.seed is not None, "seed", "a sampled row needs a seed")
+    return sampling.seed
 
 
 class SamplingInputError(SpecbusError, ValueError):
@@ -143,6 +164,104 @@ class SamplingTensors:
     def index(self, rows: torch.Tensor) -> "SamplingTensors":
         """The parameters of the given rows (e.g. one entry per emitted token)."""
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Steps 0a-0b of B rows, dense for one step: the per-request state they come from is the
+    request's token history, so these tensors live no longer than the logits they change.
+
+    bias [B, V] float32 (0 = none); output_counts [B, V] float32: occurrences of each id in the
+    output before the first position processed; seen [B, V] bool: ids in the prompt or that
+    output; repetition [B] > 0 (1 = off); frequency [B], presence [B] (0 = off). Checks name
+    the RowSampling field a bad value came from.
+    """
+
+    bias: torch.Tensor
+    output_counts: torch.Tensor
+    seen: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+    def __post_init__(self):
+        check(self.bias.dim() == 2, "logit_bias", f"expected [B, V], got {tuple(self.bias.shape)}")
+        B, V = self.bias.shape
+        check_shape(self.output_counts, (B, V), "output_counts")
+        check_shape(self.seen, (B, V), "seen")
+        check(self.seen.dtype == torch.bool, "seen", "expected bool")
+        for name in ("repetition", "frequency", "presence"):
+            check_shape(getattr(self, name), (B,), name)
+        check(bool(torch.isfinite(self.bias).all()), "logit_bias", "must be finite")
+        r = self.repetition
+        check(bool(((r > 0) & torch.isfinite(r)).all()), "repetition_penalty", "must be finite and > 0")
+        check(bool(torch.isfinite(self.frequency).all()), "frequency_penalty", "must be finite")
+        check(bool(torch.isfinite(self.presence).all()), "presence_penalty", "must be finite")
+
+    @classmethod
+    def build(cls, vocab_size: int, history: torch.Tensor, prompt_len: int, *, bias_ids=None, bias_values=None,
+              repetition: float = 1.0, frequency: float = 0.0, presence: float = 0.0, device=None) -> "Penalties":
+        """One row. history [L] int64 ids < vocab_size: the prompt then the output (from position
+        prompt_len on); bias_ids [n] int64 unique ids < vocab_size, bias_values [n]."""
+        history = history.to(device=device, dtype=torch.int64)
+        check(history.dim() == 1, "history", f"expected [L], got {tuple(history.shape)}")
+        check(not history.numel() or 0 <= int(history.min()) and int(history.max()) < vocab_size, "history",
+              f"ids out of range [0, {vocab_size})")
+        counts = torch.bincount(history[prompt_len:], minlength=vocab_size).float()
+        seen = torch.bincount(history, minlength=vocab_size) > 0
+        bias = torch.zeros(vocab_size, device=device)
+        if bias_ids is not None and len(bias_ids):
+            ids = torch.as_tensor(bias_ids, dtype=torch.int64, device=device)
+            check(0 <= int(ids.min()) and int(ids.max()) < vocab_size, "logit_bias",
+                  f"ids out of range [0, {vocab_size})")
+            bias.index_put_((ids,), torch.as_tensor(bias_values, dtype=torch.float32, device=device), accumulate=True)
+        scalars = [torch.tensor([float(x)], dtype=torch.float32, device=device)
+                   for x in (repetition, frequency, presence)]
+        return cls(bias[None], counts[None], seen[None], *scalars)
+
+    @classmethod
+    def cat(cls, parts: list["Penalties"]) -> "Penalties":
+        return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in cls.__dataclass_fields__))
+
+
+def add_tokens(penalties: Penalties, token_ids: torch.Tensor) -> Penalties:
+    """The penalties once token_ids [B] (-1 = none for that row) joined each row's output."""
+    B, V = penalties.bias.shape
+    check_shape(token_ids, (B,), "token_ids")
+    valid = token_ids >= 0
+    counts = penalties.output_counts.clone()
+    counts.scatter_add_(1, token_ids.clamp_min(0)[:, None], valid[:, None].float())
+    return Penalties(penalties.bias, counts, penalties.seen | (counts > 0), penalties.repetition,
+                     penalties.frequency, penalties.presence)
+
+
+def penalise(logits: torch.Tensor, penalties: Penalties, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 0a-0b: logits [B, T, V] -> float32 [B, T, V].
+
+    Position t of a row sees the output of `penalties` followed by draft_ids[:, :t] (draft_ids
+    [B, T-1] int64, -1 = no token, e.g. padding past a row's drafts): verified position t is
+    the target's distribution given drafts 0..t-1 accepted, so it counts them.
+    """
+    check(logits.dim() == 3, "logits", f"expected [B, T, V], got {tuple(logits.shape)}")
+    B, T, V = logits.shape
+    check_shape(penalties.bias, (B, V), "penalties")
+    counts = penalties.output_counts[:, None]  # (B, 1, V)
+    seen = penalties.seen[:, None]
+    if draft_ids is not None and T > 1:
+        check_shape(draft_ids, (B, T - 1), "draft_ids")
+        drafted = torch.zeros(B, T, V, device=logits.device)
+        drafted[:, 1:].scatter_(-1, draft_ids.clamp_min(0)[..., None], (draft_ids >= 0)[..., None].float())
+        drafted = drafted.cumsum(1)  # (B, T, V): drafts before each position
+        counts, seen = counts + drafted, seen | (drafted > 0)
+    out = logits.float() + penalties.bias[:, None]
+    if bool((penalties.repetition != 1).any()):
+        repetition = torch.where(seen, penalties.repetition.view(B, 1, 1), 1.0)
+        out = torch.where(out > 0, out / repetition, out * repetition)
+    if bool((penalties.frequency != 0).any()):
+        out = out - penalties.frequency.view(B, 1, 1) * counts
+    if bool((penalties.presence != 0).any()):
+        out = out - penalties.presence.view(B, 1, 1) * (counts > 0)
+    return out
 
 
 @dataclass

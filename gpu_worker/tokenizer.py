@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from schemas.errors import ErrorCode, SpecbusError
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -43,10 +45,38 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
 
+def check_in_vocabulary(ids, vocab_size: int, field: str) -> None:
+    """SpecbusError invalid_field naming `field` when a token id of ids (ints, a list or an
+    array; ids are never negative: the schemas refuse that) is not below vocab_size. The one
+    vocabulary check of the scheduler, the verifier and the drafter."""
+    largest = max((int(i) for i in ids), default=-1) if not hasattr(ids, "max") else \
+        (int(ids.max()) if len(ids) else -1)
+    if largest >= vocab_size:
+        raise SpecbusError(ErrorCode.invalid_field, f"token id {largest} is outside the vocabulary [0, {vocab_size})",
+                           field)
+
+
 def tokenizer_id(path) -> str:
     """The first 16 hex digits of the sha256 of path/tokenizer.json. Instances are paired only
     when these match (their heartbeats carry it as model_ids["tokenizer"])."""
     return hashlib.sha256((Path(path) / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def draft_misfit(target_dir, draft_dir) -> str | None:
+    """Why a draft cannot serve a target, or None when it can: the scheduler pairs a drafter
+    with a request only when their tokenizer.json hashes match (`tokenizer_id`), and a draft
+    without a d2t map (d2t.safetensors) must share the target's vocabulary size."""
+    target_dir, draft_dir = Path(target_dir), Path(draft_dir)
+    target_hash, draft_hash = tokenizer_id(target_dir), tokenizer_id(draft_dir)
+    if target_hash != draft_hash:
+        return (f"draft model {draft_dir} has another tokenizer than target model {target_dir} "
+                f"(tokenizer.json {draft_hash} vs {target_hash}): the scheduler would never use it")
+    target_vocab = _read_json(target_dir / "config.json").get("vocab_size")
+    draft_vocab = _read_json(draft_dir / "config.json").get("vocab_size")
+    if not (draft_dir / "d2t.safetensors").exists() and target_vocab != draft_vocab:
+        return (f"draft model {draft_dir} has vocab_size {draft_vocab} and no d2t.safetensors map, target model "
+                f"{target_dir} has vocab_size {target_vocab}")
+    return None
 
 
 def _read_json(path: Path) -> dict:

@@ -18,7 +18,11 @@
    (~160 ms more padding) loses to two forwards (one more call). `logits_index` asks only
    for the positions needed: the last k+1 (last new token, each draft) of emitting rows, and
    prompt positions when prompt logprobs are asked;
-4. emitting rows, batched: target distributions and samples (`sample`, row params, uniforms
+4. emitting rows, batched: logit_bias and penalties (`penalise`: verified position t counts
+   the request's output then drafts 0..t-1, the history the target's distribution there is
+   conditioned on; the output comes from the tokens the slot holds, which the receiver rule
+   keeps equal to the scheduler's history, so a resync or a migration rebuilds it with the
+   cache), target distributions and samples (`sample`, row params, uniforms
    STREAM_TARGET at the absolute position each sampled token would occupy), proposal ->
    draft_probs, `rejection_sample` (STREAM_ACCEPT / STREAM_RESIDUAL at the draft positions;
    greedy rows take the argmax path and use no uniform; a batch of greedy rows computes
@@ -29,8 +33,10 @@
    kept in the request's state until the row that completes the prompt) and sampling masks
    become one SideChannelRecord per row that wants the side channel.
 
-Logprob values follow LogprobArrays: raw mode = log_softmax(logits); processed mode =
-log_softmax(logits / T) with logz_k, the reader subtracting logz_k (ids outside K are -inf).
+Logprob values follow LogprobArrays: raw mode = log_softmax(logits) of the model's logits;
+processed mode = log_softmax(logits / T) of the penalised logits with logz_k, the reader
+subtracting logz_k (ids outside K are -inf). Prompt logprobs score the prompt without logit_bias
+or penalties: those shape what is generated.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -46,14 +53,16 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import model_id
+from gpu_worker.coupling import gumbel_argmax
 from gpu_worker.kv_cache import CacheFullError, KVCache
 from gpu_worker.logprobs import TokenLogprobs, gather_logprobs
 from gpu_worker.model import Model, forward
-from gpu_worker.rejection import RejectionResult, proposal_to_draft_probs, rejection_sample
-from gpu_worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, ProcessedLogits,
-                                 SamplingInputError, SamplingTensors, check, make_uniforms, request_seed, sample)
+from gpu_worker.rejection import RejectionResult, greedy_accepted, proposal_to_draft_probs, rejection_sample
+from gpu_worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, Penalties, ProcessedLogits,
+                                 SamplingInputError, SamplingTensors, check, make_uniforms, penalise, row_seed,
+                                 sample)
 from gpu_worker.slots import load_model_and_cache, release
-from gpu_worker.tokenizer import tokenizer_id
+from gpu_worker.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (Error, LogprobArrays, RowSampling, SamplingMask, SideChannelRecord, VerifyRequest,
@@ -72,17 +81,20 @@ SideRecord = tuple[str, SideChannelRecord]  # (postprocessor_id, record)
 
 
 @dataclass
-class RequestState:
+class VerifierSlot:
     """One request's cache slot and what the verifier remembers about it.
 
-    step / result / record: the last answered step, for retries. prompt_logprobs covers prompt
-    positions prompt_offset.. (the request asked for prompt logprobs and the prompt is not
-    complete yet); prompt_logits (V,) are the logits at the last position fed, which give the
-    logprob of the first token of the next chunk (position prompt_offset + n).
+    token_ids: the ids the slot holds, position by position (4 bytes each, at most max_seq_len),
+    from which the penalties count the output. step / result / record: the last answered step,
+    for retries. prompt_logprobs covers prompt positions prompt_offset.. (the request asked for
+    prompt logprobs and the prompt is not complete yet); prompt_logits (V,) are the logits at
+    the last position fed, which give the logprob of the first token of the next chunk
+    (position prompt_offset + n).
     """
 
     slot: int
     last_used: float  # time.monotonic()
+    token_ids: array = field(default_factory=lambda: array("i"))
     step: int | None = None
     result: VerifyResult | None = None
     record: SideRecord | None = None
@@ -106,7 +118,7 @@ class Verifier:
     slot_idle_ttl_s: float
     # Keyed by (scheduler_id, request_id): request ids are unique per scheduler only, so two
     # schedulers' requests with the same id must not share (and truncate) one slot.
-    requests: dict[tuple[str, str], RequestState] = field(default_factory=dict)
+    requests: dict[tuple[str, str], VerifierSlot] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     @property
@@ -115,7 +127,7 @@ class Verifier:
 
 
 @dataclass
-class RowWork:
+class VerifyRowWork:
     """A row going through the model this step.
 
     tokens (n_new + k,) int64 CPU: new_token_ids then draft tokens; tokens[t] lands at absolute
@@ -124,7 +136,7 @@ class RowWork:
     """
 
     row: VerifyRow
-    state: RequestState
+    state: VerifierSlot
     tokens: torch.Tensor
     start: int
     num_new: int
@@ -132,6 +144,7 @@ class RowWork:
     num_prompt: int
     params: SamplingTensors  # one row
     draft_probs: torch.Tensor | None  # (k, V), None for a point mass (or a greedy row)
+    penalties: Penalties | None = None  # one row, over the history before the first verify position
     fed: int = 0
     verify_logits: list[torch.Tensor] = field(default_factory=list)  # pieces of (m, V)
     prompt_pieces: list[LogprobArrays] = field(default_factory=list)  # consecutive prompt positions
@@ -172,19 +185,16 @@ def invalid(message: str, field_name: str) -> SpecbusError:
     return SpecbusError(ErrorCode.invalid_field, message, field_name)
 
 
-def check_ids(ids: np.ndarray, vocab_size: int, field_name: str) -> None:
-    if len(ids) and int(ids.max()) >= vocab_size:
-        raise invalid(f"token id {int(ids.max())} is outside the vocabulary [0, {vocab_size})", field_name)
-
-
 def check_row(verifier: Verifier, row: VerifyRow, prefix: str) -> None:
     """Everything about a row that can be wrong before touching any state; SpecbusError naming
     the field (prefix is "rows[i]")."""
     V = verifier.vocab_size
     num_new, num_draft = len(row.new_token_ids), len(row.draft_token_ids)
-    check_ids(row.new_token_ids, V, f"{prefix}.new_token_ids")
-    check_ids(row.draft_token_ids, V, f"{prefix}.draft_token_ids")
-    check_ids(row.logprobs.logprob_token_ids, V, f"{prefix}.logprobs.logprob_token_ids")
+    check_in_vocabulary(row.new_token_ids, V, f"{prefix}.new_token_ids")
+    check_in_vocabulary(row.draft_token_ids, V, f"{prefix}.draft_token_ids")
+    check_in_vocabulary(row.logprobs.logprob_token_ids, V, f"{prefix}.logprobs.logprob_token_ids")
+    if row.sampling.logit_bias is not None:
+        check_in_vocabulary(row.sampling.logit_bias.token_ids, V, f"{prefix}.sampling.logit_bias")
     if row.emit and num_new == 0:
         raise invalid("an emitting row needs at least one new token (the last one emitted)",
                       f"{prefix}.new_token_ids")
@@ -195,7 +205,7 @@ def check_row(verifier: Verifier, row: VerifyRow, prefix: str) -> None:
                       f"max_seq_len {verifier.cache.max_seq_len}", f"{prefix}.new_token_ids")
     proposal = row.proposal
     if proposal.kind == "sparse":
-        check_ids(proposal.ids.reshape(-1), V, f"{prefix}.proposal.ids")
+        check_in_vocabulary(proposal.ids.reshape(-1), V, f"{prefix}.proposal.ids")
     if proposal.kind == "dense" and proposal.draft_vocab_size != V:
         raise invalid(f"a dense proposal over {proposal.draft_vocab_size} draft ids needs a d2t map; this "
                       f"verifier takes dense proposals over the target vocabulary ({V}) only",
@@ -207,6 +217,25 @@ def row_params(row: VerifyRow, device, prefix: str) -> SamplingTensors:
     s = row.sampling
     try:
         return params_of(s.temperature, s.top_k, s.top_p, s.min_p, device)
+    except SamplingInputError as exc:
+        raise invalid(exc.message, f"{prefix}.sampling.{exc.field}") from None
+
+
+def row_penalties(verifier: Verifier, row: VerifyRow, state: VerifierSlot | None, prefix: str) -> Penalties:
+    """The row's logit_bias and penalties over its history before the first verify position:
+    the first cached_len ids the slot holds, then new_token_ids. A value the kernels refuse
+    fails this row, naming its field."""
+    s = row.sampling
+    held = array("i") if state is None else state.token_ids[:row.cached_len]  # a copy: the slot's stays resizable
+    history = torch.from_numpy(np.concatenate([np.frombuffer(held, dtype=np.int32), row.new_token_ids])
+                               .astype(np.int64))
+    bias = s.logit_bias
+    try:
+        return Penalties.build(verifier.vocab_size, history, row.prompt_len,
+                               bias_ids=None if bias is None else torch.from_numpy(bias.token_ids.astype(np.int64)),
+                               bias_values=None if bias is None else torch.from_numpy(bias.bias),
+                               repetition=s.repetition_penalty, frequency=s.frequency_penalty,
+                               presence=s.presence_penalty, device=verifier.model.embed.device)
     except SamplingInputError as exc:
         raise invalid(exc.message, f"{prefix}.sampling.{exc.field}") from None
 
@@ -245,20 +274,23 @@ def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Te
 
 
 def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow,
-                now: float) -> RowWork | VerifyResult:
-    """A RowWork for a row that goes through the model, else its final VerifyResult."""
+                now: float) -> VerifyRowWork | VerifyResult:
+    """A VerifyRowWork for a row that goes through the model, else its final VerifyResult."""
     prefix = f"rows[{index}]"
     check_row(verifier, row, prefix)
     draft_probs = decode_proposal(verifier, row, prefix)
     params = row_params(row, verifier.model.embed.device, prefix)
     key = (scheduler_id, row.request_id)
     state = verifier.requests.get(key)
+    # before any state changes, so a value the kernels refuse leaves none behind (a row that
+    # then answers need_resync just wastes it)
+    penalties = row_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
     if state is None:
         if row.cached_len > 0:
             verifier.counters["need_resync"] += 1
             return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
         try:
-            state = RequestState(slot=verifier.cache.allocate(), last_used=now)
+            state = VerifierSlot(slot=verifier.cache.allocate(), last_used=now)
         except CacheFullError as exc:
             raise SpecbusError(ErrorCode.no_capacity, str(exc)) from None
         verifier.requests[key] = state
@@ -267,19 +299,23 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
         verifier.counters["need_resync"] += 1
         return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
     verifier.cache.truncate(state.slot, row.cached_len)
-    tokens = torch.from_numpy(np.concatenate([row.new_token_ids, row.draft_token_ids])).long()
+    # the same for the ids: the drafts are dropped again in finish_row unless accepted
+    tokens_np = np.concatenate([row.new_token_ids, row.draft_token_ids]).astype(np.int32)
+    del state.token_ids[row.cached_len:]
+    state.token_ids.frombytes(tokens_np.tobytes())
+    tokens = torch.from_numpy(tokens_np).long()
     num_new = len(row.new_token_ids)
     wants_prompt = row.logprobs.prompt_logprobs is not None and row.postprocessor_id is not None
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
-    work = RowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
+    work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
                    num_draft=len(row.draft_token_ids), num_prompt=num_prompt,
-                   params=params, draft_probs=draft_probs)
+                   params=params, draft_probs=draft_probs, penalties=penalties)
     if wants_prompt and row.cached_len < row.prompt_len:
         continue_prompt(verifier, work)
     return work
 
 
-def continue_prompt(verifier: Verifier, work: RowWork) -> None:
+def continue_prompt(verifier: Verifier, work: VerifyRowWork) -> None:
     """Start this step's prompt logprobs from what the request's state holds: positions
     1..start-1 and the logits that give position `start` (the chunk went on where the last
     one stopped), or logprobs already past `start` (the slot was rewound). Otherwise the
@@ -308,10 +344,10 @@ def continue_prompt(verifier: Verifier, work: RowWork) -> None:
 # step 3: forwards
 
 
-def pack_chunks(chunks: list[tuple[RowWork, int, int]]) -> list[list[tuple[RowWork, int, int]]]:
+def pack_chunks(chunks: list[tuple[VerifyRowWork, int, int]]) -> list[list[tuple[VerifyRowWork, int, int]]]:
     """Group (work, begin, end) chunks into forwards: sorted by length, a chunk joins the
     current group while the group's padding stays within FREE_PADDING_TOKENS + real / 4."""
-    groups: list[list[tuple[RowWork, int, int]]] = []
+    groups: list[list[tuple[VerifyRowWork, int, int]]] = []
     real = 0
     for chunk in sorted(chunks, key=lambda c: c[2] - c[1]):
         length = chunk[2] - chunk[1]
@@ -326,7 +362,7 @@ def pack_chunks(chunks: list[tuple[RowWork, int, int]]) -> list[list[tuple[RowWo
     return groups
 
 
-def forward_group(verifier: Verifier, group: list[tuple[RowWork, int, int]]) -> None:
+def forward_group(verifier: Verifier, group: list[tuple[VerifyRowWork, int, int]]) -> None:
     """One padded forward of the chunks in group; hands each row the logits it wants."""
     device = verifier.model.embed.device
     T = max(end - begin for _, begin, end in group)
@@ -347,10 +383,10 @@ def forward_group(verifier: Verifier, group: list[tuple[RowWork, int, int]]) -> 
         work.fed = end
 
 
-def take_logits(verifier: Verifier, work: RowWork, offsets: list[int], logits: torch.Tensor) -> None:
+def take_logits(verifier: Verifier, work: VerifyRowWork, offsets: list[int], logits: torch.Tensor) -> None:
     """Split a chunk's logits (m, V) at offsets into prompt logprobs (computed now, so a long
     prompt never holds all its logits) and verify logits (kept for sampling)."""
-    # offsets ascend (RowWork.wanted): the prompt ones lead, the verify ones end the list, so
+    # offsets ascend (VerifyRowWork.wanted): the prompt ones lead, the verify ones end the list, so
     # both are slices (views, no copy)
     num_prompt = bisect.bisect_left(offsets, work.num_prompt)
     if work.row.emit:
@@ -368,7 +404,7 @@ def take_logits(verifier: Verifier, work: RowWork, offsets: list[int], logits: t
                                                  work.row.logprobs.prompt_logprobs, with_masks=False)[0])
 
 
-def run_forwards(verifier: Verifier, works: list[RowWork]) -> None:
+def run_forwards(verifier: Verifier, works: list[VerifyRowWork]) -> None:
     """Feed every row's tokens, chunk by chunk; a failed forward fails only its rows."""
     pending = [w for w in works if len(w.tokens)]
     while pending:
@@ -394,13 +430,14 @@ class Verified:
     token_ids: torch.Tensor  # (n,) int64: accepted drafts, then the recovered or bonus token
     num_accepted: int
     residual_fallback: bool
-    logits: torch.Tensor  # (n, V): the logits each emitted token was drawn from
+    logits: torch.Tensor  # (n, V): the logits each emitted token was drawn from (penalised)
+    raw_logits: torch.Tensor | None  # (n, V): the model's, for a row with logit_bias or penalties
     # [1, n, ...] slices of the sampler's output; None for a greedy batch, whose K (the argmax)
     # gather_logprobs recomputes from the logits as it does for prompt positions
     processed: ProcessedLogits | None
 
 
-def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
+def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified]:
     """Steps 4 for emitting rows, batched: target samples, rejection sampler, in works' order."""
     V = verifier.vocab_size
     device = verifier.model.embed.device
@@ -414,6 +451,7 @@ def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
     for b, w in enumerate(works):
         draft_ids[b, :w.num_draft] = w.tokens[w.num_new:]
     draft_ids = draft_ids.to(device)
+    raw_logits, logits = logits, penalised_logits(works, logits, draft_ids)
     if all(w.row.sampling.greedy for w in works):
         token_ids, num_accepted = verify_greedy(logits, draft_ids)
         residual_fallback, processed = [False] * len(works), None
@@ -428,10 +466,24 @@ def verify_drafts(verifier: Verifier, works: list[RowWork]) -> list[Verified]:
         rows = slice(b, b + 1)
         verified.append(Verified(
             token_ids=token_ids[b, :n], num_accepted=n - 1, residual_fallback=residual_fallback[b],
-            logits=logits[b, :n], processed=None if processed is None else
+            logits=logits[b, :n], raw_logits=None if works[b].penalties is None else raw_logits[b, :n],
+            processed=None if processed is None else
             ProcessedLogits(processed.probs[rows, :n], processed.candidate_ids[rows, :n],
                             processed.num_candidates[rows, :n])))
     return verified
+
+
+def penalised_logits(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """logits (B, K+1, V) with each penalised row's logit_bias and penalties applied (float32),
+    verify position t counting drafts 0..t-1; the same tensor when no row has any.
+    draft_ids (B, K), -1 padded."""
+    rows = [b for b, w in enumerate(works) if w.penalties is not None]
+    if not rows:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = penalise(logits[index], Penalties.cat([works[b].penalties for b in rows]), draft_ids[index])
+    return out
 
 
 def verify_greedy(logits: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -448,22 +500,26 @@ def verify_greedy(logits: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.
     # amax propagates NaN: the same check (and error) as process_logits
     check(bool(torch.isfinite(logits.amax(-1)).all()), "logits", "a row has NaN, +inf or no finite value")
     target_ids = logits.argmax(-1)
-    num_accepted = (draft_ids == target_ids[:, :K]).long().cumprod(-1).sum(-1)
-    return target_ids, num_accepted.tolist()
+    return target_ids, greedy_accepted(draft_ids, target_ids).tolist()
 
 
-def verify_sampled(works: list[RowWork], logits: torch.Tensor,
+def verify_sampled(works: list[VerifyRowWork], logits: torch.Tensor,
                    draft_ids: torch.Tensor) -> tuple[RejectionResult, ProcessedLogits]:
     """Target samples and the rejection sampler for a batch with sampled rows (greedy rows in it
     take the sampler's argmax path). logits (B, K+1, V); draft_ids (B, K), -1 padded."""
     (B, K), V, device = draft_ids.shape, logits.shape[-1], logits.device
     params = SamplingTensors(*(torch.cat([getattr(w.params, name) for w in works])
                                for name in ("temperature", "top_k", "top_p", "min_p")))
-    seeds = torch.tensor([request_seed(w.row.sampling.seed, w.row.request_id) for w in works], dtype=torch.long,
+    seeds = torch.tensor([row_seed(w.row.sampling) for w in works], dtype=torch.long,
                          device=device)
     first = torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)
     positions = first[:, None] + torch.arange(K + 1, device=device)  # (B, K+1): where each sample lands
     processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))
+    # Gumbel-coupled rows: the target's draw is the Gumbel-max one and a draft is accepted iff it
+    # equals it, which is the greedy rule over these draws (gpu_worker/coupling.py)
+    gumbel = torch.tensor([w.row.sampling.gumbel for w in works], device=device)
+    if bool(gumbel.any()):
+        target_ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel])
     num_draft = torch.tensor([w.num_draft for w in works], dtype=torch.long, device=device)
     draft_probs = None
     if any(w.draft_probs is not None for w in works):
@@ -472,13 +528,13 @@ def verify_sampled(works: list[RowWork], logits: torch.Tensor,
         draft_probs = torch.stack([one_hot[b] if w.draft_probs is None else
                                    torch.cat([w.draft_probs, one_hot[b, w.num_draft:]])
                                    for b, w in enumerate(works)])  # (B, K, V)
-    result = rejection_sample(draft_ids, num_draft, draft_probs, processed.probs, target_ids, params.greedy,
+    result = rejection_sample(draft_ids, num_draft, draft_probs, processed.probs, target_ids, params.greedy | gumbel,
                               uniforms=make_uniforms(seeds, positions[:, :K], STREAM_ACCEPT),
                               residual_uniforms=make_uniforms(seeds, positions[:, :K], STREAM_RESIDUAL))
     return result, processed
 
 
-def verify_each(verifier: Verifier, works: list[RowWork]) -> list[Verified | None]:
+def verify_each(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified | None]:
     """verify_drafts for all rows at once; if that fails, row by row, so one bad row (e.g.
     non-finite logits) fails alone."""
     try:
@@ -509,24 +565,27 @@ def row_failure(exc: Exception, row: VerifyRow) -> Error:
 
 
 def logprob_arrays(row: VerifyRow, logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors,
-                   processed: ProcessedLogits | None, top_n: int, *,
-                   with_masks: bool) -> tuple[LogprobArrays, list[SamplingMask] | None]:
+                   processed: ProcessedLogits | None, top_n: int, *, with_masks: bool,
+                   raw_logits: torch.Tensor | None = None) -> tuple[LogprobArrays, list[SamplingMask] | None]:
     """LogprobArrays (and masks) for tokens (n,) drawn from logits (n, V) under the row's params.
 
     processed: the sampler's output at these positions (emitted tokens) or None (prompt
-    positions and greedy batches: K from the sampler's own select_candidates).
+    positions and greedy batches: K from the sampler's own select_candidates). raw_logits
+    (n, V): the model's logits where logits are penalised (raw mode reports those).
     """
     options = row.logprobs
     n = len(token_ids)
     requested = torch.from_numpy(options.logprob_token_ids).long().to(logits.device)
-    _, _, lp = gather_logprobs(logits[None], token_ids[None], params, processed, mode=options.logprobs_mode,
-                               top_n=top_n, requested_ids=requested[None].expand(n, -1),
+    _, _, lp = gather_logprobs(logits[None], token_ids[None], params, processed,
+                               raw_logits=None if raw_logits is None else raw_logits[None],
+                               mode=options.logprobs_mode, top_n=top_n, requested_ids=requested[None].expand(n, -1),
                                mask_cap=options.max_mask_size if with_masks else 1)
     processed_mode = options.logprobs_mode == "processed"
     # processed mode ships log_softmax(logits / T) and logz_k; the reader subtracts logz_k once
     shift = lp.logz_k[:, None] if processed_mode else 0.0
     token_values = lp.processed_logprobs + lp.logz_k if processed_mode else lp.raw_logprobs
-    ranks = (logits > logits.gather(1, token_ids[:, None])).sum(-1) + 1
+    ranked = logits if processed_mode or raw_logits is None else raw_logits  # ranks in the reported distribution
+    ranks = (ranked > ranked.gather(1, token_ids[:, None])).sum(-1) + 1
     arrays = LogprobArrays(
         token_logprobs=to_numpy(token_values, np.float32),
         top_ids=to_numpy(lp.top_ids, np.int32),
@@ -565,7 +624,7 @@ def concat_arrays(pieces: list[LogprobArrays]) -> LogprobArrays:
     return LogprobArrays(**fields)
 
 
-def side_record(verifier: Verifier, work: RowWork, batch_id: int, verified: Verified | None,
+def side_record(verifier: Verifier, work: VerifyRowWork, batch_id: int, verified: Verified | None,
                 prompt: LogprobArrays | None, prompt_offset: int) -> SideChannelRecord:
     row = work.row
     options = row.logprobs
@@ -577,19 +636,20 @@ def side_record(verifier: Verifier, work: RowWork, batch_id: int, verified: Veri
         if wants_logprobs or options.sampling_mask:
             arrays, masks = logprob_arrays(row, verified.logits, verified.token_ids.to(verified.logits.device),
                                            work.params, verified.processed, options.logprobs or 0,
-                                           with_masks=options.sampling_mask)
+                                           with_masks=options.sampling_mask, raw_logits=verified.raw_logits)
             logprobs = arrays if wants_logprobs else None
     return SideChannelRecord(request_id=row.request_id, batch_id=batch_id, step=row.step,
                              verifier_id=verifier.instance_id, mode=options.logprobs_mode, token_ids=token_ids,
                              logprobs=logprobs, masks=masks, prompt_logprobs=prompt, prompt_offset=prompt_offset)
 
 
-def finish_row(verifier: Verifier, work: RowWork, batch_id: int,
+def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
                verified: Verified | None) -> tuple[VerifyResult, SideRecord | None]:
     """Trim the slot, store the prompt logprobs so far, build the result and side record."""
     row, state = work.row, work.state
     committed = work.start + work.num_new + (verified.num_accepted if verified is not None else 0)
     verifier.cache.truncate(state.slot, committed)
+    del state.token_ids[committed:]
     prompt = concat_arrays(work.prompt_pieces) if work.prompt_pieces else None
     state.prompt_logprobs, state.prompt_offset = prompt, work.prompt_offset
     state.prompt_logits = work.next_prompt_logits
@@ -611,7 +671,7 @@ def finish_row(verifier: Verifier, work: RowWork, batch_id: int,
                         residual_fallback=verified.residual_fallback), record
 
 
-def failed(verifier: Verifier, row: VerifyRow, error: Error) -> VerifyResult:
+def failed_result(verifier: Verifier, row: VerifyRow, error: Error) -> VerifyResult:
     verifier.counters["rows_failed"] += 1
     return VerifyResult(request_id=row.request_id, step=row.step, error=error)
 
@@ -624,7 +684,7 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
     release(verifier, [(request.scheduler_id, request_id) for request_id in request.release])
     results: dict[str, VerifyResult] = {}
     records: list[SideRecord] = []
-    works: list[RowWork] = []
+    works: list[VerifyRowWork] = []
     for index, row in enumerate(request.rows):
         state = verifier.requests.get((request.scheduler_id, row.request_id))
         if state is not None and state.step == row.step and state.result is not None:
@@ -636,7 +696,7 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
         try:
             prepared = prepare_row(verifier, request.scheduler_id, index, row, now)
         except SpecbusError as exc:
-            results[row.request_id] = failed(verifier, row, Error.from_exception(exc, row.request_id))
+            results[row.request_id] = failed_result(verifier, row, Error.from_exception(exc, row.request_id))
             continue
         if isinstance(prepared, VerifyResult):
             results[row.request_id] = prepared
@@ -656,7 +716,7 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
                 work.error = Error.from_exception(exc, row.request_id)
         if work.error is not None:
             # the new tokens may be in the slot; the scheduler's next cached_len truncates them away
-            results[row.request_id] = failed(verifier, row, work.error)
+            results[row.request_id] = failed_result(verifier, row, work.error)
             continue
         work.state.step, work.state.result, work.state.record = row.step, result, record
         results[row.request_id] = result

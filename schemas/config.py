@@ -151,6 +151,15 @@ class GatewayConfig(BusConfig):
     default_max_tokens: int = 256  # a chat request without max_tokens (completions: 16, as OpenAI)
     timeout_s: float = 600.0  # per request unless the body gives timeout_s
     health_timeout_s: float = 2.0  # for a scheduler to answer $SRV.PING
+    # Limits checked before any work (README.md, "OpenAI-compatible API"): the API key before the
+    # body is read, then the body's size and pace. A prompt of MAX_PROMPT_CHARS characters (the most
+    # a GenerateRequest takes) is at most 6 MiB of JSON even with every character \u-escaped, so
+    # the largest valid request fits max_body_bytes; larger is a 413 before it is read.
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0  # to receive the whole body (a slow body is a 408), ~280 KB/s for the largest
+    header_timeout_s: float = 10.0  # from a connection's first byte (or an idle one's) to its request's headers
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn's default)
+    max_header_bytes: int = 16 * 1024  # request line and headers; larger is a 400 (h11's default)
 
 
 ROLES: dict[str, type] = {

@@ -10,7 +10,9 @@ A check that involves several fields raises `field_error(path, message)`: the co
 
 import hashlib
 import math
+import re
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -18,7 +20,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstr
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from schemas.arrays import (IdMatrix, LogprobMatrix, LogprobVector, ProbMatrix, Ranks, TokenIds, empty_ids,
+from schemas.arrays import (IdMatrix, LogprobMatrix, LogprobVector, Packed, ProbMatrix, Ranks, TokenIds, empty_ids,
                             empty_logprobs, same_value)
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import INSTANCE_ID_PATTERN
@@ -39,6 +41,11 @@ MIN_TEMPERATURE = 0.01  # logits / 0.01 stay finite in float32 for any finite bf
 MAX_TEMPERATURE = 100.0  # flatter than this is uniform to float32 precision for any real model
 MIN_TOP_P = 1e-6  # a normal float32; top_p below the top token's probability keeps that token alone
 MAX_TOP_K = 1 << 20  # above any vocabulary; top_k >= vocab size is "off"
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| at most, as OpenAI: -100 bans a token in practice, +100 forces it
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| at most, as OpenAI
+MIN_REPETITION_PENALTY = 0.01  # logits / 0.01 stay finite in float32, as for MIN_TEMPERATURE
+MAX_REPETITION_PENALTY = 100.0  # logits * 100 stay finite in float32 for any finite bf16/fp32 logit below ~3e36
 MAX_INBOX_LEN = 256  # characters of a client's reply subject (Commit.client_inbox)
 # Ids of a sampled draft's sparse proposal, at most, per draft position: a drafter samples from
 # its top MAX_DRAFT_SUPPORT ids (renormalised), and schedulers size draft batches by it.
@@ -70,6 +77,7 @@ def _finite_or_neg_inf(value: float) -> float:
 
 
 Logprob = Annotated[float, AfterValidator(_finite_or_neg_inf)]
+BiasVector = Annotated[np.ndarray, Packed(("float32",), ndim=1)]  # finite, in [-100, 100]: checked by LogitBias
 
 
 def new_request_id() -> str:
@@ -82,7 +90,7 @@ def seed_from_request_id(request_id: str) -> int:
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-class Model(BaseModel):
+class WireModel(BaseModel):
     """Base of every model: strict fields, and equality that compares arrays by value."""
 
     model_config = ConfigDict(extra="forbid", frozen=False)
@@ -95,7 +103,7 @@ class Model(BaseModel):
     __hash__ = None
 
 
-class Message(Model):
+class Message(WireModel):
     v: int = PROTOCOL_VERSION
 
     @field_validator("v")
@@ -111,12 +119,59 @@ class Message(Model):
 # ---------------------------------------------------------------- request options
 
 
-class RowSampling(Model):
+class LogitBias(WireModel):
+    """OpenAI's logit_bias in packed form.
+
+    token_ids / bias [n]: bias[i] is added to the logit of token_ids[i], before the penalties
+    and the temperature. At most MAX_LOGIT_BIAS ids, each once; every bias finite and within
+    +-MAX_LOGIT_BIAS_VALUE. The verifier checks the ids against its vocabulary (a row with an id
+    outside it fails naming `sampling.logit_bias`).
+    """
+
+    token_ids: TokenIds
+    bias: BiasVector
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LogitBias":
+        n = len(self.token_ids)
+        if len(self.bias) != n:
+            raise ValueError(f"{n} token ids for {len(self.bias)} bias values")
+        if n > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids, got {n}")
+        if len(np.unique(self.token_ids)) != n:
+            raise ValueError("a token id appears twice")
+        if not (np.abs(self.bias) <= MAX_LOGIT_BIAS_VALUE).all():  # False for NaN too
+            raise ValueError(f"every bias must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]")
+        return self
+
+    def as_dict(self) -> dict[int, float]:
+        return dict(zip(self.token_ids.tolist(), self.bias.tolist()))
+
+
+def logit_bias_from_mapping(value: Mapping) -> dict[str, list] | None:
+    """OpenAI's {token id: bias} (ids as ints or decimal strings, as JSON has them) -> the fields
+    of LogitBias; None for an empty map. ValueError naming the first bad entry."""
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids, got {len(value)}")
+    token_ids, bias = [], []
+    for key, number in value.items():
+        text = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+        if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,10}", text) or int(text) >= 2**31:
+            raise ValueError(f"{key!r} is not a token id")
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"the bias of token {text} is not a number")
+        token_ids.append(int(text))
+        bias.append(float(number))
+    return {"token_ids": token_ids, "bias": bias} if token_ids else None
+
+
+class RowSampling(WireModel):
     """What a drafter and a verifier need to draw one row's tokens.
 
     temperature 0 means greedy (argmax; the filters are then irrelevant). top_k 0 = off,
-    top_p 1 = off, min_p 0 = off. The scheduler fills `seed` for sampled rows when the client
-    gave none, so a retried or migrated step draws the same tokens.
+    top_p 1 = off, min_p 0 = off. `seed`: a sampled row must carry one (GenerateRequest fills
+    it from the request id when the client gave none), so a retried or migrated step draws the
+    same tokens.
 
     Ranges (the kernels compute in float32, so every accepted value must mean the same there as
     here; the scheduler, the drafter and the verifier then agree on greedy vs sampled):
@@ -124,6 +179,12 @@ class RowSampling(Model):
     greedy there but sampled here; 1e308 would be inf); top_p in [MIN_TOP_P, 1] (any top_p at
     or below the top token's probability keeps that token alone, so nothing is lost); top_k in
     [0, MAX_TOP_K]; min_p in [0, 1).
+
+    logit_bias and the penalties (gpu_worker/sampling.py `penalise`, in vLLM's order: logit_bias,
+    then repetition, frequency and presence penalties, then temperature and the filters) make a
+    position's distribution depend on the tokens before it: frequency_penalty and
+    presence_penalty count the output (the history after prompt_len, drafts of the same step
+    included), repetition_penalty looks at the prompt and the output. All off by default.
     """
 
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
@@ -133,6 +194,28 @@ class RowSampling(Model):
                          description=f"in [{MIN_TOP_P}, 1]; 1 = off")
     min_p: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False, description="in [0, 1); 0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+                                    description=f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], subtracted from the logit of "
+                                                "every token the output holds; 0 = off")
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+                                     description=f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], times the token's count in "
+                                                 "the output, subtracted from its logit; 0 = off")
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
+                                      description="the logit of a token the prompt or the output holds is divided by "
+                                                  "it (multiplied when negative); 1 = off")
+    logit_bias: LogitBias | None = Field(None, description="added to the logits of its ids; None = none. A client may "
+                                                           "give OpenAI's {token id: bias} map")
+    coupling: Literal["rejection", "gumbel"] = Field(
+        "rejection", description="how a sampled row's drafts are accepted: rejection sampling, or Gumbel-max "
+                                 "coupling, whose output depends on (seed, prompt, sampling) only, not on k or the "
+                                 "draft (docs/PROTOCOL.md#drafter-invariant-sampling); greedy rows ignore it")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _openai_logit_bias(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and set(value) != {"token_ids", "bias"}:
+            return logit_bias_from_mapping(value)
+        return value
 
     @field_validator("temperature")
     @classmethod
@@ -145,6 +228,21 @@ class RowSampling(Model):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def gumbel(self) -> bool:
+        """A sampled row drawn by Gumbel-max coupling (gpu_worker/coupling.py)."""
+        return self.coupling == "gumbel" and not self.greedy
+
+    @property
+    def penalised(self) -> bool:
+        """logit_bias or a penalty is on: a position's logits are more than the model's."""
+        return (self.logit_bias is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Its packed arrays (the logit bias), for a sender that sizes a batch by them."""
+        return () if self.logit_bias is None else (self.logit_bias.token_ids, self.logit_bias.bias)
 
 
 class SamplingParams(RowSampling):
@@ -173,7 +271,7 @@ class SamplingParams(RowSampling):
         return RowSampling(**{name: getattr(self, name) for name in RowSampling.model_fields})
 
 
-class LogprobOptions(Model):
+class LogprobOptions(WireModel):
     """What the client wants besides tokens (docs/PROTOCOL.md#logprobs-and-sampling-masks).
 
     logprobs: top-n logprobs per completion token (0 = only the chosen token's); None = none.
@@ -203,7 +301,7 @@ class LogprobOptions(Model):
                 or len(self.logprob_token_ids) > 0 or self.sampling_mask)
 
 
-class SpeculativeOptions(Model):
+class SpeculativeOptions(WireModel):
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)  # 0 = plain decoding
     draft_mode: Literal["greedy", "sample"] = "greedy"
 
@@ -211,7 +309,7 @@ class SpeculativeOptions(Model):
 # ---------------------------------------------------------------- client <-> service
 
 
-class ChatMessage(Model):
+class ChatMessage(WireModel):
     """One turn of a chat: its role (system, user, assistant, or any other the template knows) and text."""
 
     role: str = Field(min_length=1, max_length=64)
@@ -256,6 +354,15 @@ class GenerateRequest(Message):
             raise field_error("prompt_token_ids", "prompt_token_ids is empty")
         return self
 
+    @model_validator(mode="after")
+    def _seeded(self) -> "GenerateRequest":
+        """A sampled request without a seed gets one from its id, here and only here (where
+        every request is built or decoded), so every run, retry, migration and failover of it
+        draws the same tokens; the scheduler, drafter and verifier only read it."""
+        if not self.sampling.greedy and self.sampling.seed is None:
+            self.sampling = self.sampling.model_copy(update={"seed": seed_from_request_id(self.request_id)})
+        return self
+
 
 def check_limits(request: GenerateRequest, *, max_tokens_cap: int = MAX_TOKENS_CAP) -> None:
     """A scheduler's own limits on an already valid request; raises SpecbusError naming the field."""
@@ -288,7 +395,7 @@ class Error(Message):
         return cls(code=ErrorCode.internal, message="internal error", request_id=request_id)
 
 
-class SamplingMask(Model):
+class SamplingMask(WireModel):
     """The candidate set K a token was sampled from.
 
     all_tokens=True: K is the whole vocabulary (no filter cut anything); token_ids is empty.
@@ -315,7 +422,7 @@ class SamplingMask(Model):
         return self
 
 
-class TokenLogprob(Model):
+class TokenLogprob(WireModel):
     """Logprob data for one token, as the client reads it.
 
     top_ids/top_logprobs are parallel arrays, most likely first (`top` pairs them up);
@@ -341,7 +448,7 @@ class TokenLogprob(Model):
         return self
 
 
-class Usage(Model):
+class Usage(WireModel):
     prompt_tokens: Count = 0
     completion_tokens: Count = 0
     draft_tokens_proposed: Count = 0
@@ -413,7 +520,7 @@ class Admitted(Message):
 # ---------------------------------------------------------------- scheduler <-> drafter / verifier
 
 
-class Proposal(Model):
+class Proposal(WireModel):
     """The distributions the draft tokens were drawn from (docs/PROTOCOL.md#proposal), n = #drafts.
 
     point_mass: no arrays; p_i is one-hot at the draft token (greedy / top-1 drafts).
@@ -497,7 +604,7 @@ class Batch(Message):
         return self
 
 
-class DraftTokens(Model):
+class DraftTokens(WireModel):
     """Draft tokens, as TARGET vocabulary ids (the drafter maps them with d2t), and the
     proposal they were drawn from; the two must agree (check_drafts)."""
 
@@ -510,12 +617,14 @@ class DraftTokens(Model):
         return self
 
 
-class DraftRow(Model):
+class DraftRow(WireModel):
     """One request in a DraftRequest.
 
     cached_len: committed tokens the scheduler expects the drafter to hold BEFORE appending
     new_token_ids (0 = start from scratch: new_token_ids is then the whole history).
     A drafter holding something else answers need_resync instead of guessing.
+    prompt_len: history positions before it are the prompt, the rest the output, whose tokens
+    the draft's own presence and frequency penalties count.
     """
 
     request_id: RequestId
@@ -526,6 +635,7 @@ class DraftRow(Model):
     num_draft: int = Field(ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_mode: Literal["greedy", "sample"] = "greedy"
     sampling: RowSampling = Field(default_factory=RowSampling)
+    prompt_len: Count = 0
 
 
 class DraftRequest(Batch):
@@ -586,7 +696,7 @@ class VerifyRequest(Batch):
     release: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH_ROWS)
 
 
-class VerifyResult(Model):
+class VerifyResult(WireModel):
     """token_ids: the emitted tokens: num_accepted drafts then one recovered or bonus token,
     or none (a prefill chunk that emits nothing yet, need_resync, or error)."""
 
@@ -617,7 +727,7 @@ class VerifyResponse(Batch):
 # ---------------------------------------------------------------- verifier / scheduler -> postprocessor
 
 
-class LogprobArrays(Model):
+class LogprobArrays(WireModel):
     """Logprob statistics for n positions, computed on the GPU side (docs/PROTOCOL.md#logprobarrays).
 
     token_logprobs [n]: the logprob of the token at each position.

@@ -24,19 +24,25 @@ from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import validate
 from schemas.config import ENV_PREFIX, ROLES, BusConfig, default_target_model, load_config
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, StreamChunk,
-                              new_request_id)
+from schemas.messages import (
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    SpeculativeOptions,
+    StreamChunk,
+    new_request_id,
+)
 from schemas.subjects import DEFAULT_PREFIX
-from services.runtime.auth import users_from_env
 from services.client import Client
-from services.runtime.logs import LEVELS, configure_logging
+from services.commands import bench_serve
 from services.commands.models import add_models_arguments, run_models
-from services.launch.natsserver import NatsServer, NatsServerConfig
-from services.runtime.auth import DEFAULT_MAX_PAYLOAD
 from services.commands.selfcheck import add_selfcheck_arguments, run_selfcheck_command
+from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.launch.stack import PARENT_PID_ENV
 from services.launch.supervisor import CrashLoop, supervise
 from services.launch.up import add_stack_arguments, print_error, stack_config, start_stack
+from services.runtime.auth import DEFAULT_MAX_PAYLOAD, users_from_env
+from services.runtime.logs import LEVELS, configure_logging
 from services.runtime.tasks import shutdown_event, until_stopped
 
 log = structlog.get_logger(__name__)
@@ -210,6 +216,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="0 = plain decoding")
     speculative.add_argument("--draft-mode", choices=["greedy", "sample"], default=None)
+    speculative.add_argument("--coupling", choices=["rejection", "gumbel"], default=None,
+                             help="gumbel: a seeded sampled output independent of k and the draft (default rejection)")
     logprobs = parser.add_argument_group("logprobs and masks")
     logprobs.add_argument("--logprobs", type=int, default=None, metavar="N", help="top-N logprobs per token (0: its own)")
     logprobs.add_argument("--logprobs-mode", choices=["raw", "processed"], default=None)
@@ -237,7 +245,8 @@ def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
     fields = {
         "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                      "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
-                     "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos},
+                     "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos,
+                     "coupling": args.coupling},
         "speculative": {"num_speculative_tokens": args.num_speculative_tokens, "draft_mode": args.draft_mode},
         "logprobs": {"logprobs": args.logprobs, "logprobs_mode": args.logprobs_mode,
                      "prompt_logprobs": args.prompt_logprobs, "logprob_token_ids": args.logprob_token_ids,
@@ -414,6 +423,19 @@ class Command:
     run: Callable[[argparse.Namespace], Awaitable[int]]
 
 
+# ---------------------------------------------------------------------------------------------
+# specbus bench
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bench_serve.add_arguments(benches.add_parser("serve", help=bench_serve.HELP, description=bench_serve.HELP))
+
+
+async def run_bench(args: argparse.Namespace) -> int:
+    return await bench_serve.run(args)  # "serve" is the only benchmark so far
+
+
 COMMANDS: dict[str, Command] = {
     "up": Command("run nats-server and every service (each a process) until Ctrl-C", add_up_arguments, run_up),
     "serve": Command("run one service (scheduler, verifier, drafter, postprocessor or gateway)", add_serve_arguments,
@@ -426,6 +448,8 @@ COMMANDS: dict[str, Command] = {
     "selfcheck": Command("check a running stack: speculation must change nothing (exit 1 on a failure)",
                          add_selfcheck_arguments, run_selfcheck_command),
     "models": Command("pull the default target model, or list the known models", add_models_arguments, run_models),
+    "bench": Command("benchmarks; `bench serve` load-tests an OpenAI-compatible server (ShareGPT or random prompts)",
+                     add_bench_arguments, run_bench),
 }
 
 

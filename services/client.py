@@ -54,9 +54,9 @@ from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, Heartbeat, LogprobOptions,
                               SamplingMask, SamplingParams, SpeculativeOptions, StreamChunk, TokenLogprob, Usage,
-                              new_request_id, seed_from_request_id)
+                              new_request_id)
 from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
-from services.runtime.auth import PermissionDenied, inbox_prefix
+from services.runtime.auth import CLIENT_MAX_PAYLOAD, PermissionDenied, inbox_prefix
 from services.runtime.bus import NO_RESPONDERS_STATUS, BusError, connect, permission_watch, publish, tls_context
 
 log = structlog.get_logger(__name__)
@@ -115,8 +115,9 @@ def make_request(prompt: str | Sequence[int] | np.ndarray | None = None, *,
     "content": ...}, ...]: the scheduler applies the target's chat template, and generation stops
     at its end-of-turn token, the model's EOS) and flat options: any field of
     SamplingParams (max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids,
-    ignore_eos), LogprobOptions (logprobs, prompt_logprobs, logprobs_mode, logprob_token_ids,
-    sampling_mask, max_mask_size), SpeculativeOptions (num_speculative_tokens, draft_mode),
+    ignore_eos, the penalties, logit_bias, coupling), LogprobOptions (logprobs, prompt_logprobs,
+    logprobs_mode, logprob_token_ids, sampling_mask, max_mask_size), SpeculativeOptions
+    (num_speculative_tokens, draft_mode),
     and request_id, timeout_s, stream. Options given as None keep their defaults.
     Raises CodecError naming the field (e.g. "sampling.top_p") for a bad value or name.
     """
@@ -421,16 +422,13 @@ class Stream:
             return False
         self.num_failovers += 1
         old_run, old_subscription = self.run_id, self.subscription
-        sampling = self.request.sampling
-        if not sampling.greedy and sampling.seed is None:  # the run's id changes; the draws must not
-            sampling = sampling.model_copy(update={"seed": seed_from_request_id(self.request.request_id)})
         logprobs = self.request.logprobs
         if self.next_seq > 0:  # the first chunk, with the prompt logprobs, was read
             logprobs = logprobs.model_copy(update={"prompt_logprobs": None})
         self.run_id = f"{self.request.request_id[:MAX_RUN_ID_STEM]}.failover{self.num_failovers}"
         remaining_s = max(self.deadline - self.client.timeout_margin_s - time.monotonic(), 1.0)
         run = self.request.model_copy(update={
-            "request_id": self.run_id, "sampling": sampling, "logprobs": logprobs, "timeout_s": remaining_s,
+            "request_id": self.run_id, "logprobs": logprobs, "timeout_s": remaining_s,
             "resume_token_ids": np.asarray(self.delivered, dtype=np.int32) if self.delivered else None})
         log.warning("failover", request_id=self.request.request_id, why=why, old_run=old_run, new_run=self.run_id,
                     resumed_tokens=len(self.delivered), seq=self.next_seq)
@@ -572,7 +570,7 @@ class Client:
     async def __aenter__(self) -> Client:
         self.nc = await connect(self.url, self.name, connect_timeout_s=self.connect_timeout_s,
                                 initial_connect_timeout_s=self.connect_timeout_s, user=self.user,
-                                password=self.password, tls=self.tls,
+                                password=self.password, tls=self.tls, max_payload=CLIENT_MAX_PAYLOAD,
                                 inbox_prefix=inbox_prefix(self.user or DEFAULT_CLIENT_USER))
         if self.failover:
             await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)

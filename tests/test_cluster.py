@@ -1,4 +1,4 @@
-"""A 3-node NATS cluster (issue 15): the embedded stack with `nats_cluster=3`, every service a
+"""A 3-node NATS cluster: the embedded stack with `nats_cluster=3`, every service a
 separate process given all three URLs, and the node one process is connected to SIGKILLed
 while NUM_REQUESTS greedy streams run (triggered when every stream has FAULT_AFTER_CHUNKS
 chunks, not by wall time; tests/test_faults.py's workload).
@@ -23,8 +23,18 @@ import pytest_asyncio
 
 from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
 from services.launch.stack import Stack
-from tests.test_faults import Load, Streamed, check_whole, fault_config, greedy, heartbeats_since, requests_for
-from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
+from tests.test_faults import (  # noqa: F401  (fixtures)
+    Load,
+    Streamed,
+    check_whole,
+    fault_config,
+    greedy,
+    heartbeats_since,
+    models,
+    prompts,
+    requests_for,
+    tokenizer,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -12,18 +12,23 @@ import time
 from pathlib import Path
 
 import nats.errors
-
 import pytest
 import yaml
 
-from schemas.config import ENV_PREFIX, ROLES as CONFIGS
-from services.runtime.auth import CLIENT_USERS_ENV, SERVICE_ROLES, generate_credentials, password_env
-from services.runtime.bus import BusUnavailable, connect
+from schemas.config import ENV_PREFIX
+from schemas.config import ROLES as CONFIGS
 from services.cli import build_parser
-from services.runtime.auth import api_key_env
 from services.launch.natsserver import find_nats_server_binary
-from services.runtime.auth import DEFAULT_MAX_PAYLOAD
 from services.launch.stack import ROLES, StackConfig, serve_command
+from services.runtime.auth import (
+    CLIENT_USERS_ENV,
+    DEFAULT_MAX_PAYLOAD,
+    SERVICE_ROLES,
+    api_key_env,
+    generate_credentials,
+    password_env,
+)
+from services.runtime.bus import BusUnavailable, connect
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_CONFIG_ENV = {"SPECBUS_LOG_JSON"}  # read by the CLI's logging, not a service setting

@@ -1,4 +1,4 @@
-"""Scheduler failover (issue 15): two schedulers, each a separate process, and the one running
+"""Scheduler failover: two schedulers, each a separate process, and the one running
 most of NUM_REQUESTS streams SIGKILLed once every stream has FAULT_AFTER_CHUNKS chunks (stream
 progress, not wall time). Half the requests are greedy, half seeded sampled; half of each ask for
 logprobs.
@@ -24,12 +24,21 @@ import pytest_asyncio
 from schemas.codec import decode
 from schemas.messages import GenerateRequest
 from schemas.subjects import SCHEDULER_QUEUE_GROUP
-from services.runtime.bus import connect
 from services.client import make_request
 from services.launch.stack import Stack, StackConfig
 from services.launch.supervisor import RestartPolicy, supervise
-from tests.test_faults import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, K, Load, Streamed, check_whole
-from tests.test_faults import models, prompts, tokenizer  # noqa: F401  (fixtures)
+from services.runtime.bus import connect
+from tests.test_faults import (  # noqa: F401  (fixtures)
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    K,
+    Load,
+    Streamed,
+    check_whole,
+    models,
+    prompts,
+    tokenizer,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -1,4 +1,4 @@
-"""Fault injection (issue 6, Deliver 1): every service a separate process (services.launch.stack), a
+"""Fault injection: every service a separate process (services.launch.stack), a
 real nats-server, and parts of the stack killed with SIGKILL or frozen with SIGSTOP while
 NUM_REQUESTS greedy streaming requests run. What a user checks: every stream is whole (seq 0, 1,
 2, ... without gap or duplicate, and its text is the decoding of its token ids), greedy outputs
@@ -500,7 +500,7 @@ async def test_a_final_commit_lost_with_its_postprocessor_is_replayed(tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
-# the fault matrix (issue 15): each single-process kill against the same workload
+# the fault matrix: each single-process kill against the same workload
 
 MATRIX_MAX_TOKENS = 96
 # A NATS node's death moves up to every process at once (on a loaded machine each reconnect can

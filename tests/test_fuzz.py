@@ -1,4 +1,4 @@
-"""Bad input (issue 6, item 2): hypothesis-generated garbage to every subject each service of a
+"""Bad input: hypothesis-generated garbage to every subject each service of a
 real multi-process stack listens on (tiny random models, no NATS auth: what is tested is the
 services' own defence, whoever got a message through).
 
@@ -10,7 +10,7 @@ the typed error the codec gives for those bytes (an error StreamChunk for genera
 message is counted by the service that dropped it and logged in at most one line at WARNING;
 afterwards every process is alive and a greedy generation gives what it gave before.
 
-Then extreme but valid requests (issue 11): hypothesis-generated GenerateRequests with every field
+Then extreme but valid requests: hypothesis-generated GenerateRequests with every field
 at or between its schema limits (prompts over max_seq_len or of MAX_PROMPT_CHARS, token ids
 outside the vocabulary, temperatures and top_p at their bounds, max_tokens up to the cap,
 timeouts from 1 ns to an hour, ...) and CancelRequests racing them (right after the request, or
@@ -37,17 +37,47 @@ from hypothesis import strategies as st
 
 from schemas.codec import MAX_ARRAY_LEN, decode
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (MAX_LOGPROB_TOKEN_IDS, MAX_MASK_SIZE, MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS,
-                              MAX_PROMPT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K,
-                              MAX_TOP_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, MAX_BATCH_ROWS, CancelRequest, Commit, DraftRequest, DraftRow, Error, GenerateRequest,
-                              Heartbeat, LogprobArrays, LogprobOptions, Message, Proposal, RowSampling, SamplingMask,
-                              SamplingParams, SideChannelRecord, StopNotice, StreamChunk, VerifyRequest, VerifyResponse,
-                              VerifyRow)
+from schemas.messages import (
+    MAX_BATCH_ROWS,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_MASK_SIZE,
+    MAX_PROMPT_CHARS,
+    MAX_SPECULATIVE_TOKENS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS_CAP,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    CancelRequest,
+    Commit,
+    DraftRequest,
+    DraftRow,
+    Error,
+    GenerateRequest,
+    Heartbeat,
+    LogprobArrays,
+    LogprobOptions,
+    Message,
+    Proposal,
+    RowSampling,
+    SamplingMask,
+    SamplingParams,
+    SideChannelRecord,
+    StopNotice,
+    StreamChunk,
+    VerifyRequest,
+    VerifyResponse,
+    VerifyRow,
+)
 from schemas.subjects import Subjects
-from services.runtime.auth import inbox_prefix
-from services.runtime.bus import connect
 from services.client import RequestError, make_request
 from services.launch.stack import Stack, StackConfig
+from services.runtime.auth import inbox_prefix
+from services.runtime.bus import connect
 from tests.gpu_worker.conftest import VT, write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -363,7 +393,7 @@ async def test_values_out_of_range_are_refused_naming_the_field(stack, nc, clien
 
 
 # ---------------------------------------------------------------------------------------------
-# extreme but valid requests through the real stack (issue 11)
+# extreme but valid requests through the real stack
 
 CANARY_TOKENS = 32
 OUTCOME_SLACK_S = 30.0  # past a request's deadline + the client's margin: a busy machine, not a hang

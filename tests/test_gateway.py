@@ -1,9 +1,11 @@
-"""The OpenAI-compatible gateway (issue 13) through the official `openai` package, against a real
+"""The OpenAI-compatible gateway through the official `openai` package, against a real
 stack: nats-server, scheduler, verifier, drafter, postprocessor and gateway, each a process, on a
 tiny random model pair whose target tokenizer got a ChatML chat template.
 
 Expected values come from the NATS client (services/client.py) for the same request: greedy
-text, logprobs, prompt scores. The scheduler admits 2 running + 2 queued requests, so a request
+text, logprobs, prompt scores. The OpenAI and vLLM behaviours a peer's test suite checks (usage,
+models.retrieve, prompt_logprobs, stream rules, echo offsets) are here too, and one client's
+flood on the bus; the limits checked before work are in tests/test_gateway_hardening.py. The scheduler admits 2 running + 2 queued requests, so a request
 with n=8 long choices meets `overloaded`. The test that stops the scheduler runs after the others
 on that stack; the last test starts a second, bare stack without auth (a gateway and no scheduler).
 """
@@ -11,6 +13,7 @@ on that stack; the last test starts a second, bare stack without auth (a gateway
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +25,15 @@ import openai
 import pytest
 import pytest_asyncio
 
+from openai.types import CompletionUsage
+from openai.types.completion_usage import CompletionTokensDetails
+
 from gpu_worker.tokenizer import load_tokenizer
+from schemas.codec import decode, encode
+from schemas.messages import MAX_PROMPT_CHARS, Heartbeat
 from services.client import make_request, score_request
+from services.runtime.auth import CLIENT_MAX_PAYLOAD
+from services.runtime.bus import connect
 from services.launch.natsserver import NatsServerConfig
 from services.launch.stack import Stack, StackConfig
 from tests.gpu_worker.conftest import write_tiny_pair
@@ -115,7 +125,7 @@ async def test_greedy_completion_equals_the_nats_clients_streamed_or_not(stack, 
     assert completion.usage.completion_tokens == MAX_TOKENS == expected.usage.completion_tokens
     assert completion.usage.prompt_tokens == expected.usage.prompt_tokens
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + MAX_TOKENS
-    assert completion.usage.model_extra["draft_tokens_proposed"] > 0
+    assert completion.model_extra["speculation"]["draft_tokens_proposed"] > 0
 
     stream = await api.completions.create(model=model, prompt=PROMPT, stream=True,
                                           stream_options={"include_usage": True}, **GREEDY)
@@ -207,7 +217,7 @@ async def test_n_choices_are_the_nats_clients_with_seed_plus_index(api, client, 
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 2.0), ("top_k", -3),
-                                          ("num_speculative_tokens", 99), ("presence_penalty", 0.5),
+                                          ("num_speculative_tokens", 99), ("presence_penalty", 2.5),
                                           ("logprobs", 99), ("frequency", 1)])
 async def test_a_bad_field_is_a_400_naming_it(api, model, field, value):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -226,7 +236,7 @@ async def test_bad_key_unknown_model_and_no_chat_template_errors(stack, api, mod
         await api.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
     assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as caught:
-        await api.chat.completions.create(model=model, messages=[{"role": "robot", "content": "hi"}], max_tokens=4)
+        await api.chat.completions.create(model=model, messages=[{"role": "r" * 65, "content": "hi"}], max_tokens=4)
     assert caught.value.body["param"] == "messages[0].role"
 
 
@@ -289,6 +299,246 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack, a
     assert stats["running"] == 0 and ended_by_the_client(stats) == cancelled_before + 2, stats
     status, metrics = await asyncio.to_thread(http_get, stack.openai_base_url.removesuffix("/v1") + "/metrics")
     assert status == 200 and "specbus_gateway_disconnect_cancels_total 2.0" in metrics
+
+
+async def test_logit_bias_and_penalties_are_applied_as_the_nats_clients(api, client, model):
+    greedy = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    plain = await client.generate(make_request(PROMPT, **greedy))
+    top = plain.token_ids[0]  # the greedy top token after the prompt
+    banned = await api.completions.create(model=model, prompt=PROMPT, logit_bias={str(top): -100}, **GREEDY)
+    expected = await client.generate(make_request(PROMPT, logit_bias={top: -100}, **greedy))
+    assert banned.choices[0].text == expected.text != plain.text and expected.token_ids[0] != top
+    assert top not in expected.token_ids
+
+    penalties = dict(presence_penalty=1.5, frequency_penalty=1.0, logit_bias={"17": 3.0})
+    extra = {"ignore_eos": True, "repetition_penalty": 1.3}
+    completion = await api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                                              extra_body=extra, **penalties)
+    expected = await client.generate(make_request(PROMPT, **greedy, **(penalties | {"repetition_penalty": 1.3})))
+    assert completion.choices[0].text == expected.text != plain.text
+    chat = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=4, extra_body=extra, **penalties)
+    assert chat.choices[0].finish_reason == "length"
+
+    for bad, param in ((dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(logit_bias={"x": 1}), "logit_bias"),
+                       (dict(logit_bias={"5": 250}), "logit_bias"),
+                       (dict(logit_bias={"100000": 1}), "logit_bias"),  # outside the vocabulary: the verifier's check
+                       (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await api.completions.create(model=model, prompt=PROMPT, max_tokens=2, **bad)
+        assert caught.value.status_code == 400 and caught.value.body["param"] == param, caught.value.body
+
+
+# ---------------------------------------------------------------------------------------------
+# what a peer's OpenAI-server test suite (vLLM's, SGLang's) checks
+
+
+async def verifier_max_seq_len(stack) -> int:
+    """max_seq_len as a verifier's heartbeat advertises it."""
+    subscription = await stack.nc.subscribe(stack.subjects.heartbeat)
+    try:
+        while True:
+            beat = decode((await subscription.next_msg(timeout=30)).data, Heartbeat)
+            if beat.role == "verifier":
+                return int(beat.model_ids["max_seq_len"])
+    finally:
+        await subscription.unsubscribe()
+
+
+async def test_models_retrieve_gives_the_entry_with_max_model_len(stack, api, model):
+    expected = await verifier_max_seq_len(stack)
+    retrieved = await api.models.retrieve(model)
+    assert (retrieved.id, retrieved.object, retrieved.model_extra["max_model_len"]) == (model, "model", expected)
+    listed = await api.models.list()
+    assert listed.data == [retrieved]
+    with pytest.raises(openai.NotFoundError) as caught:
+        await api.models.retrieve("gpt-4")
+    assert caught.value.body["code"] == "model_not_found"
+
+
+async def test_usage_holds_only_openai_fields_with_drafts_as_predicted_tokens(api, model):
+    completion = await api.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    speculation = completion.model_extra["speculation"]
+    proposed, accepted = speculation["draft_tokens_proposed"], speculation["draft_tokens_accepted"]
+    assert proposed > 0 and speculation["acceptance_rate"] == accepted / proposed and speculation["steps"] > 0
+    prompt_tokens = completion.usage.prompt_tokens
+    assert completion.usage == CompletionUsage(  # the SDK's equality, as a peer's suite checks it
+        prompt_tokens=prompt_tokens, completion_tokens=MAX_TOKENS, total_tokens=prompt_tokens + MAX_TOKENS,
+        completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=accepted, audio_tokens=0,
+                                                          reasoning_tokens=0,
+                                                          rejected_prediction_tokens=proposed - accepted))
+    stream = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               stream=True, stream_options={"include_usage": True}, **GREEDY)
+    last = [chunk async for chunk in stream][-1]
+    assert last.choices == [] and last.usage.model_extra == {} and last.usage.completion_tokens == MAX_TOKENS
+    assert last.model_extra["speculation"]["draft_tokens_proposed"] == \
+        sum(last.usage.completion_tokens_details.model_dump(include={"accepted_prediction_tokens",
+                                                                     "rejected_prediction_tokens"}).values())
+
+
+def vllm_scores(result) -> list:
+    """A NATS client's prompt logprobs (top 2) as vLLM's prompt_logprobs."""
+    return [None if entry is None else {str(i): v for i, v in entry.top[:2]} | {str(entry.token_id): entry.logprob}
+            for entry in result.prompt_logprobs]
+
+
+async def test_prompt_logprobs_is_vllms_extra_field(stack, api, client, model):
+    expected = await client.generate(score_request(PROMPT, prompt_logprobs=2))
+    completion = await api.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0,
+                                              extra_body={"prompt_logprobs": 2})
+    scored = completion.choices[0].model_extra["prompt_logprobs"]
+    assert [None if e is None else {i: v["logprob"] for i, v in e.items()} for e in scored] == vllm_scores(expected)
+    tokenizer = load_tokenizer(stack.config.target_model)
+    assert scored[1][str(expected.prompt_token_ids[1])]["decoded_token"] == \
+        tokenizer.hf.decode([expected.prompt_token_ids[1]])
+    assert all(e is None or all(v["rank"] >= 1 for v in e.values()) for e in scored)
+
+    messages = [{"role": "user", "content": "Read a file."}]
+    chat = await api.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                             extra_body={"prompt_logprobs": 2})
+    expected = await client.generate(make_request(messages=messages, max_tokens=0, prompt_logprobs=2))
+    assert [None if e is None else {i: v["logprob"] for i, v in e.items()} for e in chat.model_extra["prompt_logprobs"]] \
+        == vllm_scores(expected)
+    with pytest.raises(openai.BadRequestError) as caught:  # vLLM's rule: not in a stream
+        await api.completions.create(model=model, prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1})
+    assert caught.value.body["param"] == "prompt_logprobs"
+
+
+async def test_stream_options_without_stream_is_a_400(api, model):
+    for create in (lambda: api.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                                  stream_options={"include_usage": True}),
+                   lambda: api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=2, stream_options={"include_usage": True})):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await create()
+        assert caught.value.body["param"] == "stream_options"
+
+
+async def test_n_choices_stream_one_choice_per_chunk(api, model):
+    sampled = dict(n=2, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    for stream in (await api.completions.create(model=model, prompt=PROMPT, stream=True, **sampled),
+                   await api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     stream=True, **sampled)):
+        chunks = [chunk async for chunk in stream]
+        assert all(len(chunk.choices) == 1 for chunk in chunks)
+        assert sorted({chunk.choices[0].index for chunk in chunks}) == [0, 1]
+        for index in (0, 1):
+            assert [c.choices[0].finish_reason for c in chunks if c.choices[0].index == index][-1] == "length"
+
+
+async def test_an_omitted_model_is_the_one_served(api, model):
+    completion = await api.completions.create(model=openai.omit, prompt=PROMPT, **GREEDY)
+    named = await api.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    assert completion.model == model and completion.choices[0].text == named.choices[0].text
+    chat = await api.chat.completions.create(model=openai.omit, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2)
+    assert chat.model == model
+
+
+async def test_custom_roles_and_extra_message_fields_reach_the_template_as_role_and_content(api, client, model):
+    """As vLLM: any role the template renders, extra fields accepted; the template gets role and content."""
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Read a file.", "name": "ann"},
+                {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "tool", "content": "ok", "tool_call_id": "call-1"}]
+    plain = [{"role": m["role"], "content": m["content"] or ""} for m in messages]
+    expected = await client.generate(make_request(messages=plain, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                  ignore_eos=True))
+    chat = await api.chat.completions.create(model=model, messages=messages, **GREEDY)
+    assert chat.choices[0].message.content == expected.text
+
+
+async def test_echo_text_agrees_with_its_offsets_for_every_token_special_ones_included(stack, model):
+    """The request from the field: five <|endoftext|> as token ids, echoed with logprobs."""
+    body = {"model": model, "prompt": [0, 0, 0, 0, 0], "max_tokens": 3, "temperature": 0, "echo": True,
+            "logprobs": 0}
+    status, answer = await asyncio.to_thread(http_post, stack, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, answer
+    choice = json.loads(answer)["choices"][0]
+    text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert tokens[:5] == ["<|endoftext|>"] * 5 and text.startswith("<|endoftext|>" * 5)
+    assert len(tokens) == len(offsets) == 8
+    for token, start in zip(tokens, offsets):
+        assert text[start:start + len(token)] == token or token == "<|endoftext|>" and start >= 65
+
+
+def http_post(stack, path: str, body: bytes, user: str = "alice") -> tuple[int, str]:
+    request = urllib.request.Request(stack.openai_base_url.removesuffix("/v1") + path, data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {stack.api_key(user)}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# one client's flood on the bus
+
+
+async def scheduler_connection(stack) -> dict:
+    url = f"http://127.0.0.1:{stack.server.monitoring_port}/connz?auth=1"
+    connections = json.loads((await asyncio.to_thread(http_get, url))[1])["connections"]
+    [scheduler] = [c for c in connections if c.get("name") == "scheduler-0"]
+    return scheduler
+
+
+FLOOD_MESSAGES = 40
+
+
+async def test_a_clients_flood_of_its_largest_messages_leaves_the_scheduler_on_the_bus(stack, api, client, model):
+    """alice publishes FLOOD_MESSAGES of the largest requests her account lets her send (valid,
+    each refused: a prompt of MAX_PROMPT_CHARS four-byte characters) while bob streams through the
+    gateway. The scheduler cannot read them as fast as she sends: nats-server cuts its
+    subscription's own connection as a slow consumer, never the connection the step loop uses,
+    so bob's stream completes as it would alone and unflagged. One byte over her limit closes
+    alice's own connection, nobody else's."""
+    expected = await client.generate(make_request(PROMPT, max_tokens=48, temperature=0.0, ignore_eos=True))
+    before, stats_before = await scheduler_connection(stack), await scheduler_stats(stack)
+    bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0, timeout=300)
+    stream = await bob.completions.create(model=model, prompt=PROMPT, max_tokens=48, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+    flood = encode(make_request("\U0001F600" * MAX_PROMPT_CHARS, max_tokens=1))
+    assert 4 * MAX_PROMPT_CHARS < len(flood) < CLIENT_MAX_PAYLOAD - 256  # room for the subject and inbox
+    alice = await connect(stack.url, "alice-flood", **stack.client_login("alice"))
+    try:
+        text, flags = "", []
+        async for chunk in stream:
+            if not text and chunk.choices[0].text:  # bob's stream runs: now the flood
+                for _ in range(FLOOD_MESSAGES):
+                    await alice.publish(stack.subjects.generate_for("alice"), flood, reply=alice.new_inbox())
+            text += chunk.choices[0].text
+            flags += chunk.choices[0].model_extra.get("degraded", [])
+        await alice.flush(timeout=120)
+        assert alice.stats["reconnects"] == 0 and alice.stats["out_msgs"] >= FLOOD_MESSAGES
+        # one byte over her limit: the server closes her connection (nats-py only knows the server-wide limit)
+        await alice.publish(stack.subjects.generate_for("alice"), b"\xc1" * (CLIENT_MAX_PAYLOAD + 1))
+        deadline = time.monotonic() + 60
+        while "maximum payload exceeded" not in stack.server.log_tail(1_000_000):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+    finally:
+        await alice.close()
+    assert text == expected.text and "verifier_retry" not in flags, flags
+    refused = "refused_invalid_field"  # at least the first reached the scheduler and was refused
+    await poll_scheduler(stack, lambda s: s.get(refused, 0) > stats_before.get(refused, 0))
+    after = await scheduler_connection(stack)
+    assert after["cid"] == before["cid"]  # the step loop's connection: the same, never cut
+    log = stack.processes["scheduler-0"].log_tail(2_000_000)
+    assert not re.search(r"nats_(dis|re)connected\s+connection=scheduler-0(\s|$)", log, re.MULTILINE)
+    server_log = stack.server.log_tail(1_000_000)
+    cut = [line for line in server_log.splitlines() if "Slow Consumer" in line]  # "v2.16.0:python3:<name>"
+    assert not [line for line in cut if ':scheduler-0"' in line], cut
+    assert "user:alice" in next(line for line in server_log.splitlines() if "maximum payload exceeded" in line)
+
+
+async def poll_scheduler(stack, done, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not done(stats := await scheduler_stats(stack)):
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.1)
+    return stats
 
 
 async def test_health_is_ready_with_a_scheduler_and_503_without(stack, api, model):

@@ -1,4 +1,4 @@
-"""Load and backpressure (issue 6, item 3): a real multi-process stack with tiny random models,
+"""Load and backpressure: a real multi-process stack with tiny random models,
 far more concurrent requests than it admits.
 
 The scheduler admits max_running 4 + max_queue 4; the verifier and drafter hold 4 KV slots each.

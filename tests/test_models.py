@@ -29,8 +29,8 @@ from schemas.errors import SpecbusError
 from schemas.messages import GenerateRequest
 from services.client import make_request
 from services.commands.models import GGUF_MEMBER, source_gguf
-from services.pipeline.scheduler_core import prompt_token_ids
 from services.launch.stack import Stack, StackConfig
+from services.pipeline.scheduler_core import prompt_token_ids
 
 TIMEOUT_S = 300.0
 CHATS = [

@@ -1,4 +1,4 @@
-"""End to end (issue 5, Done means): every service a separate process (services.launch.stack.Stack), a
+"""End to end: every service a separate process (services.launch.stack.Stack), a
 real nats-server, the shipped model pair.
 
 The models in models/ are being retrained and overwritten by checkpoints, so the module copies
@@ -33,11 +33,11 @@ from schemas.codec import decode
 from schemas.config import REPO_MODELS
 from schemas.errors import ErrorCode
 from schemas.messages import GenerateRequest, StreamChunk
-from services.runtime.bus import connect
 from services.client import Client, Overloaded, RequestError, make_request, score_request
 from services.launch.natsserver import NatsServerConfig
-from services.runtime.auth import NatsUser
 from services.launch.stack import Stack, StackConfig
+from services.runtime.auth import NatsUser
+from services.runtime.bus import connect
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -233,6 +233,19 @@ async def run_cli(*args, timeout_s=120, env=None):
                                    env=env)
 
 
+async def test_gumbel_coupled_sampling_is_the_same_at_every_k_and_still_accepts_drafts(client, prompts):
+    outputs = {}
+    for k in (0, 4, 8):
+        results = await generate_all(client, [sampled(prompt, seed=30 + i, k=k, coupling="gumbel")
+                                              for i, prompt in enumerate(prompts[:6])])
+        outputs[k] = [r.token_ids for r in results]
+        if k:  # the draft proposes with the target's noise: some proposals must be accepted
+            assert sum(r.usage.draft_tokens_accepted for r in results) > 0
+    assert outputs[4] == outputs[0] and outputs[8] == outputs[0]
+    rejection = await generate_all(client, [sampled(prompt, seed=30 + i, k=0) for i, prompt in enumerate(prompts[:6])])
+    assert [r.token_ids for r in rejection] != outputs[0]  # another coupling, other draws: the test can fail
+
+
 # ---------------------------------------------------------------------------------------------
 # the small, restricted stack whose parts get withheld and killed
 
@@ -311,6 +324,32 @@ async def test_a_killed_drafter_leaves_greedy_outputs_unchanged_flagged_draft_ti
     for (token_ids, degraded, finish_reason), expected in zip(outcomes, reference):
         assert finish_reason == "length" and token_ids == expected.token_ids
     assert any("draft_timeout" in degraded for _, degraded, _ in outcomes)
+
+
+async def test_a_killed_drafter_leaves_gumbel_coupled_sampled_outputs_unchanged(fault_stack, prompts):
+    """The reference runs at k=0 (no drafter needed: the output does not depend on k); the
+    speculative runs lose their fresh drafter after their first chunk."""
+    stack, client = fault_stack
+    requests = [sampled(p, seed=50 + i, max_tokens=64, coupling="gumbel") for i, p in enumerate(prompts[4:6])]
+    reference = await generate_all(client, [r.model_copy(update={
+        "request_id": r.request_id + "-ref", "speculative": r.speculative.model_copy(
+            update={"num_speculative_tokens": 0})}) for r in requests])
+    drafter = await stack.spawn("drafter")
+    await stack.wait_ready([drafter])
+    first_chunk = [asyncio.Event() for _ in requests]
+
+    async def read(index, request):
+        token_ids = []
+        async for chunk in client.stream(request):
+            token_ids += chunk.token_ids.tolist()
+            first_chunk[index].set()
+        return token_ids
+
+    readers = [asyncio.create_task(read(i, r)) for i, r in enumerate(requests)]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in first_chunk)), timeout=60)
+    stack.kill(drafter.instance_id, signal.SIGKILL)
+    outcomes = await asyncio.wait_for(asyncio.gather(*readers), timeout=TIMEOUT_S)
+    assert outcomes == [r.token_ids for r in reference]
 
 
 # ---------------------------------------------------------------------------------------------

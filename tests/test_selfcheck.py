@@ -1,4 +1,4 @@
-"""`specbus selfcheck` (issue 14): its statistics without NATS, then the command itself against
+"""`specbus selfcheck`: its statistics without NATS, then the command itself against
 real multi-process stacks on the tiny pair: a healthy one passes the quick run, and one whose
 verifier runs the same-token bypass (a known-bad rejection rule, injected through the test-only
 hook in tests/selfcheck_hook/) fails the distribution check."""
@@ -15,9 +15,20 @@ import pytest
 
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.commands.selfcheck import FULL, MIN_GROUP, QUICK
-from services.commands.selfcheck_core import (ALPHA, CheckResult, LogprobEntry, bin_counts, chi2_sf, distribution_bins,
-                                     distribution_results, logprob_diffs, merge_small_bins, pooled_gof, render_table,
-                                     same_token_bypass)
+from services.commands.selfcheck_core import (
+    ALPHA,
+    CheckResult,
+    LogprobEntry,
+    bin_counts,
+    chi2_sf,
+    distribution_bins,
+    distribution_results,
+    logprob_diffs,
+    merge_small_bins,
+    pooled_gof,
+    render_table,
+    same_token_bypass,
+)
 from services.launch.stack import Stack, StackConfig
 
 HOOK_DIR = Path(__file__).parent / "selfcheck_hook"
@@ -154,7 +165,7 @@ async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path):
     rows = {row["name"]: row for row in report["checks"]}
     assert code == 0 and report["passed"], json.dumps(report)[:3000]
     assert list(rows) == ["greedy identity", "distribution", "power: same-token bypass (simulated)",
-                          "logprob identity", "seed reproducibility", "degradation honesty"]
+                          "logprob identity", "seed reproducibility", "coupling invariance", "degradation honesty"]
     cells = rows["distribution"]["details"]
     assert rows["distribution"]["cells"] >= 4 and all(d["samples"] >= MIN_GROUP for d in cells if d["p"] is not None)
     assert rows["greedy identity"]["cells"] == QUICK.greedy_prompts * 3

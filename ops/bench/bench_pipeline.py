@@ -1,4 +1,4 @@
-"""specbus against its peers and against itself, in one run (issue 7, item 1).
+"""specbus against its peers and against itself, in one run.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py                  # ~6-8 min on 2 shared CPU cores
     PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py --device cuda    # the same on a GPU
@@ -65,8 +65,8 @@ from ops.train_models import read_text, source_files
 from schemas.config import DEFAULT_DRAFT, SchedulerConfig, default_target_model
 from schemas.messages import StreamChunk
 from services.client import Client, make_request
-from services.runtime.logs import configure_logging
 from services.launch.stack import Stack, StackConfig
+from services.runtime.logs import configure_logging
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 REQUEST_TIMEOUT_S = 600.0

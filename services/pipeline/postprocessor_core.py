@@ -2,7 +2,7 @@
 
 `Postprocessor` turns the scheduler's Commits and the verifier's SideChannelRecords into the
 StreamChunks a client reads. Its three entry points take the current `time.monotonic()` and
-return what to send, in order (ChunkOut to a client inbox, NoticeOut to a scheduler):
+return what to send, in order (ChunkToClient to a client inbox, NoticeToScheduler to a scheduler):
 
     on_commit(commit, now)   a commit for seq n of a request
     on_side(record, now)     a side-channel record for (request_id, batch_id)
@@ -38,8 +38,19 @@ import structlog
 
 from gpu_worker.tokenizer import DetokenizerState, Tokenizer, detokenize_step, new_detokenizer_state
 from schemas.errors import ErrorCode
-from schemas.messages import (MAX_TIMEOUT_S, Commit, Error, LogprobArrays, LogprobOptions, SamplingMask,
-                              SideChannelRecord, StopNotice, StreamChunk, TokenLogprob, Usage)
+from schemas.messages import (
+    MAX_TIMEOUT_S,
+    Commit,
+    Error,
+    LogprobArrays,
+    LogprobOptions,
+    SamplingMask,
+    SideChannelRecord,
+    StopNotice,
+    StreamChunk,
+    TokenLogprob,
+    Usage,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -48,18 +59,18 @@ MAX_EARLY_RECORDS = 4096  # records for requests whose first commit has not come
 
 
 @dataclass
-class ChunkOut:
+class ChunkToClient:
     inbox: str
     chunk: StreamChunk
 
 
 @dataclass
-class NoticeOut:
+class NoticeToScheduler:
     scheduler_id: str
     notice: StopNotice
 
 
-Out = ChunkOut | NoticeOut
+Outgoing = ChunkToClient | NoticeToScheduler
 
 
 @dataclass
@@ -92,7 +103,7 @@ class PendingCommit:
 
 
 @dataclass
-class RequestState:
+class StreamState:
     """One request's stream. `text` is the completion text so far (cut at a stop string),
     `sent_chars` how much of it has been published."""
 
@@ -142,7 +153,7 @@ class Postprocessor:
         self.record_ttl_s = record_ttl_s
         self.finished_ttl_s = finished_ttl_s
         self.idle_ttl_s = idle_ttl_s
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, StreamState] = {}
         self.early: dict[str, dict[int, tuple[SideChannelRecord, float]]] = {}
         self.num_early = 0
         self.counters = Counters()
@@ -153,7 +164,7 @@ class Postprocessor:
 
     # ------------------------------------------------------------------ entry points
 
-    def on_commit(self, commit: Commit, now: float) -> list[Out]:
+    def on_commit(self, commit: Commit, now: float) -> list[Outgoing]:
         state = self.requests.get(commit.request_id)
         if state is not None and commit.scheduler_id != state.scheduler_id and commit.seq == 0 \
                 and commit.resume_token_ids is None:
@@ -180,7 +191,7 @@ class Postprocessor:
         state.last_active = now
         return self._advance(state, now)
 
-    def on_side(self, record: SideChannelRecord, now: float) -> list[Out]:
+    def on_side(self, record: SideChannelRecord, now: float) -> list[Outgoing]:
         state = self.requests.get(record.request_id)
         if state is None:
             self._buffer_early(record, now)
@@ -191,8 +202,8 @@ class Postprocessor:
         self._add_record(state, record, now)
         return self._advance(state, now)
 
-    def on_tick(self, now: float) -> list[Out]:
-        outs: list[Out] = []
+    def on_tick(self, now: float) -> list[Outgoing]:
+        outs: list[Outgoing] = []
         for state in list(self.requests.values()):
             if state.finished_at is not None:
                 if now - state.finished_at > self.finished_ttl_s:
@@ -214,7 +225,7 @@ class Postprocessor:
                     self._drop_record(record, "unjoined_records", "early_record_expired")
         return outs
 
-    def request_failed(self, message: Commit | SideChannelRecord, now: float) -> list[Out]:
+    def request_failed(self, message: Commit | SideChannelRecord, now: float) -> list[Outgoing]:
         """The logic raised on this message (a bug): its request ends with an `internal` error
         and its scheduler is told, so the client does not wait out its timeout; others go on."""
         self.counters.failed_requests += 1
@@ -227,12 +238,12 @@ class Postprocessor:
                           request_id=message.request_id)
             notice = StopNotice(request_id=message.request_id, batch_id=message.batch_id, step=message.step,
                                 postprocessor_id=self.instance_id, reason="error")
-            return [ChunkOut(message.client_inbox, StreamChunk(request_id=message.request_id, seq=message.seq,
+            return [ChunkToClient(message.client_inbox, StreamChunk(request_id=message.request_id, seq=message.seq,
                                                                finish_reason="error", error=error)),
-                    NoticeOut(message.scheduler_id, notice)]
+                    NoticeToScheduler(message.scheduler_id, notice)]
         return []
 
-    def client_gone(self, request_id: str, now: float) -> list[Out]:
+    def client_gone(self, request_id: str, now: float) -> list[Outgoing]:
         """The client inbox has no subscriber: end the request and tell its scheduler."""
         state = self.requests.get(request_id)
         if state is None or state.finished_at is not None:
@@ -244,10 +255,10 @@ class Postprocessor:
 
     # ------------------------------------------------------------------ requests
 
-    def _new_state(self, commit: Commit, now: float) -> RequestState:
+    def _new_state(self, commit: Commit, now: float) -> StreamState:
         resume = commit.resume_token_ids
         prompt = commit.prompt_token_ids
-        state = RequestState(
+        state = StreamState(
             request_id=commit.request_id, scheduler_id=commit.scheduler_id, client_inbox=commit.client_inbox,
             options=commit.logprobs, stop=list(commit.stop), stream=commit.stream,
             next_seq=commit.seq if resume is not None else 0,
@@ -261,7 +272,7 @@ class Postprocessor:
             self._add_record(state, record, arrived)
         return state
 
-    def _resume(self, state: RequestState, resume_token_ids: np.ndarray) -> None:
+    def _resume(self, state: StreamState, resume_token_ids: np.ndarray) -> None:
         """Replay tokens the way _detokenize did on the old postprocessor: same text, same
         held-back tail, so the client sees no gap and no repeat."""
         for token_id in resume_token_ids.tolist():
@@ -275,7 +286,7 @@ class Postprocessor:
                                             from_draft=[False] * len(resume_token_ids)))
         log.info("request_resumed", request_id=state.request_id, seq=state.next_seq, tokens=state.num_tokens)
 
-    def _refuse(self, commit: Commit, now: float) -> list[Out]:
+    def _refuse(self, commit: Commit, now: float) -> list[Outgoing]:
         self.counters.refused_requests += 1
         log.warning("request_refused", request_id=commit.request_id, load=self.load, max_requests=self.max_requests)
         state = self._new_state(commit, now)
@@ -283,7 +294,7 @@ class Postprocessor:
         return self._fail(state, commit.seq, ErrorCode.overloaded,
                           f"postprocessor {self.instance_id} is at its limit of {self.max_requests} requests", now)
 
-    def _refuse_duplicate(self, commit: Commit, running: RequestState) -> list[Out]:
+    def _refuse_duplicate(self, commit: Commit, running: StreamState) -> list[Outgoing]:
         """A new request (another scheduler's) whose id a running request here already has: the
         newcomer ends with `duplicate_request_id`; the running one is not disturbed."""
         self.counters.duplicate_requests += 1
@@ -295,23 +306,23 @@ class Postprocessor:
         chunk = StreamChunk(request_id=commit.request_id, seq=0, finish_reason="error", error=error)
         notice = StopNotice(request_id=commit.request_id, batch_id=commit.batch_id, step=commit.step,
                             postprocessor_id=self.instance_id, reason="error")
-        return [ChunkOut(commit.client_inbox, chunk), NoticeOut(commit.scheduler_id, notice)]
+        return [ChunkToClient(commit.client_inbox, chunk), NoticeToScheduler(commit.scheduler_id, notice)]
 
-    def _missing_commit(self, state: RequestState, now: float) -> list[Out]:
+    def _missing_commit(self, state: StreamState, now: float) -> list[Outgoing]:
         self.counters.missing_commits += 1
         log.warning("commit_never_arrived", request_id=state.request_id, seq=state.next_seq,
                     buffered=sorted(state.commits))
         return self._fail(state, state.next_seq, ErrorCode.unavailable,
                           f"commit {state.next_seq} of the stream never reached the postprocessor", now)
 
-    def _fail(self, state: RequestState, seq: int, code: ErrorCode, message: str, now: float) -> list[Out]:
+    def _fail(self, state: StreamState, seq: int, code: ErrorCode, message: str, now: float) -> list[Outgoing]:
         error = Error(code=code, message=message, request_id=state.request_id)
         chunk = StreamChunk(request_id=state.request_id, seq=0 if not state.stream else seq, text="",
                             finish_reason="error", error=error)
         self._finish(state, now)
-        return [ChunkOut(state.client_inbox, chunk), self._notice(state, "error")]
+        return [ChunkToClient(state.client_inbox, chunk), self._notice(state, "error")]
 
-    def _finish(self, state: RequestState, now: float) -> None:
+    def _finish(self, state: StreamState, now: float) -> None:
         state.finished_at = now
         state.commits.clear()
         state.pieces.clear()
@@ -321,11 +332,11 @@ class Postprocessor:
                 self._drop_record(record, "unjoined_records", "record_never_joined")
         state.records.clear()
 
-    def _notice(self, state: RequestState, reason: str, stop: str | None = None, text_offset: int = 0) -> NoticeOut:
+    def _notice(self, state: StreamState, reason: str, stop: str | None = None, text_offset: int = 0) -> NoticeToScheduler:
         notice = StopNotice(request_id=state.request_id, batch_id=state.last_batch_id or 0, step=state.last_step,
                             postprocessor_id=self.instance_id, reason=reason, stop=stop,
                             text_offset=text_offset, num_tokens=state.num_tokens)
-        return NoticeOut(state.scheduler_id, notice)
+        return NoticeToScheduler(state.scheduler_id, notice)
 
     # ------------------------------------------------------------------ side-channel records
 
@@ -350,7 +361,7 @@ class Postprocessor:
         if not self.early[request_id]:
             del self.early[request_id]
 
-    def _add_record(self, state: RequestState, record: SideChannelRecord, arrived: float) -> None:
+    def _add_record(self, state: StreamState, record: SideChannelRecord, arrived: float) -> None:
         batch_id = record.batch_id
         stray = "duplicate_records" if batch_id in state.records else self._stray_kind(state, batch_id)
         if stray is not None:
@@ -362,7 +373,7 @@ class Postprocessor:
             state.prompt_records.append(record)
         state.records[batch_id] = (record, arrived)
 
-    def _stray_kind(self, state: RequestState, batch_id: int) -> str | None:
+    def _stray_kind(self, state: StreamState, batch_id: int) -> str | None:
         """Why a record for this batch can no longer be used, as a Counters field (None: it can)."""
         if batch_id in state.joined_batches:
             return "duplicate_records"
@@ -376,7 +387,7 @@ class Postprocessor:
         log.warning(event or f"{counter.removesuffix('s')}_dropped", request_id=record.request_id,
                     batch_id=record.batch_id, **{counter: count})
 
-    def _prompt_covered(self, state: RequestState, commit: Commit) -> bool:
+    def _prompt_covered(self, state: StreamState, commit: Commit) -> bool:
         if commit.seq != 0 or state.options.prompt_logprobs is None or commit.prompt_token_ids is None:
             return True
         covered = set()
@@ -386,9 +397,9 @@ class Postprocessor:
 
     # ------------------------------------------------------------------ commits -> chunks
 
-    def _advance(self, state: RequestState, now: float) -> list[Out]:
+    def _advance(self, state: StreamState, now: float) -> list[Outgoing]:
         """Process buffered commits in seq order while each has what it waits for."""
-        outs: list[Out] = []
+        outs: list[Outgoing] = []
         while state.finished_at is None and state.next_seq in state.commits:
             pending = state.commits[state.next_seq]
             commit = pending.commit
@@ -402,8 +413,8 @@ class Postprocessor:
             outs += self._emit(state, commit, record, commit.expect_side_channel and not complete, now)
         return outs
 
-    def _emit(self, state: RequestState, commit: Commit, record: SideChannelRecord | None, timed_out: bool,
-              now: float) -> list[Out]:
+    def _emit(self, state: StreamState, commit: Commit, record: SideChannelRecord | None, timed_out: bool,
+              now: float) -> list[Outgoing]:
         degraded = list(commit.degraded)
         self._settle_records(state, commit, record)
         if timed_out:
@@ -443,7 +454,7 @@ class Postprocessor:
             self._finish(state, now)
         return outs
 
-    def _settle_records(self, state: RequestState, commit: Commit, record: SideChannelRecord | None) -> None:
+    def _settle_records(self, state: StreamState, commit: Commit, record: SideChannelRecord | None) -> None:
         """Mark this commit's batch joined or timed out, and drop records of earlier batches:
         no later commit can claim them (batch ids increase with the steps of a request)."""
         if record is not None:
@@ -469,7 +480,7 @@ class Postprocessor:
                 and (not num_tokens or not wants_logprobs or record.logprobs is not None)
                 and (not num_tokens or not options.sampling_mask or record.masks is not None))
 
-    def _detokenize(self, state: RequestState, token_ids: np.ndarray,
+    def _detokenize(self, state: StreamState, token_ids: np.ndarray,
                     final: bool) -> tuple[int, tuple[int, str] | None]:
         """Feed tokens one at a time; returns (tokens kept, (stop position, stop string) or None).
         A stop match keeps the token that completed it and cuts the text at the match."""
@@ -485,7 +496,7 @@ class Postprocessor:
                 return index + 1, match
         return len(ids), None
 
-    def _append_text(self, state: RequestState, delta: str) -> tuple[int, str] | None:
+    def _append_text(self, state: StreamState, delta: str) -> tuple[int, str] | None:
         if not delta:
             return None
         start = max(0, len(state.text) - state.holdback)  # a match must end inside the new text
@@ -495,13 +506,13 @@ class Postprocessor:
             state.text = state.text[:match[0]]
         return match
 
-    def _take_text(self, state: RequestState, done: bool) -> str:
+    def _take_text(self, state: StreamState, done: bool) -> str:
         end = len(state.text) if done else max(state.sent_chars, len(state.text) - state.holdback)
         text = state.text[state.sent_chars:end]
         state.sent_chars = end
         return text
 
-    def _token_extras(self, state: RequestState, record: SideChannelRecord | None, token_ids: np.ndarray) -> dict:
+    def _token_extras(self, state: StreamState, record: SideChannelRecord | None, token_ids: np.ndarray) -> dict:
         options = state.options
         wants_logprobs = options.logprobs is not None or len(options.logprob_token_ids) > 0
         if record is None or not (wants_logprobs or options.sampling_mask):
@@ -516,7 +527,7 @@ class Postprocessor:
                 requested_ids=options.logprob_token_ids.tolist(), masks=masks, tokenizer=self.tokenizer)
         return extras
 
-    def _prompt_extras(self, state: RequestState, commit: Commit) -> dict:
+    def _prompt_extras(self, state: StreamState, commit: Commit) -> dict:
         if commit.seq != 0 or commit.prompt_token_ids is None:
             return {}
         extras: dict = {"prompt_token_ids": commit.prompt_token_ids}
@@ -536,7 +547,7 @@ class Postprocessor:
         state.prompt_records.clear()
         return extras
 
-    def _usage(self, state: RequestState, commit: Commit) -> Usage:
+    def _usage(self, state: StreamState, commit: Commit) -> Usage:
         """The scheduler's usage when the commit has it; else (a stop string ended the request
         early) the tallies of the commits seen here. completion_tokens counts what was kept."""
         degraded_steps = dict(state.degraded_steps)
@@ -554,13 +565,13 @@ class Postprocessor:
         usage.completion_tokens = state.num_tokens
         return usage
 
-    def _deliver(self, state: RequestState, chunk: StreamChunk) -> list[Out]:
+    def _deliver(self, state: StreamState, chunk: StreamChunk) -> list[Outgoing]:
         if state.stream:
-            return [ChunkOut(state.client_inbox, chunk)]
+            return [ChunkToClient(state.client_inbox, chunk)]
         state.pieces.append(chunk)
         if not chunk.final:
             return []
-        return [ChunkOut(state.client_inbox, merge_chunks(state.pieces))]
+        return [ChunkToClient(state.client_inbox, merge_chunks(state.pieces))]
 
 
 def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -29,15 +29,38 @@ from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (CancelRequest, DraftRequest, DraftResponse, Error, GenerateRequest, Heartbeat,
-                              RequestId, StopNotice, StreamChunk, VerifyRequest, VerifyResponse, check_limits)
+from schemas.messages import (
+    CancelRequest,
+    DraftRequest,
+    DraftResponse,
+    Error,
+    GenerateRequest,
+    Heartbeat,
+    RequestId,
+    StopNotice,
+    StreamChunk,
+    VerifyRequest,
+    VerifyResponse,
+    check_limits,
+)
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
+from services.pipeline.scheduler_core import Outbox, SchedulerState, StepPlan, internal_error, prompt_token_ids
 from services.runtime.auth import inbox_prefix
-from services.runtime.bus import (BoundedHandler, BusDeadlineExpired, BusError, BusPayloadTooLarge, Endpoint,
-                          add_micro_service, connect_service, heartbeat_loop, publish, request, serve)
+from services.runtime.bus import (
+    BoundedHandler,
+    BusDeadlineExpired,
+    BusError,
+    BusPayloadTooLarge,
+    Endpoint,
+    add_micro_service,
+    connect_service,
+    heartbeat_loop,
+    publish,
+    request,
+    serve,
+)
 from services.runtime.logs import log_context
 from services.runtime.metrics import SCHEDULER_GAUGES, serve_metrics
-from services.pipeline.scheduler_core import Outbox, SchedulerState, StepPlan, internal_error, prompt_token_ids
 from services.runtime.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)

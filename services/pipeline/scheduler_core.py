@@ -1,26 +1,10 @@
 """Scheduler logic without NATS: request state, admission, pinning, batch building under a token
 budget with chunked prefill, commit/finish rules, usage accounting and fallback decisions.
 
-`SchedulerState` is driven by the scheduler's step loops (services/pipeline/scheduler.py), each one
-step at a time:
-
-    outbox = state.boundary(now, lane)            cancels, stop notices, deadlines, dead instances,
-                                                  queued requests started and pinned
-    plan = state.plan_step(now, lane)             rows per verifier under max_batch_rows and
-                                                  max_step_tokens: decode rows first, then prefill
-                                                  chunks of what remains
-    state.draft_batches(plan, now)                one DraftRequest per drafter (+ release-only)
-    state.apply_draft(plan, drafter_id, reply)    reply None: the drafter was late -> k=0 rows
-    state.verify_batches(plan, now)               one VerifyRequest per verifier
-    state.apply_verify(plan, verifier_id, reply)  commits; reply None after the retry: migrate
-    state.end_step(plan)                          its requests are free to plan again
-
-Lanes (config.lanes): each running request belongs to one lane, and each lane has its own step
-loop, so while one lane's batch is being verified another lane's batch is being drafted: the
-drafter and the verifier work at the same time instead of taking turns. A request is in at most
-one step in flight; until that step ends, boundary() and a verifier failure seen by another
-lane leave it alone (its own lane applies them a step later). A lane's own requests are never in
-flight when it is between steps, so its boundary and its plan look at all of them.
+`SchedulerState` is driven by the scheduler's step loops (services/pipeline/scheduler.py), one
+step at a time per lane: boundary, plan_step, draft_batches / apply_draft, verify_batches /
+apply_verify, end_step. The loop, lanes and in-flight rule are told once, in
+docs/ARCHITECTURE.md#the-step-loop; instances and pins are services/pipeline/placement.py's.
 
 Every method returns an `Outbox` of Commits (to a postprocessor) and StreamChunks (straight to a
 client inbox, used only when a request ends with no live postprocessor to tell it). Deadlines
@@ -38,15 +22,34 @@ import numpy as np
 import structlog
 
 from gpu_worker.chat_template import ChatTemplateError, render_chat
-from gpu_worker.tokenizer import Tokenizer
-from schemas.config import SchedulerConfig
+from gpu_worker.tokenizer import Tokenizer, check_in_vocabulary
 from schemas.codec import encode
+from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_BATCH_ROWS, MAX_DRAFT_SUPPORT, MAX_INBOX_LEN, PROTOCOL_VERSION, Admitted,
-                              Commit, DraftRequest, DraftResponse, DraftRow, DraftTokens, Error, FinishReason,
-                              GenerateRequest, Heartbeat, LogprobOptions, SamplingParams, SpeculativeOptions,
-                              StreamChunk, Usage, VerifyRequest, VerifyResponse, VerifyRow, seed_from_request_id)
-from services.runtime.bus import InstanceRegistry
+from schemas.messages import (
+    MAX_BATCH_ROWS,
+    MAX_DRAFT_SUPPORT,
+    MAX_INBOX_LEN,
+    Admitted,
+    Commit,
+    DraftRequest,
+    DraftResponse,
+    DraftRow,
+    DraftTokens,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    LogprobOptions,
+    SamplingParams,
+    SpeculativeOptions,
+    StreamChunk,
+    Usage,
+    VerifyRequest,
+    VerifyResponse,
+    VerifyRow,
+)
+from services.pipeline.placement import Placement
 from services.runtime.metrics import SchedulerMetrics
 
 log = structlog.get_logger(__name__)
@@ -85,7 +88,8 @@ def prompt_field(request: GenerateRequest) -> str:
 def verify_row_bytes(row: VerifyRow) -> int:
     """An upper estimate of a VerifyRow's encoded size: its arrays plus ROW_OVERHEAD_BYTES."""
     proposal = row.proposal
-    arrays = (row.new_token_ids, row.draft_token_ids, row.logprobs.logprob_token_ids, proposal.ids, proposal.probs)
+    arrays = (row.new_token_ids, row.draft_token_ids, row.logprobs.logprob_token_ids, proposal.ids, proposal.probs,
+              *row.sampling.arrays())
     return ROW_OVERHEAD_BYTES + sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -93,13 +97,8 @@ def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int
     """The prompt as token ids: given ids checked against the vocabulary, text encoded without BOS,
     messages rendered with the tokenizer's chat template (gpu_worker/chat_template.py) then encoded."""
     if request.prompt_token_ids is not None:
-        ids = request.prompt_token_ids.tolist()
-        too_big = [i for i in ids if i >= tokenizer.vocab_size]
-        if too_big:
-            raise SpecbusError(ErrorCode.invalid_field,
-                               f"token id {too_big[0]} is outside the vocabulary of {tokenizer.vocab_size}",
-                               "prompt_token_ids")
-        return ids
+        check_in_vocabulary(request.prompt_token_ids, tokenizer.vocab_size, "prompt_token_ids")
+        return request.prompt_token_ids.tolist()
     text = request.prompt
     if request.messages is not None:
         try:
@@ -278,15 +277,13 @@ class SchedulerState:
         self.tokenizer_hash = tokenizer_hash
         self.eos_ids = tokenizer.eos_ids
         self.monotonic = monotonic
-        self.registry = InstanceRegistry(config.heartbeat_timeout_s)
+        self.placement = Placement(config.heartbeat_timeout_s, tokenizer_hash, monotonic)
         self.running: dict[str, Request] = {}  # in start order: decode order within a step
         self.waiting: deque[Request] = deque()
         self.releases: dict[str, list[str]] = {}  # instance_id -> request ids whose slots to free
-        self.avoid_until: dict[str, float] = {}  # verifier_id -> monotonic time it is usable again
         # Ended requests whose final commit went to a postprocessor, by monotonic end time: if that
         # postprocessor turns out dead before it could have been noticed, the commits are replayed.
         self.finishing: dict[str, tuple[Request, float]] = {}
-        self.pinned_since_beat: Counter = Counter()  # requests pinned to an instance since its last heartbeat
         self.in_flight: set[str] = set()  # ids of requests in a step now in flight (any lane)
         self.recent_ids: dict[str, float] = {}  # finished request id -> monotonic end time, oldest first
         self.max_payload: int | None = None  # the NATS server's, set by the service; None: unchecked
@@ -299,52 +296,28 @@ class SchedulerState:
     # ------------------------------------------------------------------ instances
 
     def observe(self, heartbeat: Heartbeat) -> bool:
-        """Record a heartbeat; True for an instance not known before."""
-        self.pinned_since_beat.pop(heartbeat.instance_id, None)
-        return self.registry.observe(heartbeat.instance_id, heartbeat, role=heartbeat.role, now=self.monotonic())
-
-    def compatible(self, role: str) -> list:
-        now = self.monotonic()
-        return [inst for inst in self.registry.alive(role, now=now)
-                if inst.info.protocol_version == PROTOCOL_VERSION
-                and inst.info.model_ids.get("tokenizer") == self.tokenizer_hash
-                and self.avoid_until.get(inst.instance_id, 0.0) <= now]
+        """Record a heartbeat (Placement.observe); True for an instance not known before. An
+        instance that can never be used (another tokenizer or protocol version) is logged as a
+        warning and counted (`instances_incompatible`) when it is first heard, so a misfit
+        drafter is not only a `draft_timeout` flag on every chunk."""
+        new = self.placement.observe(heartbeat)
+        misfit = self.placement.misfit(heartbeat) if new else None
+        if misfit is not None:
+            self.counters["instances_incompatible"] += 1
+            log.warning("instance_incompatible", instance_id=heartbeat.instance_id, role=heartbeat.role, why=misfit)
+        return new
 
     def pinned_count(self, instance_id: str) -> int:
+        """This scheduler's running requests pinned to instance_id (any role)."""
         return sum(instance_id in (r.verifier_id, r.drafter_id, r.postprocessor_id) for r in self.running.values())
 
-    def pick(self, role: str, exclude: str | None = None) -> str | None:
-        """The compatible live instance of `role` with the most room, or None when none has any.
-        Room: its reported free slots less what we pinned there since that report, and at most
-        its capacity less our requests on it (a burst of admissions between two heartbeats
-        must not overfill it)."""
-        best, best_free = None, 0
-        for inst in self.compatible(role):
-            if inst.instance_id == exclude:
-                continue
-            heartbeat = inst.info
-            reported = heartbeat.free_slots if heartbeat.free_slots is not None else heartbeat.capacity - heartbeat.load
-            free = min(reported - self.pinned_since_beat[inst.instance_id],
-                       heartbeat.capacity - self.pinned_count(inst.instance_id))
-            if free > best_free:
-                best, best_free = inst.instance_id, free
-        return best
+    def pin(self, role: str) -> str | None:
+        """Pin to the instance of role with the most room (counted until its next heartbeat)."""
+        return self.placement.count_pin(self.placement.pick(role, self.pinned_count))
 
-    def took(self, instance_id: str | None) -> str | None:
-        """Count a new pin on instance_id (until its next heartbeat reports it); returns it."""
-        if instance_id is not None:
-            self.pinned_since_beat[instance_id] += 1
-        return instance_id
-
-    def alive(self, instance_id: str | None) -> bool:
-        return instance_id is not None and self.registry.is_alive(instance_id, now=self.monotonic())
-
-    def max_seq_len(self) -> int | None:
-        """The smallest max_seq_len the live compatible verifiers advertise (heartbeat model_ids),
-        so a request fits whichever of them it runs or migrates on; None before any is known."""
-        limits = [int(inst.info.model_ids["max_seq_len"]) for inst in self.compatible("verifier")
-                  if inst.info.model_ids.get("max_seq_len", "").isdigit()]
-        return min(limits) if limits else None
+    def live_releases(self, role: str) -> set[str]:
+        """Live instances of role with slots to release."""
+        return {i for i in self.releases if self.placement.alive(i) and self.placement.is_role(i, role)}
 
     # ------------------------------------------------------------------ admission
 
@@ -370,11 +343,8 @@ class SchedulerState:
             raise length_error
         resumed = self.check_resume(request)
         self.check_first_commit(request, client_inbox, prompt_ids)
-        sampling = request.sampling
-        if not sampling.greedy and sampling.seed is None:
-            sampling = sampling.model_copy(update={"seed": seed_from_request_id(request.request_id)})
         state = Request(request_id=request.request_id, client_inbox=client_inbox, history=[*prompt_ids, *resumed],
-                        prompt_len=len(prompt_ids), sampling=sampling, logprobs=request.logprobs,
+                        prompt_len=len(prompt_ids), sampling=request.sampling, logprobs=request.logprobs,
                         speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s,
                         admitted_at=self.monotonic(), resumed_len=len(resumed))
         self.waiting.append(state)
@@ -390,10 +360,7 @@ class SchedulerState:
         if len(resumed) >= request.sampling.max_tokens:
             raise SpecbusError(ErrorCode.invalid_field, f"{len(resumed)} tokens to resume from leave nothing of "
                                                         f"max_tokens {request.sampling.max_tokens}", "resume_token_ids")
-        too_big = [i for i in resumed if not 0 <= i < self.tokenizer.vocab_size]
-        if too_big:
-            raise SpecbusError(ErrorCode.invalid_field, f"token id {too_big[0]} is outside the vocabulary of "
-                                                        f"{self.tokenizer.vocab_size}", "resume_token_ids")
+        check_in_vocabulary(resumed, self.tokenizer.vocab_size, "resume_token_ids")
         return resumed
 
     def check_request_id(self, request_id: str) -> None:
@@ -413,7 +380,7 @@ class SchedulerState:
     def check_prompt(self, prompt_len: int, max_tokens: int, field_name: str) -> SpecbusError | None:
         """The error for a prompt that leaves no room in max_seq_len (None while no verifier is
         known; start() checks again): a generating request needs one position past its prompt."""
-        limit = self.max_seq_len()
+        limit = self.placement.max_seq_len()
         if limit is None or prompt_len + (max_tokens > 0) <= limit:
             return None
         room = "" if max_tokens == 0 else " and at least one generated token"
@@ -425,7 +392,7 @@ class SchedulerState:
         takes the tokenizer ~10 s here): no token covers more than max_token_chars characters, so
         a text over twice max_token_chars per position is too long whatever the tokenizer's
         normalizer does (the factor 2 leaves room for one that drops characters)."""
-        limit = self.max_seq_len()
+        limit = self.placement.max_seq_len()
         if request.prompt is None or limit is None:
             return
         if self.max_token_chars is None:
@@ -480,9 +447,8 @@ class SchedulerState:
         replace dead instances; start queued requests while there is room. Requests in another
         lane's step in flight wait for that lane's own boundary."""
         outbox = Outbox()
-        for instance in self.registry.reap(now=self.monotonic()):
+        for instance in self.placement.reap():
             self.releases.pop(instance.instance_id, None)
-            self.avoid_until.pop(instance.instance_id, None)
         for request in list(self.running.values()):
             if request.request_id in self.in_flight and request.lane != lane:
                 continue
@@ -519,42 +485,43 @@ class SchedulerState:
 
     def start(self, request: Request) -> bool:
         """Pin a verifier, a postprocessor and (when it wants drafts) a drafter; False: wait."""
-        verifier_id = self.pick("verifier")
-        postprocessor_id = self.pick("postprocessor")
+        verifier_id = self.placement.pick("verifier", self.pinned_count)
+        postprocessor_id = self.placement.pick("postprocessor", self.pinned_count)
         if verifier_id is None or postprocessor_id is None:
             return False
-        request.verifier_id, request.postprocessor_id = self.took(verifier_id), self.took(postprocessor_id)
-        limit = self.max_seq_len()
+        request.verifier_id = self.placement.count_pin(verifier_id)
+        request.postprocessor_id = self.placement.count_pin(postprocessor_id)
+        limit = self.placement.max_seq_len()
         if limit is not None and request.prompt_len + request.sampling.max_tokens > limit:
             # Generation stops at max_seq_len with finish_reason "length", as at max_tokens.
             capped = limit - request.prompt_len
             request.sampling = request.sampling.model_copy(update={"max_tokens": capped})
             self.counters["max_tokens_capped"] += 1
         if request.speculative.num_speculative_tokens > 0:
-            request.drafter_id = self.took(self.pick("drafter"))
+            request.drafter_id = self.pin("drafter")
         lane_sizes = Counter(r.lane for r in self.running.values())
         request.lane = min(range(self.config.lanes), key=lambda lane: lane_sizes[lane])
         return True
 
     def replace_dead(self, request: Request, now: float) -> Outbox:
         outbox = Outbox()
-        if not self.alive(request.postprocessor_id):
+        if not self.placement.alive(request.postprocessor_id):
             outbox.commits += self.repin_postprocessor(request)
-        if request.speculative.num_speculative_tokens > 0 and not self.alive(request.drafter_id):
-            request.drafter_id, request.drafter_len = self.took(self.pick("drafter")), 0
-        if not self.alive(request.verifier_id):
+        if request.speculative.num_speculative_tokens > 0 and not self.placement.alive(request.drafter_id):
+            request.drafter_id, request.drafter_len = self.pin("drafter"), 0
+        if not self.placement.alive(request.verifier_id):
             outbox.extend(self.migrate(request, now))
         return outbox
 
     def repin_postprocessor(self, request: Request) -> list[tuple[str, Commit]]:
         """Move the request to a live postprocessor and replay its recent commits there; [] when
         there is none (it waits, up to its deadline)."""
-        new_id = self.pick("postprocessor")
+        new_id = self.placement.pick("postprocessor", self.pinned_count)
         if new_id is None:
             return []
         log.warning("postprocessor_replaced", request_id=request.request_id, old=request.postprocessor_id,
                     new=new_id, replayed=len(request.sent))
-        request.postprocessor_id = self.took(new_id)
+        request.postprocessor_id = self.placement.count_pin(new_id)
         self.counters["postprocessor_repinned"] += 1
         return [(new_id, commit) for commit in self.replay(request)]
 
@@ -567,7 +534,7 @@ class SchedulerState:
         for request_id, (request, ended_at) in list(self.finishing.items()):
             if self.monotonic() - ended_at > window:
                 del self.finishing[request_id]
-            elif not self.alive(request.postprocessor_id):
+            elif not self.placement.alive(request.postprocessor_id):
                 replayed = self.repin_postprocessor(request)
                 if replayed:
                     outbox.commits += replayed
@@ -592,7 +559,8 @@ class SchedulerState:
         room (under `specbus up`, the restart of a stack's only verifier): plan_step leaves a
         request whose verifier is dead alone, and each boundary tries again."""
         old_id = request.verifier_id
-        new_id = self.pick("verifier", exclude=old_id) or (old_id if self.alive(old_id) else None)
+        new_id = self.placement.pick("verifier", self.pinned_count, exclude=old_id)
+        new_id = new_id or (old_id if self.placement.alive(old_id) else None)
         if new_id is None:
             if not request.awaiting_verifier:
                 request.awaiting_verifier = True
@@ -602,7 +570,7 @@ class SchedulerState:
         request.awaiting_verifier = False
         if new_id != old_id:
             self.release(old_id, request.request_id)
-            request.verifier_id = self.took(new_id)
+            request.verifier_id = self.placement.count_pin(new_id)
         request.verifier_len = 0  # cached_len 0: a verifier kept resets the slot
         request.step += 1
         request.carried_degraded.append("migrated")
@@ -615,7 +583,7 @@ class SchedulerState:
         """A batch was not answered after the retry: avoid that verifier for a while and move
         every request pinned to it, but those in another lane's step in flight (that lane moves
         them when its own batch fails)."""
-        self.avoid_until[verifier_id] = self.monotonic() + self.config.heartbeat_timeout_s
+        self.placement.avoid(verifier_id)
         ours = {planned.request.request_id for planned in plan.rows.get(verifier_id, [])}
         outbox = Outbox()
         for request in [r for r in self.running.values() if r.verifier_id == verifier_id
@@ -639,7 +607,7 @@ class SchedulerState:
     def restore_releases(self, instance_id: str, request_ids: list[str]) -> None:
         """Releases whose batch got no answer go out again with the next one (receivers ignore
         unknown ids), unless the instance is gone."""
-        if request_ids and self.alive(instance_id):
+        if request_ids and self.placement.alive(instance_id):
             self.releases.setdefault(instance_id, [])[:0] = request_ids
 
     # ------------------------------------------------------------------ finishing
@@ -661,7 +629,7 @@ class SchedulerState:
             return Outbox()
         if reason == "error" and error is None:
             error = internal_error(request.request_id, "the request failed in the scheduler (see its log)")
-        if self.alive(request.postprocessor_id):
+        if self.placement.alive(request.postprocessor_id):
             try:
                 commit = self.commit(request, batch_id if batch_id is not None else request.last_batch_id, tokens,
                                      num_draft, num_accepted, degraded, reason, expect_side_channel, error)
@@ -743,7 +711,7 @@ class SchedulerState:
             # A lane's own requests are never in a step when it plans (its steps run one at a time).
             ours = request.lane == lane if lane is not None else request.request_id not in self.in_flight
             # else it waits for a postprocessor, or for a verifier (see migrate), or its deadline
-            if ours and self.alive(request.postprocessor_id) and self.alive(request.verifier_id):
+            if ours and self.placement.alive(request.postprocessor_id) and self.placement.alive(request.verifier_id):
                 by_verifier.setdefault(request.verifier_id, []).append(request)
         self.num_plans += 1
         for verifier_id, requests in by_verifier.items():
@@ -791,7 +759,7 @@ class SchedulerState:
         remaining = request.sampling.max_tokens - len(request.completion)
         wanted = min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1)
         row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=max(wanted, 0))
-        if row.num_draft and not self.alive(request.drafter_id):
+        if row.num_draft and not self.placement.alive(request.drafter_id):
             row.num_draft = 0
             row.degraded.append("draft_timeout")
         return row
@@ -808,7 +776,7 @@ class SchedulerState:
         without drafts, flagged draft_timeout."""
         batches = {}
         deadline = now + self.config.draft_timeout_s
-        drafters = set(plan.draft_rows) | {i for i in self.releases if self.alive(i) and self.is_role(i, "drafter")}
+        drafters = set(plan.draft_rows) | self.live_releases("drafter")
         for drafter_id in sorted(drafters):
             release = self.take_releases(drafter_id)
             room = None if self.max_payload is None else \
@@ -818,7 +786,7 @@ class SchedulerState:
             for planned in plan.draft_rows.get(drafter_id, []):
                 request = planned.request
                 new_ids = request.history[request.drafter_len:]
-                request_bytes = ROW_OVERHEAD_BYTES + 4 * len(new_ids)
+                request_bytes = ROW_OVERHEAD_BYTES + 4 * len(new_ids) + sum(a.nbytes for a in request.sampling.arrays())
                 sampled = request.speculative.draft_mode == "sample" and not request.sampling.greedy
                 answer_bytes = ROW_OVERHEAD_BYTES + planned.num_draft * (4 + 8 * MAX_DRAFT_SUPPORT * sampled)
                 if room is not None and (request_bytes > request_room or answer_bytes > answer_room):
@@ -831,17 +799,13 @@ class SchedulerState:
                 rows.append(DraftRow(request_id=request.request_id, row=len(rows), step=request.step,
                                      cached_len=request.drafter_len, new_token_ids=new_ids,
                                      num_draft=planned.num_draft, draft_mode=request.speculative.draft_mode,
-                                     sampling=request.sampling.row_sampling()))
+                                     sampling=request.sampling.row_sampling(), prompt_len=request.prompt_len))
                 kept.append(planned)
             if drafter_id in plan.draft_rows:
                 plan.draft_rows[drafter_id] = kept
             batches[drafter_id] = DraftRequest(batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id,
                                                deadline=deadline, rows=rows, release=release)
         return batches
-
-    def is_role(self, instance_id: str, role: str) -> bool:
-        instance = self.registry.instances.get(instance_id)
-        return instance is not None and instance.role == role
 
     def apply_draft(self, plan: StepPlan, drafter_id: str, request: DraftRequest,
                     response: DraftResponse | None) -> None:
@@ -877,7 +841,7 @@ class SchedulerState:
         is kept under max_payload: rows past it wait for the next step (their drafts are
         dropped); a request whose row is too large alone ends with `too_large` (plan.outbox)."""
         deadline = now + self.config.verify_timeout_s * (self.config.verify_retries + 1)
-        verifiers = set(plan.rows) | {i for i in self.releases if self.alive(i) and self.is_role(i, "verifier")}
+        verifiers = set(plan.rows) | self.live_releases("verifier")
         for verifier_id in sorted(verifiers):
             release = self.take_releases(verifier_id)
             budget = None if self.max_payload is None else \
@@ -895,7 +859,7 @@ class SchedulerState:
                                 prompt_len=request.prompt_len, emit=planned.emit)
                 size = verify_row_bytes(row)
                 if budget is not None and size > budget:
-                    plan.outbox.extend(self.unplan(planned, size, budget, now, alone=not rows))
+                    plan.outbox.extend(self.defer_oversized_row(planned, size, budget, now, alone=not rows))
                     continue
                 budget = None if budget is None else budget - size
                 rows.append(row)
@@ -907,7 +871,7 @@ class SchedulerState:
                 release=release)
         return plan.verify_requests
 
-    def unplan(self, planned: PlannedRow, size: int, budget: int, now: float, alone: bool) -> Outbox:
+    def defer_oversized_row(self, planned: PlannedRow, size: int, budget: int, now: float, alone: bool) -> Outbox:
         """A row that does not fit in its batch's max_payload: it waits for the next step, or,
         when it does not fit even alone, its request ends with `too_large`."""
         request = planned.request

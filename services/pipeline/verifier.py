@@ -17,12 +17,12 @@ import structlog
 from nats.aio.client import Client
 
 from gpu_worker.slots import instance_heartbeat
-from services.pipeline.model_service import SlotService, run_slot_service
 from gpu_worker.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
 from schemas.codec import encode
 from schemas.config import VerifierConfig
 from schemas.messages import Heartbeat, VerifyRequest
 from schemas.subjects import Subjects
+from services.pipeline.model_service import SlotService, run_slot_service
 from services.runtime.bus import BusError, publish
 
 log = structlog.get_logger(__name__)

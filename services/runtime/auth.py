@@ -32,6 +32,17 @@ the server). The trade-off: any drafter may then subscribe to another drafter's 
 take a share of its work. Binding a user to one instance (`instance_id=...`) closes that, at the
 price of one user per instance and a server config reload for each new instance.
 
+Two accounts keep one client from knocking a service off the bus. nats-server's `users` entries take
+no limits, its accounts do (`limits { max_payload }`): the role users are in SERVICES_ACCOUNT,
+the client users in CLIENTS_ACCOUNT, whose `max_payload` is CLIENT_MAX_PAYLOAD (a message over it
+closes that client's connection, never a service's; the server-wide max_payload stays what the
+services need). Accounts see nothing of each other but what they export and import, so
+`render_auth` joins them with exactly the client users' permissions: their generate and cancel
+subjects are streamed from CLIENTS to SERVICES, heartbeats and each client's inbox from SERVICES
+to CLIENTS (a stream keeps the reply subject, so the scheduler still sees the sender's inbox). The
+server announces the server-wide max_payload to every connection, so a client is told its own
+limit by the client library (`services/client.py` connects with `max_payload=CLIENT_MAX_PAYLOAD`).
+
 Credentials come from the environment (`users_from_env`), never from a default:
     SPECBUS_CLIENT_USERS            client user names, "alice,bob" (at least one; not role names)
     SPECBUS_<USER>_NATS_PASSWORD    one per user: the role users (named scheduler, verifier,
@@ -66,24 +77,35 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.errors import ErrorCode, SpecbusError
+from schemas.messages import MAX_PROMPT_CHARS
 from schemas.subjects import DEFAULT_PREFIX, INSTANCE_ID_PATTERN, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
 
 # nats-server limits, shared by the server config rendered here and services/launch/natsserver.py.
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 MAX_MAX_PAYLOAD = 64 * 1024 * 1024  # nats-server's own hard limit
+# What a client user may publish at most (its account's limit, module docstring): the largest
+# valid GenerateRequest, a prompt of MAX_PROMPT_CHARS characters at 4 UTF-8 bytes each (or as many
+# int32 token ids), plus room for the options. The services keep DEFAULT_MAX_PAYLOAD: their
+# batches, commits and prompt logprobs are larger.
+CLIENT_MAX_PAYLOAD = 4 * MAX_PROMPT_CHARS + 64 * 1024
+# The two accounts of an authenticated deployment (module docstring).
+SERVICES_ACCOUNT = "SERVICES"
+CLIENTS_ACCOUNT = "CLIENTS"
 
 
 @dataclass(frozen=True)
 class NatsUser:
-    """One user of the `authorization` block. publish/subscribe: allowed subjects (wildcards
-    fine); None allows everything. allow_responses lets a responder publish its reply to the
-    requester's inbox without listing `_INBOX.>` in publish."""
+    """One user of the server. publish/subscribe: allowed subjects (wildcards fine); None allows
+    everything. allow_responses lets a responder publish its reply to the requester's inbox
+    without listing `_INBOX.>` in publish. account: SERVICES_ACCOUNT or CLIENTS_ACCOUNT (rendered
+    under `accounts`, see `render_auth`); None: the server's global account (`authorization`)."""
 
     user: str
     password: str
     publish: tuple[str, ...] | None = None
     subscribe: tuple[str, ...] | None = None
     allow_responses: bool = False
+    account: str | None = None
 
 
 def render_tls(cert: str | Path, key: str | Path, ca: str | Path | None = None) -> dict:
@@ -105,6 +127,42 @@ def render_user(user: NatsUser) -> dict:
     out: dict = {"user": user.user, "password": user.password}
     if permissions:
         out["permissions"] = permissions
+    return out
+
+
+def render_auth(users: Iterable[NatsUser], client_max_payload: int = CLIENT_MAX_PAYLOAD) -> dict:
+    """The server config's user blocks: `authorization` for users without an account, `accounts`
+    for the others (module docstring). The subjects that cross between the two accounts are the
+    client users' own permissions: what a client may publish is exported to the services, what it
+    may subscribe to is imported from them; nothing else crosses."""
+    users = list(users)
+    out: dict = {}
+    plain = [render_user(u) for u in users if u.account is None]
+    if plain:
+        out["authorization"] = {"users": plain}
+    in_accounts = [u for u in users if u.account is not None]
+    if not in_accounts:
+        return out
+    unknown = {u.account for u in in_accounts} - {SERVICES_ACCOUNT, CLIENTS_ACCOUNT}
+    if unknown:
+        raise ValueError(f"account: {sorted(unknown)[0]!r} is not {SERVICES_ACCOUNT} or {CLIENTS_ACCOUNT}")
+    clients = [u for u in in_accounts if u.account == CLIENTS_ACCOUNT]
+    sent = list(dict.fromkeys(s for u in clients for s in (u.publish or ())))
+    heard = list(dict.fromkeys(s for u in clients for s in (u.subscribe or ())))
+    accounts = {
+        SERVICES_ACCOUNT: {
+            "users": [render_user(u) for u in in_accounts if u.account == SERVICES_ACCOUNT],
+            "exports": [{"stream": s, "accounts": [CLIENTS_ACCOUNT]} for s in heard],
+            "imports": [{"stream": {"account": CLIENTS_ACCOUNT, "subject": s}} for s in sent],
+        },
+        CLIENTS_ACCOUNT: {
+            "users": [render_user(u) for u in clients],
+            "exports": [{"stream": s, "accounts": [SERVICES_ACCOUNT]} for s in sent],
+            "imports": [{"stream": {"account": SERVICES_ACCOUNT, "subject": s}} for s in heard],
+            "limits": {"max_payload": client_max_payload},
+        },
+    }
+    out["accounts"] = accounts
     return out
 
 
@@ -210,7 +268,8 @@ def nats_user(role: str, user: str, password: str, prefix: str = DEFAULT_PREFIX,
     permissions = all_permissions[role]
     return NatsUser(user=user, password=password, publish=permissions.publish,
                     subscribe=(*permissions.subscribe, inbox_prefix(user) + ".>"),
-                    allow_responses=permissions.allow_responses)
+                    allow_responses=permissions.allow_responses,
+                    account=CLIENTS_ACCOUNT if role == CLIENT else SERVICES_ACCOUNT)
 
 
 def client_user_names(env: Mapping[str, str]) -> list[str]:
@@ -314,12 +373,12 @@ def render_server_config(
     tls_ca: str | None = None,
 ) -> str:
     """The nats-server config file (NATS config syntax): listener, limits, users with their
-    permissions (natsserver.render_user, as the embedded server writes them) and optional TLS."""
+    permissions in their accounts (render_auth, as the embedded server writes them) and optional TLS."""
     config: dict[str, Any] = {"host": host, "port": port}
     if http_port is not None:
         config["http_port"] = http_port
     config["max_payload"] = max_payload
-    config["authorization"] = {"users": [render_user(u) for u in users]}
+    config |= render_auth(users)
     if tls_cert is not None:
         config["tls"] = render_tls(tls_cert, tls_key, tls_ca)
     header = "# Rendered by services/runtime/auth.py (python -m services.runtime.auth config); do not edit by hand.\n"

@@ -88,6 +88,7 @@ async def connect(
     password: str | None = None,
     tls: ssl.SSLContext | None = None,
     tls_hostname: str | None = None,
+    max_payload: int | None = None,
     **opts: Any,
 ) -> Client:
     """Connect with explicit settings; services reconnect forever (max_reconnect_attempts=-1).
@@ -96,6 +97,9 @@ async def connect(
     the first connection gets its own bound: BusUnavailable after initial_connect_timeout_s.
     url: one URL, a list, or URLs separated by commas (a cluster's nodes, as NATS clients
     elsewhere take them); nats-py connects to one and, when it is lost, reconnects to another.
+    max_payload: the most this connection sends, when it is below the server's max_payload (a
+    client user's account limit, which the server enforces but does not announce: a message over
+    it would close the connection); `publish` and `request` refuse more with BusPayloadTooLarge.
     Extra keyword arguments go to `nats.connect` unchanged.
     """
     conn_log = log.bind(connection=name)
@@ -103,10 +107,17 @@ async def connect(
         opts.setdefault("inbox_prefix", inbox_prefix(user))  # the only inbox the server lets it read
     watch = PermissionWatch()
 
+    dropped = Counter()
+
     async def on_error(exc: Exception) -> None:
         # Permission violations and slow consumers arrive here, not at the publish call.
         if watch.on_error(exc):
             conn_log.warning("nats_permission_denied", error=str(exc), count=sum(watch.counts.values()))
+            return
+        if isinstance(exc, nats.errors.SlowConsumerError):  # one per message dropped: logged sparingly
+            dropped[exc.subject] += 1
+            if dropped[exc.subject] % OVERLOAD_LOG_EVERY == 1:
+                conn_log.warning("nats_subscription_dropped", subject=exc.subject, dropped=dropped[exc.subject])
             return
         conn_log.error("nats_error", error=str(exc) or type(exc).__name__, error_type=type(exc).__name__)
 
@@ -122,6 +133,13 @@ async def connect(
 
     nc = Client()
     PERMISSION_WATCHES[nc] = watch
+    if max_payload is not None:
+        PAYLOAD_CAPS[nc] = max_payload
+    settings = dict(connect_timeout_s=connect_timeout_s, initial_connect_timeout_s=initial_connect_timeout_s,
+                    reconnect_time_wait_s=reconnect_time_wait_s, max_reconnect_attempts=max_reconnect_attempts,
+                    ping_interval_s=ping_interval_s, max_outstanding_pings=max_outstanding_pings, user=user,
+                    password=password, tls=tls, tls_hostname=tls_hostname, max_payload=max_payload, **opts)
+    SIBLINGS[nc] = lambda sibling_name: connect(url, sibling_name, **settings)
     try:
         await asyncio.wait_for(
             nc.connect(
@@ -174,6 +192,15 @@ def tls_context(ca: str | None = None, cert: str | None = None, key: str | None 
 
 
 PERMISSION_WATCHES: weakref.WeakKeyDictionary[Client, PermissionWatch] = weakref.WeakKeyDictionary()
+PAYLOAD_CAPS: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()  # connect(max_payload=...)
+# how to open another connection with a connection's own settings (`serve`'s own connection)
+SIBLINGS: weakref.WeakKeyDictionary[Client, Callable[[str], Awaitable[Client]]] = weakref.WeakKeyDictionary()
+
+
+def payload_limit(nc: Client) -> int:
+    """The most one message of nc may hold: the server's max_payload, or less (connect's max_payload)."""
+    cap = PAYLOAD_CAPS.get(nc)
+    return nc.max_payload if cap is None else min(cap, nc.max_payload)
 
 
 def permission_watch(nc: Client) -> PermissionWatch:
@@ -194,11 +221,9 @@ def server_address(nc: Client) -> str | None:
 def check_payload_size(nc: Client, subject: str, payload: bytes, headers: Mapping[str, str] | None) -> None:
     """Refuse before sending: the server counts headers too and drops the connection on a
     message over max_payload."""
-    size = len(payload) + header_block_size(headers)
-    if size > nc.max_payload:
-        raise BusPayloadTooLarge(
-            f"message to {subject!r} is {size} bytes, over the server's max_payload of {nc.max_payload}"
-        )
+    size, limit = len(payload) + header_block_size(headers), payload_limit(nc)
+    if size > limit:
+        raise BusPayloadTooLarge(f"message to {subject!r} is {size} bytes, over this connection's max_payload of {limit}")
 
 
 def header_block_size(headers: Mapping[str, str] | None) -> int:
@@ -305,6 +330,11 @@ def bus_errors(subject: str) -> Iterator[None]:
 # bounded handlers
 
 MsgHandler = Callable[[Any], Awaitable[None]]
+OVERLOAD_LOG_EVERY = 100
+# serve()'s bound on the payload its handlers hold: a few of the largest client messages
+# (auth.CLIENT_MAX_PAYLOAD), far from what would make the process swap.
+SERVE_PENDING_BYTES = 64 * 1024 * 1024
+SERVE_PENDING_MSGS = 64 * 1024
 
 
 @dataclass
@@ -313,8 +343,9 @@ class BoundedHandler:
 
     nats-py calls a subscription's callback one message at a time, so a slow handler would
     serialize the subscription. `dispatch` is that callback: it only schedules. A message that
-    would make more than max_pending in flight (running + waiting for a slot) is refused:
-    `on_overload(msg)` lets the service answer `overloaded`; the refusal is counted and logged.
+    would make more than max_pending in flight (running + waiting for a slot), or more than
+    max_pending_bytes of payload (None: no byte bound), is refused: `on_overload(msg)` lets the
+    service answer `overloaded`; the refusal is counted and logged.
     A handler's exception is logged with its traceback and counted; the subscription lives on.
     Messages are nats `Msg` objects, or micro `Request` objects when used as a micro endpoint.
     """
@@ -324,14 +355,17 @@ class BoundedHandler:
     max_concurrency: int = 8
     max_pending: int = 64
     on_overload: MsgHandler | None = None
+    max_pending_bytes: int | None = None
     num_received: int = field(default=0, init=False)
     num_completed: int = field(default=0, init=False)
     num_failed: int = field(default=0, init=False)
     num_refused: int = field(default=0, init=False)
     num_cancelled: int = field(default=0, init=False)
     subscription: Subscription | None = field(default=None, init=False)
+    connection: Client | None = field(default=None, init=False)  # serve()'s own connection, closed by stop()
     tasks: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
     slots: asyncio.Semaphore = field(init=False, repr=False)
+    pending_bytes: int = field(default=0, init=False)  # payload held by the tasks in flight
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -349,9 +383,14 @@ class BoundedHandler:
     async def dispatch(self, msg: Any) -> None:
         """The subscription callback: schedules the handler, or refuses; returns at once."""
         self.num_received += 1
-        if self.in_flight >= self.max_pending:
+        size = len(getattr(msg, "data", b"") or b"")
+        # one message alone is always taken (it passed the server's max_payload)
+        over_bytes = self.max_pending_bytes is not None and bool(self.tasks) and \
+            self.pending_bytes + size > self.max_pending_bytes
+        if self.in_flight >= self.max_pending or over_bytes:
             self.num_refused += 1
-            log.warning("handler_overloaded", handler=self.name, in_flight=self.in_flight, refused=self.num_refused)
+            log.warning("handler_overloaded", handler=self.name, in_flight=self.in_flight,
+                        pending_bytes=self.pending_bytes, refused=self.num_refused)
             if self.on_overload is not None:
                 try:
                     await self.on_overload(msg)
@@ -360,7 +399,13 @@ class BoundedHandler:
             return
         task = asyncio.create_task(self.run_one(msg), name=f"{self.name}-handler")
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.pending_bytes += size
+
+        def done(task: asyncio.Task) -> None:
+            self.tasks.discard(task)
+            self.pending_bytes -= size
+
+        task.add_done_callback(done)
 
     async def run_one(self, msg: Any) -> None:
         async with self.slots:
@@ -401,6 +446,9 @@ class BoundedHandler:
             if pending:
                 await asyncio.wait(pending, timeout=timeout_s)
                 log.warning("handlers_cancelled_on_stop", handler=self.name, count=len(pending))
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            await connection.close()
 
 
 async def serve(
@@ -412,12 +460,36 @@ async def serve(
     max_concurrency: int = 8,
     max_pending: int = 64,
     on_overload: MsgHandler | None = None,
+    max_pending_bytes: int = SERVE_PENDING_BYTES,
+    own_connection: bool = True,
 ) -> BoundedHandler:
-    """Subscribe `handler` to `subject` with bounded concurrency; `await bounded.stop()` drains."""
-    bounded = BoundedHandler(
-        handler, name=subject, max_concurrency=max_concurrency, max_pending=max_pending, on_overload=on_overload
-    )
-    bounded.subscription = await nc.subscribe(subject, queue=queue or "", cb=bounded.dispatch)
+    """Subscribe `handler` to `subject` with bounded concurrency; `await bounded.stop()` drains.
+
+    What may wait is bounded at both ends: the BoundedHandler refuses past max_pending messages
+    or max_pending_bytes in flight, and nats-py's own queue for the subscription (what was read
+    and not dispatched yet: a burst of small messages read at once lands there whole) drops past
+    SERVE_PENDING_MSGS messages or max_pending_bytes instead of its defaults (512 Ki, 128 MiB).
+
+    The subscription gets a connection of its own (same settings, named `<name>.<subject>`;
+    on nc itself when nc did not come from `connect`): nats-server cuts a consumer that falls its
+    max_pending (64 MiB) behind as a slow consumer, all of that connection's subscriptions with it.
+    A flood of large messages on a subject anyone may publish to (a client's generate subject) can
+    outrun a process whose CPU is busy, however fast its handlers refuse; on its own connection
+    it costs at worst that connection (which reconnects; the senders' clients resend), never the
+    one the service does its work on. Replies go out on whatever connection the handler uses."""
+    bounded = BoundedHandler(handler, name=subject, max_concurrency=max_concurrency, max_pending=max_pending,
+                             on_overload=on_overload, max_pending_bytes=max_pending_bytes)
+    sibling = SIBLINGS.get(nc) if own_connection else None
+    if sibling is not None:
+        bounded.connection = nc = await sibling(f"{nc.options['name']}.{subject}")
+    bounded.subscription = await nc.subscribe(subject, queue=queue or "", cb=bounded.dispatch,
+                                              pending_msgs_limit=max(SERVE_PENDING_MSGS, max_pending),
+                                              pending_bytes_limit=max_pending_bytes)
+    if bounded.connection is not None:
+        # the server has the subscription before the caller sends on its own connection; twice: nats-py
+        # writes a flush's PING ahead of what its flusher task still holds (the SUB)
+        await nc.flush()
+        await nc.flush()
     return bounded
 
 
@@ -506,63 +578,3 @@ async def heartbeat_loop(nc: Client, subject: str, make_payload: Callable[[], by
         await asyncio.sleep(interval_s)
 
 
-@dataclass
-class Instance:
-    instance_id: str
-    role: str | None
-    info: Any  # the last heartbeat (any object; the scheduler stores schemas.Heartbeat)
-    last_seen: float  # time.monotonic() of the last heartbeat
-
-
-@dataclass
-class InstanceRegistry:
-    """Who is alive: an instance is dead once no heartbeat came for timeout_s.
-
-    Times are time.monotonic() seconds (local receive times; `now` is there for tests).
-    `alive()`/`is_alive()` are always exact; `reap()` removes the dead and reports them once
-    (and calls on_dead for each), so the caller can migrate their work. An instance that beats
-    again after being reaped comes back as new.
-    """
-
-    timeout_s: float
-    on_dead: Callable[[Instance], None] | None = None
-    instances: dict[str, Instance] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
-
-    def observe(self, instance_id: str, info: Any, *, role: str | None = None, now: float | None = None) -> bool:
-        """Record a heartbeat; True when the instance is new (or back after being reaped)."""
-        now = time.monotonic() if now is None else now
-        known = self.instances.get(instance_id)
-        self.instances[instance_id] = Instance(instance_id, role, info, now)
-        if known is None:
-            log.info("instance_joined", instance_id=instance_id, role=role)
-        return known is None
-
-    def is_alive(self, instance_id: str, now: float | None = None) -> bool:
-        instance = self.instances.get(instance_id)
-        now = time.monotonic() if now is None else now
-        return instance is not None and now - instance.last_seen <= self.timeout_s
-
-    def alive(self, role: str | None = None, now: float | None = None) -> list[Instance]:
-        """Live instances (of `role` if given), sorted by id for a stable order."""
-        now = time.monotonic() if now is None else now
-        return [
-            inst
-            for _, inst in sorted(self.instances.items())
-            if now - inst.last_seen <= self.timeout_s and (role is None or inst.role == role)
-        ]
-
-    def reap(self, now: float | None = None) -> list[Instance]:
-        """Remove and return the instances that missed heartbeats for more than timeout_s."""
-        now = time.monotonic() if now is None else now
-        dead = [inst for inst in self.instances.values() if now - inst.last_seen > self.timeout_s]
-        for inst in dead:
-            del self.instances[inst.instance_id]
-            silent_s = round(now - inst.last_seen, 3)
-            log.warning("instance_dead", instance_id=inst.instance_id, role=inst.role, silent_s=silent_s)
-            if self.on_dead is not None:
-                self.on_dead(inst)
-        return dead

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one service instance (issue 7, item 3), and its HTTP endpoint.
+"""Prometheus metrics of one service instance, and its HTTP endpoint.
 
 Each instance owns a `CollectorRegistry`, never prometheus-client's process-global one: tests
 and the in-process bench run several services in one process. `serve_metrics(registry, port)`

@@ -3,14 +3,18 @@ import math
 import pytest
 import torch
 
+from gpu_worker.rejection import rejection_sample
 from gpu_worker.sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_RESIDUAL,
     STREAM_TARGET,
+    Penalties,
     SamplingInputError,
     SamplingTensors,
+    add_tokens,
     make_uniforms,
+    penalise,
     process_logits,
     sample,
     sample_from_probs,
@@ -205,3 +209,121 @@ def test_nan_logits_and_bad_uniforms_fail_fast():
         process_logits(logits, params)
     with pytest.raises(SamplingInputError, match="uniforms"):
         sample(torch.zeros(1, 1, 3), params, torch.zeros(1, 1))
+
+
+# --- logit_bias and penalties -------------------------------------------------------------
+
+
+def penalties_of(rows, V, output, prompt=(), bias=None, repetition=1.0, frequency=0.0, presence=0.0):
+    """The same Penalties for `rows` rows: output [n] or [rows, n] ids (-1 = none), prompt ids,
+    bias {id: value}."""
+    output = torch.as_tensor(output, dtype=torch.int64)
+    output = output.expand(rows, output.shape[-1]) if output.dim() == 1 else output
+    counts = torch.zeros(rows, V).scatter_add_(1, output.clamp_min(0), (output >= 0).float())
+    seen = counts > 0
+    seen[:, list(prompt)] = True
+    dense = torch.zeros(V)
+    for token, value in (bias or {}).items():
+        dense[token] = value
+    return Penalties(dense.expand(rows, V).contiguous(), counts, seen, torch.full((rows,), repetition),
+                     torch.full((rows,), frequency), torch.full((rows,), presence))
+
+
+def test_penalise_follows_the_openai_and_vllm_definitions_worked_by_hand():
+    logits = torch.tensor([[[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]])
+    # prompt [0]; output [1, 3, 3]; bias +1.5 on 4, -0.5 on 3
+    penalties = Penalties.build(6, torch.tensor([0, 1, 3, 3]), 1, bias_ids=[4, 3], bias_values=[1.5, -0.5],
+                                repetition=2.0, frequency=0.5, presence=0.25)
+    # bias, then repetition on seen {0, 1, 3} (divide positive, multiply negative), then
+    # frequency * count and presence * (count > 0) for the output counts {1: 1, 3: 2}
+    expected = [2.0 / 2, -1.0 * 2 - 0.5 - 0.25, 0.5, 2.5 / 2 - 1.0 - 0.25, -0.5, 1.0]
+    assert torch.equal(penalise(logits, penalties), torch.tensor([[expected]]))
+
+
+def test_penalties_that_are_off_leave_the_logits_bit_for_bit():
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(2))
+    on = penalties_of(1, 50, [3, 3, 7], prompt=[1], bias={5: 2.0}, repetition=1.3, frequency=0.4, presence=0.2)
+    off = penalties_of(2, 50, [3, 3, 7], prompt=[1])
+    mixed = Penalties.cat([on, off])
+    out = penalise(logits, mixed, torch.tensor([[1, 2, 3], [4, 5, -1], [6, 6, 6]]))
+    assert torch.equal(out[1:], logits[1:])
+    assert not torch.equal(out[0], logits[0])
+
+
+def test_each_verified_position_counts_the_drafts_before_it():
+    V, K = 30, 4
+    logits = torch.randn(2, K + 1, V, generator=torch.Generator().manual_seed(4))
+    drafts = torch.tensor([[3, 3, 9, 3], [5, 8, -1, -1]])  # the second row has two drafts
+    start = penalties_of(2, V, [3, 1], prompt=[0, 9], bias={2: -1.0}, repetition=1.5, frequency=0.7, presence=0.3)
+    together = penalise(logits, start, drafts)
+    penalties = start
+    for t in range(K + 1):  # one position at a time, the drafts before it appended as output
+        assert torch.equal(together[:, t], penalise(logits[:, t:t + 1], penalties)[:, 0])
+        if t < K:
+            penalties = add_tokens(penalties, drafts[:, t])
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("repetition_penalty", dict(repetition=0.0)),
+    ("repetition_penalty", dict(repetition=math.inf)),
+    ("frequency_penalty", dict(frequency=math.nan)),
+    ("presence_penalty", dict(presence=-math.inf)),
+    ("logit_bias", dict(bias_ids=[1], bias_values=[math.nan])),
+    ("logit_bias", dict(bias_ids=[7], bias_values=[1.0])),  # outside the vocabulary
+])
+def test_bad_penalties_fail_naming_the_row_sampling_field(name, kwargs):
+    with pytest.raises(SamplingInputError) as caught:
+        Penalties.build(5, torch.tensor([1, 2]), 1, **kwargs)
+    assert caught.value.field == name
+
+
+# Speculation with penalties against plain decoding, on a 3-token sequence: the target's logits
+# are the same at every context, so only the penalties make position t depend on the tokens
+# before it, and a sampler that ignored this step's drafts there would get the law wrong.
+PV, PK, PROWS = 4, 2, 24000
+PENALTIES = dict(prompt=[0], bias={1: 0.7}, repetition=1.6, frequency=0.9, presence=0.6)
+
+
+def penalised_probs(base, output, rows):
+    """process_logits of position len(output) after `output` [rows, n] (plain decoding): [rows, V]."""
+    penalties = penalties_of(rows, PV, output, **PENALTIES)
+    return process_logits(penalise(base[:, output.shape[1]:output.shape[1] + 1], penalties),
+                          SamplingTensors.build([0.9] * rows)).probs[:, 0]
+
+
+def test_sampled_output_with_penalties_under_speculation_has_plain_decodings_law():
+    from tests.gpu_worker.test_rejection import assert_counts_match
+
+    gen = torch.Generator().manual_seed(12)
+    base = (torch.randn(1, PK + 1, PV, generator=gen) * 1.2).expand(PROWS, -1, -1)  # (R, K+1, V)
+    draft_probs = (torch.randn(PK, PV, generator=gen) * 1.5).softmax(-1)
+    seeds, positions = torch.arange(PROWS), torch.arange(PK + 1).expand(PROWS, -1)
+
+    # one speculative step: K drafts from the draft, verified against the penalised target
+    drafts = torch.stack([torch.multinomial(draft_probs[i], PROWS, replacement=True, generator=gen)
+                          for i in range(PK)], 1)
+    params = SamplingTensors.build([0.9] * PROWS)
+    start = penalties_of(PROWS, PV, [], **PENALTIES)
+    processed, target_ids = sample(penalise(base, start, drafts), params,
+                                   make_uniforms(seeds, positions, STREAM_TARGET))
+    result = rejection_sample(drafts, torch.full((PROWS,), PK), draft_probs.expand(PROWS, -1, -1), processed.probs,
+                              target_ids, params.greedy, uniforms=make_uniforms(seeds, positions[:, :PK], STREAM_ACCEPT),
+                              residual_uniforms=make_uniforms(seeds, positions[:, :PK], STREAM_RESIDUAL))
+    assert result.num_accepted.float().mean() > 0.3  # the drafts matter
+    # then plain decoding up to 3 tokens, each position penalised by the output before it
+    tokens = result.token_ids
+    for t in range(1, PK + 1):
+        missing = tokens[:, t] < 0
+        probs = penalised_probs(base[missing], tokens[missing, :t], int(missing.sum()))
+        tokens[missing, t] = torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+    # the exact law of plain decoding, sequence by sequence
+    law = torch.zeros(PV ** 3, dtype=torch.float64)
+    for a in range(PV):
+        for b in range(PV):
+            for c in range(PV):
+                output = torch.tensor([[a, b, c]])
+                p = [penalised_probs(base[:1], output[:, :t], 1)[0, output[0, t]] for t in range(3)]
+                law[(a * PV + b) * PV + c] = float(p[0]) * float(p[1]) * float(p[2])
+    assert abs(float(law.sum()) - 1) < 1e-5
+    assert_counts_match((tokens[:, 0] * PV + tokens[:, 1]) * PV + tokens[:, 2], law)

@@ -10,8 +10,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gpu_worker.tokenizer import (DetokenizerState, detokenize_step, load_tokenizer,
+from gpu_worker.tokenizer import (DetokenizerState, detokenize_step, draft_misfit, load_tokenizer,
                                   new_detokenizer_state)
+from schemas.config import DEFAULT_DRAFT, TINY_DRAFT, TINY_TARGET
 
 LINES = ["héllo wörld ✓ 日本語", "def f(x):\n    return x  # ✓ done", "naïve café 😀 日本"]
 
@@ -84,3 +85,10 @@ def test_state_survives_msgpack_between_postprocessors(tokenizer_dir):
 def test_tokenizer_module_does_not_import_torch():
     code = "import gpu_worker.tokenizer, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+
+def test_a_draft_fits_its_target_and_a_misfit_is_named():
+    assert draft_misfit(TINY_TARGET, TINY_DRAFT) is None
+    why = draft_misfit(TINY_TARGET, DEFAULT_DRAFT)
+    assert str(TINY_TARGET) in why and str(DEFAULT_DRAFT) in why and "tokenizer" in why

@@ -298,3 +298,115 @@ def test_two_schedulers_may_use_the_same_request_id(target, greedy_tokens):
     assert not following.need_resync and following.error is None
     assert [*first.token_ids.tolist(), *following.token_ids.tolist()] == greedy_tokens[:2]
     assert sorted(verifier.requests) == [("sched-a", "same"), ("sched-b", "same")]
+
+
+# --- logit_bias and penalties --------------------------------------------------------------------
+
+PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3, logit_bias={11: 2.0, 40: -3.0})
+
+
+@pytest.fixture(scope="module")
+def penalised_tokens(target):
+    """The target's greedy continuation of PROMPT with PENALTIES, one token per step (k = 0)."""
+    tokens, _, steps = generate(new_verifier(target), "plain", PROMPT, 16, **PENALTIES)
+    assert steps == 16
+    return tokens
+
+
+def test_greedy_with_penalties_is_the_argmax_of_the_penalised_logits_at_any_k(target, greedy_tokens,
+                                                                             penalised_tokens):
+    assert penalised_tokens != greedy_tokens  # the penalties change the output
+    with torch.no_grad():  # the first token: the argmax of the penalised logits, worked out here
+        logits = target.hf(torch.tensor([PROMPT])).logits[0, -1]
+    assert penalised_tokens[0] == int(penalised_reference(logits, PROMPT, []).argmax())
+
+    def drafts_for(history, k):  # the penalised continuation with every third draft wrong
+        position = len(history) - len(PROMPT)
+        right = penalised_tokens[position:position + k]
+        return [t if (position + i) % 3 else (t + 7) % V for i, t in enumerate(right)]
+
+    tokens, _, steps = generate(new_verifier(target), "spec", PROMPT, 16, drafts_for, k=4, **PENALTIES)
+    assert tokens == penalised_tokens
+    assert steps < 16  # drafts were accepted, so later positions counted them
+
+
+def test_a_migrated_request_rebuilds_its_counts_from_the_history(target, penalised_tokens):
+    verifier = new_verifier(target)
+    history = PROMPT + penalised_tokens[:6]
+    for step in range(6):  # a fresh verifier re-prefills the history, then decodes
+        cached_len = 0 if step == 0 else len(history) - 1
+        result, _ = one(verifier, vrow("moved", history[cached_len:], cached_len, step=step, **PENALTIES))
+        history += result.token_ids.tolist()
+    assert history[len(PROMPT):] == penalised_tokens[:12]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=99)])
+def test_logit_bias_of_minus_100_bans_a_token_and_plus_100_forces_it(target, greedy_tokens, sampling):
+    banned = sorted(set(greedy_tokens))
+    tokens, _, steps = generate(new_verifier(target), "ban", PROMPT, 20, lambda history, k: banned[:k], k=3,
+                                logit_bias={t: -100.0 for t in banned}, **sampling)
+    assert not set(tokens) & set(banned)
+    assert steps == 20  # every draft (a banned token) was rejected
+    tokens, _, steps = generate(new_verifier(target), "force", PROMPT, 20, lambda history, k: [7] * k, k=3,
+                                logit_bias={7: 100.0}, **sampling)
+    assert tokens == [7] * 20 and steps == 5  # and every draft of it accepted
+
+
+def penalised_reference(logits, prompt, output, penalties=PENALTIES):
+    """OpenAI's and vLLM's definitions, one token at a time: logits (V,) after prompt + output."""
+    logits = logits.clone()
+    for token, bias in penalties["logit_bias"].items():
+        logits[token] += bias
+    for token in set(prompt) | set(output):
+        r = penalties["repetition_penalty"]
+        logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
+    for token in set(output):
+        logits[token] -= output.count(token) * penalties["frequency_penalty"] + penalties["presence_penalty"]
+    return logits
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_processed_logprobs_are_those_of_the_penalised_distribution(target, mode):
+    options = LogprobOptions(logprobs=3, logprob_token_ids=[11, 40], logprobs_mode=mode)
+    # the biases make the (nearly uniform) tiny model favour three tokens, and the penalties
+    # move the mass among them as they repeat, drafts included
+    penalties = {**PENALTIES, "logit_bias": {11: 5.0, 40: 4.5, 3: 4.0}}
+    favoured = [11, 40, 3]
+
+    def drafts_for(history, k):
+        return [favoured[(len(history) + i) % 3] for i in range(k)]
+
+    tokens, records, steps = generate(new_verifier(target), "lp", PROMPT, 10, drafts_for, k=3, logprobs=options,
+                                      temperature=0.9, seed=5, **penalties)
+    assert steps < 9  # drafts were accepted: positions after them in a step counted them
+    got = {name: np.concatenate([getattr(r.logprobs, name) for r in records])[:10]
+           for name in ("token_logprobs", "top_ids", "top_logprobs", "requested_logprobs")}
+    with torch.no_grad():
+        logits = target.hf(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]  # (10, V)
+    for i, token in enumerate(tokens):
+        if mode == "raw":
+            expected = logits[i].log_softmax(-1)  # the model's own, before any penalty
+        else:  # no filter: K is the whole vocabulary and logz_k is 0
+            expected = (penalised_reference(logits[i], PROMPT, tokens[:i], penalties) / 0.9).log_softmax(-1)
+        np.testing.assert_allclose(got["token_logprobs"][i], expected[token], atol=1e-4)
+        np.testing.assert_allclose(got["requested_logprobs"][i], expected[[11, 40]], atol=1e-4)
+        top = expected.topk(3)
+        np.testing.assert_allclose(got["top_logprobs"][i], top.values, atol=1e-4)
+        assert got["top_ids"][i].tolist() == top.indices.tolist()
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (RowSampling(temperature=0, logit_bias={V + 2: 1.0}), "rows[1].sampling.logit_bias"),  # outside the vocabulary
+    # built around the schema, which refuses these
+    (RowSampling.model_construct(temperature=0, repetition_penalty=0.0), "rows[1].sampling.repetition_penalty"),
+    (RowSampling.model_construct(temperature=1.0, frequency_penalty=float("nan")),
+     "rows[1].sampling.frequency_penalty"),
+])
+def test_a_penalty_the_kernels_refuse_fails_its_row_only(target, greedy_tokens, sampling, field):
+    verifier = new_verifier(target)
+    results = run(verifier, vrow("good", PROMPT, drafts=greedy_tokens[:2]),
+                  vrow("bad", PROMPT).model_copy(update={"sampling": sampling}))
+    assert results["good"][0].error is None and results["good"][0].token_ids.tolist() == greedy_tokens[:3]
+    error = results["bad"][0].error
+    assert (error.code, error.field, error.request_id) == (ErrorCode.invalid_field, field, "bad")
+    assert ("sched-test", "bad") not in verifier.requests  # refused before it took a slot

@@ -294,7 +294,7 @@ def test_malformed_bytes_are_refused(payload, what):
     with pytest.raises(CodecError, match="malformed") as caught:
         decode(payload, CancelRequest)
     assert caught.value.code == ErrorCode.malformed
-    # issue 11 item 9: the message says what is wrong (deep nesting used to end in ": ")
+    # the message says what is wrong (deep nesting used to end in ": ")
     assert caught.value.message.strip() and not caught.value.message.rstrip().endswith(":")
 
 

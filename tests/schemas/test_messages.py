@@ -43,6 +43,19 @@ def generate_payload(**overrides) -> bytes:
     ({"sampling__seed": -1}, "sampling.seed", "greater than or equal to 0"),
     ({"sampling__seed": 2**63}, "sampling.seed", "less than or equal to"),
     ({"sampling__stop": ["ok", ""]}, "sampling.stop[1]", "at least 1 character"),
+    ({"sampling__presence_penalty": 2.5}, "sampling.presence_penalty", "less than or equal to 2"),
+    ({"sampling__frequency_penalty": -2.5}, "sampling.frequency_penalty", "greater than or equal to -2"),
+    ({"sampling__frequency_penalty": float("nan")}, "sampling.frequency_penalty", "finite"),
+    ({"sampling__repetition_penalty": 0.0}, "sampling.repetition_penalty", "greater than or equal to 0.01"),
+    ({"sampling__repetition_penalty": float("inf")}, "sampling.repetition_penalty", "finite"),
+    ({"sampling__logit_bias": {"5": 101}}, "sampling.logit_bias", r"every bias must be in \[-100, 100\]"),
+    ({"sampling__logit_bias": {"5": float("nan")}}, "sampling.logit_bias", r"every bias must be in"),
+    ({"sampling__logit_bias": {"x": 1}}, "sampling.logit_bias", "'x' is not a token id"),
+    ({"sampling__logit_bias": {"-3": 1}}, "sampling.logit_bias", "'-3' is not a token id"),
+    ({"sampling__logit_bias": {"5": "ban"}}, "sampling.logit_bias", "the bias of token 5 is not a number"),
+    ({"sampling__logit_bias": {str(i): 1 for i in range(301)}}, "sampling.logit_bias", "at most 300 token ids"),
+    ({"sampling__logit_bias": {"token_ids": [1, 1], "bias": [1.0, 2.0]}}, "sampling.logit_bias", "appears twice"),
+    ({"sampling__logit_bias": {"token_ids": [1, 2], "bias": [1.0]}}, "sampling.logit_bias", "2 token ids for 1"),
     ({"sampling__temprature": 0.7}, "sampling.temprature", "Extra inputs are not permitted"),
     ({"speculative__num_speculative_tokens": -1}, "speculative.num_speculative_tokens", "greater than or equal to 0"),
     ({"speculative__num_speculative_tokens": 17}, "speculative.num_speculative_tokens", "less than or equal to 16"),
@@ -95,6 +108,19 @@ def test_sampling_params_split_into_the_row_subset():
     row = params.row_sampling()
     assert (row.temperature, row.top_k, row.top_p, row.min_p, row.seed) == (0.8, 40, 0.9, 0.05, 7)
     assert not row.greedy
+
+
+def test_logit_bias_and_penalties_reach_the_row_and_travel_packed():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                            logit_bias={"50256": -100, 7: 2.5})
+    row = params.row_sampling()
+    assert (row.presence_penalty, row.frequency_penalty, row.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert row.logit_bias.as_dict() == {50256: -100.0, 7: 2.5} and row.penalised
+    request = GenerateRequest(request_id="r", prompt="x", sampling=params)
+    wire = msgpack.unpackb(encode(request), raw=False)["sampling"]["logit_bias"]
+    assert set(wire) == {"token_ids", "bias"} and set(wire["token_ids"]) == {"dtype", "shape", "data"}
+    assert decode(encode(request), GenerateRequest) == request
+    assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams().penalised
 
 
 def verify_payload(row_overrides: dict, duplicate_row: bool = False) -> bytes:

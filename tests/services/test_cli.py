@@ -15,17 +15,16 @@ import numpy as np
 import pytest
 
 from gpu_worker.tokenizer import load_tokenizer
-from schemas.config import TINY_TARGET
-from schemas.errors import SpecbusError
 from schemas.codec import decode
+from schemas.config import DEFAULT_DRAFT, TINY_TARGET
+from schemas.errors import SpecbusError
 from schemas.messages import Heartbeat, StreamChunk
 from schemas.subjects import Subjects
-from services.runtime.auth import generate_credentials, password_env
-from services.runtime.bus import BusUnavailable, connect
 from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
 from services.launch.natsserver import NatsServerConfig
-from services.runtime.auth import NatsUser
 from services.launch.stack import Stack, StackConfig, StackError
+from services.runtime.auth import NatsUser, generate_credentials, password_env
+from services.runtime.bus import BusUnavailable, connect
 
 
 def specbus(*args):
@@ -56,6 +55,13 @@ async def test_nats_command_serves_until_sigterm():
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=30) == 0
         assert b'"event": "nats_server_stopped"' in await process.stderr.read()
+
+
+def test_up_refuses_a_draft_that_does_not_fit_the_target():
+    result = subprocess.run(specbus("up", "--port", "0", "--http-port", "0", "--target-model", str(TINY_TARGET),
+                                    "--draft-model", str(DEFAULT_DRAFT)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "draft_model" in result.stderr and str(DEFAULT_DRAFT) in result.stderr and str(TINY_TARGET) in result.stderr
 
 
 async def test_nats_auth_takes_its_users_from_the_environment():

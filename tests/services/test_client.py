@@ -13,14 +13,32 @@ import pytest
 from schemas.codec import decode, encode
 from schemas.config import BusConfig
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, Heartbeat, SamplingMask,
-                              StreamChunk, TokenLogprob, Usage, seed_from_request_id)
+from schemas.messages import (
+    Admitted,
+    CancelRequest,
+    Error,
+    GenerateRequest,
+    Heartbeat,
+    SamplingMask,
+    StreamChunk,
+    TokenLogprob,
+    Usage,
+    seed_from_request_id,
+)
 from schemas.subjects import Subjects
+from services.client import (
+    Client,
+    GenerationResult,
+    Overloaded,
+    RequestError,
+    StreamBroken,
+    StreamTimeout,
+    make_request,
+    score_request,
+)
+from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.runtime.auth import generate_credentials, password_env, users_from_env
 from services.runtime.bus import connect
-from services.client import (Client, GenerationResult, Overloaded, RequestError, StreamBroken, StreamTimeout,
-                             make_request, score_request)
-from services.launch.natsserver import NatsServer, NatsServerConfig
 
 
 @pytest.fixture

@@ -12,9 +12,17 @@ import urllib.request
 import nats.errors
 import pytest
 
-from services.runtime.bus import BusUnavailable, connect
-from services.launch.natsserver import ClusterConfig, NatsCluster, NatsServer, NatsServerConfig, NatsServerError, accepts_connections, find_nats_server_binary
+from services.launch.natsserver import (
+    ClusterConfig,
+    NatsCluster,
+    NatsServer,
+    NatsServerConfig,
+    NatsServerError,
+    accepts_connections,
+    find_nats_server_binary,
+)
 from services.runtime.auth import NatsUser
+from services.runtime.bus import BusUnavailable, connect
 
 
 def test_binary_found_in_the_environment():

@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from gpu_worker.checkpoint import save_d2t
+from gpu_worker.drafter_core import draft_batch, load_drafter
 from gpu_worker.rejection import proposal_to_draft_probs
 from gpu_worker.sampling import SamplingTensors, process_logits
 from schemas.codec import decode, encode
@@ -20,9 +21,8 @@ from schemas.config import DrafterConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import DraftRequest, DraftResponse, DraftRow, Error, Heartbeat, RowSampling
 from schemas.subjects import Subjects
-from services.runtime.bus import request
-from gpu_worker.drafter_core import draft_batch, load_drafter
 from services.pipeline.drafter import run_drafter
+from services.runtime.bus import request
 from tests.gpu_worker.conftest import TINY, write_hf_model
 
 VD = TINY["vocab_size"]  # draft vocabulary
@@ -238,7 +238,7 @@ def test_idle_slots_are_freed_and_a_full_cache_evicts_the_least_recently_used(dr
 def test_bad_token_id_is_refused_by_field_and_changes_nothing(draft):
     drafter = new_drafter(draft)
     results(drafter, row("a", PROMPT))
-    with pytest.raises(SpecbusError, match="outside the target vocabulary") as raised:
+    with pytest.raises(SpecbusError, match="outside the vocabulary") as raised:
         draft_batch(drafter, draft_request(row("b", PROMPT, index=0), row("c", [3, VT], index=1), release=["a"]))
     assert raised.value.field == "rows[1].new_token_ids"
     assert sorted(rid for _, rid in drafter.requests) == ["a"] and drafter.cache.num_free == MAX_SLOTS - 1
@@ -288,7 +288,7 @@ async def test_run_drafter_serves_draft_requests_over_nats(nats_server, nc, draf
     await asyncio.wait_for(task, timeout=15)
 
 
-# --- issue 11: limits ----------------------------------------------------------------------------
+# --- limits ----------------------------------------------------------------------------
 
 
 def test_drafts_stop_where_the_verifier_would_refuse_the_row(draft):

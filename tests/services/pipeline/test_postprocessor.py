@@ -15,12 +15,21 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.config import PostprocessorConfig, load_config
-from schemas.messages import (Commit, GenerateRequest, Heartbeat, LogprobArrays, LogprobOptions, SamplingMask,
-                              SideChannelRecord, StopNotice, Usage)
-from services.runtime.bus import BusNoResponders, connect, request
+from schemas.messages import (
+    Commit,
+    GenerateRequest,
+    Heartbeat,
+    LogprobArrays,
+    LogprobOptions,
+    SamplingMask,
+    SideChannelRecord,
+    StopNotice,
+    Usage,
+)
 from services.client import Client, make_request
 from services.pipeline.postprocessor import run_postprocessor
-from services.pipeline.postprocessor_core import ChunkOut, NoticeOut, Postprocessor
+from services.pipeline.postprocessor_core import ChunkToClient, NoticeToScheduler, Postprocessor
+from services.runtime.bus import BusNoResponders, connect, request
 
 NEG_INF = -math.inf
 TIMEOUT = 0.5  # side_channel_timeout_s of the logic tests
@@ -76,11 +85,11 @@ def record(token_ids, *, request_id="r1", batch_id, mode="raw", logprobs=None, m
 
 
 def chunks(outs):
-    return [out.chunk for out in outs if isinstance(out, ChunkOut)]
+    return [out.chunk for out in outs if isinstance(out, ChunkToClient)]
 
 
 def notices(outs):
-    return [out.notice for out in outs if isinstance(out, NoticeOut)]
+    return [out.notice for out in outs if isinstance(out, NoticeToScheduler)]
 
 
 WANTS_LOGPROBS = dict(expect_side_channel=True, logprobs=LogprobOptions(logprobs=2))
@@ -360,8 +369,8 @@ def test_a_request_id_reused_by_another_scheduler_is_served_or_refused_never_dro
     outs = post.on_commit(third, now=2.0)
     [refused] = chunks(outs)
     assert refused.finish_reason == "error" and refused.error.code == "duplicate_request_id"
-    assert [out.inbox for out in outs if isinstance(out, ChunkOut)] == ["_INBOX.third"]
-    [notice] = [out for out in outs if isinstance(out, NoticeOut)]
+    assert [out.inbox for out in outs if isinstance(out, ChunkToClient)] == ["_INBOX.third"]
+    [notice] = [out for out in outs if isinstance(out, NoticeToScheduler)]
     assert notice.scheduler_id == "sched-3" and notice.notice.reason == "error"
     assert post.requests["r1"].scheduler_id == "sched-2" and post.counters.duplicate_requests == 1
 

@@ -11,16 +11,16 @@ import time
 import msgpack
 import pytest
 
+from gpu_worker.tokenizer import tokenizer_id
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode
 from schemas.messages import Admitted, CancelRequest, Commit, GenerateRequest, Heartbeat, StreamChunk
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
-from gpu_worker.tokenizer import tokenizer_id
-from services.pipeline.verifier import run_verifier
-from services.runtime.bus import heartbeat_loop, request
 from services.pipeline.drafter import run_drafter
 from services.pipeline.scheduler import run_scheduler
+from services.pipeline.verifier import run_verifier
+from services.runtime.bus import heartbeat_loop, request
 from tests.conftest import wait_for_heartbeats
 from tests.gpu_worker.conftest import write_hf_model
 from tests.services.pipeline.test_scheduler_core import write_tokenizer

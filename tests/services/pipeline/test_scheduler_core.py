@@ -6,14 +6,25 @@ import json
 import time
 
 import pytest
+from structlog.testing import capture_logs
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_DRAFT_SUPPORT, Commit, DraftResponse, DraftResult, Error, GenerateRequest, Heartbeat,
-                              VerifyResponse, VerifyResult, seed_from_request_id)
+from schemas.messages import (
+    MAX_DRAFT_SUPPORT,
+    Commit,
+    DraftResponse,
+    DraftResult,
+    Error,
+    GenerateRequest,
+    Heartbeat,
+    VerifyResponse,
+    VerifyResult,
+    seed_from_request_id,
+)
 from services.pipeline.scheduler_core import SchedulerState, cut_tokens, prompt_token_ids
 
 TOKENIZER_HASH = "0123456789abcdef"
@@ -137,6 +148,18 @@ def test_request_waits_for_a_compatible_verifier_then_times_out(tokenizer):
     [(inbox, chunk)] = outbox.chunks
     assert inbox == "_INBOX.r1" and chunk.finish_reason == "timeout" and chunk.error.code == ErrorCode.timeout
     assert not state.waiting and state.counters["finished_timeout"] == 1
+
+
+def test_an_incompatible_drafter_is_a_warning_and_a_count_once(tokenizer):
+    state = new_state(tokenizer, roles=(("v1", "verifier"), ("p1", "postprocessor")))
+    with capture_logs() as logs:
+        for _ in range(3):  # heard again: counted once
+            beat(state, "d-other", "drafter", tokenizer_hash="ffffffffffffffff")
+    assert state.counters["instances_incompatible"] == 1
+    [warning] = [entry for entry in logs if entry["event"] == "instance_incompatible"]
+    assert warning["instance_id"] == "d-other" and "ffffffffffffffff" in warning["why"] and TOKENIZER_HASH in warning["why"]
+    beat(state, "d1", "drafter")
+    assert state.counters["instances_incompatible"] == 1
 
 
 def test_pins_the_verifier_with_most_free_slots(tokenizer):
@@ -487,7 +510,7 @@ def test_lanes_must_be_at_least_one():
     assert error.value.field == "lanes"
 
 
-# ------------------------------------------------------------------ issue 11: admission and failures end one request
+# ------------------------------------------------------------------ admission and failures end one request
 
 
 def beat_verifier(state, instance_id="v1", max_seq_len=None):
@@ -612,7 +635,7 @@ def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alo
     state.verify_batches(plan, time.time())
     ended = {chunk_or_commit.request_id: chunk_or_commit for _, chunk_or_commit in plan.outbox.commits}
     assert set(ended) == {"a", "b", "c"} and all(c.error.code == ErrorCode.too_large for c in ended.values())
-    assert state.avoid_until == {}  # the verifier is not blamed
+    assert state.placement.avoid_until == {}  # the verifier is not blamed
 
 
 def test_a_request_id_in_use_or_just_finished_is_refused_as_duplicate(tokenizer):
@@ -685,4 +708,4 @@ def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer
     assert [r.request_id for r in message.rows] == ["a", "b"] and [r.row for r in message.rows] == [0, 1]
     undrafted = {p.request.request_id: p for p in plan.rows["v1"]}["c"]
     assert undrafted.num_draft == 0 and undrafted.degraded == ["draft_timeout"]
-    assert state.counters["rows_undrafted_payload"] == 1 and state.avoid_until == {}
+    assert state.counters["rows_undrafted_payload"] == 1 and state.placement.avoid_until == {}

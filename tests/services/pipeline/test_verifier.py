@@ -7,13 +7,21 @@ import time
 import pytest
 from tokenizers import Tokenizer, models
 
-from services.pipeline.verifier import run_verifier
 from schemas.codec import decode, encode
 from schemas.config import VerifierConfig, load_config
 from schemas.errors import ErrorCode
-from schemas.messages import (Error, Heartbeat, LogprobOptions, RowSampling, SideChannelRecord, VerifyRequest,
-                              VerifyResponse, VerifyRow)
+from schemas.messages import (
+    Error,
+    Heartbeat,
+    LogprobOptions,
+    RowSampling,
+    SideChannelRecord,
+    VerifyRequest,
+    VerifyResponse,
+    VerifyRow,
+)
 from schemas.subjects import Subjects
+from services.pipeline.verifier import run_verifier
 from services.runtime.bus import request
 from tests.gpu_worker.conftest import TINY, write_hf_model
 

@@ -34,7 +34,7 @@ from services.runtime.auth import (
 )
 from services.runtime.bus import Endpoint, add_micro_service, connect, request
 from services.launch.natsserver import NatsServer, NatsServerConfig, find_nats_server_binary
-from services.runtime.auth import NatsUser
+from services.runtime.auth import CLIENTS_ACCOUNT, SERVICES_ACCOUNT, NatsUser
 
 REPO = Path(__file__).resolve().parents[3]
 SETTLE_S = 0.3  # after a barrier: time for deliveries to other connections and -ERR replies
@@ -80,12 +80,21 @@ def credentials() -> dict[str, str]:
     return generate_credentials(CLIENTS)
 
 
+OBSERVERS = {"observer": SERVICES_ACCOUNT, "observer-clients": CLIENTS_ACCOUNT}
+
+
 @pytest.fixture
 def secured(credentials):
-    """A nats-server with every role user, clients alice and bob, and an unrestricted observer."""
-    users = (*users_from_env(credentials), NatsUser("observer", "observer-pw"))
+    """A nats-server with every role user, clients alice and bob, and an unrestricted observer in
+    each account (the services' and the clients')."""
+    users = (*users_from_env(credentials),
+             *(NatsUser(name, f"{name}-pw", account=account) for name, account in OBSERVERS.items()))
     with NatsServer(NatsServerConfig(users=users)) as server:
         yield server
+
+
+async def connect_observers(server: NatsServer) -> list:
+    return [(await connect_as(server, name, f"{name}-pw"))[0] for name in OBSERVERS]
 
 
 async def connect_as(server: NatsServer, user: str, password: str, errors: list[str] | None = None):
@@ -253,15 +262,16 @@ def concrete(subject: str, user: str) -> str:
 
 @pytest.mark.parametrize("user", list(MAY_PUBLISH))
 async def test_each_user_publishes_exactly_what_its_role_needs(secured, credentials, user):
-    observer, _ = await connect_as(secured, "observer", "observer-pw")
+    observers = await connect_observers(secured)  # what reaches either account
     received: set[str] = set()
 
     async def record(msg):
         received.add(msg.subject)
 
-    await observer.subscribe(">", cb=record)
-    await observer.subscribe("$SRV.>", cb=record)  # `>` does not match subjects starting with `$`
-    await barrier(observer)
+    for observer in observers:
+        await observer.subscribe(">", cb=record)
+        await observer.subscribe("$SRV.>", cb=record)  # `>` does not match subjects starting with `$`
+        await barrier(observer)
     nc, watch = await connect_as(secured, user, password(credentials, user))
     for subject in sorted(PUBLISH_UNIVERSE):
         await nc.publish(subject, b"probe")
@@ -271,7 +281,8 @@ async def test_each_user_publishes_exactly_what_its_role_needs(secured, credenti
     refused = {subject for kind, subject in watch.counts if kind == "publish"}
     assert refused == {s.lower() for s in PUBLISH_UNIVERSE - MAY_PUBLISH[user]}
     await nc.close()
-    await observer.close()
+    for observer in observers:
+        await observer.close()
 
 
 @pytest.mark.parametrize("user", list(MAY_SUBSCRIBE))
@@ -284,10 +295,11 @@ async def test_each_user_subscribes_exactly_to_what_its_role_needs(secured, cred
 
         await nc.subscribe(concrete(subject, user), queue=queue, cb=record)
     await barrier(nc)
-    observer, _ = await connect_as(secured, "observer", "observer-pw")
-    for subject in {concrete(s, user) for s, _ in SUBSCRIBE_UNIVERSE}:
-        await observer.publish(subject, b"probe")
-    await barrier(observer)
+    observers = await connect_observers(secured)  # each subject published in either account
+    for observer in observers:
+        for subject in {concrete(s, user) for s, _ in SUBSCRIBE_UNIVERSE}:
+            await observer.publish(subject, b"probe")
+        await barrier(observer)
     await asyncio.sleep(SETTLE_S)
     assert received == MAY_SUBSCRIBE[user]
     refused = {subject for kind, subject in watch.counts if kind == "subscribe"}
@@ -295,7 +307,8 @@ async def test_each_user_subscribes_exactly_to_what_its_role_needs(secured, cred
     assert refused == {concrete(s, user).lower() for s, _ in SUBSCRIBE_UNIVERSE} - allowed_subjects \
         | ({"specbus.generate.alice"} if user == "scheduler" else set())  # only as a queue member
     await nc.close()
-    await observer.close()
+    for observer in observers:
+        await observer.close()
 
 
 # ---------------------------------------------------------------------------------------------

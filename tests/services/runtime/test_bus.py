@@ -13,6 +13,8 @@ from schemas.codec import decode, decode_any, encode
 from schemas.config import BusConfig
 from schemas.errors import ErrorCode
 from schemas.messages import Error, Heartbeat
+from services.launch.natsserver import NatsServer, NatsServerConfig
+from services.pipeline.placement import InstanceRegistry
 from services.runtime.auth import PermissionDenied, generate_credentials, password_env, users_from_env
 from services.runtime.bus import (
     BusDeadlineExpired,
@@ -22,7 +24,6 @@ from services.runtime.bus import (
     BusTimeout,
     BusUnavailable,
     Endpoint,
-    InstanceRegistry,
     add_micro_service,
     connect,
     connect_service,
@@ -34,7 +35,6 @@ from services.runtime.bus import (
     serve,
     tls_context,
 )
-from services.launch.natsserver import NatsServer, NatsServerConfig
 from tests.services.launch.test_natsserver import self_signed_cert
 
 
@@ -281,19 +281,6 @@ async def test_heartbeat_registry_marks_a_stopped_instance_dead(nc):
     assert not registry.is_alive("v1")
     assert [i.instance_id for i in registry.alive()] == ["d1"]
     beats["d1"].cancel()
-
-
-def test_registry_with_explicit_clock():
-    registry = InstanceRegistry(timeout_s=1.0)
-    assert registry.observe("a", {"load": 0}, role="drafter", now=10.0) is True
-    assert registry.observe("a", {"load": 1}, role="drafter", now=10.5) is False
-    assert registry.alive(now=11.5)[0].info == {"load": 1}
-    assert registry.reap(now=11.5) == []
-    assert [i.instance_id for i in registry.reap(now=11.6)] == ["a"]
-    assert registry.reap(now=12.0) == []  # reported once
-    assert registry.observe("a", {"load": 0}, role="drafter", now=13.0) is True  # back as new
-    with pytest.raises(ValueError, match="timeout_s"):
-        InstanceRegistry(timeout_s=0)
 
 
 async def test_closed_connection_is_unavailable(nats_server):

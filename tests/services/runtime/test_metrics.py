@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.pipeline.verifier import run_verifier
 from schemas.config import DrafterConfig, PostprocessorConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import SpecbusError
 from services.client import Client, make_request
+from services.launch.stack import StackConfig
 from services.pipeline.drafter import run_drafter
-from services.runtime.metrics import LABELLED, Metrics, SchedulerMetrics, serve_metrics
 from services.pipeline.postprocessor import run_postprocessor
 from services.pipeline.scheduler import run_scheduler
-from services.launch.stack import StackConfig
+from services.pipeline.verifier import run_verifier
+from services.runtime.metrics import LABELLED, Metrics, SchedulerMetrics, serve_metrics
 from tests.conftest import wait_for_heartbeats
 from tests.gpu_worker.conftest import write_hf_model
 from tests.services.pipeline.test_scheduler_core import write_tokenizer

@@ -1,4 +1,4 @@
-"""services/runtime/tasks.py: a service's loops are supervised (issue 11 item 1: a dead lane left a
+"""services/runtime/tasks.py: a service's loops are supervised (a dead lane left a
 scheduler that exited 0, or one that looked alive and stepped nothing)."""
 
 import asyncio
