@@ -83,6 +83,9 @@ class InstanceConfig(BusConfig):
 class SchedulerConfig(InstanceConfig):
     max_queue: int = 64  # admitted but not yet running; beyond it: `overloaded`
     max_running: int = 64  # requests decoding at once
+    # Shares of max_running + max_queue between client users, "alice=2,bob=1" (a user not listed
+    # weighs 1); services/pipeline/fair_share.py says how they are applied.
+    user_weights: str = ""
     max_batch_rows: int = 64  # rows in one step's batch per verifier
     max_step_tokens: int = 1024  # new tokens per verifier per step (prefill is chunked to fit)
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps

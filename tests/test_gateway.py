@@ -24,7 +24,6 @@ import urllib.request
 import openai
 import pytest
 import pytest_asyncio
-
 from openai.types import CompletionUsage
 from openai.types.completion_usage import CompletionTokensDetails
 
@@ -32,10 +31,10 @@ from gpu_worker.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.messages import MAX_PROMPT_CHARS, Heartbeat
 from services.client import make_request, score_request
-from services.runtime.auth import CLIENT_MAX_PAYLOAD
-from services.runtime.bus import connect
 from services.launch.natsserver import NatsServerConfig
 from services.launch.stack import Stack, StackConfig
+from services.runtime.auth import CLIENT_MAX_PAYLOAD
+from services.runtime.bus import connect
 from tests.gpu_worker.conftest import write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -267,6 +266,33 @@ async def test_a_full_scheduler_is_a_429_and_a_deadline_a_504(stack, api, model)
     assert caught.value.status_code == 504
 
 
+async def test_a_user_under_its_share_is_served_while_another_fills_the_scheduler(stack, api, model):
+    """alice fills all 2 running + 2 queued places; bob, with none, is admitted and alice's newest
+    queued request is refused in his place (fair share: services/pipeline/fair_share.py)."""
+    long = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    alice = [asyncio.create_task(api.completions.create(**long)) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            stats = await scheduler_stats(stack)
+            if stats["running"] + stats["queued"] == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["running"] + stats["queued"] == 4, stats
+        bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
+        answer = await bob.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens == 4
+        done, _ = await asyncio.wait(alice, timeout=120, return_when=asyncio.FIRST_EXCEPTION)
+        refused = [task.exception() for task in done if task.exception() is not None]
+        assert refused and all(isinstance(exc, openai.RateLimitError) for exc in refused), refused
+        assert any("refused for fair share" in exc.body["message"] for exc in refused), refused
+    finally:
+        for task in alice:
+            task.cancel()
+        await asyncio.gather(*alice, return_exceptions=True)
+        await wait_idle(stack)
+
+
 def ended_by_the_client(stats: dict) -> int:
     """Requests the client's going away ended: its CancelRequest, or the postprocessor's stop
     notice when a chunk bounced off the closed inbox first (whichever reaches the scheduler first)."""
@@ -415,7 +441,7 @@ async def test_stream_options_without_stream_is_a_400(api, model):
 
 
 async def test_n_choices_stream_one_choice_per_chunk(api, model):
-    sampled = dict(n=2, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    sampled = {"n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 3, "extra_body": {"ignore_eos": True}}
     for stream in (await api.completions.create(model=model, prompt=PROMPT, stream=True, **sampled),
                    await api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                      stream=True, **sampled)):

@@ -175,7 +175,7 @@ async def test_a_chunked_body_over_the_cap_is_a_413_once_the_cap_is_reached(stac
         finally:
             sock.close()
 
-    status, headers, body = await asyncio.to_thread(chunked)
+    status, _, body = await asyncio.to_thread(chunked)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     assert rss_bytes(stack) - before < RSS_GROWTH_LIMIT
 

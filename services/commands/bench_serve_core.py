@@ -371,8 +371,12 @@ class RequestResult:
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
         self.output_tokens = usage.get("completion_tokens", self.output_tokens)
-        self.draft_proposed = usage.get("draft_tokens_proposed", self.draft_proposed)
-        self.draft_accepted = usage.get("draft_tokens_accepted", self.draft_accepted)
+        # OpenAI's own fields for draft tokens (specbus, and OpenAI's predicted outputs): a
+        # rejected draft token is proposed and not accepted
+        details = usage.get("completion_tokens_details") or {}
+        accepted, rejected = details.get("accepted_prediction_tokens"), details.get("rejected_prediction_tokens")
+        if accepted is not None and rejected is not None:
+            self.draft_accepted, self.draft_proposed = accepted, accepted + rejected
 
 
 # ---------------------------------------------------------------------------------------------

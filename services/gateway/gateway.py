@@ -53,10 +53,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
+import h11
 import nats.errors
 import structlog
 import uvicorn
-import h11
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -66,16 +66,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpu_worker.tokenizer import Tokenizer, load_tokenizer
+from schemas.codec import CodecError, decode
 from schemas.config import GatewayConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
-from services.runtime.auth import MONITOR, check_user_names, env_file_text, inbox_prefix, password_env
-from services.runtime.bus import connect_service
-from services.client import Client, Stream
-from schemas.codec import CodecError, decode
 from schemas.messages import Heartbeat
+from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
+from services.client import Client, Stream
 from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, Plan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
-from services.runtime.auth import generate_api_keys
+from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
+from services.runtime.bus import connect_service
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
 
 log = structlog.get_logger(__name__)

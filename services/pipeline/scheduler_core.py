@@ -49,6 +49,7 @@ from schemas.messages import (
     VerifyResponse,
     VerifyRow,
 )
+from services.pipeline.fair_share import most_over_share, parse_user_weights, share, start_order_key, user_of_inbox
 from services.pipeline.placement import Placement
 from services.runtime.metrics import SchedulerMetrics
 
@@ -148,6 +149,8 @@ class Request:
     lane: int = 0  # the step loop that plans it (module docstring)
     resumed_len: int = 0  # completion tokens it came with (GenerateRequest.resume_token_ids)
     awaiting_verifier: bool = False  # its verifier died with no other to move to (migrate)
+    user: str = ""  # the client user it streams to (fair_share.user_of_inbox)
+    end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
 
     @property
     def completion(self) -> list[int]:
@@ -278,6 +281,7 @@ class SchedulerState:
         self.eos_ids = tokenizer.eos_ids
         self.monotonic = monotonic
         self.placement = Placement(config.heartbeat_timeout_s, tokenizer_hash, monotonic)
+        self.user_weights = parse_user_weights(config.user_weights)
         self.running: dict[str, Request] = {}  # in start order: decode order within a step
         self.waiting: deque[Request] = deque()
         self.releases: dict[str, list[str]] = {}  # instance_id -> request ids whose slots to free
@@ -330,10 +334,8 @@ class SchedulerState:
         max_running + max_queue, `duplicate_request_id` for an id running, queued or finished in
         the last RECENT_ID_TTL_S, `invalid_field` for a reply subject or a prompt too long
         (check_prompt), `too_large` for a first commit over max_payload."""
-        if self.load >= self.config.max_running + self.config.max_queue:
-            raise SpecbusError(ErrorCode.overloaded,
-                               f"{self.load} requests running or queued, the limit is "
-                               f"{self.config.max_running} running + {self.config.max_queue} queued")
+        user = user_of_inbox(client_inbox)
+        victim = self.check_capacity(user)
         self.check_request_id(request.request_id)
         if len(client_inbox) > MAX_INBOX_LEN:
             raise SpecbusError(ErrorCode.invalid_field, f"the reply subject is {len(client_inbox)} characters, "
@@ -346,10 +348,44 @@ class SchedulerState:
         state = Request(request_id=request.request_id, client_inbox=client_inbox, history=[*prompt_ids, *resumed],
                         prompt_len=len(prompt_ids), sampling=request.sampling, logprobs=request.logprobs,
                         speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s,
-                        admitted_at=self.monotonic(), resumed_len=len(resumed))
+                        admitted_at=self.monotonic(), resumed_len=len(resumed), user=user)
+        if victim is not None:  # refused in the newcomer's place, at the next boundary
+            victim.end_reason = "error"
+            victim.end_error = Error(code=ErrorCode.overloaded, request_id=victim.request_id,
+                                     message=f"refused for fair share: client user {victim.user!r} is over its share "
+                                             f"of {self.capacity} requests")
+            self.counters["refused_fair_share"] += 1
+            self.metrics.requests_by_user.labels(victim.user, "fair_share").inc()
         self.waiting.append(state)
         self.counters["admitted"] += 1
+        self.metrics.requests_by_user.labels(user, "admitted").inc()
         return state
+
+    @property
+    def capacity(self) -> int:
+        return self.config.max_running + self.config.max_queue
+
+    def user_loads(self) -> Counter:
+        """Requests running or queued per client user, those already refused left out."""
+        return Counter(r.user for r in [*self.running.values(), *self.waiting] if r.end_error is None)
+
+    def check_capacity(self, user: str) -> Request | None:
+        """None when there is room; else the queued request to refuse in favour of user, who is
+        under its fair share (fair_share.py). SpecbusError overloaded when user is at or over its
+        share, or nothing queued can be refused."""
+        loads = self.user_loads()
+        if sum(loads.values()) < self.capacity:
+            return None
+        fair = share(user, loads, self.user_weights, self.capacity)
+        queued = [r for r in self.waiting if r.end_error is None and r.end_reason is None]
+        over = most_over_share(user, loads, [r.user for r in queued], self.user_weights, self.capacity)
+        if loads[user] >= fair or over is None:
+            self.metrics.requests_by_user.labels(user, "overloaded").inc()
+            raise SpecbusError(ErrorCode.overloaded,
+                               f"{sum(loads.values())} requests running or queued, the limit is "
+                               f"{self.config.max_running} running + {self.config.max_queue} queued; client user "
+                               f"{user!r} has {loads[user]} of its share of {fair:.0f}")
+        return next(r for r in reversed(queued) if r.user == over)
 
     def check_resume(self, request: GenerateRequest) -> list[int]:
         """The resumed completion (GenerateRequest.resume_token_ids), checked: in the vocabulary and
@@ -388,19 +424,22 @@ class SchedulerState:
                                                      f"holds the prompt{room}", field_name)
 
     def check_prompt_text(self, request: GenerateRequest) -> None:
-        """Refuse a text prompt that cannot fit in max_seq_len before tokenizing it (1 MiB of text
-        takes the tokenizer ~10 s here): no token covers more than max_token_chars characters, so
-        a text over twice max_token_chars per position is too long whatever the tokenizer's
-        normalizer does (the factor 2 leaves room for one that drops characters)."""
+        """Refuse a text prompt or chat that cannot fit in max_seq_len before tokenizing it
+        (tokenizing holds the event loop: megabytes of text take seconds): no token covers more
+        than max_token_chars characters, so a text over twice max_token_chars per position is too
+        long whatever the tokenizer's normalizer does (the factor 2 leaves room for one that drops
+        characters). A chat's contents are part of its rendered text, so their sum bounds it."""
         limit = self.placement.max_seq_len()
-        if request.prompt is None or limit is None:
+        if (request.prompt is None and request.messages is None) or limit is None:
             return
         if self.max_token_chars is None:
             self.max_token_chars = max(map(len, self.tokenizer.hf.get_vocab()), default=1)
         most = 2 * self.max_token_chars * limit
-        if len(request.prompt) > most:
-            raise SpecbusError(ErrorCode.invalid_field, f"the prompt is {len(request.prompt)} characters; max_seq_len "
-                                                        f"{limit} holds at most {most} characters of text", "prompt")
+        chars = len(request.prompt) if request.prompt is not None else sum(len(m.content) for m in request.messages)
+        if chars > most:
+            raise SpecbusError(ErrorCode.invalid_field, f"the {prompt_field(request)} is {chars} characters; "
+                                                        f"max_seq_len {limit} holds at most {most} characters of text",
+                               prompt_field(request))
 
     def check_first_commit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int]) -> None:
         """SpecbusError too_large when the first commit (it carries the prompt, and a replay also
@@ -461,22 +500,31 @@ class SchedulerState:
             else:
                 outbox.extend(self.replace_dead(request, now))
         outbox.extend(self.replay_lost_finals())
-        still_waiting = deque()
+        candidates = []
         for request in self.waiting:
             if request.end_reason is not None or now >= request.deadline:
                 reason = request.end_reason or "timeout"
-                outbox.extend(self.end(request, reason, now))
+                outbox.extend(self.end(request, reason, now, error=request.end_error))
             elif len(self.running) < self.config.max_running and (length_error := self.check_prompt(
                     request.prompt_len, request.sampling.max_tokens, "prompt_token_ids")) is not None:
                 error = Error.from_exception(length_error, request.request_id)
                 outbox.extend(self.end(request, "error", now, error=error))
-            elif len(self.running) < self.config.max_running and self.start(request):
+            else:
+                candidates.append(request)
+        # the fairest first (fair_share.py); min() keeps arrival order between equals
+        running_by_user = Counter(r.user for r in self.running.values())
+        fairness = start_order_key(running_by_user, self.user_weights)
+        waiting = list(candidates)
+        while candidates and len(self.running) < self.config.max_running:
+            request = min(candidates, key=lambda r: fairness(r.user))
+            candidates.remove(request)
+            if self.start(request):
+                waiting.remove(request)
                 self.running[request.request_id] = request
+                running_by_user[request.user] += 1
                 self.counters["started"] += 1
                 outbox.acks.append((request.client_inbox, self.admitted(request.request_id, started=True)))
-            else:
-                still_waiting.append(request)
-        self.waiting = still_waiting
+        self.waiting = deque(waiting)
         return outbox
 
     def admitted(self, request_id: str, *, started: bool) -> Admitted:

@@ -145,7 +145,7 @@ def render_auth(users: Iterable[NatsUser], client_max_payload: int = CLIENT_MAX_
         return out
     unknown = {u.account for u in in_accounts} - {SERVICES_ACCOUNT, CLIENTS_ACCOUNT}
     if unknown:
-        raise ValueError(f"account: {sorted(unknown)[0]!r} is not {SERVICES_ACCOUNT} or {CLIENTS_ACCOUNT}")
+        raise ValueError(f"account: {min(unknown)!r} is not {SERVICES_ACCOUNT} or {CLIENTS_ACCOUNT}")
     clients = [u for u in in_accounts if u.account == CLIENTS_ACCOUNT]
     sent = list(dict.fromkeys(s for u in clients for s in (u.publish or ())))
     heard = list(dict.fromkeys(s for u in clients for s in (u.subscribe or ())))

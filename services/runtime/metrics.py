@@ -117,6 +117,10 @@ class SchedulerMetrics(Metrics):
     def __init__(self) -> None:
         super().__init__("scheduler")
         self.generated_tokens = self.counter("generated_tokens", "completion tokens committed")
+        # client users are the deployment's configured few, so the label stays bounded
+        self.requests_by_user = self.counter("user_requests", "GenerateRequests per client user: admitted, or "
+                                             "refused (overloaded, or in another user's favour: fair_share)",
+                                             ("user", "outcome"))
         self.time_to_first_token = self.histogram(
             "time_to_first_token_seconds", "admission to the commit of the first token", LATENCY_BUCKETS)
         self.inter_token_latency = self.histogram(

@@ -119,6 +119,45 @@ def test_queue_bound_refuses_with_overloaded(tokenizer):
     assert state.counters["admitted"] == 2
 
 
+def submit_as(state, user, request_id):
+    generate = GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], sampling={"temperature": 0.0})
+    return state.admit(generate, f"_INBOX.{user}.{request_id}", [5, 6, 7], time.time())
+
+
+def test_a_user_under_its_share_is_admitted_in_place_of_the_newest_queued_request_over_share(tokenizer):
+    state = new_state(tokenizer, max_running=2, max_queue=2)
+    alice = [submit_as(state, "alice", f"a{i}") for i in range(4)]  # alone, alice may take everything
+    with pytest.raises(SpecbusError, match="'alice' has 4 of its share of 4") as refused:
+        submit_as(state, "alice", "a4")
+    assert refused.value.code == ErrorCode.overloaded
+    bob = submit_as(state, "bob", "b0")  # share 2, has 0: admitted, alice's newest queued request refused
+    assert state.counters["refused_fair_share"] == 1 and alice[3].end_error.code == ErrorCode.overloaded
+    outbox = state.boundary(time.time())
+    [(inbox, chunk)] = [(inbox, chunk) for inbox, chunk in outbox.chunks if chunk.request_id == "a3"]
+    assert inbox == "_INBOX.alice.a3" and chunk.error.code == ErrorCode.overloaded and "fair share" in chunk.error.message
+    # two start (max_running 2): bob, who runs nothing, before alice's third
+    assert set(state.running) == {"a0", "b0"} and [r.request_id for r in state.waiting] == ["a1", "a2"]
+    assert bob.user == "bob"
+    submit_as(state, "bob", "b1")  # bob has 1 of 2, the scheduler is full: alice's newest queued goes
+    with pytest.raises(SpecbusError, match="'bob' has 2 of its share of 2"):
+        submit_as(state, "bob", "b2")
+    sample = state.metrics.registry.get_sample_value
+    assert sample("specbus_scheduler_user_requests_total", {"user": "alice", "outcome": "fair_share"}) == 2
+    assert sample("specbus_scheduler_user_requests_total", {"user": "bob", "outcome": "overloaded"}) == 1
+
+
+def test_user_weights_set_the_shares(tokenizer):
+    state = new_state(tokenizer, max_running=2, max_queue=4, user_weights="alice=2,bob=1")
+    for i in range(6):
+        submit_as(state, "bob", f"b{i}")
+    for i in range(4):  # alice's share is 6 * 2/3 = 4: each takes one of bob's queued places
+        submit_as(state, "alice", f"a{i}")
+    with pytest.raises(SpecbusError, match="'alice' has 4 of its share of 4"):
+        submit_as(state, "alice", "a4")
+    with pytest.raises(SpecbusError, match="user_weights"):
+        new_state(tokenizer, user_weights="alice=0")
+
+
 def test_sampled_request_without_seed_gets_one_from_its_id(tokenizer):
     state = new_state(tokenizer)
     sampled = submit(state, "s1", sampling={"temperature": 0.8})
@@ -690,6 +729,10 @@ def test_a_text_prompt_far_over_max_seq_len_is_refused_before_tokenizing(tokeniz
         state.check_prompt_text(GenerateRequest(request_id="big", prompt="é" * (1 << 20)))
     assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "prompt")
     state.check_prompt_text(GenerateRequest(request_id="fine", prompt="the quick brown fox"))
+    chat = [{"role": "system", "content": "é" * (1 << 19)}, {"role": "user", "content": "é" * (1 << 19)}]
+    with pytest.raises(SpecbusError, match="characters; max_seq_len 8") as info:
+        state.check_prompt_text(GenerateRequest(request_id="big-chat", messages=chat))
+    assert info.value.field == "messages"
 
 
 def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer):

@@ -18,8 +18,12 @@ import pytest
 from schemas.codec import decode, encode
 from schemas.errors import SpecbusError
 from schemas.messages import StreamChunk
+from services.launch.natsserver import NatsServer, NatsServerConfig, find_nats_server_binary
 from services.runtime.auth import (
+    CLIENTS_ACCOUNT,
+    SERVICES_ACCOUNT,
     AuthConfigError,
+    NatsUser,
     PermissionDenied,
     PermissionWatch,
     env_password_users,
@@ -33,8 +37,6 @@ from services.runtime.auth import (
     write_secret,
 )
 from services.runtime.bus import Endpoint, add_micro_service, connect, request
-from services.launch.natsserver import NatsServer, NatsServerConfig, find_nats_server_binary
-from services.runtime.auth import CLIENTS_ACCOUNT, SERVICES_ACCOUNT, NatsUser
 
 REPO = Path(__file__).resolve().parents[3]
 SETTLE_S = 0.3  # after a barrier: time for deliveries to other connections and -ERR replies

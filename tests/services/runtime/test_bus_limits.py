@@ -60,13 +60,14 @@ async def test_serve_refuses_past_its_byte_bound(nc):
                           max_pending_bytes=3 * 1024 * 1024)
     with capture_logs():
         pending = [asyncio.create_task(request(nc, "svc.big", bytes(1024 * 1024), timeout_s=30)) for _ in range(5)]
-        while len(refused) < 3:  # 1 MiB each: the first three fit in 3 MiB, one more would not
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):
+            while len(refused) < 2:  # 1 MiB each: the first three fit in 3 MiB, the other two not
+                await asyncio.sleep(0.01)
         release.set()
         replies = sorted(r.data for r in await asyncio.gather(*pending))
     await bounded.stop(timeout_s=5)
-    assert replies == [b"ok"] * 2 + [b"overloaded"] * 3 or replies == [b"ok"] * 3 + [b"overloaded"] * 2
-    assert bounded.pending_bytes == 0
+    assert replies == [b"ok"] * 3 + [b"overloaded"] * 2 and refused == [1024 * 1024] * 2
+    assert bounded.pending_bytes == 0 and bounded.num_refused == 2
 
 
 async def test_a_connections_own_max_payload_is_checked_before_sending(nats_server):

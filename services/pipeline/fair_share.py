@@ -1,0 +1,69 @@
+"""Fair share of a scheduler's capacity between client users: pure functions, no NATS.
+
+Capacity is max_running + max_queue requests. A user's share is capacity * w_user / W, where W
+sums the weights of the users that have requests (running or queued) and of the user asking, so
+a lone user may use everything (work conserving) and a newcomer is entitled to its part at once.
+
+- Admission (`SchedulerState.admit`): with room, anyone is admitted. Full, a user under its
+  share is admitted and the newest queued request of the user most over its share is refused in
+  its place (`overloaded`, queued requests only: running ones are never preempted); a user at or
+  over its share, or a full scheduler with nothing to refuse, is refused.
+- Start order (`SchedulerState.boundary`): a queued request of the user with the fewest running
+  requests per weight starts first; a user's own requests start in arrival order.
+
+Weights come from `SchedulerConfig.user_weights` ("alice=2,bob=1"; a user not listed weighs 1).
+The client user of a request is the one whose inbox it streams to (`_INBOX.<user>.…`, which the
+scheduler has already checked against the subject it came on).
+"""
+
+from collections.abc import Iterable, Mapping
+
+from schemas.errors import ErrorCode, SpecbusError
+
+DEFAULT_WEIGHT = 1.0
+
+
+def parse_user_weights(text: str) -> dict[str, float]:
+    """ "alice=2,bob=0.5" -> {"alice": 2.0, "bob": 0.5}; SpecbusError naming `user_weights`."""
+    weights: dict[str, float] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        user, _, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not user.strip() or not weight > 0 or weight == float("inf"):
+            raise SpecbusError(ErrorCode.invalid_field, f"expected user=positive weight, got {item!r}",
+                               "user_weights")
+        weights[user.strip()] = weight
+    return weights
+
+
+def user_of_inbox(client_inbox: str) -> str:
+    """The client user an inbox `_INBOX.<user>.…` belongs to ("" for another shape)."""
+    parts = client_inbox.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def share(user: str, loads: Mapping[str, int], weights: Mapping[str, float], capacity: int,
+          arriving: str | None = None) -> float:
+    """user's share of capacity among the users with load, user itself and the user arriving."""
+    active = {name for name, load in loads.items() if load > 0} | {user} | ({arriving} if arriving else set())
+    total = sum(weights.get(name, DEFAULT_WEIGHT) for name in active)
+    return capacity * weights.get(user, DEFAULT_WEIGHT) / total
+
+
+def most_over_share(user: str, loads: Mapping[str, int], queued: Iterable[str], weights: Mapping[str, float],
+                    capacity: int) -> str | None:
+    """Among the users with a queued request (queued: their names, repeats allowed), the one
+    furthest over its share (load / weight largest) when user arrives; None when none is over."""
+    over = [name for name in set(queued)
+            if name != user and loads.get(name, 0) > share(name, loads, weights, capacity, arriving=user)]
+    return max(over, key=lambda name: (loads[name] / weights.get(name, DEFAULT_WEIGHT), name), default=None)
+
+
+def start_order_key(running_by_user: Mapping[str, int], weights: Mapping[str, float]):
+    """A key for min(): the queued request whose user runs the fewest requests per weight."""
+    return lambda user: running_by_user.get(user, 0) / weights.get(user, DEFAULT_WEIGHT)
