@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Attention reads keys in blocks of KEY_BLOCK (torch's CPU flash attention splits keys at 512),
-# a window always a whole number of blocks, so each block's reductions have one shape whatever
-# the window (model.attention).
+# Attention windows are whole blocks of KEY_BLOCK keys, the block torch's CPU flash attention
+# reduces over, so a block's reductions have one shape wherever a row's keys end
+# (model.attention).
 KEY_BLOCK = 512
 
 

@@ -205,11 +205,11 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     Why oneDNN: MKL, torch's float32 BLAS on x86, picks its kernel by the number of rows (a GEMV
     at one row, other kernels and thread splits at a few rows), each summing over `in` in its
     own order, so a row's bits depend on how many rows share the call. oneDNN's kernel for a
-    packed weight is one blocked GEMM for every row count (packed for a few rows: packed for
-    one, it sends one row to a GEMV of its own). Where oneDNN does not serve the dtype
-    (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel computes each output
-    as one dot product over `in`, whatever the row count. A GPU needs batch-invariant matmul
-    kernels instead (a fixed tile configuration, no split-K chosen from the row count).
+    packed weight is one blocked GEMM for every row count (packed for 4 rows: a layout packed
+    for one row sends one-row calls to a GEMV of oneDNN's own). Where oneDNN does not serve
+    the dtype (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel computes each
+    output as one dot product over `in`, whatever the row count. A GPU needs batch-invariant
+    matmul kernels instead (a fixed tile configuration, no split-K chosen from the row count).
     """
     if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:
@@ -346,4 +346,4 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
         index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
     x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
-    return linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], -1)
+    return linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)

@@ -1,4 +1,4 @@
-"""NATS auth end to end (issue 6, security): the embedded stack with auth on (its default), every
+"""NATS auth end to end: the embedded stack with auth on (its default), every
 service a process logged in as its role's user, tiny random checkpoints. Clients alice and bob.
 
 services/runtime/auth.py's own tests check each permission against a bare nats-server; these check that

@@ -31,7 +31,7 @@ from gpu_worker.verifier_core import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.messages import GenerateRequest, Heartbeat, StreamChunk
-from services.pipeline.postprocessor_core import ChunkOut, Postprocessor
+from services.pipeline.postprocessor_core import ChunkToClient, Postprocessor
 from services.pipeline.scheduler_core import SchedulerState, prompt_token_ids
 from services.pipeline.verifier import heartbeat as verifier_heartbeat
 
@@ -104,7 +104,7 @@ def run_requests(loop: InProcess, requests: list[GenerateRequest], concurrency: 
 
     def deliver(outs) -> None:
         for out in outs:
-            if isinstance(out, ChunkOut):
+            if isinstance(out, ChunkToClient):
                 chunk = roundtrip(out.chunk)
                 chunks[chunk.request_id].append(chunk)
                 if chunk.final:
@@ -156,7 +156,7 @@ def run_requests(loop: InProcess, requests: list[GenerateRequest], concurrency: 
             with timed(run.stage_s, "commit"):
                 outs = post.on_commit(commit, time.monotonic())
             deliver(outs)
-        deliver(ChunkOut(inbox, chunk) for inbox, chunk in outbox.chunks)
+        deliver(ChunkToClient(inbox, chunk) for inbox, chunk in outbox.chunks)
         if plan.empty and in_flight and not outbox.commits and not outbox.chunks:
             raise RuntimeError(f"in-process loop stalled with {len(in_flight)} requests in flight "
                                f"(scheduler counters {dict(state.counters)})")

@@ -72,7 +72,7 @@ from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
-from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, Plan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
+from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, ChoicePlan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
 from services.runtime.bus import connect_service
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
@@ -187,12 +187,12 @@ class Running:
                 task.cancel()
 
 
-async def open_choices(gateway: Gateway, client: Client, plans: list[Plan], top_n: int | None,
+async def open_choices(gateway: Gateway, client: Client, plans: list[ChoicePlan], top_n: int | None,
                        param_names: dict[str, str], prompt_top_n: int | None = None) -> Running:
     """Send every choice's request and wait for each first chunk; an error closes them all."""
     running = Running([None] * len(plans), [], [])
 
-    async def first(position: int, plan: Plan) -> Any:
+    async def first(position: int, plan: ChoicePlan) -> Any:
         running.streams[position] = await client.open_stream(plan.request)
         return await anext(running.streams[position])
 
@@ -218,7 +218,7 @@ def piece_of(kind: str, choice: Choice, chunk: Any, *, delta: bool) -> dict:
 
 
 async def respond(gateway: Gateway, request: Request, client: Client, body: CompletionBody | ChatBody,
-                  kind: Literal["completion", "chat"], plans: list[Plan], top_n: int | None) -> Response:
+                  kind: Literal["completion", "chat"], plans: list[ChoicePlan], top_n: int | None) -> Response:
     """The response: a stream once every choice's first chunk came, or the whole thing. A client
     that goes away before (a non-streamed request: before the end) cancels the requests."""
     envelope = Envelope(kind, gateway.model)

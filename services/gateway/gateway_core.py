@@ -360,7 +360,7 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class OpenAIChatMessage(BaseModel):
     """A turn as vLLM takes it: any role the chat template knows (tool, ipython, ...), and fields
     beyond role and content accepted (name, tool_calls, ...) but not passed on: a GenerateRequest's
     messages carry role and content, which is all the template is given (README.md, deliberate
@@ -377,7 +377,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(Body):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[OpenAIChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -392,7 +392,7 @@ class ChatBody(Body):
 
 
 @dataclass(frozen=True)
-class Plan:
+class ChoicePlan:
     """One choice: its index in the response, its GenerateRequest, and for `echo` the prompt text."""
 
     index: int
@@ -401,7 +401,7 @@ class Plan:
 
 
 def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, options: dict[str, Any],
-                  param_names: Mapping[str, str], echo_texts: Sequence[str] | None = None) -> list[Plan]:
+                  param_names: Mapping[str, str], echo_texts: Sequence[str] | None = None) -> list[ChoicePlan]:
     """A GenerateRequest per choice (module docstring) from each input ({"prompt": ...} or
     {"messages": ...}); a bad value is a 400 naming the body's field."""
     if not inputs:
@@ -417,11 +417,11 @@ def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, op
                 request = make_request(**given, seed=choice_seed, **options)
             except SpecbusError as exc:
                 raise ApiError.from_specbus(exc, param_names) from None
-            plans.append(Plan(prompt_index * n + i, request, None if echo_texts is None else echo_texts[prompt_index]))
+            plans.append(ChoicePlan(prompt_index * n + i, request, None if echo_texts is None else echo_texts[prompt_index]))
     return plans
 
 
-def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) -> list[Plan]:
+def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) -> list[ChoicePlan]:
     """A prompt of token ids is echoed as its tokens' texts, special tokens included (module
     docstring: the offsets must agree with it); a text prompt as it was given."""
     body.check_stream_rules()
@@ -440,7 +440,7 @@ def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) 
     return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, body.param_names(), echo_texts)
 
 
-def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> list[Plan]:
+def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> list[ChoicePlan]:
     """The messages go as they are: the scheduler renders them with the target's chat template
     (a model without one: a 400 naming messages)."""
     body.check_stream_rules()

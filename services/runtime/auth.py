@@ -1,7 +1,10 @@
-"""NATS users and subject permissions, one user per role (issue 6, security).
+"""NATS users and subject permissions, one user per role.
 
 The permission model is data, here and nowhere else: `role_permissions(prefix)` says what each
-role may publish and subscribe to, derived from the subject table in schemas/subjects.py:
+role may publish and subscribe to, built from the subject names of schemas/subjects.py
+(`Subjects`); the routes themselves (who publishes what to whom) are documented in
+schemas/doc_tables.py SUBJECT_ROUTES, and tests/services/runtime/test_auth.py checks each
+role's permissions against real subscriptions and publishes:
 
     role           publishes                                   subscribes
     client <u>     <p>.generate.<u>, <p>.cancel.<u>            <p>.heartbeat (failover), its own inbox

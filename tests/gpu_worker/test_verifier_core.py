@@ -255,7 +255,7 @@ def test_prompt_logprobs_equal_the_logprobs_emitted_while_generating(target, gre
     (dict(draft_token_ids=[1], sampling=RowSampling(temperature=1.0, seed=3),
           proposal=Proposal(kind="dense", probs=np.full((1, V + 1), 1.0 / V, np.float32), draft_vocab_size=V + 1)),
      "rows[1].proposal.draft_vocab_size"),
-    # issue 11 item 9: a draft distribution that does not sum to 1 would bias the output silently
+    # a draft distribution that does not sum to 1 would bias the output silently
     (dict(draft_token_ids=[1], sampling=RowSampling(temperature=1.0, seed=3),
           proposal=Proposal(kind="sparse", ids=[[1, 2]], probs=[[0.5, 0.2]])), "rows[1].proposal.probs"),
 ])

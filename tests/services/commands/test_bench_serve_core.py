@@ -184,8 +184,8 @@ def result(ttft, itl, output_tokens=None, prompt_tokens=None, start=0.0, usage=N
 
 def test_summary_matches_hand_computed_figures():
     a = result(0.1, [0.02, 0.04, 0.06], output_tokens=4, prompt_tokens=30,
-               usage={"completion_tokens": 4, "prompt_tokens": 30, "draft_tokens_proposed": 8,
-                      "draft_tokens_accepted": 6})
+               usage={"completion_tokens": 4, "prompt_tokens": 30, "completion_tokens_details": {
+                   "accepted_prediction_tokens": 6, "rejected_prediction_tokens": 2}})
     b = result(0.3, [0.1], output_tokens=5, start=0.5)  # 2 chunks, 5 tokens (speculative chunks)
     c = result(0.2, [])  # no usage: 1 chunk counted as 1 token, prompt from the dataset (10)
     failed = RequestResult(SampleRequest("p", 10, 8), failure=Failure(429, "overloaded", "rate_limit_error", "full"))
