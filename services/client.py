@@ -64,6 +64,7 @@ log = structlog.get_logger(__name__)
 MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missing seq
 SCHEDULER_POLL_S = 0.05  # how often a failover waiting for a live scheduler looks again
 MAX_FAILOVERS = 3  # scheduler failovers of one request before it fails with StreamBroken
+NO_RESPONDERS_RETRY_S = 1.0  # before sending again when live schedulers did not listen
 MAX_RUN_ID_STEM = 110  # a failover run's id is <stem>.failover<n>, within RequestId's 128 characters
 
 
@@ -359,6 +360,12 @@ class Stream:
             self.finished = True
             raise RequestError(ErrorCode.forbidden, exc.message, request_id=self.request.request_id) from None
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+            # Schedulers heartbeat but none listened: their request connections are reconnecting
+            # (a NATS node died). Send again shortly, as after a lost request.
+            if self.schedulers_at_send:
+                await asyncio.sleep(NO_RESPONDERS_RETRY_S)
+                if await self._failover("no scheduler listened"):
+                    return
             self.finished = True
             raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.generate_subject!r}",
                                request_id=self.request.request_id)
