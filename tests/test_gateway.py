@@ -266,33 +266,6 @@ async def test_a_full_scheduler_is_a_429_and_a_deadline_a_504(stack, api, model)
     assert caught.value.status_code == 504
 
 
-async def test_a_user_under_its_share_is_served_while_another_fills_the_scheduler(stack, api, model):
-    """alice fills all 2 running + 2 queued places; bob, with none, is admitted and alice's newest
-    queued request is refused in his place (fair share: services/pipeline/fair_share.py)."""
-    long = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
-    alice = [asyncio.create_task(api.completions.create(**long)) for _ in range(4)]
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            stats = await scheduler_stats(stack)
-            if stats["running"] + stats["queued"] == 4:
-                break
-            await asyncio.sleep(0.05)
-        assert stats["running"] + stats["queued"] == 4, stats
-        bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
-        answer = await bob.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
-        assert answer.usage.completion_tokens == 4
-        done, _ = await asyncio.wait(alice, timeout=120, return_when=asyncio.FIRST_EXCEPTION)
-        refused = [task.exception() for task in done if task.exception() is not None]
-        assert refused and all(isinstance(exc, openai.RateLimitError) for exc in refused), refused
-        assert any("refused for fair share" in exc.body["message"] for exc in refused), refused
-    finally:
-        for task in alice:
-            task.cancel()
-        await asyncio.gather(*alice, return_exceptions=True)
-        await wait_idle(stack)
-
-
 def ended_by_the_client(stats: dict) -> int:
     """Requests the client's going away ended: its CancelRequest, or the postprocessor's stop
     notice when a chunk bounced off the closed inbox first (whichever reaches the scheduler first)."""
@@ -325,6 +298,33 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack, a
     assert stats["running"] == 0 and ended_by_the_client(stats) == cancelled_before + 2, stats
     status, metrics = await asyncio.to_thread(http_get, stack.openai_base_url.removesuffix("/v1") + "/metrics")
     assert status == 200 and "specbus_gateway_disconnect_cancels_total 2.0" in metrics
+
+
+async def test_a_user_under_its_share_is_served_while_another_fills_the_scheduler(stack, api, model):
+    """alice fills all 2 running + 2 queued places; bob, with none, is admitted and alice's newest
+    queued request is refused in his place (fair share: services/pipeline/fair_share.py)."""
+    long = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    alice = [asyncio.create_task(api.completions.create(**long)) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            stats = await scheduler_stats(stack)
+            if stats["running"] + stats["queued"] == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["running"] + stats["queued"] == 4, stats
+        bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
+        answer = await bob.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens == 4
+        done, _ = await asyncio.wait(alice, timeout=120, return_when=asyncio.FIRST_EXCEPTION)
+        refused = [task.exception() for task in done if task.exception() is not None]
+        assert refused and all(isinstance(exc, openai.RateLimitError) for exc in refused), refused
+        assert any("refused for fair share" in exc.body["message"] for exc in refused), refused
+    finally:
+        for task in alice:
+            task.cancel()
+        await asyncio.gather(*alice, return_exceptions=True)
+        await wait_idle(stack)
 
 
 async def test_logit_bias_and_penalties_are_applied_as_the_nats_clients(api, client, model):
