@@ -150,6 +150,7 @@ class Request:
     resumed_len: int = 0  # completion tokens it came with (GenerateRequest.resume_token_ids)
     awaiting_verifier: bool = False  # its verifier died with no other to move to (migrate)
     user: str = ""  # the client user it streams to (fair_share.user_of_inbox)
+    awaiting_postprocessor: bool = False  # ended with its postprocessor dead: the final commit waits for one
     end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
 
     @property
@@ -499,7 +500,7 @@ class SchedulerState:
                 outbox.extend(self.end(request, "timeout", now))
             else:
                 outbox.extend(self.replace_dead(request, now))
-        outbox.extend(self.replay_lost_finals())
+        outbox.extend(self.replay_lost_finals(now))
         candidates = []
         for request in self.waiting:
             if request.end_reason is not None or now >= request.deadline:
@@ -573,14 +574,19 @@ class SchedulerState:
         self.counters["postprocessor_repinned"] += 1
         return [(new_id, commit) for commit in self.replay(request)]
 
-    def replay_lost_finals(self) -> Outbox:
+    def replay_lost_finals(self, now: float) -> Outbox:
         """A final commit sent just before its postprocessor died is lost with it, and a dead
         postprocessor is only noticed heartbeat_timeout_s later: keep ended requests that long
-        (twice, for margin) and replay their commits to another postprocessor if need be."""
+        (twice, for margin) and replay their commits to another postprocessor if need be. A
+        request that ended with its postprocessor known dead waits for one up to its deadline
+        (now: time.time()), then gets a final `timeout` chunk straight from here."""
         outbox = Outbox()
         window = 2 * self.config.heartbeat_timeout_s
         for request_id, (request, ended_at) in list(self.finishing.items()):
-            if self.monotonic() - ended_at > window:
+            if request.awaiting_postprocessor and now >= request.deadline:  # none came in time
+                del self.finishing[request_id]
+                outbox.chunks.append((request.client_inbox, self.direct_final_chunk(request, "timeout")))
+            elif not request.awaiting_postprocessor and self.monotonic() - ended_at > window:
                 del self.finishing[request_id]
             elif not self.placement.alive(request.postprocessor_id):
                 replayed = self.repin_postprocessor(request)
@@ -677,7 +683,12 @@ class SchedulerState:
             return Outbox()
         if reason == "error" and error is None:
             error = internal_error(request.request_id, "the request failed in the scheduler (see its log)")
-        if self.placement.alive(request.postprocessor_id):
+        alive = self.placement.alive(request.postprocessor_id)
+        # its postprocessor died (the other not picked yet, or a restart coming): the final commit
+        # waits, up to the deadline, to be replayed to one (replay_lost_finals)
+        wait = not alive and request.postprocessor_id is not None and now < request.deadline \
+            and reason not in ("cancelled", "timeout")
+        if alive or wait:
             try:
                 commit = self.commit(request, batch_id if batch_id is not None else request.last_batch_id, tokens,
                                      num_draft, num_accepted, degraded, reason, expect_side_channel, error)
@@ -686,7 +697,11 @@ class SchedulerState:
                 reason, error = "error", internal_error(request.request_id, "the final commit could not be built")
             else:
                 self.finishing[request.request_id] = (request, self.monotonic())
-                return Outbox(commits=[(request.postprocessor_id, commit)])
+                if alive:
+                    return Outbox(commits=[(request.postprocessor_id, commit)])
+                request.awaiting_postprocessor = True
+                self.counters["postprocessor_awaited"] += 1
+                return Outbox()
         return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
 
     def direct_final_chunk(self, request: Request, reason: FinishReason, error: Error | None = None) -> StreamChunk:
