@@ -5,16 +5,7 @@ import torch
 
 from gpu_worker.coupling import gumbel_argmax, gumbel_noise
 from gpu_worker.sampling import SamplingTensors, sample
-
-
-def assert_counts_match(tokens, probs, sigmas=4.5):
-    """Every bucket of the histogram of tokens [N] within `sigmas` of N * probs [V]."""
-    n = tokens.numel()
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    expected = probs.double() * n
-    assert bool((counts[expected == 0] == 0).all()), (counts, expected)
-    z = (counts - expected) / (expected * (1 - probs.double())).sqrt().clamp_min(1e-9)
-    assert float(z[expected > 0].abs().max()) < sigmas, (counts, expected)
+from tests.gpu_worker.test_rejection import assert_counts_match
 
 
 def processed(top_k=0, top_p=1.0, V=12, seed=3):
