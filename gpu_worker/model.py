@@ -289,7 +289,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @torch.inference_mode()
 def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor,
-            num_new: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+            num_new: torch.Tensor, logits_index: torch.Tensor | None = None,
+            return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Append new tokens to each row's cache slot, attend causally, return logits.
 
     slots: (B,) int64, distinct allocated cache slots (CPU tensor: bookkeeping is on CPU).
@@ -297,7 +298,9 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
         the row is padding (any valid id).
     num_new: (B,) int64 on CPU, 0 <= num_new[b] <= T. A row with 0 leaves its slot untouched.
     logits_index: (B, M) int64 positions in [0, T) whose logits to return, or None for all.
-    Returns (B, T, V) or (B, M, V) logits in the model's dtype.
+    Returns (B, T, V) or (B, M, V) logits in the model's dtype; with return_hidden, also the
+    final-normed hidden states the logits are read from, (B, T, E) or (B, M, E): the target
+    features a feature-level (EAGLE-style) draft conditions on. Batch-invariant like the logits.
 
     New token t of row b sits at position cache.lengths[slot_b] + t and sees the slot's
     committed prefix plus new tokens 0..t. Logits at padding positions (t >= num_new[b]) are
@@ -346,4 +349,5 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
         index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
     x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
-    return linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)
+    logits = linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)
+    return (logits, x) if return_hidden else logits
