@@ -326,7 +326,7 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK                     # the plan pads it if it fits
     mask = attention_mask(plan.mask, Hkv, H // Hkv, W)
 
-    x = model.embed[token_ids.to(device).view(-1)]                   # (B*T, E)
+    x = model.embed[token_ids.to(device).reshape(-1)]                # (B*T, E)
     for i, layer in enumerate(model.layers):
         h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv, layer.bqkv).view(B, T, H + 2 * Hkv, D)

@@ -1,11 +1,13 @@
 """A 3-node NATS cluster: the embedded stack with `nats_cluster=3`, every service a
 separate process given all three URLs, and the node one process is connected to SIGKILLed
-while NUM_REQUESTS greedy streams run (triggered when every stream has FAULT_AFTER_CHUNKS
+while NUM_REQUESTS streams run (triggered when every stream has FAULT_AFTER_CHUNKS
 chunks, not by wall time; tests/test_faults.py's workload).
 
 Which node a process is on comes from each node's /connz monitoring endpoint (the connection
 named after the instance); the test's own client reads `nc.connected_url`. What a user checks:
-every stream equals the undisturbed run token for token and is whole. The connections of the
+every stream equals the undisturbed run token for token and is whole. The stack runs in bfloat16, and
+half the streams are seeded samples coupled by Gumbel noise (their tokens depend on the seed only,
+not on which steps lost their drafts), so the identity is the bitwise one of docs/PROTOCOL.md. The connections of the
 dead node move to the others; what the node held in flight is recovered: verify and draft
 replies by the scheduler's retries, a chunk or a commit lost for good by the client's failover
 (the rest run again from the tokens it has, flagged `failover`). The cluster serves identical
@@ -21,18 +23,20 @@ from collections import Counter
 import pytest
 import pytest_asyncio
 
+from schemas.messages import GenerateRequest
+from services.client import make_request
 from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
 from services.launch.stack import Stack
 from tests.test_faults import (  # noqa: F401  (fixtures)
+    TIMEOUT_S,
+    K,
     Load,
     Streamed,
     check_whole,
     fault_config,
-    greedy,
     heartbeats_since,
     models,
     prompts,
-    requests_for,
     tokenizer,
 )
 
@@ -44,17 +48,25 @@ MAX_TOKENS = 96
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(models, tmp_path_factory):
-    config = fault_config(models, tmp_path_factory.mktemp("cluster-logs"), nats_cluster=NODES,
+    config = fault_config(models, tmp_path_factory.mktemp("cluster-logs"), nats_cluster=NODES, dtype="bfloat16",
                           nats=NatsServerConfig(http_port=0))  # /connz says which node each process is on
     async with Stack(config) as running:
         yield running
 
 
+def workload(prompts, name: str) -> list[GenerateRequest]:
+    """Greedy streams and (odd ones) Gumbel-coupled seeded samples, k=K."""
+    sampled = dict(temperature=0.8, top_p=0.95, draft_mode="sample", coupling="gumbel")
+    return [make_request(p, request_id=f"{name}-{i}-{time.monotonic_ns()}", max_tokens=MAX_TOKENS, ignore_eos=True,
+                         num_speculative_tokens=K, timeout_s=TIMEOUT_S,
+                         **(dict(sampled, seed=500 + i) if i % 2 else dict(temperature=0.0)))
+            for i, p in enumerate(prompts)]
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def reference(client, prompts) -> list[list[int]]:
-    """Greedy outputs of an undisturbed run on the cluster."""
-    results = await asyncio.gather(*(client.generate(greedy(p, f"reference-{i}", max_tokens=MAX_TOKENS))
-                                     for i, p in enumerate(prompts)))
+    """Outputs of an undisturbed run on the cluster."""
+    results = await asyncio.gather(*(client.generate(r) for r in workload(prompts, "reference")))
     assert all(r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS for r in results)
     return [r.token_ids for r in results]
 
@@ -102,7 +114,7 @@ def outcome(got: Streamed, expected: list[int]) -> str:
 
 @pytest.mark.parametrize("victim", ["scheduler-0", "postprocessor-0", "client"])
 async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, prompts, reference, tokenizer, victim):
-    load = await Load.start(client, requests_for(prompts, f"kill-node-of-{victim}", max_tokens=MAX_TOKENS))
+    load = await Load.start(client, workload(prompts, f"kill-node-of-{victim}"))
     node = client_node(stack, client) if victim == "client" else await node_of(stack, victim)
     placement = await asyncio.to_thread(connection_names, stack)
     node.process.kill()
@@ -119,6 +131,5 @@ async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, p
 
     await asyncio.to_thread(node.restart)  # the same ports: the other nodes' routes find it again
     await heartbeats_since(stack, list(stack.processes), killed_at)
-    again = await asyncio.gather(*(client.generate(greedy(p, f"after-{victim}-{i}", max_tokens=MAX_TOKENS))
-                                   for i, p in enumerate(prompts)))
+    again = await asyncio.gather(*(client.generate(r) for r in workload(prompts, f"after-{victim}")))
     assert [r.token_ids for r in again] == reference

@@ -14,7 +14,6 @@ idle timeout.
 
 import asyncio
 import contextlib
-import math
 import signal
 import time
 
@@ -51,17 +50,19 @@ SCHEDULER_ARGS = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--heartb
                   str(HEARTBEAT_TIMEOUT_S), "--draft-timeout-s", "10", "--verify-timeout-s", "20"]
 
 
-def failover_config(models, log_dir, schedulers: int) -> StackConfig:
+def failover_config(models, log_dir, schedulers: int, dtype: str | None = None) -> StackConfig:
     beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
     return StackConfig(
-        schedulers=schedulers, target_model=str(models[0]), draft_model=str(models[1]), log_dir=log_dir,
+        schedulers=schedulers, target_model=str(models[0]), draft_model=str(models[1]), log_dir=log_dir, dtype=dtype,
         role_args={"scheduler": SCHEDULER_ARGS, "verifier": [*beat, "--max-seq-len", "512"],
                    "drafter": [*beat, "--max-seq-len", "512"], "postprocessor": beat})
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
-    async with Stack(failover_config(models, tmp_path_factory.mktemp("failover-logs"), schedulers=2)) as running:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "bfloat16"])
+async def stack(models, tmp_path_factory, request):
+    """Two schedulers, once per dtype: a failover keeps outputs and logprobs bit for bit in both."""
+    log_dir = tmp_path_factory.mktemp(f"failover-{request.param}-logs")
+    async with Stack(failover_config(models, log_dir, schedulers=2, dtype=request.param)) as running:
         yield running
 
 
@@ -124,7 +125,7 @@ def check_unchanged(streams: list[Streamed], reference: list[Streamed], tokenize
         assert len(got_logprobs) == len(expected_logprobs), index
         for ours, theirs in zip(got_logprobs, expected_logprobs):
             assert ours.token_id == theirs.token_id and ours.top_ids.tolist() == theirs.top_ids.tolist(), index
-            assert math.isclose(ours.logprob, theirs.logprob, abs_tol=1e-3), index
+            assert ours.logprob == theirs.logprob and ours.top_logprobs.tolist() == theirs.top_logprobs.tolist(), index
 
 
 def chunk_log(got: Streamed) -> list:

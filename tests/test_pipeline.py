@@ -75,12 +75,14 @@ def prompts(models) -> list[list[int]]:
     raise AssertionError(f"only {len(found)} held-out files give a {PROMPT_TOKENS}-token prompt")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "bfloat16"])
+async def stack(models, tmp_path_factory, request):
+    """The shared stack, once per dtype: every identity below is bitwise in both (bf16 is what a
+    GPU and `auto` on a CPU with native bf16 run; on a CPU without it bf16 is emulated, slower)."""
     # A generous draft timeout: on a loaded 2-core machine a late drafter would make steps run
     # with k=0, and a sampled request's tokens depend on the drafts it was offered (the rejection
     # sampler keeps the distribution, not the draw), so the equality tests below would not hold.
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]),
+    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), dtype=request.param,
                          log_dir=tmp_path_factory.mktemp("stack-logs"),
                          role_args={"scheduler": ["--max-tokens-cap", "256", "--draft-timeout-s", "5"]})
     async with Stack(config) as running:
@@ -107,13 +109,13 @@ async def generate_all(client, requests):
 
 async def test_greedy_speculative_decoding_equals_plain_greedy(client, prompts):
     outputs = {}
-    for k in (0, 1, 4, 8):
+    for k in (0, 1, 2, 4, 8):
         results = await generate_all(client, [greedy(prompt, k) for prompt in prompts[:10]])
         assert [r.finish_reason for r in results] == ["length"] * 10
         outputs[k] = [r.token_ids for r in results]
         proposed = sum(r.usage.draft_tokens_proposed for r in results)
         assert proposed > 0 if k else proposed == 0
-    for k in (1, 4, 8):
+    for k in (1, 2, 4, 8):
         for index, (plain, speculative) in enumerate(zip(outputs[0], outputs[k])):
             assert speculative == plain, f"k={k}, prompt {index}"
 
@@ -160,11 +162,16 @@ async def test_logprobs_of_speculative_tokens_equal_a_scoring_pass(client, promp
         logprobs=5, logprob_token_ids=probe_ids, sampling_mask=True, timeout_s=TIMEOUT_S, **params))
     assert result.usage.draft_tokens_proposed > 0 and not result.degraded
     sequence = prompts[1] + result.token_ids
-    scored = await client.generate(score_request(sequence, prompt_logprobs=5, timeout_s=TIMEOUT_S, **params))
+    scored = await client.generate(score_request(sequence, prompt_logprobs=5, logprob_token_ids=probe_ids,
+                                                 timeout_s=TIMEOUT_S, **params))
     assert scored.token_ids == [] and scored.prompt_token_ids == sequence
-    from_scoring = [entry.logprob for entry in scored.prompt_logprobs[len(prompts[1]):]]
-    from_decoding = [entry.logprob for entry in result.logprobs]
-    np.testing.assert_allclose(from_decoding, from_scoring, rtol=0, atol=1e-4)
+    # Bit for bit: the forward gives a position the same logits in a verify step as in a prefill.
+    for position, (decoded, scoring) in enumerate(zip(result.logprobs, scored.prompt_logprobs[len(prompts[1]):],
+                                                      strict=True)):
+        assert decoded.token_id == scoring.token_id and decoded.logprob == scoring.logprob, position
+        assert decoded.top_ids.tolist() == scoring.top_ids.tolist(), position
+        assert decoded.top_logprobs.tolist() == scoring.top_logprobs.tolist(), position
+        assert decoded.requested_logprobs.tolist() == scoring.requested_logprobs.tolist(), position
 
     for position, (entry, mask) in enumerate(zip(result.logprobs, result.sampling_masks)):
         in_mask = set(mask.token_ids.tolist())
@@ -385,9 +392,11 @@ async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, 
         assert "serve_stopped" in path.read_text(), path.name
 
 
-async def test_demo_runs_generations_and_prints_a_summary(models):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_demo_runs_generations_and_prints_a_summary(models, dtype):
     env = {**os.environ, "SPECBUS_TARGET_MODEL": str(models[0]), "SPECBUS_DRAFT_MODEL": str(models[1])}
-    done = await asyncio.to_thread(subprocess.run, specbus("demo", "--max-tokens", "8"), capture_output=True,
+    done = await asyncio.to_thread(subprocess.run, specbus("demo", "--max-tokens", "8", "--dtype", dtype),
+                                   capture_output=True,
                                    text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.startswith("nats://127.0.0.1:")

@@ -136,14 +136,14 @@ def test_the_table_marks_failures_and_says_the_run_failed():
 # the command against real stacks (tiny pair)
 
 
-def stack_config(log_dir, bad_rule: bool = False) -> StackConfig:
+def stack_config(log_dir, bad_rule: bool = False, dtype: str | None = None) -> StackConfig:
     # A generous draft timeout: on a loaded 2-core machine, steps whose drafter is late run with
     # k=0, which the seed check would have to rerun.
     role_env = {}
     if bad_rule:
         role_env = {"verifier": {"PYTHONPATH": os.pathsep.join([str(HOOK_DIR), os.environ.get("PYTHONPATH", "")]),
                                  "SPECBUS_TEST_REJECTION_RULE": "same_token_bypass"}}
-    return StackConfig(target_model=str(TINY_TARGET), draft_model=str(TINY_DRAFT), log_dir=log_dir,
+    return StackConfig(target_model=str(TINY_TARGET), draft_model=str(TINY_DRAFT), log_dir=log_dir, dtype=dtype,
                        role_args={"scheduler": ["--draft-timeout-s", "5"]}, role_env=role_env)
 
 
@@ -159,8 +159,9 @@ async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict]:
     return process.returncode, json.loads(stdout)
 
 
-async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path):
-    async with Stack(stack_config(tmp_path)) as stack:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path, dtype):
+    async with Stack(stack_config(tmp_path, dtype=dtype)) as stack:
         code, report = await selfcheck(stack, "--quick")
     rows = {row["name"]: row for row in report["checks"]}
     assert code == 0 and report["passed"], json.dumps(report)[:3000]
@@ -170,6 +171,7 @@ async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path):
     assert rows["distribution"]["cells"] >= 4 and all(d["samples"] >= MIN_GROUP for d in cells if d["p"] is not None)
     assert rows["greedy identity"]["cells"] == QUICK.greedy_prompts * 3
     assert sum(d["draft_accepted"] for d in rows["greedy identity"]["details"]) > 0  # speculation ran
+    assert rows["logprob identity"]["value"] == "max diff 0", rows["logprob identity"]  # bit for bit
 
 
 async def test_selfcheck_fails_when_the_verifier_accepts_drafts_equal_to_its_own_sample(tmp_path):
