@@ -229,12 +229,12 @@ async def test_generate_chat_applies_the_template_and_equals_the_client(stack, c
     login = stack.client_login()
     env = {"SPECBUS_NATS_USER": login["user"], "SPECBUS_NATS_PASSWORD": login["password"]}
     done = await asyncio.to_thread(specbus, "generate", "--url", stack.url, "--chat", "--prompt", question,
-                                   "--max-tokens", "12", "--temperature", "0", "--json", env=env, timeout=120)
+                                   "--max-tokens", "12", "--temperature", "0", "--json", env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert (result["prompt_token_ids"], result["token_ids"]) == (expected.prompt_token_ids, expected.token_ids)
     refused = await asyncio.to_thread(specbus, "generate", "--url", stack.url, "--chat", "--prompt-ids", "1,2",
-                                      env=env, timeout=60)
+                                      env=env, timeout=300)
     assert refused.returncode == 1 and refused.stderr.strip().endswith("(field: messages)")
 
 

@@ -8,6 +8,11 @@ Default model: SmolLM2-135M-Instruct when pulled, else the tiny target.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_forward.py
     PYTHONPATH=. .venv/bin/python ops/bench/bench_forward.py --model models/tiny/target --reps 20
+
+--clock cpu times the process's CPU seconds instead of wall time: on a machine shared with other
+work it is far less noisy (with 2 threads it is the sum over both). To compare with another
+version of the forward, run this file against that version's tree:
+`PYTHONPATH=<other checkout> .venv/bin/python ops/bench/bench_forward.py --clock cpu`.
 """
 
 import argparse
@@ -25,7 +30,10 @@ from schemas.config import TINY_TARGET, default_target_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def bench(model, config, tokens: list[int], context: int, reps: int) -> dict[int, float]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def bench(model, config, tokens: list[int], context: int, reps: int, clock=time.perf_counter) -> dict[int, float]:
     """{T: median ms} of forwards appending T tokens to a `context`-token slot."""
     cache = KVCache(config, max_slots=1, max_seq_len=context + max(tokens),
                     dtype=model.embed.dtype)
@@ -36,10 +44,10 @@ def bench(model, config, tokens: list[int], context: int, reps: int) -> dict[int
     times = {T: [] for T in tokens}
     for rep in range(reps + 1):
         for T in tokens:
-            start = time.perf_counter()
+            start = clock()
             forward(model, cache, torch.tensor([slot]), ids[:, context:context + T],
                     torch.tensor([T]))
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             cache.truncate(slot, context)
             if rep:  # round 0 warms up (oneDNN builds its kernel for each new row count)
                 times[T].append(elapsed)
@@ -57,10 +65,11 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 9])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall time or process CPU time")
     args = parser.parse_args()
 
     print(f"{args.model}; torch {torch.__version__}; batch 1, {args.context}-token context; "
-          f"median ms per forward of {args.reps} (ratio to T={args.tokens[0]})")
+          f"median {args.clock} ms per forward of {args.reps} (ratio to T={args.tokens[0]})")
     print("| dtype | threads | " + " | ".join(f"T={T}" for T in args.tokens) + " |")
     print("|---|---|" + "---|" * len(args.tokens))
     for name in args.dtypes:
@@ -68,7 +77,7 @@ def main():
                                    max_seq_len=args.context + max(args.tokens))
         for threads in args.threads:
             torch.set_num_threads(threads)
-            ms = bench(model, config, args.tokens, args.context, args.reps)
+            ms = bench(model, config, args.tokens, args.context, args.reps, CLOCKS[args.clock])
             cells = [f"{ms[T]:.1f} ({ms[T] / ms[args.tokens[0]]:.2f})" for T in args.tokens]
             print(f"| {name} | {threads} | " + " | ".join(cells) + " |", flush=True)
 
