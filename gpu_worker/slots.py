@@ -16,6 +16,7 @@ The NATS service around a slot owner is services/pipeline/model_service.py.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import Counter
 from pathlib import Path
@@ -95,9 +96,25 @@ def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Mo
     log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."))
     model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len)
     cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype, memory_bytes)
+    release_free_heap()
     log.info("kv_cache_budget", memory_bytes=memory_bytes, bytes_per_token=cache.bytes_per_token,
              tokens=memory_bytes // cache.bytes_per_token, max_slots=config.max_slots)
     return model, cache
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Loading copies each weight a few times (file -> fused -> packed). After the first large
+    free, glibc raises its mmap threshold, so later copies come from the heap, and freed heap
+    memory stays resident: measured on SmolLM2-135M fp32, a verifier loaded after a drafter
+    holds 1315 MiB, 875 MiB after the trim.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
 
 
 def free_request(owner: SlotOwner, key: tuple[str, str], reason: str) -> bool:

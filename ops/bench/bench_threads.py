@@ -84,6 +84,8 @@ async def main(args: argparse.Namespace) -> None:
     prompts = held_out_chat_prompts(tokenizer, args.prompts)
     print(f"cores {cores}, torch {torch.__version__}, prompts {len(prompts)} (mean {sum(map(len, prompts)) / len(prompts):.0f} "
           f"tokens), {args.max_tokens} tokens each, greedy, batch 1")
+    if args.memory_only:
+        args.verifier_threads = args.verifier_threads[:1]
     configs = [StackConfig(target_model=args.target_model, draft_model=args.draft_model, gateways=1 if i == 0 else 0,
                            verifier_threads=threads, log_level="warning")
                for i, threads in enumerate(args.verifier_threads)]
@@ -98,9 +100,11 @@ async def main(args: argparse.Namespace) -> None:
         for client in clients:  # warm-up
             await stack_generate(client, prompts[0], 4, 0)
         print_memory("the same stack after one request (its slot released)", stack_memory(stacks[0]))
+        if args.memory_only:
+            return
         torch.set_num_threads(args.hf_threads)
         models = {name: AutoModelForCausalLM.from_pretrained(args.target_model, dtype=dtype).eval()
-                  for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+                  for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)) if name in args.hf_dtypes}
         for model in models.values():
             hf_generate(model, prompts[0], 4)
         totals: dict[str, list[float]] = {}
@@ -140,4 +144,6 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument("--memory-only", action="store_true", help="section 1 only (one stack)")
+    parser.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"])
     asyncio.run(main(parser.parse_args()))
