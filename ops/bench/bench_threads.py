@@ -9,8 +9,8 @@
    verifier, drafter, postprocessor, gateway; then the same after one request.
 2. threads: one stack per --verifier-threads value (drafter threads from the machine), all
    started before any is measured. Per held-out chat prompt (ops/distill_draft.py), greedy,
-   exactly --max-tokens tokens, batch 1: transformers `generate` in float32 and bfloat16 at
-   --hf-threads, then every stack at every k in --ks, so load from other processes on a shared
+   exactly --max-tokens tokens, batch 1: transformers `generate` in each of --hf-dtypes at each
+   of --hf-threads, then every stack at every k in --ks, so load from other processes on a shared
    machine hits every configuration alike. tokens/s = completion tokens / summed wall time;
    the ratio to transformers' best dtype.
 """
@@ -102,7 +102,6 @@ async def main(args: argparse.Namespace) -> None:
         print_memory("the same stack after one request (its slot released)", stack_memory(stacks[0]))
         if args.memory_only:
             return
-        torch.set_num_threads(args.hf_threads)
         models = {name: AutoModelForCausalLM.from_pretrained(args.target_model, dtype=dtype).eval()
                   for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)) if name in args.hf_dtypes}
         for model in models.values():
@@ -116,7 +115,9 @@ async def main(args: argparse.Namespace) -> None:
 
         for index, prompt in enumerate(prompts):
             for name, model in models.items():
-                add(f"transformers {name}, {args.hf_threads} threads", *hf_generate(model, prompt, args.max_tokens))
+                for threads in args.hf_threads:
+                    torch.set_num_threads(threads)
+                    add(f"transformers {name}, {threads} threads", *hf_generate(model, prompt, args.max_tokens))
             for config, client in zip(configs, clients):
                 for k in args.ks:
                     name = f"specbus k={k}, verifier threads {role_threads('verifier', config, cores)}"
@@ -140,7 +141,7 @@ if __name__ == "__main__":
     parser.add_argument("--verifier-threads", type=int, nargs="+", default=[0, 1],
                         help="one stack per value (0: from the machine)")
     parser.add_argument("--ks", type=int, nargs="+", default=[0])
-    parser.add_argument("--hf-threads", type=int, default=usable_cores())
+    parser.add_argument("--hf-threads", type=int, nargs="+", default=[usable_cores()])
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--idle-s", type=float, default=5.0)
