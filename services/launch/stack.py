@@ -179,21 +179,26 @@ def usable_cores() -> int:
 def role_threads(role: str, config: StackConfig, cores: int) -> int | None:
     """torch threads for one process of role; None for roles without torch.
 
-    Given (config.verifier_threads / drafter_threads) wins. Else, from the machine's cores:
-    a verifier gets cores / verifiers: it is the hot path, and at batch 1 a request's draft
-    and verify steps alternate, so while it runs the other processes mostly wait on it. A
-    drafter gets a quarter of cores / drafters (at least 1): a small draft model's forward is
-    mostly per-call overhead that threads do not shorten, and across lanes it overlaps a
-    verify. Measured in ops/bench/RESULTS.md ("Threads per role").
+    Given (config.verifier_threads / drafter_threads) wins. Else, from the machine's cores, the
+    model processes' threads add up to at most cores - 1, each at least 1: one core is kept for
+    the torch-free processes (scheduler, postprocessor, gateway, nats-server), whose work each
+    step would otherwise preempt an OpenMP thread and stall every parallel region of a forward
+    (measured on 2 cores: the verifier at 2 threads made k=0 through the stack 0.7-0.8x of 1
+    thread, ops/bench/RESULTS.md "Threads per role"). A drafter gets a quarter of the cores (a
+    small draft model's forward is mostly per-call overhead), the verifier, the hot path, the rest:
+    2 cores -> verifier 1, drafter 1; 4 -> 2, 1; 8 -> 5, 2; 16 -> 11, 4.
     """
     if role not in ("verifier", "drafter"):
         return None
     given = getattr(config, f"{role}_threads")
     if given:
         return given
-    if role == "verifier":
-        return max(1, cores // max(1, config.verifiers))
-    return max(1, cores // (4 * max(1, config.drafters)))
+    drafters, verifiers = max(1, config.drafters), max(1, config.verifiers)
+    drafter = config.drafter_threads or max(1, cores // (4 * drafters))
+    if role == "drafter":
+        return drafter
+    left = cores - 1 - (drafter * config.drafters)
+    return max(1, left // verifiers)
 
 
 def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfig) -> list[str]:
