@@ -95,7 +95,7 @@ def load_model(path, device="cpu", dtype=torch.float32,
                     unexpected.append(hf_name)
                     continue
                 if name in expected:
-                    weights[name] = f.get_tensor(hf_name).to(dtype)
+                    weights[name] = f.get_tensor(hf_name).to(dtype, copy=True)
                 elif name is not None and not (name == "lm_head" and config.tie_word_embeddings):
                     unexpected.append(hf_name)
     missing = sorted(expected - weights.keys())

@@ -45,7 +45,7 @@ import torch
 
 from gpu_worker.checkpoint import load_d2t, model_id
 from gpu_worker.coupling import gumbel_argmax
-from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_cache import CacheMemoryError, KVCache
 from gpu_worker.model import Model, forward
 from gpu_worker.sampling import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
                                  row_seed, sample)
@@ -197,6 +197,12 @@ def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: 
             return DraftResult(request_id=row.request_id, need_resync=True)
     # The verifier holds history + drafts (verifier_core.check_row): offering more would fail the row there.
     num_draft = max(0, min(row.num_draft, drafter.cache.max_seq_len - len(history)))
+    try:  # storage for the history and the drafts fed after it; short memory: no drafts this step
+        drafter.cache.reserve(state.slot, len(history) + num_draft)
+    except CacheMemoryError as exc:
+        free_request(drafter, key, "memory")
+        log.warning("kv_memory_short", request_id=row.request_id, error=str(exc))
+        return DraftResult(request_id=row.request_id)
     keep = common_prefix(state.token_ids, history, row.cached_len)
     if num_draft > 0:
         keep = min(keep, len(history) - 1)  # the first draft needs the logits of a fed token

@@ -1,11 +1,27 @@
-"""Slot KV cache, preallocated once per model instance.
+"""Slot KV cache, filled on demand within a memory budget.
 
-Each request owns one slot: a row of max_seq_len positions in every layer. A slot's
-`lengths[slot]` is its committed length; positions at or beyond it hold nothing that counts.
-Writes go to explicit positions (`update`); rollback after rejection is `truncate`, which
-only lowers the length; later writes simply overwrite the rejected positions.
+Each request owns one slot. A slot's storage is its own pair of tensors, grown in whole blocks of
+KEY_BLOCK positions as the slot's tokens need them (`reserve`, or `plan` as a fallback) and
+released when the slot is freed, so an idle process holds no KV memory and a short request holds
+one block, not max_seq_len positions. The sum over slots never exceeds `memory_bytes`:
+`allocate(length)` is admission (the new slot's blocks must fit and leave ADMISSION_HEADROOM of
+the budget for running slots to grow), `reserve` is growth (any free budget); both raise
+CacheMemoryError, changing nothing, when the memory is short. Callers turn that into an
+`overloaded` answer (gpu_worker/verifier_core.py) or a step without drafts
+(gpu_worker/drafter_core.py); nothing crashes.
 
-Bookkeeping (lengths, which slots are in use) lives on the CPU, so checking a batch and
+Why per-slot tensors grown by copying, not a pool of blocks with a block table: attention reads a
+slot's window as one strided tensor, so at batch 1 (the CPU serving case) the window is a view
+of the slot's storage, with no gather per layer, exactly as in a preallocated cache; a block
+pool would gather the window's blocks into one tensor per layer per step. Growth copies the
+slot's blocks once per new block (a 2048-token request: 1 + 2 + 3 blocks copied in its life).
+A batch of several slots gathers their windows into one tensor per layer (as the old
+preallocated cache did for non-consecutive slots).
+
+`lengths[slot]` is a slot's committed length; positions at or beyond it hold nothing that
+counts. Writes go to explicit positions (`update`); rollback after rejection is `truncate`,
+which only lowers the length (storage is kept: the next step overwrites the rejected
+positions). Bookkeeping (lengths, storage, free slots) lives on the CPU, so checking a batch and
 building its index tensors never waits for the device; `plan` turns it into the few index
 tensors a forward needs, copied to the device once per call.
 """
@@ -16,12 +32,20 @@ import torch
 
 # Attention windows are whole blocks of KEY_BLOCK keys, the block torch's CPU flash attention
 # reduces over, so a block's reductions have one shape wherever a row's keys end
-# (model.attention).
+# (model.attention). Slots grow by the same blocks, so a slot's window is always within its
+# storage.
 KEY_BLOCK = 512
+# Admission leaves this share of a budget free for running slots to grow (vLLM's admission
+# watermark, larger here because a slot grows a whole KEY_BLOCK at a time).
+ADMISSION_HEADROOM = 0.1
 
 
 class CacheFullError(RuntimeError):
     """No free slot is left."""
+
+
+class CacheMemoryError(RuntimeError):
+    """The memory budget cannot hold the blocks a slot needs."""
 
 
 class CacheCapacityError(RuntimeError):
@@ -35,26 +59,31 @@ class SlotError(ValueError):
 @dataclass
 class ForwardPlan:
     """Index tensors (on the cache's device) for one batched forward; see `KVCache.plan`."""
-    write_pos: torch.Tensor          # (B, T) cache column of each token; max_seq_len = scratch
+    write_pos: torch.Tensor          # (B, T) column of each token; a slot's last column = scratch
     rope_pos: torch.Tensor           # (B, T) position of each token, clamped to the table
     mask: torch.Tensor               # (B, 1, T, W) bool, True = may attend
     window: int                      # W: keys 0..W-1 of each slot are read
-    first_slot: int | None           # slots are first_slot, first_slot+1, ...: read a view
+    keys: list[torch.Tensor]         # per row, its slot's (L, Hkv, C + 1, D) storage
+    values: list[torch.Tensor]
 
 
 class KVCache:
-    """k, v: (L, S, Hkv, max_seq_len + 1, D), zero-initialised.
+    """Slot s holds k, v: (L, Hkv, C_s + 1, D) each, zero-initialised, where the capacity C_s is
+    a whole number of KEY_BLOCKs (at most max_seq_len) covering the slot's tokens.
 
-    Layout: a slot's keys for one layer and head are contiguous in position, so the attention
-    window of a slot, `[..., :W, :]`, is one strided slice and the gathered window is already in
-    SDPA's (B, Hkv, W, D) layout. The extra last column is a scratch column: writes of padding
-    tokens land there, so a forward never needs a data-dependent (device-syncing) selection of
-    the valid tokens. Zeros matter: positions in a window that a row must not see are masked,
-    but a NaN there would still poison the softmax-weighted sum.
+    Layout: a slot's keys for one layer and head are contiguous in position, so its attention
+    window `[layer, :, :W]` is one strided slice, already in SDPA's (Hkv, W, D) layout. The
+    extra last column is a scratch column: writes of padding tokens land there, so a forward
+    never needs a data-dependent (device-syncing) selection of the valid tokens. Zeros matter:
+    positions in a window that a row must not see are masked, but a NaN there would still
+    poison the softmax-weighted sum (rolled-back positions hold finite stale values).
+
+    memory_bytes: the budget for all slots' storage; None = enough for every slot at
+    max_seq_len (growth then never runs short, and admission keeps no headroom).
     """
 
     def __init__(self, config, max_slots: int, max_seq_len: int, device="cpu",
-                 dtype=torch.float32):
+                 dtype=torch.float32, memory_bytes: int | None = None):
         if max_slots <= 0 or max_seq_len <= 0:
             raise ValueError(f"max_slots ({max_slots}) and max_seq_len ({max_seq_len}) "
                              f"must be positive")
@@ -63,18 +92,98 @@ class KVCache:
                              f"max_position_embeddings {config.max_position_embeddings}")
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
-        shape = (config.num_layers, max_slots, config.num_kv_heads, max_seq_len + 1,
-                 config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._dims = (config.num_layers, config.num_kv_heads, config.head_dim)
+        # bytes of one position of one slot, keys and values of every layer
+        self.bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
+            torch.empty((), dtype=dtype).element_size()
+        full = max_slots * self.slot_bytes(max_seq_len)
+        if memory_bytes is not None and memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be positive, got {memory_bytes}")
+        self.memory_bytes = full if memory_bytes is None else memory_bytes
+        self._headroom = 0 if self.memory_bytes >= full else int(ADMISSION_HEADROOM * self.memory_bytes)
+        self.memory_used = 0
         self.lengths = torch.zeros(max_slots, dtype=torch.int64)        # (S,) CPU
         self._free = set(range(max_slots))
-        self._heads = torch.arange(config.num_kv_heads, device=device).view(1, 1, -1)
+        self._keys: list[torch.Tensor | None] = [None] * max_slots
+        self._values: list[torch.Tensor | None] = [None] * max_slots
+        self._capacity = [0] * max_slots
+        self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []       # the forward in progress
+        self._heads = torch.arange(config.num_kv_heads, device=device).view(1, -1)
         self._arange = torch.arange(max_seq_len + 1, device=device)
+        self._probe = torch.empty(0, device=device, dtype=dtype)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """An empty tensor of the cache's dtype on its device (model.forward compares cache.k's
+        dtype and device with the model's)."""
+        return self._probe
+
+    # ------------------------------------------------------------------ memory
+
+    def capacity_for(self, length: int) -> int:
+        """Positions a slot holding `length` tokens is given: whole KEY_BLOCKs, at most max_seq_len."""
+        return min(-(-length // KEY_BLOCK) * KEY_BLOCK, self.max_seq_len)
+
+    def slot_bytes(self, length: int) -> int:
+        """Bytes of a slot's storage when it holds `length` tokens (0 for none)."""
+        capacity = self.capacity_for(length)
+        return capacity and (capacity + 1) * self.bytes_per_token
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.memory_used
+
+    def capacity(self, slot: int) -> int:
+        """Positions slot's storage holds now (0: none yet)."""
+        return self._capacity[slot]
+
+    def tensors(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """slot's k, v storage, (L, Hkv, C + 1, D) each, or None before its first block."""
+        return self._keys[slot], self._values[slot]
+
+    @property
+    def num_admissible(self) -> int:
+        """New requests of one block each that `allocate` would take now (heartbeats' free_slots)."""
+        room = self.memory_bytes - self.memory_used - (self._headroom if self.num_free < self.max_slots else 0)
+        return max(0, min(self.num_free, room // self.slot_bytes(1)))
+
+    def _grow_bytes(self, slots: list[int], ends: list[int]) -> int:
+        """Bytes more that slots need to hold ends[i] tokens each (ends >= 1)."""
+        return sum(max(0, self.slot_bytes(end) - self.slot_bytes(self._capacity[s])) for s, end in zip(slots, ends))
+
+    def _grow(self, slot: int, length: int) -> None:
+        """Reallocate slot's storage to capacity_for(length) positions; keeps what it holds."""
+        capacity = self.capacity_for(length)
+        old = self._capacity[slot]
+        if capacity <= old:
+            return
+        L, Hkv, D = self._dims
+        keys = torch.zeros(L, Hkv, capacity + 1, D, device=self.device, dtype=self.dtype)
+        values = torch.zeros_like(keys)
+        if old:
+            keys[:, :, :old] = self._keys[slot][:, :, :old]
+            values[:, :, :old] = self._values[slot][:, :, :old]
+        self._keys[slot], self._values[slot] = keys, values
+        self.memory_used += self.slot_bytes(capacity) - self.slot_bytes(old)
+        self._capacity[slot] = capacity
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Grow slot's storage to hold `length` tokens (never shrinks it). CacheCapacityError
+        past max_seq_len, CacheMemoryError when the budget cannot hold it; either changes nothing."""
+        if not self._is_allocated(slot):
+            raise SlotError(f"slot {slot} is not an allocated slot")
+        if length > self.max_seq_len:
+            raise CacheCapacityError(f"slot {slot}: {length} tokens exceed max_seq_len {self.max_seq_len}")
+        more = self._grow_bytes([slot], [max(length, 1)])
+        if self.memory_used + more > self.memory_bytes:
+            raise CacheMemoryError(
+                f"KV cache memory budget {self.memory_bytes} bytes is short: slot {slot} needs {more} bytes more "
+                f"for {length} tokens, {self.memory_bytes - self.memory_used} are free")
+        self._grow(slot, max(length, 1))
+
+    # ------------------------------------------------------------------ slots
 
     @property
     def free_slots(self) -> list[int]:
@@ -84,23 +193,44 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        """Take the lowest free slot, with length 0."""
+    def allocate(self, length: int = 0) -> int:
+        """Take the lowest free slot, with length 0 and storage for `length` tokens (none for 0:
+        then the first `reserve` or forward brings it, as growth).
+
+        Admission: CacheFullError with no free slot; CacheMemoryError when the storage would not
+        leave ADMISSION_HEADROOM of the budget for the slots already running (no headroom is
+        kept for the first slot, nor when the budget covers every slot at max_seq_len).
+        """
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} KV cache slots are in use")
+        if length > self.max_seq_len:
+            raise CacheCapacityError(f"{length} tokens exceed max_seq_len {self.max_seq_len}")
+        need = self.slot_bytes(length)
+        headroom = self._headroom if self.num_free < self.max_slots else 0
+        if need and self.memory_used + need + headroom > self.memory_bytes:
+            raise CacheMemoryError(
+                f"KV cache memory budget {self.memory_bytes} bytes is short: a new request of {length} tokens "
+                f"needs {need} bytes plus {headroom} kept for running requests, "
+                f"{self.memory_bytes - self.memory_used} are free")
         slot = min(self._free)
         self._free.remove(slot)
         self.lengths[slot] = 0
+        if length:
+            self._grow(slot, length)
         return slot
 
     def _is_allocated(self, slot: int) -> bool:
         return 0 <= slot < self.max_slots and slot not in self._free
 
     def free(self, slot: int) -> None:
+        """Return slot and release its storage."""
         if not self._is_allocated(slot):
             raise SlotError(f"slot {slot} is not an allocated slot")
         self._free.add(slot)
         self.lengths[slot] = 0
+        self.memory_used -= self.slot_bytes(self._capacity[slot])
+        self._keys[slot] = self._values[slot] = None
+        self._capacity[slot] = 0
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll slot back to `length` committed tokens (never grows it)."""
@@ -112,13 +242,17 @@ class KVCache:
                             f"(truncate only lowers the committed length)")
         self.lengths[slot] = length
 
-    def plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int) -> ForwardPlan:
-        """Check a batch and build its index tensors on the cache's device.
+    # ------------------------------------------------------------------ one forward
 
-        slots: (B,) int64; num_new: (B,) int64 in [0, T]. Raises SlotError or
-        CacheCapacityError before anything is written. Built from Python lists with one
-        tensor creation and one host-to-device copy: at batch 1 the per-call cost of many small
-        tensor ops would rival the forward of a small draft model.
+    def plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int) -> ForwardPlan:
+        """Check a batch, grow its slots' storage, build its index tensors on the cache's device.
+
+        slots: (B,) int64; num_new: (B,) int64 in [0, T]. Raises SlotError,
+        CacheCapacityError or CacheMemoryError before anything is written (a slot without
+        storage gets a block even with num_new 0: its padding writes need a scratch column).
+        Built from Python lists with one tensor creation and one host-to-device copy: at batch 1
+        the per-call cost of many small tensor ops would rival the forward of a small draft
+        model. The plan's storage list is what `update` and `window` use until the next plan.
         """
         slot_list, new_list = slots.tolist(), num_new.tolist()
         B = len(slot_list)
@@ -134,40 +268,60 @@ class KVCache:
                     f"slot {s}: committed length {start} + {n} new tokens exceeds "
                     f"max_seq_len {self.max_seq_len}")
         ends = [start + n for start, n in zip(starts, new_list)]
-        # Whole key blocks while they fit in the cache's columns (model.forward pads the rest).
+        more = self._grow_bytes(slot_list, [max(end, 1) for end in ends])
+        if more and self.memory_used + more > self.memory_bytes:
+            raise CacheMemoryError(f"KV cache memory budget {self.memory_bytes} bytes is short: slots {slot_list} "
+                                   f"need {more} bytes more, {self.memory_bytes - self.memory_used} are free")
+        for s, end in zip(slot_list, ends):
+            self._grow(s, max(end, 1))
+        # Whole key blocks while they fit in the cache's columns (model.forward pads the rest);
+        # every slot's storage has at least min(that, max_seq_len + 1) columns.
         window = min(-(-max(max(ends), 1) // KEY_BLOCK) * KEY_BLOCK, self.max_seq_len + 1)
         last = self.max_seq_len - 1
-        write_pos = [[start + t if t < n else self.max_seq_len for t in range(T)]
-                     for start, n in zip(starts, new_list)]
+        write_pos = [[start + t if t < n else self._capacity[s] for t in range(T)]
+                     for s, start, n in zip(slot_list, starts, new_list)]
         rope_pos = [[min(start + t, last) for t in range(T)] for start in starts]
-        index = torch.tensor([write_pos, rope_pos]).to(self.k.device)  # (2, B, T)
+        index = torch.tensor([write_pos, rope_pos]).to(self.device)  # (2, B, T)
         # Always a mask, even where a decode step could attend to everything: one attention path
         # for every step. Padding tokens' clamped positions only change their own outputs.
         mask = (self._arange[:window] <= index[1, :, :, None]).unsqueeze(1)
-        contiguous = slot_list == list(range(slot_list[0], slot_list[0] + B))
+        keys = [self._keys[s] for s in slot_list]
+        values = [self._values[s] for s in slot_list]
+        self._batch = list(zip(keys, values))
         return ForwardPlan(write_pos=index[0], rope_pos=index[1], mask=mask, window=window,
-                           first_slot=slot_list[0] if contiguous else None)
+                           keys=keys, values=values)
 
     def update(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
-        """Write k, v (B, T, Hkv, D) of `layer` at cache columns positions (B, T) of slots (B,).
-
-        All on the cache's device. Column max_seq_len is the scratch column for padding.
-        """
-        index = (slots.view(-1, 1, 1), self._heads, positions.unsqueeze(-1))  # -> (B, T, Hkv)
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+        """Write k, v (B, T, Hkv, D) of `layer` at columns positions (B, T) of slots (B,), the
+        slots of the last `plan` in that order. All on the cache's device; a slot's last column
+        is its scratch column for padding."""
+        assert len(self._batch) == k.shape[0] == positions.shape[0], (len(self._batch), k.shape, positions.shape)
+        for b, (keys, values) in enumerate(self._batch):
+            index = (self._heads, positions[b].view(-1, 1))  # -> (T, Hkv)
+            keys[layer].index_put_(index, k[b])
+            values[layer].index_put_(index, v[b])
 
     def window(self, layer: int, slots: torch.Tensor, plan: ForwardPlan):
         """Keys and values at positions 0..W-1 of slots (B,): two (B, Hkv, W, D) tensors.
 
-        Views when the slots are consecutive (always at batch 1), else gathered copies.
+        Views of the slot's storage at batch 1; gathered copies for several slots, zeros
+        past a slot's storage (a short slot next to a long one: masked keys).
         """
-        k, v = self.k[layer, :, :, :plan.window], self.v[layer, :, :, :plan.window]
-        if plan.first_slot is not None:
-            rows = slice(plan.first_slot, plan.first_slot + slots.shape[0])
-            return k[rows], v[rows]
-        return k.index_select(0, slots), v.index_select(0, slots)
+        W = plan.window
+        if len(plan.keys) == 1:
+            return plan.keys[0][layer, :, :W].unsqueeze(0), plan.values[0][layer, :, :W].unsqueeze(0)
+        if all(t.shape[2] >= W for t in plan.keys):
+            return (torch.stack([t[layer, :, :W] for t in plan.keys]),
+                    torch.stack([t[layer, :, :W] for t in plan.values]))
+        L, Hkv, D = self._dims
+        out_k = torch.zeros(len(plan.keys), Hkv, W, D, device=self.device, dtype=self.dtype)
+        out_v = torch.zeros_like(out_k)
+        for b, (keys, values) in enumerate(zip(plan.keys, plan.values)):
+            n = min(W, keys.shape[2])
+            out_k[b, :, :n] = keys[layer, :, :n]
+            out_v[b, :, :n] = values[layer, :, :n]
+        return out_k, out_v
 
     def commit(self, slots: torch.Tensor, num_new: torch.Tensor) -> None:
         """Advance lengths[slots] (B,) by num_new (B,) after a forward has written them."""

@@ -9,8 +9,10 @@
    answer and side record again. Otherwise the row is checked (token ids inside the
    vocabulary, proposal, room in the slot) and the receiver rule applied: an unknown request
    with cached_len > 0, or a slot holding fewer than cached_len tokens, answers need_resync;
-   else the slot is truncated to cached_len. A row that fails gets its own `error`; the other
-   rows go on;
+   else the slot is truncated to cached_len. KV memory (gpu_worker/kv_cache.py): a new request
+   is admitted with room for its prompt, a running one grows as it needs; either failing is an
+   `overloaded` row error (a running request's slot is then freed). A row that fails gets its
+   own `error`; the other rows go on;
 3. feed new_token_ids then the draft tokens through the target, in chunks of prefill_chunk
    tokens. Chunks of similar length share one padded forward; a short decode chunk never pads
    up to a long prefill chunk: on this CPU a forward costs ~7-20 ms per call plus ~0.7 ms per
@@ -54,14 +56,14 @@ import torch
 
 from gpu_worker.checkpoint import model_id
 from gpu_worker.coupling import gumbel_argmax
-from gpu_worker.kv_cache import CacheFullError, KVCache
+from gpu_worker.kv_cache import CacheFullError, CacheMemoryError, KVCache
 from gpu_worker.logprobs import TokenLogprobs, gather_logprobs
 from gpu_worker.model import Model, forward
 from gpu_worker.rejection import RejectionResult, greedy_accepted, proposal_to_draft_probs, rejection_sample
 from gpu_worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, Penalties, ProcessedLogits,
                                  SamplingInputError, SamplingTensors, check, make_uniforms, penalise, row_seed,
                                  sample)
-from gpu_worker.slots import load_model_and_cache, release
+from gpu_worker.slots import free_request, load_model_and_cache, release
 from gpu_worker.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
@@ -285,19 +287,29 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     # before any state changes, so a value the kernels refuse leaves none behind (a row that
     # then answers need_resync just wastes it)
     penalties = row_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
+    length = row.cached_len + len(row.new_token_ids) + len(row.draft_token_ids)
     if state is None:
         if row.cached_len > 0:
             verifier.counters["need_resync"] += 1
             return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
-        try:
-            state = VerifierSlot(slot=verifier.cache.allocate(), last_used=now)
+        try:  # admission: room for the whole prompt, which the next steps feed
+            slot = verifier.cache.allocate(min(max(length, row.prompt_len), verifier.cache.max_seq_len))
         except CacheFullError as exc:
             raise SpecbusError(ErrorCode.no_capacity, str(exc)) from None
+        except CacheMemoryError as exc:
+            verifier.counters["refused_memory"] += 1
+            raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
+        state = VerifierSlot(slot=slot, last_used=now)
         verifier.requests[key] = state
     state.last_used = now
     if int(verifier.cache.lengths[state.slot]) < row.cached_len:
         verifier.counters["need_resync"] += 1
         return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
+    try:  # growth: the request ends `overloaded` (its slot freed) when the budget is spent
+        verifier.cache.reserve(state.slot, length)
+    except CacheMemoryError as exc:
+        free_request(verifier, key, "memory")
+        raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
     verifier.cache.truncate(state.slot, row.cached_len)
     # the same for the ids: the drafts are dropped again in finish_row unless accepted
     tokens_np = np.concatenate([row.new_token_ids, row.draft_token_ids]).astype(np.int32)

@@ -114,9 +114,14 @@ class ModelServiceConfig(InstanceConfig):
     max_seq_len: int = 2048
     prefill_chunk: int = 512  # tokens per forward for a long prompt
     slot_idle_ttl_s: float = 300.0  # a slot untouched this long is freed (its scheduler is gone)
-    # torch intra-op threads; 0 leaves torch's default (one per core). On a small machine running
-    # several model processes, 1 avoids oversubscribing the cores.
+    # torch intra-op threads; 0 leaves torch's default (one per core). `specbus up` sets it per
+    # role from the machine (services/launch/stack.py role_threads).
     torch_threads: int = 0
+    # The KV cache's memory budget ("2GiB", "512MiB", "1.5GB", or bytes; parse_bytes): slots get
+    # storage as their tokens need it, within this (gpu_worker/kv_cache.py). 2 GiB holds ~46k
+    # tokens of SmolLM2-135M in float32 (92k in bfloat16): 64 requests of ~700 tokens, and keeps a
+    # few stacks inside a 24 GB machine.
+    kv_cache_memory: str = "2GiB"
 
 
 @dataclasses.dataclass
@@ -175,6 +180,25 @@ ROLES: dict[str, type] = {
 
 C = TypeVar("C")
 
+BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+              "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_bytes(text: str, field: str) -> int:
+    """A size like "2GiB", "512MiB", "1.5GB", "2G" (binary, as docker reads it) or "1073741824" ->
+    bytes; SpecbusError naming field for anything else or a size that is not positive."""
+    raw = str(text).strip()
+    number = raw.rstrip("BbIiKkMmGgTt ")
+    unit = raw[len(number):].strip().lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is None or unit not in BYTE_UNITS or value * BYTE_UNITS[unit] < 1:
+        raise SpecbusError(ErrorCode.invalid_field, f"{field}: {raw!r} is not a positive size like '2GiB', "
+                           f"'512MiB', '1.5GB' or a number of bytes", field)
+    return int(value * BYTE_UNITS[unit])
+
 
 def _parse(field: dataclasses.Field, raw: Any) -> Any:
     if not isinstance(raw, str):
@@ -212,6 +236,8 @@ def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides:
         except ValueError as exc:
             raise SpecbusError(ErrorCode.invalid_field, f"{name}: {exc}", name) from None
     config = cls(**values)
+    if hasattr(config, "kv_cache_memory"):
+        parse_bytes(config.kv_cache_memory, "kv_cache_memory")
     if getattr(config, "lanes", 1) < 1:
         raise SpecbusError(ErrorCode.invalid_field, f"lanes: {config.lanes} is not at least 1", "lanes")
     if hasattr(config, "instance_id"):

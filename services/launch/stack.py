@@ -123,6 +123,11 @@ class StackConfig:
     target_model: str | None = None
     draft_model: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
+    # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
+    kv_cache_memory: str | None = None
+    # torch threads per verifier / drafter process; 0: `role_threads` picks from the machine.
+    verifier_threads: int = 0
+    drafter_threads: int = 0
     prefix: str = DEFAULT_PREFIX
     nats: NatsServerConfig = field(default_factory=NatsServerConfig)
     nats_cluster: int = 1
@@ -155,6 +160,10 @@ class StackConfig:
             check_user_names(self.client_users)
         if self.nats_cluster < 1:
             raise ValueError(f"nats_cluster: must be >= 1 (nats-server processes), got {self.nats_cluster}")
+        for role in ("verifier", "drafter"):
+            if getattr(self, f"{role}_threads") < 0:
+                raise ValueError(f"{role}_threads: must be >= 0 (0: from the machine), got "
+                                 f"{getattr(self, f'{role}_threads')}")
         if not 0 <= self.metrics_port_base < 65536:
             raise ValueError(f"metrics_port_base: must be a port or 0 (off), got {self.metrics_port_base}")
 
@@ -162,21 +171,48 @@ class StackConfig:
         return getattr(self, f"{role}s")
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def role_threads(role: str, config: StackConfig, cores: int) -> int | None:
+    """torch threads for one process of role; None for roles without torch.
+
+    Given (config.verifier_threads / drafter_threads) wins. Else, from the machine's cores, the
+    model processes' threads add up to at most cores - 1, each at least 1: one core is kept for
+    the torch-free processes (scheduler, postprocessor, gateway, nats-server), whose work each
+    step would otherwise preempt an OpenMP thread and stall every parallel region of a forward
+    (measured on 2 cores: the verifier at 2 threads made k=0 through the stack 0.7-0.8x of 1
+    thread, ops/bench/RESULTS.md "Threads per role"). A drafter gets a quarter of the cores (a
+    small draft model's forward is mostly per-call overhead), the verifier, the hot path, the rest:
+    2 cores -> verifier 1, drafter 1; 4 -> 2, 1; 8 -> 5, 2; 16 -> 11, 4.
+    """
+    if role not in ("verifier", "drafter"):
+        return None
+    given = getattr(config, f"{role}_threads")
+    if given:
+        return given
+    drafters, verifiers = max(1, config.drafters), max(1, config.verifiers)
+    drafter = config.drafter_threads or max(1, cores // (4 * drafters))
+    if role == "drafter":
+        return drafter
+    left = cores - 1 - (drafter * config.drafters)
+    return max(1, left // verifiers)
+
+
 def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfig) -> list[str]:
     """The argv that runs one service instance (as a container would, plus the stack's flags)."""
     argv = [sys.executable, "-m", "services.cli", "--log-level", config.log_level, "serve", role,
             "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
-    model_dirs = {"target_model": config.target_model, "tokenizer": config.target_model,
-                  "draft_model": config.draft_model, "dtype": config.dtype}
+    settings = {"target_model": config.target_model, "tokenizer": config.target_model,
+                "draft_model": config.draft_model, "dtype": config.dtype, "kv_cache_memory": config.kv_cache_memory,
+                "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):
-        if model_dirs.get(config_field.name) is not None:
-            argv += ["--" + config_field.name.replace("_", "-"), str(model_dirs[config_field.name])]
-    # Several model processes share one machine: on a small one, one torch thread each avoids
-    # OpenMP threads spinning against each other (role_args come later, so they still win).
-    if "torch_threads" in {f.name for f in dataclasses.fields(CONFIGS[role])} and (os.cpu_count() or 1) <= 4:
-        argv += ["--torch-threads", "1"]
-    return argv + list(config.role_args.get(role, []))
+        if settings.get(config_field.name) is not None:
+            argv += ["--" + config_field.name.replace("_", "-"), str(settings[config_field.name])]
+    return argv + list(config.role_args.get(role, []))  # role_args come last: they win
 
 
 @dataclass

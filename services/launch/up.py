@@ -33,6 +33,14 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
                              "on CUDA and on CPUs with native bf16, else float32)")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                        help="each verifier's and drafter's KV cache budget, e.g. 2GiB, 512MiB (env "
+                             "SPECBUS_KV_CACHE_MEMORY; default 2GiB): slots take memory as their tokens need it, "
+                             "and a request the budget cannot hold is refused `overloaded`")
+    for role in ("verifier", "drafter"):
+        parser.add_argument(f"--{role}-threads", type=int, default=0, metavar="N",
+                            help=f"torch threads per {role} (default 0: from the machine's cores, see README "
+                                 f"'Threads per role')")
     for role in ROLES:
         parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
     parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")
@@ -58,6 +66,9 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
         draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
         dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        verifier_threads=args.verifier_threads,
+        drafter_threads=args.drafter_threads,
         prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),
         nats=NatsServerConfig(port=port),
         nats_cluster=args.nats_cluster,

@@ -68,7 +68,7 @@ def test_ragged_batch_equals_each_row_alone(tmp_path, order):
             if len(prefix):
                 append(model, cache, slot, prefix)
         expected.append(append(model, alone, slot, row[:n]) if n else None)
-    untouched_k = batched.k[:, 2, :, :24].clone()  # the scratch column 24 may change
+    untouched_k = batched.tensors(2)[0][:, :, :24].clone()  # the scratch column 24 may change
 
     rows = torch.tensor(order)
     logits = forward(model, batched, rows, new[rows], num_new[rows])
@@ -77,7 +77,7 @@ def test_ragged_batch_equals_each_row_alone(tmp_path, order):
         if n:
             torch.testing.assert_close(logits[b, :n], expected[slot], atol=1e-5, rtol=1e-5)
     assert batched.lengths.tolist() == [6, 14, 4]
-    assert torch.equal(batched.k[:, 2, :, :24], untouched_k)
+    assert torch.equal(batched.tensors(2)[0][:, :, :24], untouched_k)
 
 
 def test_truncate_then_append_equals_never_appending_rejected(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.slots import evict_idle, instance_heartbeat, load_model_and_cache, release
-from schemas.config import DrafterConfig, VerifierConfig, load_config
+from schemas.config import DrafterConfig, VerifierConfig, load_config, parse_bytes
 from schemas.errors import SpecbusError
 from tests.gpu_worker.conftest import write_hf_model
 
@@ -103,3 +103,23 @@ def test_drafter_config_has_prefill_chunk_and_torch_threads_from_env():
     drafter = load_config(DrafterConfig, env={"SPECBUS_TORCH_THREADS": "1", "SPECBUS_PREFILL_CHUNK": "64"})
     assert (drafter.prefill_chunk, drafter.torch_threads) == (64, 1)
     assert load_config(VerifierConfig, env={}).torch_threads == 0  # 0: torch's default
+
+
+def test_kv_cache_memory_is_the_cache_budget(model_dir):
+    _, cache = load_model_and_cache(str(model_dir), config(model_dir, kv_cache_memory="1MiB"))
+    assert cache.memory_bytes == 2**20 and cache.nbytes == 0  # nothing held before a request
+    assert load_config(DrafterConfig, env={"SPECBUS_KV_CACHE_MEMORY": "512MB"}).kv_cache_memory == "512MB"
+    assert parse_bytes(load_config(VerifierConfig, env={}).kv_cache_memory, "kv_cache_memory") == 2 * 2**30
+
+
+@pytest.mark.parametrize("text, size", [("2GiB", 2 * 2**30), ("2G", 2 * 2**30), ("1.5GB", 1_500_000_000),
+                                        ("512 MiB", 512 * 2**20), ("4096", 4096), ("64k", 65536)])
+def test_sizes_parse(text, size):
+    assert parse_bytes(text, "kv_cache_memory") == size
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "2 parsecs", ""])
+def test_bad_kv_cache_memory_is_refused_by_field(text):
+    with pytest.raises(SpecbusError, match="kv_cache_memory: .* is not a positive size") as raised:
+        load_config(VerifierConfig, env={}, kv_cache_memory=text)
+    assert raised.value.field == "kv_cache_memory"

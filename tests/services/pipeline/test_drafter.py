@@ -235,6 +235,14 @@ def test_idle_slots_are_freed_and_a_full_cache_evicts_the_least_recently_used(dr
     assert sorted(rid for _, rid in drafter.requests) == ["new", "r3"]  # r1 (t+1) and r2 (t+2) idle for more than 60 s
 
 
+def test_short_kv_memory_gives_no_drafts_and_holds_nothing(draft):
+    drafter = new_drafter(draft, kv_cache_memory="20000")  # one slot of 65 positions x 256 bytes
+    got = results(drafter, row("a", PROMPT, index=0), row("b", PROMPT, index=1))
+    assert len(got["a"].draft_token_ids) == 4 and len(got["b"].draft_token_ids) == 0 and not got["b"].need_resync
+    assert sorted(rid for _, rid in drafter.requests) == ["a"] and drafter.counters["slots_memory"] == 1
+    assert drafter.cache.nbytes == 65 * 256 == drafter.cache.slot_bytes(1)
+
+
 def test_bad_token_id_is_refused_by_field_and_changes_nothing(draft):
     drafter = new_drafter(draft)
     results(drafter, row("a", PROMPT))

@@ -1,0 +1,47 @@
+"""What the stack passes each service: torch threads per role from the machine, the KV cache budget."""
+
+import dataclasses
+
+import pytest
+
+from schemas.config import ROLES, load_config
+from services.cli import build_parser
+from services.launch.stack import StackConfig, role_threads, serve_command
+
+
+@pytest.mark.parametrize("cores, verifiers, drafters, expected", [
+    (2, 1, 1, (1, 1)),    # this project's 2-core machines: one core left for the torch-free processes
+    (4, 1, 1, (2, 1)),
+    (16, 1, 1, (11, 4)),
+    (16, 2, 2, (5, 2)),
+    (16, 1, 0, (15, 4)),  # no drafter: its threads are not set aside
+    (1, 3, 1, (1, 1)),    # never 0
+])
+def test_threads_from_the_machine(cores, verifiers, drafters, expected):
+    config = StackConfig(verifiers=verifiers, drafters=drafters)
+    assert (role_threads("verifier", config, cores), role_threads("drafter", config, cores)) == expected
+    assert all(role_threads(role, config, cores) is None for role in ("scheduler", "postprocessor", "gateway"))
+
+
+def test_given_threads_win():
+    config = StackConfig(verifier_threads=3, drafter_threads=2)
+    assert (role_threads("verifier", config, 64), role_threads("drafter", config, 64)) == (3, 2)
+    with pytest.raises(ValueError, match="verifier_threads: must be >= 0"):
+        StackConfig(verifier_threads=-1)
+
+
+def settings(role: str, config: StackConfig):
+    """The config a `serve role` process started by the stack loads (its flags, no environment)."""
+    args = build_parser().parse_args(serve_command(role, f"{role}-0", "nats://127.0.0.1:4222", config)[3:])
+    fields = {f.name for f in dataclasses.fields(ROLES[role])}
+    return load_config(ROLES[role], env={}, **{name: value for name, value in vars(args).items() if name in fields})
+
+
+def test_serve_commands_carry_threads_and_kv_cache_memory():
+    config = StackConfig(verifier_threads=2, kv_cache_memory="512MiB")
+    verifier, drafter = settings("verifier", config), settings("drafter", config)
+    assert (verifier.torch_threads, verifier.kv_cache_memory) == (2, "512MiB")
+    assert drafter.kv_cache_memory == "512MiB" and drafter.torch_threads >= 1
+    assert settings("verifier", StackConfig()).kv_cache_memory == "2GiB"  # the services' default
+    role_args = StackConfig(verifier_threads=2, role_args={"verifier": ["--torch-threads", "1"]})
+    assert settings("verifier", role_args).torch_threads == 1  # role_args still win
