@@ -112,13 +112,6 @@ class KVCache:
         self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []       # the forward in progress
         self._heads = torch.arange(config.num_kv_heads, device=device).view(1, -1)
         self._arange = torch.arange(max_seq_len + 1, device=device)
-        self._probe = torch.empty(0, device=device, dtype=dtype)
-
-    @property
-    def k(self) -> torch.Tensor:
-        """An empty tensor of the cache's dtype on its device (model.forward compares cache.k's
-        dtype and device with the model's)."""
-        return self._probe
 
     # ------------------------------------------------------------------ memory
 

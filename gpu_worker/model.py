@@ -314,8 +314,8 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     if cache.max_seq_len > model.rope_cos.shape[0]:
         raise ValueError(f"cache max_seq_len {cache.max_seq_len} exceeds the model's RoPE table "
                          f"({model.rope_cos.shape[0]} positions); load with a larger max_seq_len")
-    if (cache.k.dtype, cache.k.device) != (model.embed.dtype, model.embed.device):
-        raise ValueError(f"cache is {cache.k.dtype} on {cache.k.device}, model is "
+    if (cache.dtype, cache.device) != (model.embed.dtype, model.embed.device):
+        raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is "
                          f"{model.embed.dtype} on {model.embed.device}")
     plan = cache.plan(slots, num_new, T)
     device = model.embed.device
