@@ -456,6 +456,10 @@ class Usage(WireModel):
     acceptance_rate: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     steps: Count = 0
     degraded_steps: dict[DegradedReason, Count] = Field(default_factory=dict)
+    speculative_lengths: list[Count] = Field(
+        default_factory=list, max_length=MAX_SPECULATIVE_TOKENS + 1,
+        description="[k]: decode steps that verified k drafts (the scheduler picks k per step up to "
+                    "num_speculative_tokens; a step degraded to no drafts counts at 0)")
 
 
 class StreamChunk(Message):
