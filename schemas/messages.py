@@ -302,7 +302,8 @@ class LogprobOptions(WireModel):
 
 
 class SpeculativeOptions(WireModel):
-    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)  # 0 = plain decoding
+    # 0 = plain decoding; else the most drafts a step takes (docs/PROTOCOL.md#adaptive-k)
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_mode: Literal["greedy", "sample"] = "greedy"
 
 
