@@ -262,6 +262,10 @@ class SchedulerState:
       request waits in the queue until its deadline, then ends with `timeout` (a stack that is
       still starting, or a verifier that restarts, does not refuse work).
     - A request wanting drafts but without a live drafter runs k=0 flagged `draft_timeout`.
+    - A request's k is an upper bound: greedy and Gumbel-coupled rows take per step the k of
+      adaptive_k.py (from timings the service reports: draft_timed, verify_timed; none reported,
+      every step takes k); rejection-sampled rows always take k (plan_decode_row says why).
+      usage.speculative_lengths counts decode steps by the drafts they verified.
     - Prompt logprobs are asked of the verifier until the first commit delivered them; after a
       migration the re-prefill does not recompute them.
     - Scoring (max_tokens=0): prefill with emit=False, then a final commit of zero tokens,
@@ -833,9 +837,10 @@ class SchedulerState:
         """A decode row with up to the request's k drafts (fewer near max_tokens or the budget);
         for a greedy or Gumbel-coupled row the k of adaptive_k, given the base_tokens new tokens
         of the rows planned before it on its verifier, the base_k drafts its drafter is already
-        asked for, and whether it is alone in its verify batch. A rejection-sampled row always takes its k: its draws depend on k, and
-        a seeded request must draw the same tokens again, after a failover too, where the new
-        scheduler knows nothing of the acceptance the old one measured (docs/PROTOCOL.md#adaptive-k)."""
+        asked for, and whether it is alone in its verify batch. A rejection-sampled row always
+        takes its k: its draws depend on k, and a seeded request must draw the same tokens again,
+        after a failover too, where the new scheduler knows nothing of the acceptance the old one
+        measured (docs/PROTOCOL.md#adaptive-k)."""
         remaining = request.sampling.max_tokens - len(request.completion)
         wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
         alive = self.placement.alive(request.drafter_id)
@@ -867,8 +872,8 @@ class SchedulerState:
         if self.adaptive is not None and message.rows and response is not None:
             self.adaptive.draft_timed(drafter_id, max(r.num_draft for r in message.rows), seconds)
 
-    def verify_timed(self, verifier_id: str, message: VerifyRequest, response, seconds: float,
-                     commit_s: float, retried: bool) -> None:
+    def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,
+                     seconds: float, commit_s: float, retried: bool) -> None:
         """A verify batch's round trip, for adaptive_k (by its new tokens, drafts included), and
         the commit after it; a batch that needed a retry or got no answer is left out."""
         if self.adaptive is not None and message.rows and isinstance(response, VerifyResponse) and not retried:
