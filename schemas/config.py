@@ -102,7 +102,8 @@ class SchedulerConfig(InstanceConfig):
     heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
     # A request's num_speculative_tokens is an upper bound: each step of a greedy or Gumbel-coupled
     # row takes the k that maximises its measured tokens per second (services/pipeline/adaptive_k.py);
-    # false: every step takes the request's k. A row at k=0 tries k=1 once every adaptive_k_probe_steps.
+    # false: every step takes the request's k. A row at k=0 tries k=1 after adaptive_k_probe_steps
+    # steps (twice as many after each probe that had nothing accepted, at most 8 times as many).
     adaptive_k: bool = True
     adaptive_k_probe_steps: int = 16
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids

@@ -21,7 +21,8 @@ maximises the request's expected tokens per second; the request's k is the upper
   its batch takes the largest such k_t; a row in a larger batch takes k while nothing is measured
   (so a scheduler that is told no timings runs at k, as without this).
 - Probe: a request that chose k_t = 0 for probe_steps steps in a row takes k_t = 1 once, so a
-  drafter that got better is noticed.
+  drafter that got better is noticed; after each probe with nothing accepted the next one waits
+  twice as long (at most MAX_PROBE_BACKOFF times).
 
 Plain logic, no clocks: the scheduler (scheduler_core.py) asks `choose`, tells `verified` and the
 timings. Only rows whose output cannot depend on k use it: greedy and Gumbel-coupled rows.
@@ -36,6 +37,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-steps of the drafter's history behind a request's o
 PRIOR_MAX_STEPS = 1000.0  # the drafter's history is halved past this, so it follows a drift
 COST_SAMPLES = 5  # timings kept per size; the estimate is their median (a cold or stalled step is one of them)
 MIN_SAMPLES = 3  # a batch-1 size with fewer timings is measured before it is trusted
+MAX_PROBE_BACKOFF = 8  # a request probes at least every MAX_PROBE_BACKOFF * probe_steps steps at k_t = 0
 
 
 @dataclass
@@ -59,6 +61,16 @@ class AcceptanceCounts:
         """a_i: these counts behind prior_weight pseudo-steps at prior_rate (Laplace's rule by default)."""
         judged, accepted = (self.judged[i], self.accepted[i]) if i < len(self.judged) else (0.0, 0.0)
         return (accepted + prior_weight * prior_rate) / (judged + prior_weight)
+
+
+@dataclass
+class RowState:
+    """One request's part: its own acceptance, decayed (ACCEPT_DECAY), and its probe schedule."""
+
+    acceptance: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    zero_run: int = 0  # steps in a row at k_t = 0
+    failed_probes: int = 0  # probes in a row that had nothing accepted
+    probing: bool = False  # its step in flight is a probe
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -105,11 +117,22 @@ class AdaptiveK:
         self.commit_s = CostTable()  # one size, 0
         self.priors: dict[tuple[str, str], AcceptanceCounts] = {}
 
-    def choose(self, own: AcceptanceCounts, prior_key: tuple[str, str], k_max: int, verifier_id: str,
-               base_tokens: int, drafter_id: str, base_k: int, zero_run: int, alone: bool) -> int:
+    def choose(self, row: RowState, prior_key: tuple[str, str], k_max: int, verifier_id: str,
+               base_tokens: int, drafter_id: str, base_k: int, alone: bool) -> int:
         """k_t in [0, k_max] for a row whose verify batch already holds base_tokens new tokens and
-        whose drafter batch already asks base_k drafts; zero_run: its steps at k_t = 0 in a row;
-        alone: the only row of its verify batch (batch 1: where sizes are measured first)."""
+        whose drafter batch already asks base_k drafts; alone: the only row of its verify batch
+        (batch 1: where sizes are measured first). Counts the row's steps at 0 for its probe."""
+        k = self.best_k(row.acceptance, prior_key, k_max, verifier_id, base_tokens, drafter_id, base_k, alone)
+        backoff = min(2 ** row.failed_probes, MAX_PROBE_BACKOFF)
+        row.probing = k == 0 and row.zero_run + 1 >= self.probe_steps * backoff
+        if row.probing:
+            k = min(1, k_max)
+        row.zero_run = 0 if k else row.zero_run + 1
+        return k
+
+    def best_k(self, own: AcceptanceCounts, prior_key: tuple[str, str], k_max: int, verifier_id: str,
+               base_tokens: int, drafter_id: str, base_k: int, alone: bool) -> int:
+        """The argmax of E(k)/time(k), or the size to measure first (module docstring)."""
         verify = self.verify_costs.setdefault(verifier_id, CostTable())
         draft = self.draft_costs.setdefault(drafter_id, CostTable())
         if alone:
@@ -130,13 +153,14 @@ class AdaptiveK:
             rate = expected_tokens(acceptance, k) / max(verify_s + draft_s + commit_s, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and zero_run + 1 >= self.probe_steps:
-            return min(1, k_max)
         return best
 
-    def verified(self, own: AcceptanceCounts, prior_key: tuple[str, str], num_draft: int, num_accepted: int) -> None:
+    def verified(self, row: RowState, prior_key: tuple[str, str], num_draft: int, num_accepted: int) -> None:
         """A verify step of a row with num_draft drafts, num_accepted of them accepted."""
-        own.record(num_draft, num_accepted, ACCEPT_DECAY)
+        row.acceptance.record(num_draft, num_accepted, ACCEPT_DECAY)
+        if row.probing:
+            row.failed_probes = 0 if num_accepted else row.failed_probes + 1
+            row.probing = False
         prior = self.priors.setdefault(prior_key, AcceptanceCounts())
         prior.record(num_draft, num_accepted)
         if prior.judged and prior.judged[0] > PRIOR_MAX_STEPS:

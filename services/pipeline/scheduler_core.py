@@ -49,7 +49,7 @@ from schemas.messages import (
     VerifyResponse,
     VerifyRow,
 )
-from services.pipeline.adaptive_k import AcceptanceCounts, AdaptiveK
+from services.pipeline.adaptive_k import AdaptiveK, RowState
 from services.pipeline.fair_share import most_over_share, parse_user_weights, share, start_order_key, user_of_inbox
 from services.pipeline.placement import Placement
 from services.runtime.metrics import SchedulerMetrics
@@ -153,8 +153,7 @@ class Request:
     user: str = ""  # the client user it streams to (fair_share.user_of_inbox)
     awaiting_postprocessor: bool = False  # ended with its postprocessor dead: the final commit waits for one
     end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
-    acceptance: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # its own, per draft position (adaptive_k)
-    zero_run: int = 0  # decode steps in a row it chose k=0 for (adaptive_k's probe)
+    adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
 
     @property
@@ -845,9 +844,8 @@ class SchedulerState:
         wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
         alive = self.placement.alive(request.drafter_id)
         if wanted and alive and self.adaptive_row(request):
-            wanted = self.adaptive.choose(request.acceptance, self.prior_key(request), wanted, request.verifier_id,
-                                          base_tokens, request.drafter_id, base_k, request.zero_run, alone)
-            request.zero_run = 0 if wanted else request.zero_run + 1
+            wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
+                                          base_tokens, request.drafter_id, base_k, alone)
         row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=wanted, decode=True)
         if row.num_draft and not alive:
             row.num_draft = 0
@@ -1074,7 +1072,7 @@ class SchedulerState:
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
         if planned.num_draft and self.adaptive_row(request):
-            self.adaptive.verified(request.acceptance, self.prior_key(request), planned.num_draft, result.num_accepted)
+            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode, planned.num_draft,
                               result.num_accepted)
         if result.residual_fallback:

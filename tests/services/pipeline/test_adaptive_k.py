@@ -9,9 +9,11 @@ from schemas.messages import DraftResponse, DraftResult, VerifyResponse, VerifyR
 from services.pipeline.adaptive_k import (
     COST_SAMPLES,
     MIN_SAMPLES,
+    MAX_PROBE_BACKOFF,
     AcceptanceCounts,
     AdaptiveK,
     CostTable,
+    RowState,
     expected_tokens,
 )
 from tests.services.pipeline.test_scheduler_core import new_state, submit, tokenizer  # noqa: F401 (a fixture)
@@ -76,7 +78,8 @@ def measured(verify_s, draft_s, k_max, commit_s=0.0) -> AdaptiveK:
 def choose(adaptive, own=None, k_max=4, zero_run=0, prior=None):
     if prior is not None:
         adaptive.priors[("d", "greedy/greedy")] = prior
-    return adaptive.choose(own or AcceptanceCounts(), ("d", "greedy/greedy"), k_max, "v", 0, "d", 0, zero_run, True)
+    row = RowState(acceptance=own or AcceptanceCounts(), zero_run=zero_run)
+    return adaptive.choose(row, ("d", "greedy/greedy"), k_max, "v", 0, "d", 0, True)
 
 
 def history(rate: float, steps: int = 40, k: int = 4) -> AcceptanceCounts:
@@ -92,7 +95,7 @@ def history(rate: float, steps: int = 40, k: int = 4) -> AcceptanceCounts:
 def test_without_timings_every_step_takes_the_requests_k():
     adaptive = AdaptiveK(probe_steps=16)
     assert choose(adaptive, history(0.0)) == 4
-    assert adaptive.choose(AcceptanceCounts(), ("d", "greedy/greedy"), 4, "v", 5, "d", 2, 0, False) == 4
+    assert adaptive.choose(RowState(), ("d", "greedy/greedy"), 4, "v", 5, "d", 2, False) == 4
 
 
 def test_sizes_are_measured_first_from_the_largest_k_down():
@@ -116,6 +119,28 @@ def test_a_useless_draft_runs_at_zero_and_probes_with_one_draft_every_probe_step
     assert choose(adaptive, history(0.0)) == 0
     assert choose(adaptive, history(0.0), zero_run=14) == 0
     assert choose(adaptive, history(0.0), zero_run=15) == 1  # the 16th step in a row at 0
+
+
+def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
+    adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
+    row = RowState(acceptance=history(0.0))
+    key = ("d", "greedy/greedy")
+
+    def steps_to_next_probe():
+        for steps in range(1, 1000):
+            if adaptive.choose(row, key, 4, "v", 0, "d", 0, True):
+                return steps
+            adaptive.verified(row, key, 0, 0)  # a step at 0: nothing to record but the step
+        raise AssertionError("no probe")
+
+    intervals = []
+    for _ in range(5):
+        intervals.append(steps_to_next_probe())
+        adaptive.verified(row, key, 1, 0)  # rejected
+    assert intervals == [16, 32, 64, 16 * MAX_PROBE_BACKOFF, 16 * MAX_PROBE_BACKOFF]
+    steps_to_next_probe()
+    adaptive.verified(row, key, 1, 1)  # accepted: back to probe_steps
+    assert row.failed_probes == 0
 
 
 def test_a_good_draft_with_a_cheap_verify_takes_every_draft():
@@ -148,7 +173,7 @@ def test_a_row_batched_behind_others_pays_only_what_it_adds_to_the_drafter_batch
     own = history(0.3)
     assert choose(adaptive, own) == 0
     # the drafter already drafts 4 for another row: more drafts for this one are free
-    assert adaptive.choose(own, ("d", "greedy/greedy"), 4, "v", 5, "d", 4, 0, False) == 4
+    assert adaptive.choose(RowState(own), ("d", "greedy/greedy"), 4, "v", 5, "d", 4, False) == 4
 
 
 # ------------------------------------------------------------------ in the scheduler core
@@ -193,7 +218,9 @@ def test_a_greedy_request_with_a_useless_draft_settles_at_k0_and_reports_its_ks(
     # prefill (0), then the measuring steps (k = 4, 3, 2, 1, 0, MIN_SAMPLES each), then 0 with probes of 1
     assert ks[1:1 + 5 * MIN_SAMPLES] == [k for k in (4, 3, 2, 1, 0) for _ in range(MIN_SAMPLES)]
     settled = ks[1 + 5 * MIN_SAMPLES:]
-    assert set(settled) == {0, 1} and settled.count(1) == len(settled) // 16
+    assert set(settled) == {0, 1}
+    first = settled.index(1)  # the measuring steps at 0 count towards the first probe's 16
+    assert first < 16 and settled.index(1, first + 1) == first + 32  # then a failed probe doubles the wait
     usage = request.usage()
     decode_ks = ks[1:]
     assert usage.speculative_lengths == [decode_ks.count(k) for k in range(5)]
