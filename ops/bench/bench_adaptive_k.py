@@ -93,6 +93,7 @@ async def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="k=4 and k=0 requests per stack before measuring")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--adaptive", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--drafts", choices=("both", "shipped", "useless"), default="both")
     args = parser.parse_args()
     configure_logging(level="warning")
     target, draft = (TINY_TARGET, TINY_DRAFT) if args.pair == "tiny" else (default_target_model(), DEFAULT_DRAFT)
@@ -107,6 +108,8 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         useless = write_useless_draft(Path(draft), Path(scratch) / "useless-draft")
         for name, draft_dir in (("shipped", draft), ("useless", useless)):
+            if args.drafts not in ("both", name):
+                continue
             for adaptive in settings:
                 row = await run_stack(str(target), str(draft_dir), adaptive, prompts, args.max_tokens, args.warmup,
                                       args.dtype)
