@@ -100,6 +100,12 @@ class SchedulerConfig(InstanceConfig):
     # then end with "error" like every other); kept under the stack's SIGKILL stop_timeout_s.
     stop_grace_s: float = 5.0
     heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
+    # A request's num_speculative_tokens is an upper bound: each step of a greedy or Gumbel-coupled
+    # row takes the k that maximises its measured tokens per second (services/pipeline/adaptive_k.py);
+    # false: every step takes the request's k. A row at k=0 tries k=1 after adaptive_k_probe_steps
+    # steps (twice as many after each probe that had nothing accepted, at most 8 times as many).
+    adaptive_k: bool = True
+    adaptive_k_probe_steps: int = 16
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids
     tokenizer: str = dataclasses.field(default_factory=default_target_model)
 
@@ -240,6 +246,9 @@ def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides:
         parse_bytes(config.kv_cache_memory, "kv_cache_memory")
     if getattr(config, "lanes", 1) < 1:
         raise SpecbusError(ErrorCode.invalid_field, f"lanes: {config.lanes} is not at least 1", "lanes")
+    if getattr(config, "adaptive_k_probe_steps", 1) < 1:
+        raise SpecbusError(ErrorCode.invalid_field, f"adaptive_k_probe_steps: {config.adaptive_k_probe_steps} is not "
+                                                    f"at least 1", "adaptive_k_probe_steps")
     if hasattr(config, "instance_id"):
         role = next((r for r, c in ROLES.items() if c is cls), "instance")
         config.instance_id = check_instance_id(config.instance_id or default_instance_id(role), "instance_id")

@@ -302,7 +302,8 @@ class LogprobOptions(WireModel):
 
 
 class SpeculativeOptions(WireModel):
-    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)  # 0 = plain decoding
+    # 0 = plain decoding; else the most drafts a step takes (docs/PROTOCOL.md#adaptive-k)
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_mode: Literal["greedy", "sample"] = "greedy"
 
 
@@ -456,6 +457,10 @@ class Usage(WireModel):
     acceptance_rate: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     steps: Count = 0
     degraded_steps: dict[DegradedReason, Count] = Field(default_factory=dict)
+    speculative_lengths: list[Count] = Field(
+        default_factory=list, max_length=MAX_SPECULATIVE_TOKENS + 1,
+        description="[k]: decode steps that verified k drafts (the scheduler picks k per step up to "
+                    "num_speculative_tokens; a step degraded to no drafts counts at 0)")
 
 
 class StreamChunk(Message):

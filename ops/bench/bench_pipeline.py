@@ -252,7 +252,8 @@ async def bench_in(args: argparse.Namespace, work: Path) -> dict:
     target, assistant = load_hf(target_dir, device), load_hf(assistant_dir, device)
     loop = load_inprocess(str(target_dir), str(draft_dir), device, max_slots=max(args.overhead_batches))
     config = StackConfig(target_model=str(target_dir), draft_model=str(draft_dir), log_level=args.log_level,
-                         role_args={"scheduler": ["--draft-timeout-s", str(args.draft_timeout_s), "--lanes", str(args.lanes)],
+                         role_args={"scheduler": ["--draft-timeout-s", str(args.draft_timeout_s), "--lanes", str(args.lanes),
+                                                  "--adaptive-k", args.adaptive_k],
                                     "verifier": ["--device", device], "drafter": ["--device", device]})
     with tqdm(total=1, desc="starting the stack") as bar:
         stack = await Stack(config).start()
@@ -485,6 +486,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-timeout-s", type=float, default=2.0,
                         help="the scheduler's; above its 0.5 s default so a loaded CPU does not turn runs into k=0")
     parser.add_argument("--lanes", type=int, default=SchedulerConfig.lanes, help="the scheduler's step loops")
+    parser.add_argument("--adaptive-k", choices=("true", "false"), default="false",
+                        help="the scheduler's adaptive_k; off by default: the theory section counts every decode step "
+                             "at k, and the in-process loop of the bus section reports no timings, so it runs at k "
+                             "(ops/bench/bench_adaptive_k.py measures adaptive k)")
     parser.add_argument("--log-level", default="warning", help="of this process and the stack's services")
     parser.add_argument("--results", default=None, help="output folder (default ops/bench/results/<timestamp>)")
     args = parser.parse_args(argv)

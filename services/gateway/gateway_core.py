@@ -8,8 +8,8 @@ num_speculative_tokens, draft_mode, logprobs_mode, sampling_mask, timeout_s, and
 prompt_logprobs. `usage` holds OpenAI's fields only, the draft tokens as OpenAI counts predicted
 outputs (completion_tokens_details.accepted_prediction_tokens / rejected_prediction_tokens: a
 draft token the target kept / one it refused); our extras sit next to the OpenAI fields: a
-top-level `speculation` {draft_tokens_proposed, draft_tokens_accepted, acceptance_rate, steps}
-wherever `usage` is, and per choice `degraded`: in a streamed chunk the reasons that chunk was
+top-level `speculation` {draft_tokens_proposed, draft_tokens_accepted, acceptance_rate, steps,
+speculative_lengths} wherever `usage` is, and per choice `degraded`: in a streamed chunk the reasons that chunk was
 flagged with (e.g. draft_timeout), in a whole response every reason seen, when there is any.
 
 One OpenAI request becomes one GenerateRequest per choice: `n` choices per prompt (seed + i when
@@ -668,8 +668,13 @@ def speculation_json(choices: Sequence[Choice]) -> dict:
     usages = [c.usage for c in choices if c.usage is not None]
     proposed = sum(u.draft_tokens_proposed for u in usages)
     accepted = sum(u.draft_tokens_accepted for u in usages)
+    lengths = [0] * max((len(u.speculative_lengths) for u in usages), default=0)
+    for usage in usages:
+        for k, count in enumerate(usage.speculative_lengths):
+            lengths[k] += count
     return {"draft_tokens_proposed": proposed, "draft_tokens_accepted": accepted,
-            "acceptance_rate": accepted / proposed if proposed else 0.0, "steps": sum(u.steps for u in usages)}
+            "acceptance_rate": accepted / proposed if proposed else 0.0, "steps": sum(u.steps for u in usages),
+            "speculative_lengths": lengths}
 
 
 def vllm_prompt_logprobs(texts: TokenTexts, ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None,

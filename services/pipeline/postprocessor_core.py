@@ -130,6 +130,7 @@ class StreamState:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     degraded_steps: Counter = field(default_factory=Counter)
+    speculative_lengths: Counter = field(default_factory=Counter)  # drafts per commit after the first
     last_batch_id: int | None = None  # of the last commit processed
     last_step: int = 0
     finished_at: float | None = None
@@ -435,6 +436,8 @@ class Postprocessor:
         state.steps += 1
         state.draft_tokens_proposed += commit.num_draft
         state.draft_tokens_accepted += min(commit.num_accepted, num_kept)
+        if commit.prompt_token_ids is None:  # the first commit is the prefill's
+            state.speculative_lengths[commit.num_draft] += 1
         state.degraded_steps.update(set(degraded))
         finish_reason = "stop" if match is not None else commit.finish_reason
         done = finish_reason is not None
@@ -561,7 +564,8 @@ class Postprocessor:
             usage = Usage(prompt_tokens=0 if state.prompt_token_ids is None else len(state.prompt_token_ids),
                           draft_tokens_proposed=proposed, draft_tokens_accepted=accepted,
                           acceptance_rate=accepted / proposed if proposed else 0.0, steps=state.steps,
-                          degraded_steps=degraded_steps)
+                          degraded_steps=degraded_steps, speculative_lengths=[
+                              state.speculative_lengths[k] for k in range(max(state.speculative_lengths, default=-1) + 1)])
         usage.completion_tokens = state.num_tokens
         return usage
 

@@ -72,6 +72,13 @@ IDLE_WAIT_S = 0.05  # how often an idle loop re-checks deadlines, queued request
 RETRYABLE_CODES = {ErrorCode.timeout, ErrorCode.unavailable, ErrorCode.no_capacity, ErrorCode.internal}
 
 
+async def timed(awaitable):
+    """(its result, the seconds it took)."""
+    start = time.monotonic()
+    result = await awaitable
+    return result, time.monotonic() - start
+
+
 def request_id_of(data: bytes) -> str | None:
     """The request_id of a GenerateRequest that failed validation elsewhere, when that field
     itself is valid, so the error chunk names the request."""
@@ -301,19 +308,22 @@ class Scheduler:
         state.max_payload = self.nc.max_payload  # the server's; it may change across a reconnect
         started = time.monotonic()
         drafts = state.draft_batches(plan, time.time())
-        replies = await asyncio.gather(*(self.draft(d, m) for d, m in drafts.items()))
-        for (drafter_id, message), reply in zip(drafts.items(), replies):
+        replies = await asyncio.gather(*(timed(self.draft(d, m)) for d, m in drafts.items()))
+        for (drafter_id, message), (reply, seconds) in zip(drafts.items(), replies):
             state.apply_draft(plan, drafter_id, message, reply)
+            state.draft_timed(drafter_id, message, reply, seconds)
         drafted = time.monotonic()
         verifies = state.verify_batches(plan, time.time())
         await self.send(plan.outbox)  # requests whose row could not fit in a message
-        replies = await asyncio.gather(*(self.verify(v, m, plan) for v, m in verifies.items()))
+        replies = await asyncio.gather(*(timed(self.verify(v, m, plan)) for v, m in verifies.items()))
         verified = time.monotonic()
-        for verifier_id, reply in zip(verifies, replies):
+        for verifier_id, (reply, _) in zip(verifies, replies):
             await self.send(state.apply_verify(plan, verifier_id, reply, time.time()))
+        committed = time.monotonic()
+        for (verifier_id, message), (reply, seconds) in zip(verifies.items(), replies):
+            state.verify_timed(verifier_id, message, reply, seconds, committed - verified, verifier_id in plan.retried)
         if not plan.empty:  # release-only batches are not steps
-            state.metrics.step_timed(drafted - started if drafts else None, verified - drafted,
-                                     time.monotonic() - verified)
+            state.metrics.step_timed(drafted - started if drafts else None, verified - drafted, committed - verified)
         return not plan.empty
 
     async def draft(self, drafter_id: str, message: DraftRequest) -> DraftResponse | None:

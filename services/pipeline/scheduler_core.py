@@ -49,6 +49,7 @@ from schemas.messages import (
     VerifyResponse,
     VerifyRow,
 )
+from services.pipeline.adaptive_k import AdaptiveK, RowState
 from services.pipeline.fair_share import most_over_share, parse_user_weights, share, start_order_key, user_of_inbox
 from services.pipeline.placement import Placement
 from services.runtime.metrics import SchedulerMetrics
@@ -152,6 +153,8 @@ class Request:
     user: str = ""  # the client user it streams to (fair_share.user_of_inbox)
     awaiting_postprocessor: bool = False  # ended with its postprocessor dead: the final commit waits for one
     end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
+    adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
+    speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
 
     @property
     def completion(self) -> list[int]:
@@ -183,7 +186,9 @@ class Request:
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.completion),
                      draft_tokens_proposed=proposed, draft_tokens_accepted=accepted,
                      acceptance_rate=accepted / proposed if proposed else 0.0, steps=self.num_steps,
-                     degraded_steps=dict(self.degraded_steps))
+                     degraded_steps=dict(self.degraded_steps),
+                     speculative_lengths=[self.speculative_lengths[k] for k in range(max(self.speculative_lengths,
+                                                                                         default=-1) + 1)])
 
 
 @dataclass
@@ -195,6 +200,7 @@ class PlannedRow:
     end: int
     emit: bool
     num_draft: int  # planned; set to what the drafter delivered once it answered
+    decode: bool = False  # a decode row (plan_decode_row), not a prefill chunk
     draft: DraftTokens = field(default_factory=DraftTokens)
     degraded: list[str] = field(default_factory=list)
 
@@ -255,6 +261,10 @@ class SchedulerState:
       request waits in the queue until its deadline, then ends with `timeout` (a stack that is
       still starting, or a verifier that restarts, does not refuse work).
     - A request wanting drafts but without a live drafter runs k=0 flagged `draft_timeout`.
+    - A request's k is an upper bound: greedy and Gumbel-coupled rows take per step the k of
+      adaptive_k.py (from timings the service reports: draft_timed, verify_timed; none reported,
+      every step takes k); rejection-sampled rows always take k (plan_decode_row says why).
+      usage.speculative_lengths counts decode steps by the drafts they verified.
     - Prompt logprobs are asked of the verifier until the first commit delivered them; after a
       migration the re-prefill does not recompute them.
     - Scoring (max_tokens=0): prefill with emit=False, then a final commit of zero tokens,
@@ -297,6 +307,7 @@ class SchedulerState:
         self.num_plans = 0
         self.counters: Counter = Counter()
         self.metrics = SchedulerMetrics()  # histograms and acceptance by mode; the service exposes counters too
+        self.adaptive = AdaptiveK(config.adaptive_k_probe_steps) if config.adaptive_k else None
 
     # ------------------------------------------------------------------ instances
 
@@ -786,7 +797,9 @@ class SchedulerState:
             for request in decode:
                 if budget < 1:
                     break
-                row = self.plan_decode_row(request, budget)
+                base_k = max((r.num_draft for r in draft_rows.get(request.drafter_id, [])), default=0)
+                row = self.plan_decode_row(request, budget, self.config.max_step_tokens - budget, base_k,
+                                           alone=len(requests) == 1)
                 budget -= 1 + row.num_draft
                 planned.append(row)
                 if row.num_draft:
@@ -818,14 +831,52 @@ class SchedulerState:
             for planned in planned_rows:
                 self.in_flight.discard(planned.request.request_id)
 
-    def plan_decode_row(self, request: Request, budget: int) -> PlannedRow:
+    def plan_decode_row(self, request: Request, budget: int, base_tokens: int = 0, base_k: int = 0,
+                        alone: bool = True) -> PlannedRow:
+        """A decode row with up to the request's k drafts (fewer near max_tokens or the budget);
+        for a greedy or Gumbel-coupled row the k of adaptive_k, given the base_tokens new tokens
+        of the rows planned before it on its verifier, the base_k drafts its drafter is already
+        asked for, and whether it is alone in its verify batch. A rejection-sampled row always
+        takes its k: its draws depend on k, and a seeded request must draw the same tokens again,
+        after a failover too, where the new scheduler knows nothing of the acceptance the old one
+        measured (docs/PROTOCOL.md#adaptive-k)."""
         remaining = request.sampling.max_tokens - len(request.completion)
-        wanted = min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1)
-        row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=max(wanted, 0))
-        if row.num_draft and not self.placement.alive(request.drafter_id):
+        wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
+        alive = self.placement.alive(request.drafter_id)
+        if wanted and alive and self.adaptive_row(request):
+            wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
+                                          base_tokens, request.drafter_id, base_k, alone)
+        row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=wanted, decode=True)
+        if row.num_draft and not alive:
             row.num_draft = 0
             row.degraded.append("draft_timeout")
         return row
+
+    def adaptive_row(self, request: Request) -> bool:
+        """Whether the request's k per step is adaptive_k's: greedy and Gumbel-coupled rows, whose
+        tokens do not depend on k, when the scheduler's adaptive_k is on."""
+        return self.adaptive is not None and (request.sampling.greedy or request.sampling.gumbel)
+
+    @staticmethod
+    def prior_key(request: Request) -> tuple[str, str]:
+        """Whose history a request's acceptance starts from: its drafter's, for its acceptance rule."""
+        rule = "greedy" if request.sampling.greedy else "gumbel"
+        return request.drafter_id or "", f"{rule}/{request.speculative.draft_mode}"
+
+    def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
+                    seconds: float) -> None:
+        """A draft batch's round trip, for adaptive_k (by its largest k). An unanswered batch is
+        left out: a dead drafter is placement's business, and its timeout says nothing of drafting."""
+        if self.adaptive is not None and message.rows and response is not None:
+            self.adaptive.draft_timed(drafter_id, max(r.num_draft for r in message.rows), seconds)
+
+    def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,
+                     seconds: float, commit_s: float, retried: bool) -> None:
+        """A verify batch's round trip, for adaptive_k (by its new tokens, drafts included), and
+        the commit after it; a batch that needed a retry or got no answer is left out."""
+        if self.adaptive is not None and message.rows and isinstance(response, VerifyResponse) and not retried:
+            tokens = sum(len(r.new_token_ids) + len(r.draft_token_ids) for r in message.rows)
+            self.adaptive.verify_timed(verifier_id, tokens, seconds, commit_s)
 
     def new_batch_id(self) -> int:
         batch_id = self.next_batch_id
@@ -1018,6 +1069,10 @@ class SchedulerState:
         request.verifier_len = planned.end + result.num_accepted
         request.num_draft_proposed += planned.num_draft
         request.num_draft_accepted += result.num_accepted
+        if planned.decode:
+            request.speculative_lengths[planned.num_draft] += 1
+        if planned.num_draft and self.adaptive_row(request):
+            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode, planned.num_draft,
                               result.num_accepted)
         if result.residual_fallback:

@@ -133,7 +133,8 @@ def chunk(seq, ids, *, final=None, logprobs=True, **fields):
     return StreamChunk(request_id="r", seq=seq, token_ids=np.array(ids), text="".join(f"<{i}>" for i in ids),
                        from_draft=[False] * len(ids), logprobs=entries if logprobs else None, finish_reason=final,
                        usage=Usage(prompt_tokens=3, completion_tokens=len(ids), draft_tokens_proposed=4,
-                                   draft_tokens_accepted=2, steps=1) if final else None, **fields)
+                                   draft_tokens_accepted=2, steps=1, speculative_lengths=[0, 0, 0, 0, 1])
+                       if final else None, **fields)
 
 
 def test_completion_pieces_carry_openai_logprobs_offsets_and_degraded(tokenizer):
@@ -154,7 +155,11 @@ def test_completion_pieces_carry_openai_logprobs_offsets_and_degraded(tokenizer)
                                                                        "audio_tokens": 0, "reasoning_tokens": 0,
                                                                        "rejected_prediction_tokens": 2}}
     assert speculation_json([choice]) == {"draft_tokens_proposed": 4, "draft_tokens_accepted": 2,
-                                          "acceptance_rate": 0.5, "steps": 1}
+                                          "acceptance_rate": 0.5, "steps": 1, "speculative_lengths": [0, 0, 0, 0, 1]}
+    other = Choice(1, TokenTexts(tokenizer), top_n=1)
+    other.finish(StreamChunk(request_id="s", seq=0, finish_reason="length", usage=Usage(steps=3,
+                                                                                    speculative_lengths=[2, 1])))
+    assert speculation_json([choice, other])["speculative_lengths"] == [2, 1, 0, 0, 1]  # summed per k
 
 
 def test_chat_logprobs_write_minus_infinity_as_a_finite_number(tokenizer):

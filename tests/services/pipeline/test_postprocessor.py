@@ -266,6 +266,7 @@ def test_stop_string_across_two_chunks_truncates_exactly(post, tokenizer):
     kept = first + chunk1.token_ids.tolist()
     assert tokenizer.decode(kept).startswith("abc STOP") and "STOP" not in tokenizer.decode(kept[:-1])
     assert chunk1.usage.completion_tokens == len(kept)
+    assert chunk1.usage.speculative_lengths == [0, 2]  # tallied here: two commits of one draft each
     [notice] = notices(outs)
     assert (notice.reason, notice.stop, notice.text_offset, notice.num_tokens) == ("stop", "STOP", 4, len(kept))
     assert (notice.request_id, notice.postprocessor_id, notice.batch_id) == ("r1", "post-a", 11)

@@ -293,7 +293,7 @@ def test_commits_are_numbered_and_the_final_one_has_usage(tokenizer):
     # the last step planned one draft, not two: 2 tokens were left (1 draft + the bonus)
     assert final.usage.model_dump() == {"prompt_tokens": 3, "completion_tokens": 6, "draft_tokens_proposed": 3,
                                         "draft_tokens_accepted": 3, "acceptance_rate": 1.0, "steps": 3,
-                                        "degraded_steps": {}}
+                                        "degraded_steps": {}, "speculative_lengths": [0, 1, 1]}
     assert request.request_id not in state.running and state.releases == {"v1": ["r1"], "d1": ["r1"]}
 
 
