@@ -127,6 +127,12 @@ class VerifierConfig(ModelServiceConfig):
 @dataclasses.dataclass
 class DrafterConfig(ModelServiceConfig):
     draft_model: str = str(DEFAULT_DRAFT)
+    # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/ngram.py),
+    # drafts continue the longest n-gram (ngram_max down to ngram_min tokens) seen before in the
+    # request's own history; it fits every target.
+    draft_method: str = "model"
+    ngram_max: int = 4
+    ngram_min: int = 1
 
 
 @dataclasses.dataclass

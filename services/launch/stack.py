@@ -122,6 +122,9 @@ class StackConfig:
     http_port: int = 0
     target_model: str | None = None
     draft_model: str | None = None
+    # the drafters' --draft-method: "model" (draft_model) or "ngram" (prompt lookup, no model);
+    # None: theirs (SPECBUS_DRAFT_METHOD, model)
+    draft_method: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
     prefix: str = DEFAULT_PREFIX
     nats: NatsServerConfig = field(default_factory=NatsServerConfig)
@@ -168,7 +171,7 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
             "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
     model_dirs = {"target_model": config.target_model, "tokenizer": config.target_model,
-                  "draft_model": config.draft_model, "dtype": config.dtype}
+                  "draft_model": config.draft_model, "draft_method": config.draft_method, "dtype": config.dtype}
     for config_field in dataclasses.fields(CONFIGS[role]):
         if model_dirs.get(config_field.name) is not None:
             argv += ["--" + config_field.name.replace("_", "-"), str(model_dirs[config_field.name])]
