@@ -13,14 +13,11 @@ import structlog
 from gpu_worker.drafter_core import draft_batch, load_drafter
 from gpu_worker.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
-from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import DraftRequest
 from schemas.subjects import Subjects
 from services.pipeline.model_service import SlotService, run_slot_service
 
 log = structlog.get_logger(__name__)
-
-DRAFT_METHODS = ("model", "ngram")
 
 
 async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
@@ -31,9 +28,6 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
     ({"draft", "tokenizer", "target_vocab_size"} for a model; {"draft": "ngram", "draft_method":
     "ngram", "tokenizer": "any", "ngram"} for prompt lookup), idle slot eviction, metrics on metrics_port.
     """
-    if config.draft_method not in DRAFT_METHODS:
-        raise SpecbusError(ErrorCode.invalid_field, f"draft_method {config.draft_method!r} is not one of "
-                                                    f"{list(DRAFT_METHODS)}", "draft_method")
     subjects = Subjects(config.prefix)
     if config.draft_method == "ngram":
         drafter = load_ngram_drafter(config)
