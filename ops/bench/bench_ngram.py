@@ -111,8 +111,11 @@ async def bench(args: argparse.Namespace) -> dict:
     prompts = input_grounded_prompts(args.prompts)
     config = StackConfig(target_model=args.target_model, draft_method="ngram", dtype=args.dtype,
                          log_dir=args.log_dir or tempfile.mkdtemp(prefix="bench-ngram-"),
+                         # batch 1 needs few slots; the default 64 x 2048 tokens is a 6 GB fp32 KV cache
                          role_args={"scheduler": ["--draft-timeout-s", "5", "--verify-timeout-s", "120"],
-                                    "drafter": ["--ngram-max", str(args.ngram_max), "--ngram-min", str(args.ngram_min)]})
+                                    "verifier": ["--max-slots", "4"],
+                                    "drafter": ["--max-slots", "4", "--ngram-max", str(args.ngram_max),
+                                                "--ngram-min", str(args.ngram_min)]})
     runs: dict[int, list[dict]] = {0: [], args.k: []}
     async with Stack(config) as stack, stack.client() as client:
         warm = make_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
@@ -128,6 +131,8 @@ async def bench(args: argparse.Namespace) -> dict:
                   f"k=0 {plain['e2e_s']:.1f}s, k={args.k} {spec['e2e_s']:.1f}s "
                   f"({len(spec['token_ids']) / spec['steps']:.2f} tokens/step){'' if same else ' OUTPUT DIFFERS'}",
                   flush=True)
+            if args.json:  # kept as it goes: a run cut short still leaves its prompts' figures
+                args.json.write_text(json.dumps({"runs": {str(k): runs[k] for k in runs}}))
     result = {"prompts": [cid for cid, _ in prompts], "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
               "ngram": [args.ngram_min, args.ngram_max], "k0": totals(runs[0]), "spec": totals(runs[args.k]),
               "runs": {str(k): runs[k] for k in runs},
