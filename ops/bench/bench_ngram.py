@@ -20,7 +20,10 @@ Printed per configuration: completion tokens, wall seconds, tokens/s (completion
 requests' end-to-end time, prefill included), decode tokens/s ((tokens - 1) / (end-to-end - time
 to the first token): the part speculation can speed up), tokens per target step
 (usage.completion_tokens / usage.steps, the prefill step included: k=0 gives 1.0), the draft
-acceptance (accepted / proposed), and the ratios of k to k=0.
+acceptance (accepted / proposed), and the ratios of k to k=0. Then `replay_table`: prompt lookup
+replayed offline on the k=0 outputs at each ngram_min (greedy output does not depend on k, so
+the drafts and their acceptance are exact; only the time is not measured). `--replay FILE`
+prints that table for a saved --json result without running anything.
 """
 
 import argparse
@@ -154,6 +157,19 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def replay_table(runs: list[dict], k: int, max_n: int) -> str:
+    """Prompt lookup replayed on the k=0 outputs (`replay`) at each ngram_min: what the drafts
+    would give without the machine's timing noise. drafts/step is what the verifier pays for."""
+    lines = [f"replayed on the k=0 outputs, k={k}, ngram_max={max_n}:",
+             "| ngram_min | tokens/step | drafts/step | acceptance |", "|---|---|---|---|"]
+    for min_n in range(1, max_n + 1):
+        outs = [replay(r["prompt_token_ids"], r["token_ids"], k, max_n, min_n) for r in runs]
+        steps, proposed = sum(o["steps"] for o in outs), sum(o["proposed"] for o in outs)
+        accepted, tokens = sum(o["accepted"] for o in outs), sum(len(r["token_ids"]) for r in runs)
+        lines.append(f"| {min_n} | {tokens / steps:.2f} | {proposed / steps:.2f} | {accepted / max(proposed, 1):.2f} |")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-model", default=default_target_model())
@@ -165,13 +181,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--log-dir", default=None, help="the stack's logs (default: a new temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument("--replay", type=Path, default=None,
+                        help="no run: print the offline replay of the k=0 outputs in this --json file")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replay:
+        print(replay_table(json.loads(args.replay.read_text())["runs"]["0"], args.k, args.ngram_max))
+        return 0
     result = asyncio.run(bench(args))
     print(report(result))
+    print(replay_table(result["runs"]["0"], args.k, args.ngram_max))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if result["identical"] else 1
