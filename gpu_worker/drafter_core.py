@@ -176,13 +176,22 @@ def common_prefix(a: list[int], b: list[int], start: int) -> int:
 def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
                 now: float) -> DraftRowWork | DraftResult:
     """Apply the receiver rule to one row: a DraftRowWork for the model, or the row's final answer."""
+    new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
+    return receive_row(drafter, scheduler_id, row, new_ids, batch_keys, now)
+
+
+def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], batch_keys: set[tuple[str, str]],
+                now: float) -> DraftRowWork | DraftResult:
+    """The receiver rule for one row whose new tokens are new_ids (already in the drafter's own
+    ids): a DraftRowWork (its feed: what the slot still lacks), or the row's final answer. drafter:
+    any slot owner (gpu_worker/slots.py) whose cache can allocate, free and truncate slots and
+    whose requests hold DraftSlots: a Drafter, or the model-free NgramDrafter (gpu_worker/ngram.py)."""
     key = (scheduler_id, row.request_id)
     state = drafter.requests.get(key)
     held = 0 if state is None else state.committed_len
     if row.cached_len > held:
         drafter.counters["need_resync"] += 1
         return DraftResult(request_id=row.request_id, need_resync=True)
-    new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
     history = ([] if state is None else state.token_ids[:row.cached_len]) + new_ids
     if len(history) > drafter.cache.max_seq_len:
         free_request(drafter, key, "too_long")

@@ -27,6 +27,7 @@ TINY_DRAFT = REPO_MODELS / "tiny" / "draft"
 # and the draft distilled from it, shipped in git.
 DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_MODELS / "smollm2-draft"
+DRAFT_METHODS = ("model", "ngram")  # a drafter's: a draft model, or prompt lookup (gpu_worker/ngram.py)
 
 
 def specbus_home() -> Path:
@@ -138,6 +139,17 @@ class VerifierConfig(ModelServiceConfig):
 @dataclasses.dataclass
 class DrafterConfig(ModelServiceConfig):
     draft_model: str = str(DEFAULT_DRAFT)
+    # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/ngram.py),
+    # drafts continue the longest n-gram (ngram_max down to ngram_min tokens) seen before in the
+    # request's own history; it fits every target.
+    draft_method: str = "model"
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.draft_method not in DRAFT_METHODS:
+            raise SpecbusError(ErrorCode.invalid_field, f"draft_method: {self.draft_method!r} is not one of "
+                                                        f"{list(DRAFT_METHODS)}", "draft_method")
 
 
 @dataclasses.dataclass

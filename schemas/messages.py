@@ -30,6 +30,9 @@ MAX_TOKENS_CAP = 4096  # default cap on max_tokens; a scheduler passes its own v
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 64
 MAX_SPECULATIVE_TOKENS = 16
+# Heartbeat.model_ids["tokenizer"] of an instance with no vocabulary of its own (the ngram drafter):
+# it fits every target.
+ANY_TOKENIZER = "any"
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_MASK_SIZE = 1 << 20
@@ -302,9 +305,15 @@ class LogprobOptions(WireModel):
 
 
 class SpeculativeOptions(WireModel):
+    """draft_method: which drafters a request may use (docs/PROTOCOL.md#draft-methods). "model":
+    a draft model; "ngram": prompt lookup (no model); "auto": a model drafter when one is live,
+    else an ngram one, and with both live the one that measures better for this request
+    (services/pipeline/draft_method.py)."""
+
     # 0 = plain decoding; else the most drafts a step takes (docs/PROTOCOL.md#adaptive-k)
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_mode: Literal["greedy", "sample"] = "greedy"
+    draft_method: Literal["auto", "model", "ngram"] = "auto"
 
 
 # ---------------------------------------------------------------- client <-> service
@@ -871,7 +880,9 @@ class Heartbeat(Message):
     capacity: Count  # rows or slots it can hold
     load: Count  # in flight now
     free_slots: int | None = Field(None, ge=0)
-    model_ids: dict[str, str] = Field(default_factory=dict)  # e.g. {"target": "...", "draft": "..."}
+    # e.g. {"target": "...", "draft": "...", "tokenizer": hash}; a drafter's "draft_method" ("model"
+    # when absent, or "ngram"); "tokenizer": ANY_TOKENIZER for an instance that fits every target
+    model_ids: dict[str, str] = Field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
     sent_at: float = Field(ge=0, allow_inf_nan=False)
     interval_s: float = Field(gt=0, allow_inf_nan=False)

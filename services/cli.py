@@ -216,6 +216,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="0 = plain decoding")
     speculative.add_argument("--draft-mode", choices=["greedy", "sample"], default=None)
+    speculative.add_argument("--draft-method", choices=["auto", "model", "ngram"], default=None,
+                             help="which drafters this request may use (default auto: a model drafter, else "
+                                  "prompt lookup; with both, the better one for this request)")
     speculative.add_argument("--coupling", choices=["rejection", "gumbel"], default=None,
                              help="gumbel: a seeded sampled output independent of k and the draft (default rejection)")
     logprobs = parser.add_argument_group("logprobs and masks")
@@ -247,7 +250,8 @@ def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
                      "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
                      "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos,
                      "coupling": args.coupling},
-        "speculative": {"num_speculative_tokens": args.num_speculative_tokens, "draft_mode": args.draft_mode},
+        "speculative": {"num_speculative_tokens": args.num_speculative_tokens, "draft_mode": args.draft_mode,
+                        "draft_method": args.draft_method},
         "logprobs": {"logprobs": args.logprobs, "logprobs_mode": args.logprobs_mode,
                      "prompt_logprobs": args.prompt_logprobs, "logprob_token_ids": args.logprob_token_ids,
                      "sampling_mask": args.sampling_mask, "max_mask_size": args.max_mask_size},

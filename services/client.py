@@ -118,7 +118,7 @@ def make_request(prompt: str | Sequence[int] | np.ndarray | None = None, *,
     SamplingParams (max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids,
     ignore_eos, the penalties, logit_bias, coupling), LogprobOptions (logprobs, prompt_logprobs,
     logprobs_mode, logprob_token_ids, sampling_mask, max_mask_size), SpeculativeOptions
-    (num_speculative_tokens, draft_mode),
+    (num_speculative_tokens, draft_mode, draft_method),
     and request_id, timeout_s, stream. Options given as None keep their defaults.
     Raises CodecError naming the field (e.g. "sampling.top_p") for a bad value or name.
     """

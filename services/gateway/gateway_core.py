@@ -4,7 +4,7 @@ GenerateRequests, StreamChunks turned into OpenAI responses and SSE chunks, erro
 Request bodies are pydantic models (FastAPI validates them; an unknown field is refused, naming
 it, rather than silently ignored). Besides the OpenAI fields, every body takes specbus's own
 (documented in README.md, "OpenAI-compatible API"): top_k, min_p, ignore_eos, stop_token_ids,
-num_speculative_tokens, draft_mode, logprobs_mode, sampling_mask, timeout_s, and vLLM's
+num_speculative_tokens, draft_mode, draft_method, logprobs_mode, sampling_mask, timeout_s, and vLLM's
 prompt_logprobs. `usage` holds OpenAI's fields only, the draft tokens as OpenAI counts predicted
 outputs (completion_tokens_details.accepted_prediction_tokens / rejected_prediction_tokens: a
 draft token the target kept / one it refused); our extras sit next to the OpenAI fields: a
@@ -289,6 +289,7 @@ class Body(BaseModel):
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
     draft_mode: Literal["greedy", "sample"] | None = None
+    draft_method: Literal["auto", "model", "ngram"] | None = None
     coupling: Literal["rejection", "gumbel"] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None
     sampling_mask: bool | None = None
@@ -311,7 +312,7 @@ class Body(BaseModel):
         return {"temperature": self.temperature, "top_p": self.top_p, "stop": [self.stop] if isinstance(self.stop, str)
                 else self.stop, "top_k": self.top_k, "min_p": self.min_p, "ignore_eos": self.ignore_eos,
                 "stop_token_ids": self.stop_token_ids, "num_speculative_tokens": self.num_speculative_tokens,
-                "draft_mode": self.draft_mode, "logprobs_mode": self.logprobs_mode,
+                "draft_mode": self.draft_mode, "draft_method": self.draft_method, "logprobs_mode": self.logprobs_mode,
                 "sampling_mask": self.sampling_mask, "stream": self.stream,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,

@@ -122,6 +122,9 @@ class StackConfig:
     http_port: int = 0
     target_model: str | None = None
     draft_model: str | None = None
+    # the drafters' --draft-method: "model" (draft_model) or "ngram" (prompt lookup, no model);
+    # None: theirs (SPECBUS_DRAFT_METHOD, model)
+    draft_method: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
@@ -207,8 +210,8 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
             "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
     settings = {"target_model": config.target_model, "tokenizer": config.target_model,
-                "draft_model": config.draft_model, "dtype": config.dtype, "kv_cache_memory": config.kv_cache_memory,
-                "torch_threads": role_threads(role, config, usable_cores())}
+                "draft_model": config.draft_model, "draft_method": config.draft_method, "dtype": config.dtype,
+                "kv_cache_memory": config.kv_cache_memory, "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):
         if settings.get(config_field.name) is not None:
             argv += ["--" + config_field.name.replace("_", "-"), str(settings[config_field.name])]

@@ -30,6 +30,9 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "`specbus models pull` puts it in $SPECBUS_HOME)")
     parser.add_argument("--draft-model", default=None,
                         help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: models/smollm2-draft)")
+    parser.add_argument("--draft-method", default=None, choices=["model", "ngram"],
+                        help="the drafters' method (env SPECBUS_DRAFT_METHOD; default model: --draft-model; ngram: "
+                             "prompt lookup in the request's own text, no model, fits any target)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
                              "on CUDA and on CPUs with native bf16, else float32)")
@@ -65,6 +68,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         # from the environment too, so the scheduler and postprocessor get the target's tokenizer
         target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
         draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
+        draft_method=args.draft_method or os.environ.get(ENV_PREFIX + "DRAFT_METHOD"),
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         verifier_threads=args.verifier_threads,
@@ -88,9 +92,10 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
     try:  # a missing model dir fails here, naming it, rather than in each child's log
         if config.verifiers or config.schedulers or config.postprocessors:
             check_model_dir(config.target_model or default_target_model(), "target_model")
-        if config.drafters:
+        model_drafters = config.drafters and config.draft_method != "ngram"
+        if model_drafters:
             check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
-        if config.drafters and config.verifiers:
+        if model_drafters and config.verifiers:
             misfit = draft_misfit(config.target_model or default_target_model(), config.draft_model or DEFAULT_DRAFT)
             if misfit is not None:
                 raise SpecbusError(ErrorCode.invalid_field, misfit, "draft_model")

@@ -1,5 +1,7 @@
 """The drafter service: serves `<prefix>.draft.<instance_id>` with the draft logic of
-gpu_worker/drafter_core.py (`load_drafter`, `draft_batch`).
+gpu_worker/drafter_core.py (`load_drafter`, `draft_batch`: draft_method "model"), or of
+gpu_worker/ngram.py (`load_ngram_drafter`, `ngram_draft_batch`: draft_method "ngram", prompt
+lookup, no model).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import asyncio
 import structlog
 
 from gpu_worker.drafter_core import draft_batch, load_drafter
+from gpu_worker.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
 from schemas.messages import DraftRequest
 from schemas.subjects import Subjects
@@ -22,13 +25,20 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
 
     services/pipeline/model_service.py `run_slot_service` does the serving: nats.micro service "drafter"
     ($SRV.PING/INFO/STATS.drafter), heartbeats every heartbeat_interval_s with model_ids
-    {"draft", "tokenizer", "target_vocab_size"}, idle slot eviction, metrics on metrics_port.
+    ({"draft", "tokenizer", "target_vocab_size"} for a model; {"draft": "ngram", "draft_method":
+    "ngram", "tokenizer": "any", "ngram"} for prompt lookup), idle slot eviction, metrics on metrics_port.
     """
-    drafter = await asyncio.to_thread(load_drafter, config)
     subjects = Subjects(config.prefix)
-    log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
-             max_slots=config.max_slots, **drafter.model_ids)
+    if config.draft_method == "ngram":
+        drafter = load_ngram_drafter(config)
+        run_batch, description = ngram_draft_batch, "proposes draft tokens by prompt lookup (n-gram, no model)"
+        log.info("drafter_loaded", instance_id=config.instance_id, max_slots=config.max_slots, **drafter.model_ids)
+    else:
+        drafter = await asyncio.to_thread(load_drafter, config)
+        run_batch, description = draft_batch, "proposes draft tokens with the draft model"
+        log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
+                 max_slots=config.max_slots, **drafter.model_ids)
     await run_slot_service(drafter, config, SlotService(
-        role="drafter", endpoint="draft", description="proposes draft tokens with the draft model",
+        role="drafter", endpoint="draft", description=description,
         subject=subjects.draft(config.instance_id), request_type=DraftRequest,
-        run_batch=lambda request: (draft_batch(drafter, request), None)), stop)
+        run_batch=lambda request: (run_batch(drafter, request), None)), stop)

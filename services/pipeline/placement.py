@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from schemas.messages import PROTOCOL_VERSION, Heartbeat
+from schemas.messages import ANY_TOKENIZER, PROTOCOL_VERSION, Heartbeat
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +84,8 @@ class Placement:
     """The instances a scheduler has heard of and its pins on them.
 
     Compatible = alive, the same protocol version and the same tokenizer hash as the scheduler's
-    own tokenizer (so text prompts, EOS ids and every instance agree), and not avoided (a
+    own tokenizer (so text prompts, EOS ids and every instance agree), or, for a drafter with no
+    vocabulary of its own (the ngram drafter), tokenizer ANY_TOKENIZER, and not avoided (a
     verifier that failed a batch twice is avoided for heartbeat_timeout_s).
     """
 
@@ -118,24 +119,30 @@ class Placement:
         if heartbeat.protocol_version != PROTOCOL_VERSION:
             return f"protocol version {heartbeat.protocol_version}, this scheduler speaks {PROTOCOL_VERSION}"
         theirs = heartbeat.model_ids.get("tokenizer")
-        if heartbeat.role != "scheduler" and theirs != self.tokenizer_hash:
+        if heartbeat.role != "scheduler" and not self.fits_tokenizer(heartbeat):
             return f"tokenizer {theirs}, this scheduler's (the target's) is {self.tokenizer_hash}"
         return None
 
-    def compatible(self, role: str) -> list[Instance]:
+    def fits_tokenizer(self, heartbeat: Heartbeat) -> bool:
+        theirs = heartbeat.model_ids.get("tokenizer")
+        return theirs == self.tokenizer_hash or (heartbeat.role == "drafter" and theirs == ANY_TOKENIZER)
+
+    def compatible(self, role: str, accept: Callable[[Heartbeat], bool] | None = None) -> list[Instance]:
+        """Compatible live instances of role (class docstring) whose heartbeat `accept`s, if given."""
         now = self.monotonic()
         return [inst for inst in self.registry.alive(role, now=now)
-                if inst.info.protocol_version == PROTOCOL_VERSION
-                and inst.info.model_ids.get("tokenizer") == self.tokenizer_hash
-                and self.avoid_until.get(inst.instance_id, 0.0) <= now]
+                if inst.info.protocol_version == PROTOCOL_VERSION and self.fits_tokenizer(inst.info)
+                and self.avoid_until.get(inst.instance_id, 0.0) <= now and (accept is None or accept(inst.info))]
 
-    def pick(self, role: str, pinned_count: Callable[[str], int], exclude: str | None = None) -> str | None:
-        """The compatible live instance of `role` with the most room, or None when none has any.
+    def pick(self, role: str, pinned_count: Callable[[str], int], exclude: str | None = None,
+             accept: Callable[[Heartbeat], bool] | None = None) -> str | None:
+        """The compatible live instance of `role` (whose heartbeat `accept`s, if given) with the
+        most room, or None when none has any.
         Room: its reported free slots less what was pinned there since that report, and at most
         its capacity less the scheduler's requests on it (pinned_count), so a burst of admissions
         between two heartbeats does not overfill it."""
         best, best_free = None, 0
-        for inst in self.compatible(role):
+        for inst in self.compatible(role, accept):
             if inst.instance_id == exclude:
                 continue
             heartbeat = inst.info

@@ -50,6 +50,7 @@ from schemas.messages import (
     VerifyRow,
 )
 from services.pipeline.adaptive_k import AdaptiveK, RowState
+from services.pipeline.draft_method import DraftTrial, drafted, pin_drafter
 from services.pipeline.fair_share import most_over_share, parse_user_weights, share, start_order_key, user_of_inbox
 from services.pipeline.placement import Placement
 from services.runtime.metrics import SchedulerMetrics
@@ -155,6 +156,7 @@ class Request:
     end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
     adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
+    draft_trial: DraftTrial = field(default_factory=DraftTrial)  # draft_method "auto" (draft_method.py)
 
     @property
     def completion(self) -> list[int]:
@@ -203,6 +205,7 @@ class PlannedRow:
     decode: bool = False  # a decode row (plan_decode_row), not a prefill chunk
     draft: DraftTokens = field(default_factory=DraftTokens)
     degraded: list[str] = field(default_factory=list)
+    drafted_by: str | None = None  # the drafter that answered for this row (draft_method.drafted)
 
 
 @dataclass
@@ -255,9 +258,10 @@ class SchedulerState:
     Choices where the contract is silent (documented here once):
     - A request is pinned when it starts running (leaves the queue), not on arrival: the
       verifier with the most free slots (min of its reported free_slots and its capacity less
-      our requests on it), a compatible drafter and postprocessor likewise. Compatible = same
-      protocol version and the same tokenizer hash as this scheduler's own tokenizer (so text
-      prompts, EOS ids and every instance agree). No live verifier/postprocessor with room: the
+      our requests on it), a compatible drafter (of the request's draft_method: draft_method.py)
+      and postprocessor likewise. Compatible = same protocol version and the same tokenizer hash
+      as this scheduler's own tokenizer (so text prompts, EOS ids and every instance agree; an
+      ngram drafter fits every tokenizer). No live verifier/postprocessor with room: the
       request waits in the queue until its deadline, then ends with `timeout` (a stack that is
       still starting, or a verifier that restarts, does not refuse work).
     - A request wanting drafts but without a live drafter runs k=0 flagged `draft_timeout`.
@@ -558,7 +562,7 @@ class SchedulerState:
             request.sampling = request.sampling.model_copy(update={"max_tokens": capped})
             self.counters["max_tokens_capped"] += 1
         if request.speculative.num_speculative_tokens > 0:
-            request.drafter_id = self.pin("drafter")
+            request.drafter_id = pin_drafter(self, request)
         lane_sizes = Counter(r.lane for r in self.running.values())
         request.lane = min(range(self.config.lanes), key=lambda lane: lane_sizes[lane])
         return True
@@ -568,7 +572,7 @@ class SchedulerState:
         if not self.placement.alive(request.postprocessor_id):
             outbox.commits += self.repin_postprocessor(request)
         if request.speculative.num_speculative_tokens > 0 and not self.placement.alive(request.drafter_id):
-            request.drafter_id, request.drafter_len = self.pin("drafter"), 0
+            request.drafter_id, request.drafter_len = pin_drafter(self, request), 0
         if not self.placement.alive(request.verifier_id):
             outbox.extend(self.migrate(request, now))
         return outbox
@@ -940,6 +944,7 @@ class SchedulerState:
                 planned.degraded.append("resync")
             else:
                 request.drafter_len = len(request.history)  # unchanged since the draft batch was built
+                planned.drafted_by = drafter_id
                 if len(result.draft_token_ids) > planned.num_draft:
                     self.counters["dropped_excess_drafts"] += 1
                     log.warning("drafts_over_plan", request_id=request.request_id, drafter_id=drafter_id,
@@ -1075,6 +1080,8 @@ class SchedulerState:
             self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode, planned.num_draft,
                               result.num_accepted)
+        if planned.drafted_by is not None:
+            drafted(self, request, planned.drafted_by, result.num_accepted)
         if result.residual_fallback:
             degraded.append("residual_fallback")
         kept, finish_reason = [], None
