@@ -196,19 +196,33 @@ def target_weights(target: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def text_counts(target: Path, conversations: int, vocab_size: int) -> torch.Tensor:
+    """(V,) how often each target id occurs in the first `conversations` train conversations of
+    the seeded order, rendered as `features` renders them (tokenizing is cheap; prefill is not)."""
+    tokenizer = load_tokenizer(target)
+    train_split = load_sharegpt(split="train")
+    order = random.Random(SEED).sample(range(len(train_split)), len(train_split))[:conversations]
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for i in order:
+        encoded = encode_conversation(tokenizer, train_split[i], 1 << 30)
+        if encoded is not None:
+            counts += torch.bincount(torch.tensor(encoded[0][encoded[1]:]), minlength=vocab_size)
+    return counts
+
+
 @torch.no_grad()
-def head_vocabulary(rows: list[dict], lm_head: torch.Tensor, max_positions: int = 200_000) -> D2T:
-    """The DRAFT_VOCAB - 1 target ids the head may propose, plus "other" (never proposed): the
-    ids most often the target's greedy next token over (up to max_positions) training positions,
-    ties broken by how often they occur in the text, then by id."""
+def head_vocabulary(rows: list[dict], lm_head: torch.Tensor, text: torch.Tensor, max_positions: int = 20_000) -> D2T:
+    """The DRAFT_VOCAB - 1 target ids the head may propose, plus "other" (never proposed): ranked
+    by how often each is the target's greedy next token over (up to max_positions) training
+    positions, then by its count in the training text `text` (V,), then by id."""
     V = lm_head.shape[0]
-    greedy, text = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+    greedy = torch.zeros(V, dtype=torch.float64)
     seen = 0
     for row in rows:
-        text += torch.bincount(row["ids"], minlength=V)
-        if seen < max_positions:
-            greedy += torch.bincount((row["features"].float() @ lm_head.T).argmax(-1), minlength=V)
-            seen += len(row["ids"])
+        if seen >= max_positions:
+            break
+        greedy += torch.bincount((row["features"].float() @ lm_head.T).argmax(-1), minlength=V)
+        seen += len(row["ids"])
     kept = torch.argsort(greedy + text / (text.sum() + 1), descending=True, stable=True)[:DRAFT_VOCAB - 1]
     other_id = DRAFT_VOCAB - 1
     t2d = torch.full((V,), other_id, dtype=torch.long)
@@ -258,7 +272,8 @@ def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, len
 
 
 def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg_weight: float,
-          init_layer: int | None, resume: bool, follow: bool, device: str, save_every_s: float = 300.0) -> None:
+          init_layer: int | None, resume: bool, follow: bool, device: str, save_every_s: float = 300.0,
+          vocab_text_convs: int = 1000) -> None:
     """Train the head for `steps` steps of `batch` conversations; follow: read new feature shards
     at every pass (training may start while `features` still writes them)."""
     torch.manual_seed(SEED)
@@ -276,7 +291,9 @@ def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg
     if ckpt is not None:
         maps, weights = ckpt["maps"], ckpt["weights"]
     else:
-        maps = head_vocabulary(rows, tw["embed"])
+        text = (torch.zeros(tconfig.vocab_size, dtype=torch.float64) if vocab_text_convs == 0 else
+                text_counts(target, vocab_text_convs, tconfig.vocab_size))
+        maps = head_vocabulary(rows, tw["embed"], text)
         weights = init_weights(config, tw, init_layer, seed=SEED)
     weights = {n: t.to(device).requires_grad_(True) for n, t in weights.items()}
     lm_rows = embed[maps.d2t.to(device)]

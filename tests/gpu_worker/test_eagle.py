@@ -122,7 +122,7 @@ def test_a_few_training_steps_learn_and_the_speculative_loop_is_lossless(tmp_pat
     assert [r["id"] for r in ops.load_shards(ops.shard_paths())] == [r["id"] for r in rows]
 
     ops.train(Path(TINY_TARGET), steps=12, batch=3, peak_lr=3e-3, unroll=2, reg_weight=1.0, init_layer=None,
-              resume=False, follow=False, device="cpu")
+              resume=False, follow=False, device="cpu", vocab_text_convs=0)
     ckpt = torch.load(ops.WORK / "head.pt", weights_only=False)
     assert ckpt["step"] == 12 and (ops.OUT / "model.safetensors").exists()
     config, weights, maps = load_head_weights(ops.OUT)
@@ -137,7 +137,7 @@ def test_a_few_training_steps_learn_and_the_speculative_loop_is_lossless(tmp_pat
     assert loss(weights) < loss(init_weights(config, ops.target_weights(Path(TINY_TARGET)), seed=ops.SEED))
 
     ops.train(Path(TINY_TARGET), steps=14, batch=3, peak_lr=3e-3, unroll=2, reg_weight=1.0, init_layer=None,
-              resume=True, follow=False, device="cpu")
+              resume=True, follow=False, device="cpu", vocab_text_convs=0)
     assert torch.load(ops.WORK / "head.pt", weights_only=False)["step"] == 14
 
     head = load_head(ops.OUT, model, max_seq_len=256)
