@@ -370,7 +370,7 @@ def speculative_greedy(target, tconfig, head, prompt: list[int], max_new: int, k
     from gpu_worker.eagle import draft_chain, new_cache
 
     length = len(prompt) + max_new + k + 1
-    cache = KVCache(tconfig, max_slots=1, max_seq_len=length, dtype=target.embed.dtype)
+    cache = KVCache(tconfig, max_slots=1, max_seq_len=length, device=target.embed.device, dtype=target.embed.dtype)
     slot = torch.tensor([cache.allocate()])
     P = len(prompt)
     logits, hidden = forward(target, cache, slot, torch.tensor([prompt]), torch.tensor([P]), return_hidden=True)
