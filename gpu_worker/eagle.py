@@ -147,6 +147,21 @@ def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
     return config, weights, maps
 
 
+def pack_features(features: torch.Tensor) -> bytes:
+    """features (N, E) any float dtype -> N * E little-endian bf16 values, row-major: what a
+    verifier ships (docs/PROTOCOL.md#feature-level-drafts-design)."""
+    assert features.dim() == 2, features.shape
+    return features.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+
+
+def unpack_features(data: bytes, shape: tuple[int, int], field: str = "features") -> torch.Tensor:
+    """`pack_features`'s bytes -> (N, E) bf16; ValueError naming field when the sizes disagree."""
+    n, e = shape
+    if n < 0 or e <= 0 or len(data) != 2 * n * e:
+        raise ValueError(f"{field}: {len(data)} bytes do not hold a bf16 matrix of shape {list(shape)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(n, e)
+
+
 # ---------------------------------------------------------------------------------------------
 # inference
 

@@ -12,7 +12,8 @@ import torch
 
 from gpu_worker.checkpoint import load_d2t, load_model
 from gpu_worker.eagle import (EagleConfig, build_head, draft_chain, head_forward, init_weights, load_head,
-                              load_head_weights, new_cache, save_head, unrolled_forward)
+                              load_head_weights, new_cache, pack_features, save_head, unpack_features,
+                              unrolled_forward)
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import ConfigError
 from schemas.config import TINY_DRAFT, TINY_TARGET
@@ -99,6 +100,15 @@ def test_save_and_load_round_trip_in_bf16(tmp_path, target, head_parts):
     (tmp_path / "eagle_config.json").write_text(json.dumps({**data, "num_heads": 0}))
     with pytest.raises(ConfigError, match="num_heads must be positive"):
         load_head_weights(tmp_path)
+
+
+def test_features_travel_as_bf16_bytes():
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    data = pack_features(x)
+    assert len(data) == 5 * 576 * 2
+    assert torch.equal(unpack_features(data, (5, 576)), x.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="rows.features: 5760 bytes"):
+        unpack_features(data, (4, 576), field="rows.features")
 
 
 def test_a_few_training_steps_learn_and_the_speculative_loop_is_lossless(tmp_path, monkeypatch, target):
