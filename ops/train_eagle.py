@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "models" / "smollm2-eagle"
 WORK = REPO / ".train" / "smollm2-eagle"
 SEED = 1234
+OUT_SCALES = (1.0, 0.5, 0.35, 0.25, 0.18, 0.125, 0.09)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant"}
 
@@ -211,7 +212,7 @@ def text_counts(target: Path, conversations: int, vocab_size: int) -> torch.Tens
 
 
 @torch.no_grad()
-def head_vocabulary(rows: list[dict], lm_head: torch.Tensor, text: torch.Tensor, max_positions: int = 20_000) -> D2T:
+def head_vocabulary(rows: list[dict], lm_head: torch.Tensor, text: torch.Tensor, max_positions: int = 5_000) -> D2T:
     """The DRAFT_VOCAB - 1 target ids the head may propose, plus "other" (never proposed): ranked
     by how often each is the target's greedy next token over (up to max_positions) training
     positions, then by its count in the training text `text` (V,), then by id."""
@@ -244,31 +245,49 @@ def batch_tensors(rows: list[dict], device: str):
     return ids.to(device), feats.to(device), lengths.to(device), starts.to(device)
 
 
-def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, lengths, starts, steps: int):
+def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, lengths, starts, steps: int,
+                 out_scale: float = 1.0):
     """Per chain step j: (smooth L1 of the predicted feature, cross-entropy against the target's
     distribution over the draft vocabulary, top-1 agreement, positions), averaged over the
-    positions whose target feature f_{t+j} exists and lies at or after the row's loss start."""
+    positions whose target feature f_{t+j} exists and lies at or after the row's loss start.
+    out_scale multiplies the predictions (`calibrate_out_norm` tries a few)."""
     B, T, E = feats.shape
     N = T - 1
     predictions = unrolled_forward(weights, config, embed, feats, ids, steps)
-    t = torch.arange(N, device=feats.device).view(1, N)
+    position = torch.arange(T, device=feats.device).view(1, T)
+    labelled = (position < lengths.view(B, 1)) & (position >= starts.view(B, 1))    # (B, T)
+    with torch.no_grad():  # the target's distribution at every labelled position, once for all steps
+        teacher_logits = feats[labelled] @ lm_rows.T
+        teacher_logits[:, other_id] = -math.inf
+        teacher = teacher_logits.softmax(-1)                                       # (L, Vd)
+        teacher_top = teacher_logits.argmax(-1)
+    row_of = torch.cumsum(labelled.flatten(), 0).view(B, T) - 1                    # (B, T) row in teacher
     out = []
     for j, predicted in enumerate(predictions, start=1):
-        s = t + j                                                       # the feature predicted
-        valid = (s < lengths.view(B, 1)) & (s >= starts.view(B, 1))
-        true = feats[:, j:j + N]
-        true = F.pad(true, (0, 0, 0, N - true.shape[1]))[valid]        # (M, E)
-        pred = predicted[valid]
-        teacher_logits = true @ lm_rows.T
-        teacher_logits[:, other_id] = -math.inf
+        valid = F.pad(labelled[:, j:], (0, j - 1))                                 # (B, N): f_{t+j} labelled
+        rows = F.pad(row_of[:, j:], (0, j - 1))[valid]
+        true = F.pad(feats[:, j:], (0, 0, 0, j - 1))[valid]                        # (M, E)
+        pred = predicted[valid] * out_scale
         logits = pred @ lm_rows.T
         logits[:, other_id] = -math.inf
-        teacher = teacher_logits.softmax(-1)
-        ce = -(teacher * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1).mean()
+        ce = -(teacher[rows] * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1).mean()
         reg = F.smooth_l1_loss(pred, true)
-        agree = (logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
+        agree = (logits.argmax(-1) == teacher_top[rows]).float().mean()
         out.append((reg, ce, agree, int(valid.sum())))
     return out
+
+
+@torch.no_grad()
+def calibrate_out_norm(weights, config, embed, lm_rows, other_id: int, batch) -> None:
+    """Scale the fresh head's out_norm (the target's final norm) by the factor in OUT_SCALES with
+    the lowest step-1 cross-entropy on one batch: a random layer's output, normed with the
+    target's weights, gives confidently wrong logits (~19 nats), and Adam would spend many of
+    the few steps a CPU run has shrinking 576 weights."""
+    losses = {scale: chain_losses(weights, config, embed, lm_rows, other_id, *batch, steps=1, out_scale=scale)[0][1].item()
+              for scale in OUT_SCALES}
+    best = min(losses, key=losses.get)
+    weights["out_norm"].mul_(best)
+    print(f"out_norm scaled by {best} (cross-entropy {losses[1.0]:.2f} -> {losses[best]:.2f})", flush=True)
 
 
 def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg_weight: float,
@@ -295,8 +314,11 @@ def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg
                 text_counts(target, vocab_text_convs, tconfig.vocab_size))
         maps = head_vocabulary(rows, tw["embed"], text)
         weights = init_weights(config, tw, init_layer, seed=SEED)
-    weights = {n: t.to(device).requires_grad_(True) for n, t in weights.items()}
+    weights = {n: t.to(device) for n, t in weights.items()}
     lm_rows = embed[maps.d2t.to(device)]
+    if ckpt is None:
+        calibrate_out_norm(weights, config, embed, lm_rows, maps.other_id, batch_tensors(rows[:batch], device))
+    weights = {n: t.requires_grad_(True) for n, t in weights.items()}
     opt = torch.optim.AdamW(list(weights.values()), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(SEED)
     start, order, seen_ids = 0, [], set()
@@ -481,6 +503,8 @@ def main() -> None:
     parser.add_argument("--unroll", type=int, default=2, help="train: chain steps trained (1 = EAGLE-1)")
     parser.add_argument("--reg-weight", type=float, default=1.0, help="train: weight of the feature regression")
     parser.add_argument("--init-layer", type=int, default=None, help="train: start the layer from this target layer")
+    parser.add_argument("--vocab-convs", type=int, default=1000,
+                        help="train: train conversations whose token counts rank the head's vocabulary")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--follow", action="store_true", help="train: read new feature shards at every pass")
     parser.add_argument("--head", type=Path, default=OUT, help="eval: the head directory")
@@ -495,7 +519,7 @@ def main() -> None:
         extract_features(args.target, args.max_len, args.shard_convs, args.max_convs, args.device)
     elif args.stage == "train":
         train(args.target, args.steps, args.batch, args.lr, args.unroll, args.reg_weight, args.init_layer,
-              args.resume, args.follow, args.device)
+              args.resume, args.follow, args.device, vocab_text_convs=args.vocab_convs)
     elif args.stage == "eval":
         result = evaluate(args.target, args.head, args.prompts, args.max_new, args.k, args.max_prompt, args.device)
         if args.head == OUT:
