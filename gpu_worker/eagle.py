@@ -138,7 +138,7 @@ def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
         raise ConfigError(f"{path} has no {CONFIG_FILE}: not an EAGLE head directory")
     config = EagleConfig.from_json(path / CONFIG_FILE)
     with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
-        weights = {n: f.get_tensor(n).float() for n in f.keys()}
+        weights = {n: f.get_tensor(n).float() for n in f.keys()}  # noqa: SIM118 (safe_open, not a dict)
     if set(weights) != set(weight_names()):
         raise ConfigError(f"{path / WEIGHTS_FILE}: expected tensors {weight_names()}, found {sorted(weights)}")
     maps = load_d2t(path)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from gpu_worker.chat_template import render_chat
 from gpu_worker.checkpoint import D2T, load_model, our_name, read_config, weight_files
-from gpu_worker.eagle import EagleConfig, init_weights, save_head, unrolled_forward, weight_names
+from gpu_worker.eagle import EagleConfig, init_weights, save_head, unrolled_forward
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import forward
 from gpu_worker.tokenizer import load_tokenizer
@@ -190,7 +190,7 @@ def target_weights(target: Path) -> dict[str, torch.Tensor]:
     weights = {}
     for file in weight_files(target):
         with safe_open(file, framework="pt") as f:
-            for hf_name in f.keys():
+            for hf_name in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                 name = our_name(hf_name)
                 if name is not None:
                     weights[name] = f.get_tensor(hf_name).float()
@@ -251,8 +251,7 @@ def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, len
     distribution over the draft vocabulary, top-1 agreement, positions), averaged over the
     positions whose target feature f_{t+j} exists and lies at or after the row's loss start.
     out_scale multiplies the predictions (`calibrate_out_norm` tries a few)."""
-    B, T, E = feats.shape
-    N = T - 1
+    B, T, _ = feats.shape
     predictions = unrolled_forward(weights, config, embed, feats, ids, steps)
     position = torch.arange(T, device=feats.device).view(1, T)
     labelled = (position < lengths.view(B, 1)) & (position >= starts.view(B, 1))    # (B, T)
@@ -321,7 +320,7 @@ def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg
     weights = {n: t.requires_grad_(True) for n, t in weights.items()}
     opt = torch.optim.AdamW(list(weights.values()), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(SEED)
-    start, order, seen_ids = 0, [], set()
+    start, order = 0, []
     if ckpt is not None:
         opt.load_state_dict(ckpt["opt"])
         rng.setstate(ckpt["rng"])

@@ -36,7 +36,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def head_parts(target):
-    model, tconfig = target
+    _, tconfig = target
     config = EagleConfig.from_target(tconfig)
     return config, init_weights(config, seed=1), load_d2t(TINY_DRAFT)
 
