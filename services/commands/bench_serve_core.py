@@ -113,10 +113,18 @@ def is_held_out(conversation_id: str) -> bool:
     return int(hashlib.sha1(conversation_id.encode()).hexdigest(), 16) % HELD_OUT_MODULUS == 0
 
 
-def load_sharegpt(path: Path | None = None) -> list[dict]:
-    """The held-out conversations of the ShareGPT file (default: the package's), file order."""
+SHAREGPT_SPLITS = ("held_out", "train")
+
+
+def load_sharegpt(path: Path | None = None, split: str = "held_out") -> list[dict]:
+    """The conversations of one split of the ShareGPT file (default: the package's), file order:
+    "held_out" (sha1(id) % 10 == 0: benchmarks and evaluation only) or "train" (the rest)."""
+    if split not in SHAREGPT_SPLITS:
+        raise BenchError(f"split must be one of {SHAREGPT_SPLITS}, got {split!r}")
     items = decode_json_array(Path(path or sharegpt_path()).read_text(encoding="utf-8"))
-    return [item for item in items if isinstance(item, dict) and is_held_out(str(item.get("id", "")))]
+    want_held_out = split == "held_out"
+    return [item for item in items
+            if isinstance(item, dict) and is_held_out(str(item.get("id", ""))) == want_held_out]
 
 
 def first_exchange(conversation: dict) -> tuple[str, str] | None:

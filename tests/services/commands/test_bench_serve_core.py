@@ -57,6 +57,15 @@ def test_the_package_file_is_cut_off_and_its_held_out_split_is_a_tenth(sharegpt)
     assert all(int(__import__("hashlib").sha1(i.encode()).hexdigest(), 16) % 10 == 0 for i in held)
 
 
+def test_the_train_split_is_every_other_conversation(sharegpt):
+    train = load_sharegpt(split="train")
+    everything = decode_json_array(sharegpt_path().read_text(encoding="utf-8"))
+    assert len(train) + len(sharegpt) == len(everything)
+    assert not any(is_held_out(c["id"]) for c in train)
+    with pytest.raises(BenchError, match="split must be one of"):
+        load_sharegpt(split="test")
+
+
 def test_the_prompt_is_the_first_human_turn_and_the_output_the_gpt_reply():
     def turns(*speakers):
         return {"id": "x", "conversations": [{"from": s, "value": f"{s}{i}"} for i, s in enumerate(speakers)]}

@@ -1,0 +1,375 @@
+"""EAGLE-style feature-level draft head: one decoder layer over the target's own features.
+
+The head reads, at position t, the target's final-normed hidden state f_t (what
+`model.forward(..., return_hidden=True)` returns; the target's logits at t are lm_head(f_t)) and
+the embedding of the token x_{t+1} that followed it, and predicts the target's next feature
+f_{t+1}; its draft distribution for x_{t+2} is the target's lm_head applied to that prediction,
+over a reduced vocabulary (d2t). Drafting k tokens is a chain: the prediction and the drafted
+token are the next position's input (EAGLE-1, Li et al. 2024, arXiv:2401.15077).
+
+    pair t:  u_t = fc([rms(f_t) * feature_norm ; rms(embed[x_{t+1}]) * embed_norm])   (E,)
+             h_t = llama_layer(u_t, position t)        (attention over pairs 0..t, own KV cache)
+             f^_{t+1} = rms(h_t) * out_norm
+             draft_logits = f^_{t+1} @ embed[d2t]^T    (tied target embedding rows, frozen)
+
+The target's embedding and lm_head are reused, not stored in the head's file. The decoder
+layer is the target's layer shape (`model.Layer`), run by the same batch-invariant kernels as
+the target (`model.linear`, `model.attention`) over a `KVCache` with one layer.
+
+Two entry points share the math: `head_forward` (inference: slot KV cache, packed weights,
+what a drafter calls, through `draft_chain`) and `unrolled_forward` (training: plain autograd
+ops over whole sequences, with the chain's later steps unrolled so the head learns to read its
+own predictions). tests/gpu_worker/test_eagle.py checks they agree.
+
+Letters: B rows, T tokens per row, N pairs per row, K draft slots, V target vocabulary,
+Vd draft vocabulary, E hidden size, H heads, Hkv key/value heads, D head dim.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gpu_worker.checkpoint import D2T, load_d2t, save_d2t
+from gpu_worker.kv_cache import KEY_BLOCK, KVCache
+from gpu_worker.model import ConfigError, Layer, Model, attention, attention_mask, linear, pack_weight, rope_tables
+
+CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
+WEIGHTS_FILE = "model.safetensors"
+LAYER_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's shape; the layer's fields mirror the target's ModelConfig (num_layers is 1, so
+    a KVCache can be built from it)."""
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    num_layers: int = 1
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "target_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_layers != 1:
+            raise ConfigError(f"num_layers must be 1, got {self.num_layers}")
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                              f"({self.num_kv_heads}) and head_dim ({self.head_dim}) even")
+
+    @classmethod
+    def from_target(cls, target_config, intermediate_size: int | None = None) -> "EagleConfig":
+        c = target_config
+        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
+                   num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                   max_position_embeddings=c.max_position_embeddings, target_vocab_size=c.vocab_size)
+
+    @classmethod
+    def from_json(cls, path) -> "EagleConfig":
+        data = json.loads(Path(path).read_text())
+        fields = set(cls.__dataclass_fields__)
+        unknown, missing = set(data) - fields - {"architecture"}, fields - set(data) - {"num_layers"}
+        if unknown or missing:
+            raise ConfigError(f"{path}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def weight_names() -> list[str]:
+    """The head's own tensors (the target's embedding is not among them)."""
+    return (["fc.weight", "fc.bias", "feature_norm", "embed_norm", "out_norm"]
+            + [f"layer.{n}" for n in LAYER_NAMES])
+
+
+def init_weights(config: EagleConfig, target_weights: dict[str, torch.Tensor] | None = None,
+                 init_layer: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Fresh float32 weights: fc small random (generator seeded), norms 1, out_norm the target's
+    final norm when target_weights (our names, `model.weight_names`) is given, the decoder layer
+    random or copied from target layer init_layer."""
+    E, I, H, Hkv, D = (config.hidden_size, config.intermediate_size, config.num_heads,
+                       config.num_kv_heads, config.head_dim)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(out, inp):
+        return torch.randn(out, inp, generator=g) * inp ** -0.5 * 0.5
+
+    w = {"fc.weight": rand(E, 2 * E), "fc.bias": torch.zeros(E), "feature_norm": torch.ones(E),
+         "embed_norm": torch.ones(E), "out_norm": torch.ones(E),
+         "layer.attn_norm": torch.ones(E), "layer.mlp_norm": torch.ones(E),
+         "layer.wq": rand(H * D, E), "layer.wk": rand(Hkv * D, E), "layer.wv": rand(Hkv * D, E),
+         "layer.wo": rand(E, H * D) * 0.5, "layer.w_gate": rand(I, E), "layer.w_up": rand(I, E),
+         "layer.w_down": rand(E, I) * 0.5}
+    if target_weights is not None:
+        w["out_norm"] = target_weights["norm"].float().clone()
+        if init_layer is not None:
+            for n in LAYER_NAMES:
+                w[f"layer.{n}"] = target_weights[f"layers.{init_layer}.{n}"].float().clone()
+    return w
+
+
+def save_head(path, config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T) -> None:
+    """path/eagle_config.json, model.safetensors (bf16: the runtime converts at load),
+    d2t.safetensors."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps({"architecture": "EagleHead", **asdict(config)}, indent=2) + "\n")
+    save_file({n: weights[n].detach().to(torch.bfloat16).contiguous() for n in weight_names()},
+              str(path / WEIGHTS_FILE))
+    save_d2t(path, maps.d2t, maps.t2d, maps.other_id)
+
+
+def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
+    """(config, float32 weights, d2t maps) of a head directory; ConfigError naming what is wrong."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise ConfigError(f"{path} has no {CONFIG_FILE}: not an EAGLE head directory")
+    config = EagleConfig.from_json(path / CONFIG_FILE)
+    with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
+        weights = {n: f.get_tensor(n).float() for n in f.keys()}  # noqa: SIM118 (safe_open, not a dict)
+    if set(weights) != set(weight_names()):
+        raise ConfigError(f"{path / WEIGHTS_FILE}: expected tensors {weight_names()}, found {sorted(weights)}")
+    maps = load_d2t(path)
+    if maps is None or maps.target_vocab_size != config.target_vocab_size:
+        raise ConfigError(f"{path}: d2t.safetensors missing or not for a {config.target_vocab_size}-token target")
+    return config, weights, maps
+
+
+def pack_features(features: torch.Tensor) -> bytes:
+    """features (N, E) any float dtype -> N * E little-endian bf16 values, row-major: what a
+    verifier ships (docs/PROTOCOL.md#feature-level-drafts-design)."""
+    assert features.dim() == 2, features.shape
+    return features.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+
+
+def unpack_features(data: bytes, shape: tuple[int, int], field: str = "features") -> torch.Tensor:
+    """`pack_features`'s bytes -> (N, E) bf16; ValueError naming field when the sizes disagree."""
+    n, e = shape
+    if n < 0 or e <= 0 or len(data) != 2 * n * e:
+        raise ValueError(f"{field}: {len(data)} bytes do not hold a bf16 matrix of shape {list(shape)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(n, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# inference
+
+
+@dataclass
+class EagleHead:
+    """The head ready to run: its weights (through `pack_weight`) and the frozen target pieces."""
+    config: EagleConfig
+    fc: torch.Tensor               # (E, 2E) packed
+    fc_bias: torch.Tensor          # (E,)
+    feature_norm: torch.Tensor     # (E,)
+    embed_norm: torch.Tensor       # (E,)
+    layer: Layer
+    out_norm: torch.Tensor         # (E,)
+    embed: torch.Tensor            # (V, E) the target's embedding (shared, not copied)
+    lm_rows: torch.Tensor          # (Vd, E) packed: the target's lm_head rows of d2t
+    d2t: torch.Tensor              # (Vd,) int64
+    other_id: int                  # draft id never proposed (its logit is -inf)
+    rope_cos: torch.Tensor         # (P, D)
+    rope_sin: torch.Tensor         # (P, D) sign folded in (model.rope_tables)
+
+
+def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T, target: Model,
+               max_seq_len: int | None = None) -> EagleHead:
+    """Pack the head's weights on the target's device and dtype. The target must tie its
+    lm_head to its embedding (its lm_head rows are read from the embedding)."""
+    if not target.config.tie_word_embeddings:
+        raise ConfigError("the EAGLE head needs a target with tied embeddings (tie_word_embeddings)")
+    if target.config.hidden_size != config.hidden_size or target.config.vocab_size != config.target_vocab_size:
+        raise ConfigError(f"head is for hidden {config.hidden_size} / vocab {config.target_vocab_size}, target has "
+                          f"{target.config.hidden_size} / {target.config.vocab_size}")
+    device, dtype = target.embed.device, target.embed.dtype
+
+    def get(name):
+        return weights[name].to(device=device, dtype=dtype)
+
+    layer = Layer(attn_norm=get("layer.attn_norm"),
+                  wqkv=pack_weight(torch.cat([get("layer.wq"), get("layer.wk"), get("layer.wv")])), bqkv=None,
+                  wo=pack_weight(get("layer.wo")), bo=None, mlp_norm=get("layer.mlp_norm"),
+                  w_gate_up=pack_weight(torch.cat([get("layer.w_gate"), get("layer.w_up")])),
+                  w_down=pack_weight(get("layer.w_down")))
+    cos, sin = rope_tables(config, max_seq_len or config.max_position_embeddings)
+    return EagleHead(config=config, fc=pack_weight(get("fc.weight")), fc_bias=get("fc.bias"),
+                     feature_norm=get("feature_norm"), embed_norm=get("embed_norm"), layer=layer,
+                     out_norm=get("out_norm"), embed=target.embed,
+                     lm_rows=pack_weight(target.embed[maps.d2t.to(device)].contiguous()),
+                     d2t=maps.d2t.to(device), other_id=maps.other_id,
+                     rope_cos=cos.to(device=device, dtype=dtype), rope_sin=sin.to(device=device, dtype=dtype))
+
+
+def load_head(path, target: Model, max_seq_len: int | None = None) -> EagleHead:
+    config, weights, maps = load_head_weights(path)
+    return build_head(config, weights, maps, target, max_seq_len)
+
+
+def new_cache(head: EagleHead, max_slots: int, max_seq_len: int) -> KVCache:
+    """The head's own KV cache: one layer, one slot per request."""
+    return KVCache(head.config, max_slots, max_seq_len, device=head.embed.device, dtype=head.embed.dtype)
+
+
+@torch.inference_mode()
+def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: torch.Tensor,
+                 token_ids: torch.Tensor, num_new: torch.Tensor,
+                 logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append pairs (features[b, t], token_ids[b, t]) to each row's slot; return the draft logits
+    and the predicted next features at the selected pairs.
+
+    slots: (B,) int64 allocated slots of `cache` (`new_cache`); features: (B, T, E) the target's
+    final-normed hidden states f at the slot's next positions (any float dtype); token_ids:
+    (B, T) int64 target ids, token_ids[b, t] the token that followed features[b, t]; num_new:
+    (B,) int64 CPU, row b's pairs are its first num_new[b] (the rest padding). logits_index:
+    (B, M) int64 pairs to read out, or None for all. Returns draft logits (B, M, Vd) with
+    other_id at -inf, and predicted features (B, M, E) (the next pair's input in a chain). The
+    slot's length advances by num_new (`KVCache.truncate` rolls drafted pairs back).
+    """
+    cfg, layer = head.config, head.layer
+    B, T = token_ids.shape
+    E, H, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    assert features.shape == (B, T, E) and slots.shape == (B,) and num_new.shape == (B,), \
+        (features.shape, token_ids.shape, slots.shape, num_new.shape)
+    plan = cache.plan(slots, num_new, T)
+    device, dtype = head.embed.device, head.embed.dtype
+    dev_slots = slots.to(device)
+    cos = head.rope_cos[plan.rope_pos].unsqueeze(2)                  # (B, T, 1, D)
+    sin = head.rope_sin[plan.rope_pos].unsqueeze(2)
+    W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK
+    mask = attention_mask(plan.mask, Hkv, H // Hkv, W)
+
+    f = F.rms_norm(features.to(device=device, dtype=dtype).reshape(B * T, E), (E,), head.feature_norm,
+                   cfg.rms_norm_eps)
+    e = F.rms_norm(head.embed[token_ids.to(device).view(-1)], (E,), head.embed_norm, cfg.rms_norm_eps)
+    x = linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
+    h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
+    qkv = linear(h, layer.wqkv).view(B, T, H + 2 * Hkv, D)
+    qk = qkv[:, :, :H + Hkv]
+    qk = qk * cos + qk.roll(D // 2, -1) * sin
+    cache.update(0, dev_slots, plan.write_pos, qk[:, :, H:], qkv[:, :, H + Hkv:])
+    k, v = cache.window(0, dev_slots, plan)                           # (B, Hkv, window, D)
+    if W > plan.window:
+        k, v = F.pad(k, (0, 0, 0, W - plan.window)), F.pad(v, (0, 0, 0, W - plan.window))
+    o = attention(qk[:, :, :H], k, v, mask)                           # (B, T, H*D)
+    x = linear(o.reshape(B * T, H * D), layer.wo, residual=x)
+    h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
+    gate, up = linear(h, layer.w_gate_up).chunk(2, -1)
+    x = linear(F.silu(gate) * up, layer.w_down, residual=x)
+    cache.commit(slots, num_new)
+
+    x = x.view(B, T, E)
+    if logits_index is not None:
+        assert logits_index.dim() == 2 and logits_index.shape[0] == B, logits_index.shape
+        x = x.gather(1, logits_index.to(device).unsqueeze(-1).expand(-1, -1, E))   # (B, M, E)
+    predicted = F.rms_norm(x, (E,), head.out_norm, cfg.rms_norm_eps)
+    logits = linear(predicted.reshape(-1, E), head.lm_rows).view(*predicted.shape[:2], -1)
+    logits[..., head.other_id] = -math.inf
+    return logits, predicted
+
+
+def greedy_choice(logits: torch.Tensor, step: int) -> torch.Tensor:
+    """logits (B, Vd) -> draft ids (B,): the argmax (other_id is -inf)."""
+    return logits.argmax(-1)
+
+
+@torch.inference_mode()
+def draft_chain(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: torch.Tensor,
+                token_ids: torch.Tensor, num_new: torch.Tensor, k: int,
+                choose=greedy_choice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed each row's newly verified pairs, then draft k tokens as a chain; the drafted pairs are
+    rolled back, so the slots end holding exactly the verified pairs.
+
+    slots (B,), features (B, T, E), token_ids (B, T), num_new (B,) >= 1: as `head_forward` (the
+    last pair of a row is its newest target feature and the token the target emitted from it).
+    choose(logits (B, Vd), step) -> draft ids (B,): greedy by default; a sampled drafter draws
+    there with its own uniforms. Returns draft token ids (B, k) as target ids and the draft logits
+    (B, k, Vd) each was chosen from (float32; map draft ids to target ids with head.d2t).
+    """
+    B = slots.shape[0]
+    assert k >= 1 and bool((num_new >= 1).all()), (k, num_new)
+    committed = cache.lengths[slots.cpu()].clone() + num_new
+    last = (num_new - 1).view(B, 1)
+    logits, predicted = head_forward(head, cache, slots, features, token_ids, num_new, logits_index=last)
+    one = torch.ones(B, dtype=torch.long)
+    drafts, all_logits = [], []
+    for step in range(k):
+        all_logits.append(logits[:, 0].float())
+        drafts.append(choose(logits[:, 0], step))
+        if step + 1 < k:
+            logits, predicted = head_forward(head, cache, slots, predicted, head.d2t[drafts[-1]].view(B, 1), one)
+    for b, slot in enumerate(slots.tolist()):
+        cache.truncate(slot, int(committed[b]))
+    draft_ids = torch.stack(drafts, 1)                                # (B, k) draft ids
+    return head.d2t[draft_ids], torch.stack(all_logits, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+
+
+def unrolled_forward(weights: dict[str, torch.Tensor], config: EagleConfig, embed: torch.Tensor,
+                     features: torch.Tensor, token_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Training forward over whole sequences, with the first `steps` steps of a draft chain.
+
+    weights: `weight_names` tensors (trainable); embed: (V, E) the target's (frozen);
+    features: (B, T, E) target features f_0..f_{T-1}; token_ids: (B, T) x_0..x_{T-1}. Returns,
+    per step j = 1..steps, predictions P_j (B, N, E) with N = T - 1: row t of P_j predicts
+    f_{t+j}. Step 1 at row t reads the pair (f_t, x_{t+1}) at position t; step j > 1 reads
+    (P_{j-1}[t], x_{t+j}) at position t + j - 1, attending to step 1's keys at rows <= t and
+    step i's key at row t for 2 <= i <= j: exactly the cache a chain's j-th draft sees after
+    verified pairs up to t (EAGLE-3's "training-time test"). Rows whose inputs pass the end
+    (t + j > T - 1) hold padding and must get no loss. Plain ops (autograd); `head_forward` is
+    the inference form of the same math.
+    """
+    B, T, E = features.shape
+    N = T - 1
+    H, Hkv, D, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
+    G = H // Hkv
+    w = weights
+    cos_all, sin_all = rope_tables(config, T + steps)
+    cos_all, sin_all = cos_all.to(features), sin_all.to(features)
+    causal = torch.ones(N, N, dtype=torch.bool, device=features.device).tril()
+    padded_ids = F.pad(token_ids, (0, steps))                         # x_{t+j} past the end: id 0
+    keys, values, outputs = [], [], []
+    feats = features[:, :N]
+    for j in range(1, steps + 1):
+        f = F.rms_norm(feats, (E,), w["feature_norm"], eps)
+        e = F.rms_norm(embed[padded_ids[:, j:j + N]], (E,), w["embed_norm"], eps)
+        x = F.linear(torch.cat([f, e], -1), w["fc.weight"], w["fc.bias"])           # (B, N, E)
+        h = F.rms_norm(x, (E,), w["layer.attn_norm"], eps)
+        q = F.linear(h, w["layer.wq"]).view(B, N, H, D)
+        k = F.linear(h, w["layer.wk"]).view(B, N, Hkv, D)
+        v = F.linear(h, w["layer.wv"]).view(B, N, Hkv, D).transpose(1, 2)           # (B, Hkv, N, D)
+        cos, sin = cos_all[j - 1:j - 1 + N].view(1, N, 1, D), sin_all[j - 1:j - 1 + N].view(1, N, 1, D)
+        q = (q * cos + q.roll(D // 2, -1) * sin).view(B, N, Hkv, G, D).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, N, D)
+        k = (k * cos + k.roll(D // 2, -1) * sin).transpose(1, 2)                     # (B, Hkv, N, D)
+        keys.append(k)
+        values.append(v)
+        scale = D ** -0.5
+        main = torch.einsum("bkgnd,bkmd->bkgnm", q, keys[0]) * scale
+        main = main.masked_fill(~causal, float("-inf"))                              # (B, Hkv, G, N, N)
+        diag = [torch.einsum("bkgnd,bknd->bkgn", q, keys[i]).unsqueeze(-1) * scale for i in range(1, j)]
+        probs = torch.cat([main] + diag, -1).softmax(-1)
+        o = probs[..., :N] @ values[0].unsqueeze(2)                                  # (B, Hkv, G, N, D)
+        for i in range(1, j):
+            o = o + probs[..., N + i - 1:N + i] * values[i].unsqueeze(2)
+        o = o.permute(0, 3, 1, 2, 4).reshape(B, N, H * D)
+        x = x + F.linear(o, w["layer.wo"])
+        h = F.rms_norm(x, (E,), w["layer.mlp_norm"], eps)
+        x = x + F.linear(F.silu(F.linear(h, w["layer.w_gate"])) * F.linear(h, w["layer.w_up"]), w["layer.w_down"])
+        predicted = F.rms_norm(x, (E,), w["out_norm"], eps)
+        outputs.append(predicted)
+        feats = predicted
+    return outputs
