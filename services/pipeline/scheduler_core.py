@@ -331,10 +331,6 @@ class SchedulerState:
         """This scheduler's running requests pinned to instance_id (any role)."""
         return sum(instance_id in (r.verifier_id, r.drafter_id, r.postprocessor_id) for r in self.running.values())
 
-    def pin(self, role: str) -> str | None:
-        """Pin to the instance of role with the most room (counted until its next heartbeat)."""
-        return self.placement.count_pin(self.placement.pick(role, self.pinned_count))
-
     def live_releases(self, role: str) -> set[str]:
         """Live instances of role with slots to release."""
         return {i for i in self.releases if self.placement.alive(i) and self.placement.is_role(i, role)}
