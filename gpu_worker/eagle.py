@@ -36,8 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpu_worker.checkpoint import D2T, load_d2t, save_d2t
-from gpu_worker.kv_cache import KEY_BLOCK, KVCache
-from gpu_worker.model import ConfigError, Layer, Model, attention, attention_mask, linear, pack_weight, rope_tables
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import ConfigError, Layer, Model, decoder_layer, linear, pack_weight, plan_step, rope_tables
 
 CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
 WEIGHTS_FILE = "model.safetensors"
@@ -237,36 +237,18 @@ def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features:
     other_id at -inf, and predicted features (B, M, E) (the next pair's input in a chain). The
     slot's length advances by num_new (`KVCache.truncate` rolls drafted pairs back).
     """
-    cfg, layer = head.config, head.layer
+    cfg = head.config
     B, T = token_ids.shape
-    E, H, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E = cfg.hidden_size
     assert features.shape == (B, T, E) and slots.shape == (B,) and num_new.shape == (B,), \
         (features.shape, token_ids.shape, slots.shape, num_new.shape)
-    plan = cache.plan(slots, num_new, T)
+    step = plan_step(cache, head.rope_cos, head.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
     device, dtype = head.embed.device, head.embed.dtype
-    dev_slots = slots.to(device)
-    cos = head.rope_cos[plan.rope_pos].unsqueeze(2)                  # (B, T, 1, D)
-    sin = head.rope_sin[plan.rope_pos].unsqueeze(2)
-    W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK
-    mask = attention_mask(plan.mask, Hkv, H // Hkv, W)
-
     f = F.rms_norm(features.to(device=device, dtype=dtype).reshape(B * T, E), (E,), head.feature_norm,
                    cfg.rms_norm_eps)
     e = F.rms_norm(head.embed[token_ids.to(device).view(-1)], (E,), head.embed_norm, cfg.rms_norm_eps)
     x = linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
-    h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
-    qkv = linear(h, layer.wqkv).view(B, T, H + 2 * Hkv, D)
-    qk = qkv[:, :, :H + Hkv]
-    qk = qk * cos + qk.roll(D // 2, -1) * sin
-    cache.update(0, dev_slots, plan.write_pos, qk[:, :, H:], qkv[:, :, H + Hkv:])
-    k, v = cache.window(0, dev_slots, plan)                           # (B, Hkv, window, D)
-    if W > plan.window:
-        k, v = F.pad(k, (0, 0, 0, W - plan.window)), F.pad(v, (0, 0, 0, W - plan.window))
-    o = attention(qk[:, :, :H], k, v, mask)                           # (B, T, H*D)
-    x = linear(o.reshape(B * T, H * D), layer.wo, residual=x)
-    h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
-    gate, up = linear(h, layer.w_gate_up).chunk(2, -1)
-    x = linear(F.silu(gate) * up, layer.w_down, residual=x)
+    x = decoder_layer(cfg, head.layer, 0, x, cache, step)
     cache.commit(slots, num_new)
 
     x = x.view(B, T, E)

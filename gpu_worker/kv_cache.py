@@ -109,7 +109,6 @@ class KVCache:
         self._keys: list[torch.Tensor | None] = [None] * max_slots
         self._values: list[torch.Tensor | None] = [None] * max_slots
         self._capacity = [0] * max_slots
-        self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []       # the forward in progress
         self._heads = torch.arange(config.num_kv_heads, device=device).view(1, -1)
         self._arange = torch.arange(max_seq_len + 1, device=device)
 
@@ -169,12 +168,17 @@ class KVCache:
             raise SlotError(f"slot {slot} is not an allocated slot")
         if length > self.max_seq_len:
             raise CacheCapacityError(f"slot {slot}: {length} tokens exceed max_seq_len {self.max_seq_len}")
-        more = self._grow_bytes([slot], [max(length, 1)])
+        self._grow_within_budget([slot], [max(length, 1)], f"slot {slot} needs", f" for {length} tokens")
+
+    def _grow_within_budget(self, slots: list[int], ends: list[int], needs: str, detail: str = "") -> None:
+        """Grow slots to hold ends[i] tokens each (ends >= 1), all or none: CacheMemoryError
+        ("<needs> N bytes more<detail>"), changing nothing, when the budget cannot hold them."""
+        more = self._grow_bytes(slots, ends)
         if self.memory_used + more > self.memory_bytes:
-            raise CacheMemoryError(
-                f"KV cache memory budget {self.memory_bytes} bytes is short: slot {slot} needs {more} bytes more "
-                f"for {length} tokens, {self.memory_bytes - self.memory_used} are free")
-        self._grow(slot, max(length, 1))
+            raise CacheMemoryError(f"KV cache memory budget {self.memory_bytes} bytes is short: {needs} {more} bytes "
+                                   f"more{detail}, {self.memory_bytes - self.memory_used} are free")
+        for slot, end in zip(slots, ends):
+            self._grow(slot, end)
 
     # ------------------------------------------------------------------ slots
 
@@ -245,7 +249,7 @@ class KVCache:
         storage gets a block even with num_new 0: its padding writes need a scratch column).
         Built from Python lists with one tensor creation and one host-to-device copy: at batch 1
         the per-call cost of many small tensor ops would rival the forward of a small draft
-        model. The plan's storage list is what `update` and `window` use until the next plan.
+        model. The plan carries its slots' storage, which `update` and `window` read.
         """
         slot_list, new_list = slots.tolist(), num_new.tolist()
         B = len(slot_list)
@@ -261,12 +265,7 @@ class KVCache:
                     f"slot {s}: committed length {start} + {n} new tokens exceeds "
                     f"max_seq_len {self.max_seq_len}")
         ends = [start + n for start, n in zip(starts, new_list)]
-        more = self._grow_bytes(slot_list, [max(end, 1) for end in ends])
-        if more and self.memory_used + more > self.memory_bytes:
-            raise CacheMemoryError(f"KV cache memory budget {self.memory_bytes} bytes is short: slots {slot_list} "
-                                   f"need {more} bytes more, {self.memory_bytes - self.memory_used} are free")
-        for s, end in zip(slot_list, ends):
-            self._grow(s, max(end, 1))
+        self._grow_within_budget(slot_list, [max(end, 1) for end in ends], f"slots {slot_list} need")
         # Whole key blocks while they fit in the cache's columns (model.forward pads the rest);
         # every slot's storage has at least min(that, max_seq_len + 1) columns.
         window = min(-(-max(max(ends), 1) // KEY_BLOCK) * KEY_BLOCK, self.max_seq_len + 1)
@@ -278,25 +277,20 @@ class KVCache:
         # Always a mask, even where a decode step could attend to everything: one attention path
         # for every step. Padding tokens' clamped positions only change their own outputs.
         mask = (self._arange[:window] <= index[1, :, :, None]).unsqueeze(1)
-        keys = [self._keys[s] for s in slot_list]
-        values = [self._values[s] for s in slot_list]
-        self._batch = list(zip(keys, values))
         return ForwardPlan(write_pos=index[0], rope_pos=index[1], mask=mask, window=window,
-                           keys=keys, values=values)
+                           keys=[self._keys[s] for s in slot_list], values=[self._values[s] for s in slot_list])
 
-    def update(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> None:
-        """Write k, v (B, T, Hkv, D) of `layer` at columns positions (B, T) of slots (B,), the
-        slots of the last `plan` in that order. All on the cache's device; a slot's last column
-        is its scratch column for padding."""
-        assert len(self._batch) == k.shape[0] == positions.shape[0], (len(self._batch), k.shape, positions.shape)
-        for b, (keys, values) in enumerate(self._batch):
-            index = (self._heads, positions[b].view(-1, 1))  # -> (T, Hkv)
+    def update(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (B, T, Hkv, D) of `layer` into the plan's slots at its write_pos (B, T).
+        All on the cache's device; a slot's last column is its scratch column for padding."""
+        assert len(plan.keys) == k.shape[0] == plan.write_pos.shape[0], (len(plan.keys), k.shape)
+        for b, (keys, values) in enumerate(zip(plan.keys, plan.values)):
+            index = (self._heads, plan.write_pos[b].view(-1, 1))  # -> (T, Hkv)
             keys[layer].index_put_(index, k[b])
             values[layer].index_put_(index, v[b])
 
-    def window(self, layer: int, slots: torch.Tensor, plan: ForwardPlan):
-        """Keys and values at positions 0..W-1 of slots (B,): two (B, Hkv, W, D) tensors.
+    def window(self, layer: int, plan: ForwardPlan):
+        """Keys and values at positions 0..W-1 of the plan's slots: two (B, Hkv, W, D) tensors.
 
         Views of the slot's storage at batch 1; gathered copies for several slots, zeros
         past a slot's storage (a short slot next to a long one: masked keys).

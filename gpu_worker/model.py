@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.kv_cache import KEY_BLOCK, KVCache
+from gpu_worker.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -287,6 +287,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.reshape(B, Hkv, T, G * D).transpose(1, 2).reshape(B, T, H * D)
 
 
+@dataclass
+class Step:
+    """One forward's cache plan and what every layer reads from it."""
+    plan: ForwardPlan
+    cos: torch.Tensor              # (B, T, 1, D) RoPE of each new token's position
+    sin: torch.Tensor              # (B, T, 1, D)
+    mask: torch.Tensor             # attention_mask of the plan's window padded to W
+    W: int                         # the window padded to whole key blocks
+
+
+def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, slots: torch.Tensor,
+              num_new: torch.Tensor, T: int, num_heads: int, num_kv_heads: int) -> Step:
+    """Plan a forward of T new tokens per row on cache (`KVCache.plan`: it checks the batch and
+    grows the slots) and build the RoPE rows and the attention mask every layer uses."""
+    plan = cache.plan(slots, num_new, T)
+    W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK                     # the plan pads it if it fits
+    return Step(plan=plan, cos=rope_cos[plan.rope_pos].unsqueeze(2), sin=rope_sin[plan.rope_pos].unsqueeze(2),
+                mask=attention_mask(plan.mask, num_kv_heads, num_heads // num_kv_heads, W), W=W)
+
+
+def decoder_layer(cfg, layer: Layer, index: int, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
+    """One Llama decoder layer (layer `index` of cache) over x (B*T, E); returns (B*T, E). cfg:
+    anything with the ModelConfig fields hidden_size, num_heads, num_kv_heads, head_dim and
+    rms_norm_eps (the target's config, or an EAGLE head's)."""
+    B, T = step.plan.rope_pos.shape
+    H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
+    qkv = linear(h, layer.wqkv, layer.bqkv).view(B, T, H + 2 * Hkv, D)
+    qk = qkv[:, :, :H + Hkv]                                         # (B, T, H+Hkv, D)
+    qk = qk * step.cos + qk.roll(D // 2, -1) * step.sin
+    cache.update(index, step.plan, qk[:, :, H:], qkv[:, :, H + Hkv:])
+    k, v = cache.window(index, step.plan)                            # (B, Hkv, window, D)
+    if step.W > step.plan.window:  # the window reached the cache's end: pad to whole key blocks
+        pad = (0, 0, 0, step.W - step.plan.window)
+        k, v = F.pad(k, pad), F.pad(v, pad)
+    o = attention(qk[:, :, :H], k, v, step.mask)                     # (B, T, H*D)
+    x = linear(o.reshape(B * T, H * D), layer.wo, layer.bo, residual=x)
+    h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
+    gate, up = linear(h, layer.w_gate_up).chunk(2, -1)               # (B*T, I) each
+    return linear(F.silu(gate) * up, layer.w_down, residual=x)
+
+
 @torch.inference_mode()
 def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor,
             num_new: torch.Tensor, logits_index: torch.Tensor | None = None,
@@ -317,30 +359,11 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     if (cache.dtype, cache.device) != (model.embed.dtype, model.embed.device):
         raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is "
                          f"{model.embed.dtype} on {model.embed.device}")
-    plan = cache.plan(slots, num_new, T)
-    device = model.embed.device
-    H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    dev_slots = slots.to(device)
-    cos = model.rope_cos[plan.rope_pos].unsqueeze(2)                 # (B, T, 1, D)
-    sin = model.rope_sin[plan.rope_pos].unsqueeze(2)                 # (B, T, 1, D)
-    W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK                     # the plan pads it if it fits
-    mask = attention_mask(plan.mask, Hkv, H // Hkv, W)
-
+    step = plan_step(cache, model.rope_cos, model.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
+    device, E = model.embed.device, cfg.hidden_size
     x = model.embed[token_ids.to(device).reshape(-1)]                # (B*T, E)
     for i, layer in enumerate(model.layers):
-        h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
-        qkv = linear(h, layer.wqkv, layer.bqkv).view(B, T, H + 2 * Hkv, D)
-        qk = qkv[:, :, :H + Hkv]                                     # (B, T, H+Hkv, D)
-        qk = qk * cos + qk.roll(D // 2, -1) * sin
-        cache.update(i, dev_slots, plan.write_pos, qk[:, :, H:], qkv[:, :, H + Hkv:])
-        k, v = cache.window(i, dev_slots, plan)                      # (B, Hkv, window, D)
-        if W > plan.window:  # the window reached the cache's end: pad to whole key blocks
-            k, v = F.pad(k, (0, 0, 0, W - plan.window)), F.pad(v, (0, 0, 0, W - plan.window))
-        o = attention(qk[:, :, :H], k, v, mask)                      # (B, T, H*D)
-        x = linear(o.reshape(B * T, H * D), layer.wo, layer.bo, residual=x)
-        h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, layer.w_gate_up).chunk(2, -1)           # (B*T, I) each
-        x = linear(F.silu(gate) * up, layer.w_down, residual=x)
+        x = decoder_layer(cfg, layer, i, x, cache, step)
     cache.commit(slots, num_new)
 
     x = x.view(B, T, E)
