@@ -82,9 +82,13 @@ async def stack(models, tmp_path_factory, request):
     # A generous draft timeout: on a loaded 2-core machine a late drafter would make steps run
     # with k=0, and a sampled request's tokens depend on the drafts it was offered (the rejection
     # sampler keeps the distribution, not the draw), so the equality tests below would not hold.
+    # Adaptive k off: these tests run each k they name (k=2 runs 2 drafts a step), and the CLI
+    # test compares which tokens came from drafts across two runs, which adaptive k decides from
+    # timings (its own tests: tests/test_adaptive_k.py).
     config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), dtype=request.param,
                          log_dir=tmp_path_factory.mktemp("stack-logs"),
-                         role_args={"scheduler": ["--max-tokens-cap", "256", "--draft-timeout-s", "5"]})
+                         role_args={"scheduler": ["--max-tokens-cap", "256", "--draft-timeout-s", "5",
+                                                  "--adaptive-k", "false"]})
     async with Stack(config) as running:
         yield running
 
