@@ -45,7 +45,7 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import model_id
-from gpu_worker.drafter_core import (SHORT_FEED, DraftRowWork, choose, draft_batch, draft_results, feed_groups,
+from gpu_worker.drafter_core import (SHORT_FEED, DraftRowWork, DraftSlot, choose, draft_batch, draft_results, feed_groups,
                                      receive_row, start_choice)
 from gpu_worker.eagle import (EagleHead, build_head, draft_chain, head_forward, load_head_weights, load_target_pieces,
                               new_cache, unpack_features)
@@ -77,7 +77,7 @@ class EagleDrafter:
     model_ids: dict[str, str]
     prefill_chunk: int
     slot_idle_ttl_s: float
-    requests: dict[tuple[str, str], object] = field(default_factory=dict)
+    requests: dict[tuple[str, str], DraftSlot] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     @property
