@@ -45,8 +45,8 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import model_id
-from gpu_worker.drafter_core import (SHORT_FEED, DraftRowWork, DraftSlot, choose, draft_batch, draft_results, feed_groups,
-                                     receive_row, start_choice)
+from gpu_worker.drafter_core import (SHORT_FEED, DraftRowWork, DraftSlot, choose, draft_batch, draft_results,
+                                     feed_groups, receive_row, start_choice)
 from gpu_worker.eagle import (EagleHead, build_head, draft_chain, head_forward, load_head_weights, load_target_pieces,
                               new_cache, unpack_features)
 from gpu_worker.kv_cache import KVCache
