@@ -86,10 +86,11 @@ def eagle_misfit(target_dir, head_dir) -> str | None:
     the same of loaded configs)."""
     target_dir, head_dir = Path(target_dir), Path(head_dir)
     head, target = _read_json(head_dir / "eagle_config.json"), _read_json(target_dir / "config.json")
-    if (head.get("hidden_size"), head.get("target_vocab_size")) != (target.get("hidden_size"), target.get("vocab_size")):
-        return (f"EAGLE head {head_dir} is for a target of hidden size {head.get('hidden_size')} and vocabulary "
-                f"{head.get('target_vocab_size')}; target model {target_dir} has hidden size {target.get('hidden_size')} "
-                f"and vocabulary {target.get('vocab_size')}")
+    wanted = (head.get("hidden_size"), head.get("target_vocab_size"))
+    given = (target.get("hidden_size"), target.get("vocab_size"))
+    if wanted != given:
+        return (f"EAGLE head {head_dir} is for a target of hidden size {wanted[0]} and vocabulary {wanted[1]}; "
+                f"target model {target_dir} has hidden size {given[0]} and vocabulary {given[1]}")
     if not target.get("tie_word_embeddings"):
         return f"EAGLE head {head_dir} needs a target with tied embeddings; target model {target_dir} has none"
     return None

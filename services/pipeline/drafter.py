@@ -39,7 +39,8 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
         log.info("drafter_loaded", instance_id=config.instance_id, max_slots=config.max_slots, **drafter.model_ids)
     elif config.draft_method == "eagle":
         drafter = await asyncio.to_thread(load_eagle_drafter, config)
-        run_batch, description = eagle_draft_batch, "proposes draft tokens with an EAGLE head over the target's features"
+        run_batch = eagle_draft_batch
+        description = "proposes draft tokens with an EAGLE head over the target's features"
         log.info("drafter_loaded", instance_id=config.instance_id, head=config.eagle_head,
                  target_model=config.target_model, max_slots=config.max_slots, **drafter.model_ids)
     else:
