@@ -100,6 +100,15 @@ class Drafter:
     def target_vocab_size(self) -> int:
         return self.t2d.numel()
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def slot_to_draft(self) -> torch.Tensor:
+        """(V_draft,) the ids a slot holds (draft ids already) -> draft ids: the identity."""
+        return torch.arange(self.draft_vocab_size)
+
 
 @dataclass
 class DraftRowWork:
@@ -177,15 +186,20 @@ def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: 
                 now: float) -> DraftRowWork | DraftResult:
     """Apply the receiver rule to one row: a DraftRowWork for the model, or the row's final answer."""
     new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
-    return receive_row(drafter, scheduler_id, row, new_ids, batch_keys, now)
+    work = receive_row(drafter, scheduler_id, row, new_ids, batch_keys, now)
+    if isinstance(work, DraftRowWork):  # the cache holds exactly the slot's tokens
+        drafter.cache.truncate(work.state.slot, len(work.state.token_ids))
+    return work
 
 
 def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], batch_keys: set[tuple[str, str]],
                 now: float) -> DraftRowWork | DraftResult:
     """The receiver rule for one row whose new tokens are new_ids (already in the drafter's own
     ids): a DraftRowWork (its feed: what the slot still lacks), or the row's final answer. drafter:
-    any slot owner (gpu_worker/slots.py) whose cache can allocate, free and truncate slots and
-    whose requests hold DraftSlots: a Drafter, or the model-free NgramDrafter (gpu_worker/ngram.py)."""
+    any slot owner (gpu_worker/slots.py) whose cache can allocate, reserve and free slots and
+    whose requests hold DraftSlots: a Drafter, the model-free NgramDrafter (gpu_worker/ngram.py)
+    or the EagleDrafter (gpu_worker/eagle_drafter.py). The slot's token_ids end cut to the tokens
+    kept; the caller rolls its cache back to match (a Drafter's holds one position a token)."""
     key = (scheduler_id, row.request_id)
     state = drafter.requests.get(key)
     held = 0 if state is None else state.committed_len
@@ -216,7 +230,6 @@ def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], b
     if num_draft > 0:
         keep = min(keep, len(history) - 1)  # the first draft needs the logits of a fed token
     drafter.counters["reused_tokens"] += max(0, keep - row.cached_len)
-    drafter.cache.truncate(state.slot, keep)
     del state.token_ids[keep:]
     state.committed_len = len(history)
     state.last_used = now
@@ -243,39 +256,50 @@ def slot_tensor(works: list[DraftRowWork]) -> torch.Tensor:
     return torch.tensor([work.state.slot for work in works], dtype=torch.int64)
 
 
-def feed(drafter: Drafter, works: list[DraftRowWork]) -> list[torch.Tensor | None]:
-    """Append every row's feed to its slot (chunked); the (V_draft,) logits of each row's last
-    fed token, or None for rows that fed nothing."""
-    offsets = [0] * len(works)
-    last_logits: list[torch.Tensor | None] = [None] * len(works)
+def feed_groups(lengths: list[int], chunk: int):
+    """The forwards that feed items of lengths[i] positions each: yields lists of (i, begin,
+    end), every item's [0, lengths[i]) in chunks of at most chunk positions, in order; chunks of
+    at most SHORT_FEED positions (decode rows) in forwards apart from longer ones (a resync), so
+    they are not padded to their length."""
+    offsets = [0] * len(lengths)
     while True:
-        remaining = [len(work.feed) - offset for work, offset in zip(works, offsets)]
+        remaining = [n - offset for n, offset in zip(lengths, offsets)]
         short = [i for i, left in enumerate(remaining) if 0 < left <= SHORT_FEED]
         long = [i for i, left in enumerate(remaining) if left > SHORT_FEED]
         if not short and not long:
-            return last_logits
+            return
         for group in (short, long):
-            if not group:
-                continue
-            chunks = [works[i].feed[offsets[i]:offsets[i] + drafter.prefill_chunk] for i in group]
-            T = max(map(len, chunks))
-            token_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], dtype=torch.int64)
-            num_new = torch.tensor(list(map(len, chunks)), dtype=torch.int64)
-            logits = forward_last(drafter, slot_tensor([works[i] for i in group]), token_ids, num_new)
-            for b, i in enumerate(group):
-                works[i].state.token_ids.extend(chunks[b])
-                offsets[i] += len(chunks[b])
-                if offsets[i] == len(works[i].feed):
-                    last_logits[i] = logits[b]
+            if group:
+                chunks = [(i, offsets[i], min(lengths[i], offsets[i] + chunk)) for i in group]
+                yield chunks
+                for i, _, end in chunks:
+                    offsets[i] = end
 
 
-def draft_penalties(drafter: Drafter, work: DraftRowWork) -> Penalties:
+def feed(drafter: Drafter, works: list[DraftRowWork]) -> list[torch.Tensor | None]:
+    """Append every row's feed to its slot (chunked, `feed_groups`); the (V_draft,) logits of each
+    row's last fed token, or None for rows that fed nothing."""
+    last_logits: list[torch.Tensor | None] = [None] * len(works)
+    for group in feed_groups([len(work.feed) for work in works], drafter.prefill_chunk):
+        chunks = [works[i].feed[begin:end] for i, begin, end in group]
+        T = max(map(len, chunks))
+        token_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], dtype=torch.int64)
+        num_new = torch.tensor(list(map(len, chunks)), dtype=torch.int64)
+        logits = forward_last(drafter, slot_tensor([works[i] for i, _, _ in group]), token_ids, num_new)
+        for b, (i, _, end) in enumerate(group):
+            works[i].state.token_ids.extend(chunks[b])
+            if end == len(works[i].feed):
+                last_logits[i] = logits[b]
+    return last_logits
+
+
+def draft_penalties(drafter, work: DraftRowWork) -> Penalties:
     """A row's logit_bias and penalties in draft ids, over the history its slot holds. Bias ids
     outside the target vocabulary are skipped here (the verifier fails that row, naming the
     field; failing the draft batch would cost every other row its drafts), and so are ids the
-    draft has no id of its own for (other_id)."""
+    draft has no id of its own for (other_id). drafter: a Drafter or an EagleDrafter (its
+    slot_to_draft maps the ids its slots hold to draft ids)."""
     s = work.row.sampling
-    V = drafter.model.config.vocab_size
     bias_ids = bias_values = None
     if s.logit_bias is not None:
         target_ids = torch.from_numpy(s.logit_bias.token_ids.astype("int64"))
@@ -286,70 +310,122 @@ def draft_penalties(drafter: Drafter, work: DraftRowWork) -> Penalties:
         if drafter.other_id is not None:
             values, draft_ids = values[draft_ids != drafter.other_id], draft_ids[draft_ids != drafter.other_id]
         bias_ids, bias_values = draft_ids, values
-    history = torch.tensor(work.state.token_ids[:work.start], dtype=torch.int64)
-    return Penalties.build(V, history, work.row.prompt_len, bias_ids=bias_ids, bias_values=bias_values,
-                           repetition=s.repetition_penalty, frequency=s.frequency_penalty,
+    history = drafter.slot_to_draft[torch.tensor(work.state.token_ids[:work.start], dtype=torch.int64)]
+    return Penalties.build(drafter.draft_vocab_size, history, work.row.prompt_len, bias_ids=bias_ids,
+                           bias_values=bias_values, repetition=s.repetition_penalty, frequency=s.frequency_penalty,
                            presence=s.presence_penalty)
 
 
-def propose(drafter: Drafter, works: list[DraftRowWork], first_logits: torch.Tensor):
-    """Choose num_draft drafts per row, one batched forward per position.
+@dataclass
+class DraftChoice:
+    """One batch's drafts, chosen position by position (`start_choice`, then `choose` once per
+    draft position): what the rows' choosing needs, and the drafts chosen so far.
 
-    first_logits: (B, V_draft), the logits after each row's last fed token (other_id is set to
-    -inf in place).
+    num_draft (B,); draft_ids (B, K) draft ids, -1 past a row's num_draft; step_probs: per
+    position the (B, V_draft) processed probs each row's draft was drawn from (none when every
+    row is greedy). params, seeds (B,), starts (B,) (the absolute position of each row's first
+    draft), uniforms (B, K) (STREAM_DRAFT) and gumbel (B,) bool: None when every row is greedy.
+    penalised: the rows with logit_bias or penalties, penalties theirs (draft ids chosen so far
+    included).
+    """
+
+    num_draft: torch.Tensor
+    draft_ids: torch.Tensor
+    penalised: list[int]
+    penalties: Penalties | None
+    params: SamplingTensors | None = None
+    seeds: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    uniforms: torch.Tensor | None = None
+    gumbel: torch.Tensor | None = None
+    step_probs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """(B, K, V_draft), or None when every row is greedy."""
+        return torch.stack(self.step_probs, 1) if self.step_probs else None
+
+
+def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
+    """The choosing state of a batch of rows that draft (num_draft >= 1 each). drafter: a
+    Drafter or an EagleDrafter."""
+    B, K = len(works), max(work.num_draft for work in works)
+    penalised = [b for b, work in enumerate(works) if work.row.sampling.penalised]
+    choice = DraftChoice(num_draft=torch.tensor([work.num_draft for work in works]),
+                         draft_ids=torch.full((B, K), -1, dtype=torch.int64), penalised=penalised,
+                         penalties=Penalties.cat([draft_penalties(drafter, works[b]) for b in penalised])
+                         if penalised else None)
+    if all(work.greedy for work in works):
+        return choice
+    choice.params = SamplingTensors.build(
+        temperature=[0.0 if work.greedy else work.row.sampling.temperature for work in works],
+        top_k=[min(work.row.sampling.top_k or MAX_DRAFT_SUPPORT, MAX_DRAFT_SUPPORT) for work in works],
+        top_p=[work.row.sampling.top_p for work in works],
+        min_p=[work.row.sampling.min_p for work in works])
+    choice.seeds = torch.tensor([0 if work.greedy else row_seed(work.row.sampling) for work in works],
+                                dtype=torch.int64)
+    choice.starts = torch.tensor([work.start for work in works], dtype=torch.int64)
+    # draft j of a row lands at absolute position start + j
+    choice.uniforms = make_uniforms(choice.seeds, choice.starts.view(B, 1) + torch.arange(K), STREAM_DRAFT)  # (B, K)
+    choice.gumbel = torch.tensor([work.row.sampling.gumbel for work in works])
+    return choice
+
+
+def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.Tensor:
+    """Draft position j of every row from its logits (B, V_draft) float32 (changed in place:
+    other_id set to -inf, the row's penalties applied): greedy rows take the argmax; sampled rows
+    draw from process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with their uniforms;
+    Gumbel-coupled rows take argmax(log q + G) with the target's noise at the same position
+    (gpu_worker/coupling.py). Records the drafts (-1 past a row's num_draft) and their law in
+    choice; returns the (B,) draft ids chosen, a valid id for every row (what a chain feeds next)."""
+    B = logits.shape[0]
+    assert logits.shape == (B, drafter.draft_vocab_size), logits.shape
+    if drafter.other_id is not None:
+        logits[:, drafter.other_id] = float("-inf")  # stands for "not in my vocabulary": never proposed
+    penalised = choice.penalised
+    if choice.penalties is not None:
+        logits[penalised] = penalise(logits[penalised][:, None], choice.penalties)[:, 0]
+    if choice.params is None:
+        ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
+    else:
+        processed, ids = sample(logits.view(B, 1, -1), choice.params, choice.uniforms[:, j:j + 1])
+        ids = ids[:, 0]
+        gumbel = choice.gumbel
+        if gumbel.any():  # the target's noise at the same position, keyed by target ids
+            ids[gumbel] = gumbel_argmax(processed.probs[gumbel], choice.seeds[gumbel],
+                                        choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
+        choice.step_probs.append(processed.probs[:, 0])
+    choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, -1)
+    if choice.penalties is not None:
+        choice.penalties = add_tokens(choice.penalties, choice.draft_ids[penalised, j])
+    return ids
+
+
+def propose(drafter: Drafter, works: list[DraftRowWork], first_logits: torch.Tensor):
+    """Choose num_draft drafts per row (`choose`), one batched forward per position.
+
+    first_logits: (B, V_draft), the logits after each row's last fed token (changed in place).
     Returns draft_ids (B, K) int64 in draft vocabulary (-1 past a row's num_draft) and the
     processed probs (B, K, V_draft) each draft was drawn from (None when all rows are greedy;
     meaningless past a row's num_draft and for greedy rows, which take the argmax).
     """
     B, K = len(works), max(work.num_draft for work in works)
-    assert first_logits.shape == (B, drafter.model.config.vocab_size), first_logits.shape
-    num_draft = torch.tensor([work.num_draft for work in works])
+    assert first_logits.shape == (B, drafter.draft_vocab_size), first_logits.shape
+    choice = start_choice(drafter, works)
     slots = slot_tensor(works)
-    all_greedy = all(work.greedy for work in works)
-    if not all_greedy:
-        params = SamplingTensors.build(
-            temperature=[0.0 if work.greedy else work.row.sampling.temperature for work in works],
-            top_k=[min(work.row.sampling.top_k or MAX_DRAFT_SUPPORT, MAX_DRAFT_SUPPORT) for work in works],
-            top_p=[work.row.sampling.top_p for work in works],
-            min_p=[work.row.sampling.min_p for work in works])
-        seeds = torch.tensor([0 if work.greedy else row_seed(work.row.sampling) for work in works],
-                             dtype=torch.int64)
-        starts = torch.tensor([work.start for work in works], dtype=torch.int64)
-        # draft j of a row lands at absolute position start + j
-        uniforms = make_uniforms(seeds, starts.view(B, 1) + torch.arange(K), STREAM_DRAFT)  # (B, K)
-        gumbel = torch.tensor([work.row.sampling.gumbel for work in works])
-    draft_ids = torch.full((B, K), -1, dtype=torch.int64)
-    step_probs = []
     logits = first_logits
-    penalised = [b for b, work in enumerate(works) if work.row.sampling.penalised]
-    penalties = Penalties.cat([draft_penalties(drafter, works[b]) for b in penalised]) if penalised else None
     for j in range(K):
-        if drafter.other_id is not None:
-            logits[:, drafter.other_id] = float("-inf")  # stands for "not in my vocabulary": never proposed
-        if penalties is not None:
-            logits[penalised] = penalise(logits[penalised][:, None], penalties)[:, 0]
-        if all_greedy:
-            ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
-        else:
-            processed, ids = sample(logits.view(B, 1, -1), params, uniforms[:, j:j + 1])
-            ids = ids[:, 0]
-            if gumbel.any():  # the target's noise at the same position, keyed by target ids
-                ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], starts[gumbel].view(-1, 1) + j,
-                                            drafter.d2t)[:, 0]
-            step_probs.append(processed.probs[:, 0])
-        draft_ids[:, j] = torch.where(j < num_draft, ids, -1)
-        if penalties is not None:
-            penalties = add_tokens(penalties, draft_ids[penalised, j])
+        ids = choose(drafter, choice, logits, j)
         if j + 1 < K:
-            feeding = j + 1 < num_draft  # (B,) rows that need another draft
-            logits = forward_last(drafter, slots, ids.clamp_min(0).view(B, 1), feeding.long())
+            feeding = j + 1 < choice.num_draft  # (B,) rows that need another draft
+            logits = forward_last(drafter, slots, ids.view(B, 1), feeding.long())
             for work, token, fed in zip(works, ids.tolist(), feeding.tolist()):
                 if fed:
                     work.state.token_ids.append(token)
-    return draft_ids, (torch.stack(step_probs, 1) if step_probs else None)
+    return choice.draft_ids, choice.probs
 
 
-def sparse_supports(drafter: Drafter, probs: torch.Tensor):
+def sparse_supports(drafter, probs: torch.Tensor):
     """The supports of draft distributions probs (N, V_draft), in target ids.
 
     Returns ids (N, S) int64 (-1 padding), probs (N, S) (0 at padding) and sizes (N,): draft
@@ -368,6 +444,29 @@ def sparse_supports(drafter: Drafter, probs: torch.Tensor):
     return ids, values, sizes
 
 
+def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
+                  probs: torch.Tensor | None) -> dict[str, DraftResult]:
+    """request_id -> DraftResult for rows that drafted: draft_ids (B, K) in draft ids (-1 past a
+    row's num_draft) mapped to target ids with d2t; greedy rows send a point mass, sampled rows
+    the sparse support (target ids) of the probs (B, K, V_draft) they were drawn from."""
+    target_ids = drafter.d2t[draft_ids.clamp_min(0)].to(torch.int32).numpy()  # (B, K)
+    sampled = [b for b, work in enumerate(works) if not work.greedy]
+    proposals = {}
+    if sampled:
+        B, K, V = probs[sampled].shape
+        ids, values, sizes = (t.view(B, K, -1) for t in sparse_supports(drafter, probs[sampled].view(B * K, V)))
+        for i, b in enumerate(sampled):
+            n = works[b].num_draft
+            width = int(sizes[i, :n].max())
+            proposals[b] = Proposal(kind="sparse", ids=ids[i, :n, :width].to(torch.int32).numpy(),
+                                    probs=values[i, :n, :width].numpy())
+    drafter.counters["draft_tokens"] += sum(work.num_draft for work in works)
+    return {work.row.request_id: DraftResult(request_id=work.row.request_id,
+                                             draft_token_ids=target_ids[b, :work.num_draft],
+                                             proposal=proposals.get(b, Proposal()))
+            for b, work in enumerate(works)}
+
+
 @torch.inference_mode()
 def run_model(drafter: Drafter, works: list[DraftRowWork]) -> dict[str, DraftResult]:
     """Feed every row, then propose for the rows that want drafts: request_id -> DraftResult."""
@@ -377,36 +476,25 @@ def run_model(drafter: Drafter, works: list[DraftRowWork]) -> dict[str, DraftRes
         return {}
     draft_works = [work for work, _ in drafting]
     draft_ids, probs = propose(drafter, draft_works, torch.stack([logits for _, logits in drafting]))
-    target_ids = drafter.d2t[draft_ids.clamp_min(0)].to(torch.int32).numpy()  # (B, K)
-    sampled = [b for b, work in enumerate(draft_works) if not work.greedy]
-    proposals = {}
-    if sampled:
-        B, K, V = probs[sampled].shape
-        ids, values, sizes = (t.view(B, K, -1) for t in sparse_supports(drafter, probs[sampled].view(B * K, V)))
-        for i, b in enumerate(sampled):
-            n = draft_works[b].num_draft
-            width = int(sizes[i, :n].max())
-            proposals[b] = Proposal(kind="sparse", ids=ids[i, :n, :width].to(torch.int32).numpy(),
-                                    probs=values[i, :n, :width].numpy())
-    drafter.counters["draft_tokens"] += sum(work.num_draft for work in draft_works)
-    return {work.row.request_id: DraftResult(request_id=work.row.request_id,
-                                             draft_token_ids=target_ids[b, :work.num_draft],
-                                             proposal=proposals.get(b, Proposal()))
-            for b, work in enumerate(draft_works)}
+    return draft_results(drafter, draft_works, draft_ids, probs)
 
 
-def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = None) -> DraftResponse:
+def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = None, prepare=prepare_row,
+                run=run_model) -> DraftResponse:
     """Answer one DraftRequest (steps in the module docstring). Raises SpecbusError naming the
-    field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests."""
+    field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests.
+    prepare(drafter, scheduler_id, row, batch_keys, now) -> a work item (with .row) or the row's
+    DraftResult, and run(drafter, works) -> {request_id: DraftResult}: the model drafter's by
+    default, the EagleDrafter's (gpu_worker/eagle_drafter.py) otherwise."""
     now = time.monotonic() if now is None else now
     check_token_ids(drafter, request)
     release(drafter, [(request.scheduler_id, request_id) for request_id in request.release])
     evict_idle(drafter, now)
     batch_keys = {(request.scheduler_id, row.request_id) for row in request.rows}
-    prepared = [prepare_row(drafter, request.scheduler_id, row, batch_keys, now) for row in request.rows]
-    works = [item for item in prepared if isinstance(item, DraftRowWork)]
+    prepared = [prepare(drafter, request.scheduler_id, row, batch_keys, now) for row in request.rows]
+    works = [item for item in prepared if not isinstance(item, DraftResult)]
     try:
-        drafts = run_model(drafter, works)
+        drafts = run(drafter, works)
     except Exception:
         # Slots half-fed by a failed forward no longer match their records: drop them (resync).
         for work in works:

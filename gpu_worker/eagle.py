@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gpu_worker.checkpoint import D2T, load_d2t, save_d2t
+from gpu_worker.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, save_d2t, weight_files
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import ConfigError, Layer, Model, decoder_layer, linear, pack_weight, plan_step, rope_tables
+from gpu_worker.model import (ConfigError, Layer, Model, ModelConfig, decoder_layer, linear, pack_weight, plan_step,
+                              rope_tables)
 
 CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
 WEIGHTS_FILE = "model.safetensors"
@@ -149,7 +150,7 @@ def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
 
 def pack_features(features: torch.Tensor) -> bytes:
     """features (N, E) any float dtype -> N * E little-endian bf16 values, row-major: what a
-    verifier ships (docs/PROTOCOL.md#feature-level-drafts-design)."""
+    verifier ships (docs/PROTOCOL.md#feature-level-drafts)."""
     assert features.dim() == 2, features.shape
     return features.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
 
@@ -164,6 +165,26 @@ def unpack_features(data: bytes, shape: tuple[int, int], field: str = "features"
 
 # ---------------------------------------------------------------------------------------------
 # inference
+
+
+@dataclass
+class TargetPieces:
+    """What the head reuses of its target without its layers: its config and embedding (V, E).
+    `build_head` takes this or the whole Model."""
+    config: ModelConfig
+    embed: torch.Tensor
+
+
+def load_target_pieces(path, device="cpu", dtype=torch.float32) -> TargetPieces:
+    """The target's config and embedding from its HF-layout directory, reading no other tensor
+    (a drafter process need not hold the target's layers)."""
+    config = read_config(path)
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            name = next((n for n in f.keys() if HF_TO_OURS.get(n) == "embed"), None)  # noqa: SIM118 (safe_open)
+            if name is not None:
+                return TargetPieces(config, f.get_tensor(name).to(device=device, dtype=dtype))
+    raise CheckpointError(f"{path}: no embedding tensor among its weights {[p.name for p in weight_files(path)]}")
 
 
 @dataclass
@@ -184,15 +205,13 @@ class EagleHead:
     rope_sin: torch.Tensor         # (P, D) sign folded in (model.rope_tables)
 
 
-def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T, target: Model,
+def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T, target: Model | TargetPieces,
                max_seq_len: int | None = None) -> EagleHead:
     """Pack the head's weights on the target's device and dtype. The target must tie its
     lm_head to its embedding (its lm_head rows are read from the embedding)."""
-    if not target.config.tie_word_embeddings:
-        raise ConfigError("the EAGLE head needs a target with tied embeddings (tie_word_embeddings)")
-    if target.config.hidden_size != config.hidden_size or target.config.vocab_size != config.target_vocab_size:
-        raise ConfigError(f"head is for hidden {config.hidden_size} / vocab {config.target_vocab_size}, target has "
-                          f"{target.config.hidden_size} / {target.config.vocab_size}")
+    misfit = head_misfit(config, target.config)
+    if misfit is not None:
+        raise ConfigError(misfit)
     device, dtype = target.embed.device, target.embed.dtype
 
     def get(name):
@@ -212,14 +231,27 @@ def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T,
                      rope_cos=cos.to(device=device, dtype=dtype), rope_sin=sin.to(device=device, dtype=dtype))
 
 
-def load_head(path, target: Model, max_seq_len: int | None = None) -> EagleHead:
+def head_misfit(config: EagleConfig, target_config: ModelConfig) -> str | None:
+    """Why a head cannot serve a target, naming both shapes, or None when it can."""
+    if not target_config.tie_word_embeddings:
+        return "the EAGLE head needs a target with tied embeddings (tie_word_embeddings)"
+    if target_config.hidden_size != config.hidden_size or target_config.vocab_size != config.target_vocab_size:
+        return (f"the EAGLE head is for a target of hidden size {config.hidden_size} and vocabulary "
+                f"{config.target_vocab_size}; the target has hidden size {target_config.hidden_size} and vocabulary "
+                f"{target_config.vocab_size}")
+    return None
+
+
+def load_head(path, target: Model | TargetPieces, max_seq_len: int | None = None) -> EagleHead:
     config, weights, maps = load_head_weights(path)
     return build_head(config, weights, maps, target, max_seq_len)
 
 
-def new_cache(head: EagleHead, max_slots: int, max_seq_len: int) -> KVCache:
-    """The head's own KV cache: one layer, one slot per request."""
-    return KVCache(head.config, max_slots, max_seq_len, device=head.embed.device, dtype=head.embed.dtype)
+def new_cache(head: EagleHead, max_slots: int, max_seq_len: int, memory_bytes: int | None = None) -> KVCache:
+    """The head's own KV cache: one layer, one slot per request (memory_bytes: its budget, as
+    KVCache's)."""
+    return KVCache(head.config, max_slots, max_seq_len, device=head.embed.device, dtype=head.embed.dtype,
+                   memory_bytes=memory_bytes)
 
 
 @torch.inference_mode()

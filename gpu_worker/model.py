@@ -341,8 +341,9 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     num_new: (B,) int64 on CPU, 0 <= num_new[b] <= T. A row with 0 leaves its slot untouched.
     logits_index: (B, M) int64 positions in [0, T) whose logits to return, or None for all.
     Returns (B, T, V) or (B, M, V) logits in the model's dtype; with return_hidden, also the
-    final-normed hidden states the logits are read from, (B, T, E) or (B, M, E): the target
-    features a feature-level (EAGLE-style) draft conditions on. Batch-invariant like the logits.
+    final-normed hidden states of every new position, (B, T, E) whatever logits_index asks (the
+    logits at t are lm_head of row t): the target features a feature-level (EAGLE-style) draft
+    conditions on. Batch-invariant like the logits.
 
     New token t of row b sits at position cache.lengths[slot_b] + t and sees the slot's
     committed prefix plus new tokens 0..t. Logits at padding positions (t >= num_new[b]) are
@@ -367,10 +368,11 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     cache.commit(slots, num_new)
 
     x = x.view(B, T, E)
+    hidden = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) if return_hidden else None  # (B, T, E)
     if logits_index is not None:
         assert logits_index.shape[0] == B and logits_index.dim() == 2, logits_index.shape
         index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
     x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
     logits = linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)
-    return (logits, x) if return_hidden else logits
+    return (logits, hidden) if return_hidden else logits

@@ -65,7 +65,7 @@ def propose_ngram(history: np.ndarray, num_draft: int, max_n: int, min_n: int = 
 
 
 class TokenSlots:
-    """KVCache's slot bookkeeping (allocate, reserve, free, truncate, num_free, num_admissible)
+    """KVCache's slot bookkeeping (allocate, reserve, free, num_free, num_admissible)
     without tensors: a slot's whole state is its DraftSlot.token_ids, so memory never runs short
     and `reserve` only checks the slot. max_seq_len bounds a history as the verifier's does."""
 
@@ -94,10 +94,6 @@ class TokenSlots:
     def free(self, slot: int) -> None:
         self._check(slot)
         self._free.add(slot)
-
-    def truncate(self, slot: int, length: int) -> None:
-        """Nothing to roll back besides the token list, which the caller cuts."""
-        self._check(slot)
 
     def reserve(self, slot: int, length: int) -> None:
         """No storage to grow: a token list."""

@@ -78,10 +78,9 @@ class SlotOwner(Protocol):
     counters: Counter
 
 
-def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Model, KVCache]:
-    """The model in model_dir and a KV cache of config.max_slots slots within
-    config.kv_cache_memory (device, dtype from config); applies config.torch_threads first.
-    SpecbusError naming the field for a bad value."""
+def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:
+    """The dtype and the KV cache's memory budget in bytes of config, its other settings checked
+    (SpecbusError naming the field for a bad value) and config.torch_threads applied."""
     dtype = resolve_dtype(config.dtype, config.device)
     memory_bytes = parse_bytes(config.kv_cache_memory, "kv_cache_memory")
     if config.prefill_chunk < 1:
@@ -93,6 +92,14 @@ def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Mo
     if config.torch_threads:
         # process-wide; worker threads (asyncio.to_thread) pick it up on their first parallel op
         torch.set_num_threads(config.torch_threads)
+    return dtype, memory_bytes
+
+
+def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Model, KVCache]:
+    """The model in model_dir and a KV cache of config.max_slots slots within
+    config.kv_cache_memory (device, dtype from config); applies config.torch_threads first.
+    SpecbusError naming the field for a bad value."""
+    dtype, memory_bytes = model_settings(config)
     log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."))
     model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len)
     cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype, memory_bytes)

@@ -79,6 +79,23 @@ def draft_misfit(target_dir, draft_dir) -> str | None:
     return None
 
 
+def eagle_misfit(target_dir, head_dir) -> str | None:
+    """Why an EAGLE head cannot serve a target, or None when it can: the head reads the target's
+    features and its embedding as lm_head, so its hidden size and vocabulary must be the target's
+    and the target must tie lm_head to its embedding (gpu_worker/eagle.py `head_misfit` checks
+    the same of loaded configs)."""
+    target_dir, head_dir = Path(target_dir), Path(head_dir)
+    head, target = _read_json(head_dir / "eagle_config.json"), _read_json(target_dir / "config.json")
+    wanted = (head.get("hidden_size"), head.get("target_vocab_size"))
+    given = (target.get("hidden_size"), target.get("vocab_size"))
+    if wanted != given:
+        return (f"EAGLE head {head_dir} is for a target of hidden size {wanted[0]} and vocabulary {wanted[1]}; "
+                f"target model {target_dir} has hidden size {given[0]} and vocabulary {given[1]}")
+    if not target.get("tie_word_embeddings"):
+        return f"EAGLE head {head_dir} needs a target with tied embeddings; target model {target_dir} has none"
+    return None
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 

@@ -33,7 +33,15 @@
 5. logprobs of the emitted tokens (with the K the sampler used), prompt logprobs (the logprob
    of prompt token j given tokens < j, for j = 1..prompt_len-1, computed chunk by chunk and
    kept in the request's state until the row that completes the prompt) and sampling masks
-   become one SideChannelRecord per row that wants the side channel.
+   become one SideChannelRecord per row that wants the side channel;
+6. target features (docs/PROTOCOL.md#feature-level-drafts): every forward also returns the
+   final-normed hidden states of every position it computes (`forward(return_hidden=True)`), and
+   each row's are kept, as bf16, in its slot's feature buffer (`store_features`), whether the row
+   asked or not (a request whose drafter changes to an eagle one later needs the positions
+   computed before). A row with features_from gets the block of positions features_from .. its
+   committed length - 1 from the buffer (`feature_block`, at most MAX_FEATURE_BLOCK_BYTES: the
+   scheduler asks the rest next step). Nothing else reads them: tokens and logprobs are the
+   same with and without.
 
 Logprob values follow LogprobArrays: raw mode = log_softmax(logits) of the model's logits;
 processed mode = log_softmax(logits / T) of the penalised logits with logz_k, the reader
@@ -56,6 +64,7 @@ import torch
 
 from gpu_worker.checkpoint import model_id
 from gpu_worker.coupling import gumbel_argmax
+from gpu_worker.eagle import pack_features
 from gpu_worker.kv_cache import CacheFullError, CacheMemoryError, KVCache
 from gpu_worker.logprobs import TokenLogprobs, gather_logprobs
 from gpu_worker.model import Model, forward
@@ -67,14 +76,15 @@ from gpu_worker.slots import free_request, load_model_and_cache, release
 from gpu_worker.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (Error, LogprobArrays, RowSampling, SamplingMask, SideChannelRecord, VerifyRequest,
-                              VerifyResponse, VerifyResult, VerifyRow)
+from schemas.messages import (MAX_FEATURE_BLOCK_BYTES, Error, FeatureBlock, LogprobArrays, RowSampling, SamplingMask,
+                              SideChannelRecord, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow)
 
 log = structlog.get_logger(__name__)
 
 # Chunks share a padded forward while the padding stays under this many tokens plus a quarter
 # of the real ones (see step 3 of the module docstring for the measurement behind it).
 FREE_PADDING_TOKENS = 32
+FEATURE_BLOCK = 512  # positions a slot's feature buffer grows by
 # |sum - 1| allowed of a draft distribution: float16 probs round each value by at most 2**-11
 # relative (4.9e-4 in the sum), float32 softmax sums are off by ~1e-6.
 PROBS_SUM_TOLERANCE = 1e-3
@@ -91,7 +101,8 @@ class VerifierSlot:
     for retries. prompt_logprobs covers prompt positions prompt_offset.. (the request asked for
     prompt logprobs and the prompt is not complete yet); prompt_logits (V,) are the logits at
     the last position fed, which give the logprob of the first token of the next chunk
-    (position prompt_offset + n).
+    (position prompt_offset + n). features (capacity, E) bf16: row t is the target's feature at
+    position t, valid below the slot's cache length (`store_features`).
     """
 
     slot: int
@@ -103,6 +114,7 @@ class VerifierSlot:
     prompt_logprobs: LogprobArrays | None = None
     prompt_offset: int = 1
     prompt_logits: torch.Tensor | None = None
+    features: torch.Tensor | None = None
 
     @property
     def prompt_end(self) -> int:
@@ -126,6 +138,11 @@ class Verifier:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    @property
+    def max_feature_rows(self) -> int:
+        """Positions of one FeatureBlock at most (MAX_FEATURE_BLOCK_BYTES of bf16)."""
+        return MAX_FEATURE_BLOCK_BYTES // (2 * self.model.config.hidden_size)
 
 
 @dataclass
@@ -172,9 +189,10 @@ class VerifyRowWork:
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
     model, cache = load_model_and_cache(config.target_model, config)
-    # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of
+    # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of;
+    # hidden_size: they size the feature blocks they ask for by it (2 bytes a value)
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),
-                 "max_seq_len": str(config.max_seq_len)}
+                 "max_seq_len": str(config.max_seq_len), "hidden_size": str(model.config.hidden_size)}
     return Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
                     prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
 
@@ -388,11 +406,38 @@ def forward_group(verifier: Verifier, group: list[tuple[VerifyRowWork, int, int]
     logits_index = torch.tensor([w + [w[-1] if w else 0] * (M - len(w)) for w in wanted], dtype=torch.long)
     slots = torch.tensor([work.state.slot for work, _, _ in group], dtype=torch.long)
     num_new = torch.tensor([end - begin for _, begin, end in group], dtype=torch.long)
-    logits = forward(verifier.model, verifier.cache, slots, token_ids.to(device), num_new, logits_index)  # (B, M, V)
+    logits, hidden = forward(verifier.model, verifier.cache, slots, token_ids.to(device), num_new, logits_index,
+                             return_hidden=True)  # (B, M, V), (B, T, E)
     for b, (work, begin, end) in enumerate(group):
         offsets = [begin + o for o in wanted[b]]
         take_logits(verifier, work, offsets, logits[b, :len(offsets)])
+        store_features(work.state, work.start + begin, hidden[b, :end - begin])
         work.fed = end
+
+
+def store_features(state: VerifierSlot, start: int, hidden: torch.Tensor) -> None:
+    """Keep hidden (n, E), the target's features at positions start..start+n-1, in the slot's
+    bf16 buffer, which grows by whole FEATURE_BLOCKs to hold them."""
+    end, E = start + hidden.shape[0], hidden.shape[1]
+    buffer = state.features
+    if buffer is None or buffer.shape[0] < end:
+        grown = hidden.new_empty((-(-end // FEATURE_BLOCK) * FEATURE_BLOCK, E), dtype=torch.bfloat16)
+        if buffer is not None:
+            grown[:buffer.shape[0]] = buffer
+        state.features = buffer = grown
+    buffer[start:end] = hidden
+
+
+def feature_block(verifier: Verifier, state: VerifierSlot, features_from: int | None,
+                  committed: int) -> FeatureBlock | None:
+    """The features of positions features_from .. committed - 1 the slot holds, at most
+    max_feature_rows of them; None when none is asked or there are none."""
+    if features_from is None or features_from >= committed:
+        return None
+    stop = min(committed, features_from + verifier.max_feature_rows)
+    rows = state.features[features_from:stop]  # (n, E): every position below committed was computed here
+    verifier.counters["feature_rows_sent"] += stop - features_from
+    return FeatureBlock(start=features_from, shape=list(rows.shape), data=pack_features(rows))
 
 
 def take_logits(verifier: Verifier, work: VerifyRowWork, offsets: list[int], logits: torch.Tensor) -> None:
@@ -672,15 +717,16 @@ def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
         record = (row.postprocessor_id, side_record(verifier, work, batch_id, verified, published, work.prompt_offset))
     if work.completes_prompt:
         state.prompt_logprobs, state.prompt_logits = None, None
+    features = feature_block(verifier, state, row.features_from, committed)
     if verified is None:
-        return VerifyResult(request_id=row.request_id, step=row.step), record
+        return VerifyResult(request_id=row.request_id, step=row.step, features=features), record
     verifier.counters["tokens_emitted"] += len(verified.token_ids)
     verifier.counters["drafts_proposed"] += work.num_draft
     verifier.counters["drafts_accepted"] += verified.num_accepted
     verifier.counters["residual_fallbacks"] += verified.residual_fallback
     return VerifyResult(request_id=row.request_id, step=row.step, token_ids=verified.token_ids.numpy(),
                         num_draft=work.num_draft, num_accepted=verified.num_accepted,
-                        residual_fallback=verified.residual_fallback), record
+                        residual_fallback=verified.residual_fallback, features=features), record
 
 
 def failed_result(verifier: Verifier, row: VerifyRow, error: Error) -> VerifyResult:

@@ -6,8 +6,8 @@ from schemas.codec import DEFAULT_MAX_BYTES, decode, decode_any, encode, error_r
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.messages import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
                               MESSAGE_TYPES, PROTOCOL_VERSION, Admitted, CancelRequest, Commit, DraftRequest,
-                              DraftResponse, DraftResult, DraftRow, Error, GenerateRequest, Heartbeat,
-                              LogprobArrays, LogprobOptions, Message, Proposal, RowSampling, SamplingMask,
+                              DraftResponse, DraftResult, DraftRow, Error, FeatureBlock, GenerateRequest,
+                              Heartbeat, LogprobArrays, LogprobOptions, Message, Proposal, RowSampling, SamplingMask,
                               SamplingParams, SideChannelRecord, SpeculativeOptions, StopNotice, StreamChunk,
                               TokenLogprob, Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow,
                               check_limits, new_request_id)
@@ -19,7 +19,8 @@ __all__ = [
     "CodecError", "ErrorCode", "SpecbusError",
     "DEGRADED_REASONS", "MAX_SPECULATIVE_TOKENS", "MAX_TOKENS_CAP", "MAX_TOP_LOGPROBS", "MESSAGE_TYPES",
     "PROTOCOL_VERSION", "Admitted", "CancelRequest", "Commit", "DraftRequest", "DraftResponse", "DraftResult",
-    "DraftRow", "Error", "GenerateRequest", "Heartbeat", "LogprobArrays", "LogprobOptions", "Message", "Proposal",
+    "DraftRow", "Error", "FeatureBlock", "GenerateRequest", "Heartbeat", "LogprobArrays", "LogprobOptions", "Message",
+    "Proposal",
     "RowSampling", "SamplingMask", "SamplingParams", "SideChannelRecord", "SpeculativeOptions", "StopNotice",
     "StreamChunk", "TokenLogprob", "Usage", "VerifyRequest", "VerifyResponse", "VerifyResult", "VerifyRow",
     "check_limits", "new_request_id",

@@ -27,7 +27,11 @@ TINY_DRAFT = REPO_MODELS / "tiny" / "draft"
 # and the draft distilled from it, shipped in git.
 DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_MODELS / "smollm2-draft"
-DRAFT_METHODS = ("model", "ngram")  # a drafter's: a draft model, or prompt lookup (gpu_worker/ngram.py)
+# The EAGLE head trained on the default target's features (models/README.md), shipped in git.
+DEFAULT_EAGLE_HEAD = REPO_MODELS / "smollm2-eagle"
+# a drafter's: a draft model, prompt lookup (gpu_worker/ngram.py), or an EAGLE head over the
+# target's features (gpu_worker/eagle_drafter.py)
+DRAFT_METHODS = ("model", "ngram", "eagle")
 
 
 def specbus_home() -> Path:
@@ -48,6 +52,8 @@ def check_model_dir(path, field: str) -> None:
         hint = "run `specbus models pull` to fetch and convert it"
     elif path == DEFAULT_DRAFT:
         hint = "it ships in the repository (ops/distill_draft.py makes it); check out models/ in full"
+    elif path == DEFAULT_EAGLE_HEAD:
+        hint = "it ships in the repository (ops/train_eagle.py makes it); check out models/ in full"
     else:
         hint = "give an HF-layout directory (config.json, *.safetensors, tokenizer.json)"
     raise SpecbusError(ErrorCode.invalid_field, f"{field}: model directory {path} does not exist; {hint}", field)
@@ -141,10 +147,14 @@ class DrafterConfig(ModelServiceConfig):
     draft_model: str = str(DEFAULT_DRAFT)
     # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/ngram.py),
     # drafts continue the longest n-gram (ngram_max down to ngram_min tokens) seen before in the
-    # request's own history; it fits every target.
+    # request's own history; it fits every target; "eagle": the EAGLE head in eagle_head over the
+    # target's own features (gpu_worker/eagle_drafter.py), with target_model's embedding; it fits
+    # that target only.
     draft_method: str = "model"
     ngram_max: int = 4
     ngram_min: int = 1
+    eagle_head: str = str(DEFAULT_EAGLE_HEAD)
+    target_model: str = dataclasses.field(default_factory=default_target_model)
 
     def __post_init__(self) -> None:
         if self.draft_method not in DRAFT_METHODS:

@@ -54,6 +54,10 @@ MAX_INBOX_LEN = 256  # characters of a client's reply subject (Commit.client_inb
 # its top MAX_DRAFT_SUPPORT ids (renormalised), and schedulers size draft batches by it.
 MAX_DRAFT_SUPPORT = 256
 
+MAX_FEATURE_SIZE = 1 << 16  # values per position of a FeatureBlock (the target's hidden size) at most
+# bytes of one FeatureBlock's data at most: a row's share of a message; larger goes in pieces
+MAX_FEATURE_BLOCK_BYTES = 4 << 20
+
 # Reasons a chunk can be flagged with; `degraded` accepts any snake_case word so a new
 # fallback does not need a protocol bump, but these are the ones the pipeline emits.
 DEGRADED_REASONS = ("draft_timeout", "logprobs_timeout", "logprobs_invalid", "migrated", "verifier_retry",
@@ -306,14 +310,14 @@ class LogprobOptions(WireModel):
 
 class SpeculativeOptions(WireModel):
     """draft_method: which drafters a request may use (docs/PROTOCOL.md#draft-methods). "model":
-    a draft model; "ngram": prompt lookup (no model); "auto": a model drafter when one is live,
-    else an ngram one, and with both live the one that measures better for this request
-    (services/pipeline/draft_method.py)."""
+    a draft model; "ngram": prompt lookup (no model); "eagle": a head over the target's own
+    features; "auto": whichever kind is live, and with several the one that measures better for
+    this request (services/pipeline/draft_method.py)."""
 
     # 0 = plain decoding; else the most drafts a step takes (docs/PROTOCOL.md#adaptive-k)
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_mode: Literal["greedy", "sample"] = "greedy"
-    draft_method: Literal["auto", "model", "ngram"] = "auto"
+    draft_method: Literal["auto", "model", "ngram", "eagle"] = "auto"
 
 
 # ---------------------------------------------------------------- client <-> service
@@ -631,6 +635,42 @@ class DraftTokens(WireModel):
         return self
 
 
+class FeatureBlock(WireModel):
+    """The target's features at consecutive history positions (docs/PROTOCOL.md#feature-level-drafts).
+
+    start: the history position of row 0. shape: [n, E], n >= 1 positions of E values, E the
+    target's hidden size, 2 x n x E at most MAX_FEATURE_BLOCK_BYTES. data: n x E little-endian
+    bfloat16 values, row-major: row i is the final-normed hidden state at position start + i (what
+    the target's lm_head reads), rounded to bf16.
+    """
+
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64")
+
+    start: Count
+    shape: list[int] = Field(min_length=2, max_length=2)
+    dtype: Literal["bfloat16"] = "bfloat16"
+    data: bytes = Field(strict=True)
+
+    @model_validator(mode="after")
+    def _sizes_agree(self) -> "FeatureBlock":
+        n, e = self.shape
+        if n < 1 or not 1 <= e <= MAX_FEATURE_SIZE:
+            raise field_error("shape", f"shape {self.shape}: a block holds n >= 1 positions of 1 <= E <= "
+                                       f"{MAX_FEATURE_SIZE} values")
+        if 2 * n * e > MAX_FEATURE_BLOCK_BYTES:
+            raise field_error("shape", f"shape {self.shape} is {2 * n * e} bytes of bfloat16, over the "
+                                       f"{MAX_FEATURE_BLOCK_BYTES} bytes of a block")
+        if len(self.data) != 2 * n * e:
+            raise field_error("data", f"{len(self.data)} bytes do not hold a bfloat16 matrix of shape "
+                                      f"{self.shape} ({2 * n * e} bytes)")
+        return self
+
+    @property
+    def end(self) -> int:
+        """The history position after its last row."""
+        return self.start + self.shape[0]
+
+
 class DraftRow(WireModel):
     """One request in a DraftRequest.
 
@@ -639,6 +679,8 @@ class DraftRow(WireModel):
     A drafter holding something else answers need_resync instead of guessing.
     prompt_len: history positions before it are the prompt, the rest the output, whose tokens
     the draft's own presence and frequency penalties count.
+    features: for an eagle drafter, the target's features the scheduler received since it last
+    gave this drafter some, joined (docs/PROTOCOL.md#feature-level-drafts); None for the others.
     """
 
     request_id: RequestId
@@ -650,6 +692,7 @@ class DraftRow(WireModel):
     draft_mode: Literal["greedy", "sample"] = "greedy"
     sampling: RowSampling = Field(default_factory=RowSampling)
     prompt_len: Count = 0
+    features: FeatureBlock | None = None
 
 
 class DraftRequest(Batch):
@@ -697,6 +740,9 @@ class VerifyRow(DraftTokens):
     prompt_len: Count
     is_retry: bool = False
     emit: bool = True
+    features_from: Count | None = Field(None, description=(
+        "the first history position whose target features the result carries, up to the last position the "
+        "verifier holds after the step (docs/PROTOCOL.md#feature-level-drafts); None: no features"))
 
 
 class VerifyRequest(Batch):
@@ -722,6 +768,9 @@ class VerifyResult(WireModel):
     need_resync: bool = False
     residual_fallback: bool = False  # the residual had zero mass; the target's own sample was emitted
     error: Error | None = None
+    features: FeatureBlock | None = Field(None, description=(
+        "the target's features of positions features_from up to the verifier's length after the step, at most "
+        "MAX_FEATURE_BLOCK_BYTES of them; None when the row asked none or there are none"))
 
     @model_validator(mode="after")
     def _counts(self) -> "VerifyResult":
@@ -881,7 +930,7 @@ class Heartbeat(Message):
     load: Count  # in flight now
     free_slots: int | None = Field(None, ge=0)
     # e.g. {"target": "...", "draft": "...", "tokenizer": hash}; a drafter's "draft_method" ("model"
-    # when absent, or "ngram"); "tokenizer": ANY_TOKENIZER for an instance that fits every target
+    # when absent, "ngram" or "eagle"); "tokenizer": ANY_TOKENIZER for an instance that fits every target
     model_ids: dict[str, str] = Field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
     sent_at: float = Field(ge=0, allow_inf_nan=False)

@@ -216,9 +216,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="0 = plain decoding")
     speculative.add_argument("--draft-mode", choices=["greedy", "sample"], default=None)
-    speculative.add_argument("--draft-method", choices=["auto", "model", "ngram"], default=None,
-                             help="which drafters this request may use (default auto: a model drafter, else "
-                                  "prompt lookup; with both, the better one for this request)")
+    speculative.add_argument("--draft-method", choices=["auto", "model", "ngram", "eagle"], default=None,
+                             help="which drafters this request may use (default auto: whichever kind is live; with "
+                                  "several, the better one for this request)")
     speculative.add_argument("--coupling", choices=["rejection", "gumbel"], default=None,
                              help="gumbel: a seeded sampled output independent of k and the draft (default rejection)")
     logprobs = parser.add_argument_group("logprobs and masks")

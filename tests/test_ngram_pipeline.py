@@ -51,8 +51,8 @@ async def stack(target, tmp_path_factory):
         yield running
 
 
-def greedy(prompt, k, **options):
-    return make_request(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, num_speculative_tokens=k,
+def greedy(prompt, k, max_tokens=MAX_TOKENS, **options):
+    return make_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, num_speculative_tokens=k,
                         timeout_s=TIMEOUT_S, **options)
 
 

@@ -110,6 +110,41 @@ def totals(runs: list[dict]) -> dict:
             "acceptance": accepted / proposed if proposed else 0.0, "proposed": proposed, "accepted": accepted}
 
 
+async def paired_runs(config: StackConfig, prompts: list[tuple[str, dict]], k: int, max_tokens: int,
+                      json_path: Path | None = None) -> dict[int, list[dict]]:
+    """Through a stack of config, batch 1, greedy: each prompt (an id, make_request's prompt
+    arguments) at k=0 and then at k, next to each other in time (the cores are shared); the
+    `timed` figures of each run, by k. Kept in json_path as it goes."""
+    runs: dict[int, list[dict]] = {0: [], k: []}
+    async with Stack(config) as stack, stack.client() as client:
+        warm = make_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
+        await client.generate(warm)  # first-call costs (allocations, page faults) out of the figures
+        for index, (prompt_id, prompt) in enumerate(prompts):
+            for num_draft in (0, k):
+                request = make_request(**prompt, max_tokens=max_tokens, temperature=0.0,
+                                       num_speculative_tokens=num_draft, timeout_s=1800)
+                runs[num_draft].append(await timed(client, request))
+            plain, spec = runs[0][-1], runs[k][-1]
+            same = plain["token_ids"] == spec["token_ids"]
+            print(f"[{index + 1}/{len(prompts)}] {prompt_id}: {len(plain['token_ids'])} tokens, "
+                  f"k=0 {plain['e2e_s']:.1f}s, k={k} {spec['e2e_s']:.1f}s "
+                  f"({len(spec['token_ids']) / spec['steps']:.2f} tokens/step){'' if same else ' OUTPUT DIFFERS'}",
+                  flush=True)
+            if json_path:  # kept as it goes: a run cut short still leaves its prompts' figures
+                json_path.write_text(json.dumps({"runs": {str(n): runs[n] for n in runs}}))
+    return runs
+
+
+def summary(runs: dict[int, list[dict]], k: int, **settings) -> dict:
+    """The totals of k=0 and k, their ratios and whether every output was identical."""
+    result = {**settings, "k": k, "k0": totals(runs[0]), "spec": totals(runs[k]),
+              "runs": {str(n): runs[n] for n in runs},
+              "identical": all(a["token_ids"] == b["token_ids"] for a, b in zip(runs[0], runs[k]))}
+    result["ratio_tokens_per_s"] = result["spec"]["tokens_per_s"] / result["k0"]["tokens_per_s"]
+    result["ratio_decode_tokens_per_s"] = result["spec"]["decode_tokens_per_s"] / result["k0"]["decode_tokens_per_s"]
+    return result
+
+
 async def bench(args: argparse.Namespace) -> dict:
     prompts = input_grounded_prompts(args.prompts)
     config = StackConfig(target_model=args.target_model, draft_method="ngram", dtype=args.dtype,
@@ -119,35 +154,15 @@ async def bench(args: argparse.Namespace) -> dict:
                                     "verifier": ["--max-slots", "4"],
                                     "drafter": ["--max-slots", "4", "--ngram-max", str(args.ngram_max),
                                                 "--ngram-min", str(args.ngram_min)]})
-    runs: dict[int, list[dict]] = {0: [], args.k: []}
-    async with Stack(config) as stack, stack.client() as client:
-        warm = make_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
-        await client.generate(warm)  # first-call costs (allocations, page faults) out of the figures
-        for index, (conversation_id, prompt) in enumerate(prompts):
-            for k in (0, args.k):
-                request = make_request(messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-                                       temperature=0.0, num_speculative_tokens=k, timeout_s=1800)
-                runs[k].append(await timed(client, request))
-            plain, spec = runs[0][-1], runs[args.k][-1]
-            same = plain["token_ids"] == spec["token_ids"]
-            print(f"[{index + 1}/{len(prompts)}] {conversation_id}: {len(plain['token_ids'])} tokens, "
-                  f"k=0 {plain['e2e_s']:.1f}s, k={args.k} {spec['e2e_s']:.1f}s "
-                  f"({len(spec['token_ids']) / spec['steps']:.2f} tokens/step){'' if same else ' OUTPUT DIFFERS'}",
-                  flush=True)
-            if args.json:  # kept as it goes: a run cut short still leaves its prompts' figures
-                args.json.write_text(json.dumps({"runs": {str(k): runs[k] for k in runs}}))
-    result = {"prompts": [cid for cid, _ in prompts], "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
-              "ngram": [args.ngram_min, args.ngram_max], "k0": totals(runs[0]), "spec": totals(runs[args.k]),
-              "runs": {str(k): runs[k] for k in runs},
-              "identical": all(a["token_ids"] == b["token_ids"] for a, b in zip(runs[0], runs[args.k]))}
-    result["ratio_tokens_per_s"] = result["spec"]["tokens_per_s"] / result["k0"]["tokens_per_s"]
-    result["ratio_decode_tokens_per_s"] = result["spec"]["decode_tokens_per_s"] / result["k0"]["decode_tokens_per_s"]
-    return result
+    runs = await paired_runs(config, [(cid, {"messages": [{"role": "user", "content": prompt}]})
+                                      for cid, prompt in prompts], args.k, args.max_tokens, args.json)
+    return summary(runs, args.k, prompts=[cid for cid, _ in prompts], max_tokens=args.max_tokens, dtype=args.dtype,
+                   ngram=[args.ngram_min, args.ngram_max])
 
 
-def report(result: dict) -> str:
+def report(result: dict, label: str = "ngram") -> str:
     k = result["k"]
-    rows = [("k=0", result["k0"]), (f"k={k} ngram", result["spec"])]
+    rows = [("k=0", result["k0"]), (f"k={k} {label}", result["spec"])]
     lines = ["| config | tokens | wall s | tokens/s | decode tokens/s | tokens/step | acceptance |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {name} | {r['tokens']} | {r['e2e_s']:.1f} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} "

@@ -289,7 +289,7 @@ class Body(BaseModel):
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
     draft_mode: Literal["greedy", "sample"] | None = None
-    draft_method: Literal["auto", "model", "ngram"] | None = None
+    draft_method: Literal["auto", "model", "ngram", "eagle"] | None = None
     coupling: Literal["rejection", "gumbel"] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None
     sampling_mask: bool | None = None

@@ -101,8 +101,9 @@ class StackError(RuntimeError):
 
 @dataclass(frozen=True)
 class StackConfig:
-    """What to run. counts: instances per role. target_model/draft_model None: the services'
-    defaults (the shipped pair, or SPECBUS_TARGET_MODEL / SPECBUS_DRAFT_MODEL).
+    """What to run. counts: instances per role. target_model/draft_model/eagle_head None: the
+    services' defaults (the shipped pair and head, or SPECBUS_TARGET_MODEL / SPECBUS_DRAFT_MODEL /
+    SPECBUS_EAGLE_HEAD).
     role_args: extra `serve <role>` flags, e.g. {"scheduler": ["--max-queue", "4"]}.
     role_env: extra environment per role (it wins over the stack's own).
     auth: generate users and passwords for every role and for client_users (module docstring).
@@ -122,9 +123,10 @@ class StackConfig:
     http_port: int = 0
     target_model: str | None = None
     draft_model: str | None = None
-    # the drafters' --draft-method: "model" (draft_model) or "ngram" (prompt lookup, no model);
-    # None: theirs (SPECBUS_DRAFT_METHOD, model)
+    # the drafters' --draft-method: "model" (draft_model), "ngram" (prompt lookup, no model) or
+    # "eagle" (eagle_head over target_model's features); None: theirs (SPECBUS_DRAFT_METHOD, model)
     draft_method: str | None = None
+    eagle_head: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
@@ -210,7 +212,8 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
             "--nats-url", nats_url, "--prefix", config.prefix, "--instance-id", instance_id]
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
     settings = {"target_model": config.target_model, "tokenizer": config.target_model,
-                "draft_model": config.draft_model, "draft_method": config.draft_method, "dtype": config.dtype,
+                "draft_model": config.draft_model, "draft_method": config.draft_method,
+                "eagle_head": config.eagle_head, "dtype": config.dtype,
                 "kv_cache_memory": config.kv_cache_memory, "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):
         if settings.get(config_field.name) is not None:

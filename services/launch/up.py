@@ -8,8 +8,8 @@ import os
 import sys
 from contextlib import AsyncExitStack
 
-from gpu_worker.tokenizer import draft_misfit
-from schemas.config import DEFAULT_DRAFT, ENV_PREFIX, ROLES, check_model_dir, default_target_model
+from gpu_worker.tokenizer import draft_misfit, eagle_misfit
+from schemas.config import DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, ROLES, check_model_dir, default_target_model
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
@@ -30,9 +30,13 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "`specbus models pull` puts it in $SPECBUS_HOME)")
     parser.add_argument("--draft-model", default=None,
                         help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: models/smollm2-draft)")
-    parser.add_argument("--draft-method", default=None, choices=["model", "ngram"],
+    parser.add_argument("--draft-method", default=None, choices=["model", "ngram", "eagle"],
                         help="the drafters' method (env SPECBUS_DRAFT_METHOD; default model: --draft-model; ngram: "
-                             "prompt lookup in the request's own text, no model, fits any target)")
+                             "prompt lookup in the request's own text, no model, fits any target; eagle: --eagle-head "
+                             "over the target's own features, fits the target it was trained for)")
+    parser.add_argument("--eagle-head", default=None,
+                        help="EAGLE head dir for --draft-method eagle (env SPECBUS_EAGLE_HEAD; default: "
+                             "models/smollm2-eagle, for the default target)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
                              "on CUDA and on CPUs with native bf16, else float32)")
@@ -69,6 +73,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         target_model=args.target_model or os.environ.get(ENV_PREFIX + "TARGET_MODEL"),
         draft_model=args.draft_model or os.environ.get(ENV_PREFIX + "DRAFT_MODEL"),
         draft_method=args.draft_method or os.environ.get(ENV_PREFIX + "DRAFT_METHOD"),
+        eagle_head=args.eagle_head or os.environ.get(ENV_PREFIX + "EAGLE_HEAD"),
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         verifier_threads=args.verifier_threads,
@@ -92,13 +97,20 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
     try:  # a missing model dir fails here, naming it, rather than in each child's log
         if config.verifiers or config.schedulers or config.postprocessors:
             check_model_dir(config.target_model or default_target_model(), "target_model")
-        model_drafters = config.drafters and config.draft_method != "ngram"
+        target = config.target_model or default_target_model()
+        model_drafters = config.drafters and config.draft_method in (None, "model")
         if model_drafters:
             check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
         if model_drafters and config.verifiers:
-            misfit = draft_misfit(config.target_model or default_target_model(), config.draft_model or DEFAULT_DRAFT)
+            misfit = draft_misfit(target, config.draft_model or DEFAULT_DRAFT)
             if misfit is not None:
                 raise SpecbusError(ErrorCode.invalid_field, misfit, "draft_model")
+        if config.drafters and config.draft_method == "eagle":
+            check_model_dir(config.eagle_head or DEFAULT_EAGLE_HEAD, "eagle_head")
+            check_model_dir(target, "target_model")  # the head reads its embedding
+            misfit = eagle_misfit(target, config.eagle_head or DEFAULT_EAGLE_HEAD)
+            if misfit is not None:
+                raise SpecbusError(ErrorCode.invalid_field, misfit, "eagle_head")
     except SpecbusError as exc:
         print_error(exc)
         return None

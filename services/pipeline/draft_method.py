@@ -4,18 +4,22 @@ alive (docs/PROTOCOL.md#draft-methods). No NATS, no awaits: scheduler_core.py ca
 step whose drafts a drafter answered is verified.
 
 A drafter's method is its heartbeat's model_ids["draft_method"]: "ngram" (prompt lookup,
-gpu_worker/ngram.py) or "model" (also when absent: drafters from before the field).
+gpu_worker/ngram.py), "eagle" (an EAGLE head over the target's features,
+gpu_worker/eagle_drafter.py) or "model" (also when absent: drafters from before the field). An
+eagle drafter fits only requests whose verifier serves the target it was trained for (its
+heartbeat's model_ids["target"] is the verifier's): it drafts from that target's features.
 
-- "model" / "ngram": only drafters of that method; none live: the request runs k=0 flagged
-  draft_timeout, as without any drafter.
-- "auto", measured per request: with one method live it uses that one (no model drafter
-  registered: prompt lookup). With both live it tries ngram for TRIAL_STEPS answered steps
-  (first, since its slot costs nothing to fill), then a model drafter for TRIAL_STEPS, then keeps
-  the method whose drafts were accepted more per step (mean accepted draft tokens per answered
-  step: a step where the ngram drafter found no match counts as 0; a tie goes to ngram, which
-  costs no forward). The slot on the drafter it leaves is released; the new one starts from the
-  whole history (drafter_len 0). Steps without an answer (draft_timeout, resync) do not count.
-  Once settled, a replaced drafter is of the chosen method when one is live, else the other.
+- "model" / "ngram" / "eagle": only drafters of that method; none live: the request runs k=0
+  flagged draft_timeout, as without any drafter.
+- "auto", measured per request: with one method live it uses that one. With several live it
+  tries each for TRIAL_STEPS answered steps, in METHODS order (cheapest first: ngram's slot
+  costs nothing to fill, an eagle head's one layer little), then keeps the method whose drafts
+  were accepted most per step (mean accepted draft tokens per answered step: a step where the
+  ngram drafter found no match counts as 0; a tie goes to the earlier method). The slot on the
+  drafter it leaves is released; the new one starts from the whole history (drafter_len 0, and
+  for an eagle drafter the features from position 0). Steps without an answer (draft_timeout,
+  resync) do not count. Once settled, a replaced drafter is of the chosen method when one is
+  live, else of another.
 """
 
 from collections import Counter
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from schemas.messages import Heartbeat
 
 TRIAL_STEPS = 8
-METHODS = ("ngram", "model")  # "auto"'s trial order
+METHODS = ("ngram", "eagle", "model")  # "auto"'s trial order, and its order of preference on a tie
 
 
 def method_of(heartbeat: Heartbeat) -> str:
@@ -37,25 +41,43 @@ class DraftTrial:
 
     steps: Counter = field(default_factory=Counter)
     accepted: Counter = field(default_factory=Counter)
-    settled: str | None = None  # the method chosen once both were tried
+    settled: str | None = None  # the method chosen once every live one was tried
 
     def rate(self, method: str) -> float:
         return self.accepted[method] / self.steps[method] if self.steps[method] else 0.0
 
-    def wanted(self) -> str:
-        """The method to use next: the settled one, else the first not tried for TRIAL_STEPS."""
-        if self.settled is not None:
+    def best(self, methods: list[str]) -> str:
+        """The method of methods accepted most per step; a tie goes to the earlier in METHODS."""
+        return max(methods, key=lambda m: (self.rate(m), -METHODS.index(m)))
+
+    def wanted(self, live: list[str]) -> str | None:
+        """The method to use next, of the live ones: the settled one, else the first not tried for
+        TRIAL_STEPS, else the best; None when none is live."""
+        if self.settled in live:
             return self.settled
-        return next((m for m in METHODS if self.steps[m] < TRIAL_STEPS), METHODS[-1])
+        untried = [m for m in live if self.steps[m] < TRIAL_STEPS]
+        return untried[0] if untried else (self.best(live) if live else None)
 
 
-def other(method: str) -> str:
-    return METHODS[1 - METHODS.index(method)]
+def fits(state, request, method: str):
+    """The heartbeat filter of drafters of method that can draft for request: an eagle drafter
+    only for the target of the request's verifier."""
+    if method != "eagle":
+        return lambda beat: method_of(beat) == method
+    verifier = state.placement.registry.instances.get(request.verifier_id) if request.verifier_id else None
+    target = None if verifier is None else verifier.info.model_ids.get("target")
+    return lambda beat: method_of(beat) == "eagle" and target is not None and beat.model_ids.get("target") == target
 
 
-def pick_method(state, method: str) -> str | None:
-    """A live compatible drafter of `method` with room (Placement.pick), not counted as pinned."""
-    return state.placement.pick("drafter", state.pinned_count, accept=lambda beat: method_of(beat) == method)
+def pick_method(state, request, method: str) -> str | None:
+    """A live compatible drafter of `method` for request with room (Placement.pick), not counted
+    as pinned."""
+    return state.placement.pick("drafter", state.pinned_count, accept=fits(state, request, method))
+
+
+def live_methods(state, request) -> list[str]:
+    """The methods with a live compatible drafter for request, in METHODS order."""
+    return [m for m in METHODS if state.placement.compatible("drafter", accept=fits(state, request, m))]
 
 
 def pin_drafter(state, request) -> str | None:
@@ -63,13 +85,15 @@ def pin_drafter(state, request) -> str | None:
     state: the SchedulerState; request: its Request."""
     method = request.speculative.draft_method
     if method != "auto":
-        return state.placement.count_pin(pick_method(state, method))
-    wanted = request.draft_trial.wanted()
-    return state.placement.count_pin(pick_method(state, wanted) or pick_method(state, other(wanted)))
+        return state.placement.count_pin(pick_method(state, request, method))
+    wanted = request.draft_trial.wanted(live_methods(state, request))
+    others = [m for m in METHODS if m != wanted]
+    picked = next((d for m in [wanted, *others] if m is not None and (d := pick_method(state, request, m))), None)
+    return state.placement.count_pin(picked)
 
 
 def drafted(state, request, drafter_id: str, num_accepted: int) -> None:
-    """Count a verified step drafted by drafter_id for an "auto" request and move it to the other
+    """Count a verified step drafted by drafter_id for an "auto" request and move it to another
     method when its trial says so (module docstring)."""
     instance = state.placement.registry.instances.get(drafter_id)
     if request.speculative.draft_method != "auto" or instance is None:
@@ -78,15 +102,17 @@ def drafted(state, request, drafter_id: str, num_accepted: int) -> None:
     current = method_of(instance.info)
     trial.steps[current] += 1
     trial.accepted[current] += num_accepted
-    if trial.settled is None and all(trial.steps[m] >= TRIAL_STEPS for m in METHODS):
-        trial.settled = max(METHODS, key=lambda m: (trial.rate(m), m == "ngram"))
+    live = live_methods(state, request)
+    if trial.settled is None and len(live) > 1 and all(trial.steps[m] >= TRIAL_STEPS for m in live):
+        trial.settled = trial.best(live)
         state.counters[f"draft_method_chose_{trial.settled}"] += 1
-    wanted = trial.wanted()
-    if wanted == current or request.drafter_id != drafter_id:
+    wanted = trial.wanted(live)
+    if wanted is None or wanted == current or request.drafter_id != drafter_id:
         return
-    new_id = pick_method(state, wanted)
+    new_id = pick_method(state, request, wanted)
     if new_id is None:  # none live with room: stay, and ask again after the next step
         return
     state.release(request.drafter_id, request.request_id)
-    request.drafter_id, request.drafter_len = state.placement.count_pin(new_id), 0
+    request.drafter_id = state.placement.count_pin(new_id)
+    request.restart_drafter()
     state.counters["draft_method_switches"] += 1

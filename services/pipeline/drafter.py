@@ -1,7 +1,8 @@
 """The drafter service: serves `<prefix>.draft.<instance_id>` with the draft logic of
-gpu_worker/drafter_core.py (`load_drafter`, `draft_batch`: draft_method "model"), or of
+gpu_worker/drafter_core.py (`load_drafter`, `draft_batch`: draft_method "model"), of
 gpu_worker/ngram.py (`load_ngram_drafter`, `ngram_draft_batch`: draft_method "ngram", prompt
-lookup, no model).
+lookup, no model) or of gpu_worker/eagle_drafter.py (`load_eagle_drafter`, `eagle_draft_batch`:
+draft_method "eagle", an EAGLE head over the target's features).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import structlog
 
 from gpu_worker.drafter_core import draft_batch, load_drafter
+from gpu_worker.eagle_drafter import eagle_draft_batch, load_eagle_drafter
 from gpu_worker.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
 from schemas.messages import DraftRequest
@@ -26,13 +28,21 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
     services/pipeline/model_service.py `run_slot_service` does the serving: nats.micro service "drafter"
     ($SRV.PING/INFO/STATS.drafter), heartbeats every heartbeat_interval_s with model_ids
     ({"draft", "tokenizer", "target_vocab_size"} for a model; {"draft": "ngram", "draft_method":
-    "ngram", "tokenizer": "any", "ngram"} for prompt lookup), idle slot eviction, metrics on metrics_port.
+    "ngram", "tokenizer": "any", "ngram"} for prompt lookup; {"draft", "draft_method": "eagle",
+    "tokenizer", "target", "hidden_size", "target_vocab_size"} for an EAGLE head), idle slot
+    eviction, metrics on metrics_port.
     """
     subjects = Subjects(config.prefix)
     if config.draft_method == "ngram":
         drafter = load_ngram_drafter(config)
         run_batch, description = ngram_draft_batch, "proposes draft tokens by prompt lookup (n-gram, no model)"
         log.info("drafter_loaded", instance_id=config.instance_id, max_slots=config.max_slots, **drafter.model_ids)
+    elif config.draft_method == "eagle":
+        drafter = await asyncio.to_thread(load_eagle_drafter, config)
+        run_batch = eagle_draft_batch
+        description = "proposes draft tokens with an EAGLE head over the target's features"
+        log.info("drafter_loaded", instance_id=config.instance_id, head=config.eagle_head,
+                 target_model=config.target_model, max_slots=config.max_slots, **drafter.model_ids)
     else:
         drafter = await asyncio.to_thread(load_drafter, config)
         run_batch, description = draft_batch, "proposes draft tokens with the draft model"

@@ -29,6 +29,7 @@ from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (
     MAX_BATCH_ROWS,
     MAX_DRAFT_SUPPORT,
+    MAX_FEATURE_BLOCK_BYTES,
     MAX_INBOX_LEN,
     Admitted,
     Commit,
@@ -37,6 +38,7 @@ from schemas.messages import (
     DraftRow,
     DraftTokens,
     Error,
+    FeatureBlock,
     FinishReason,
     GenerateRequest,
     Heartbeat,
@@ -49,6 +51,7 @@ from schemas.messages import (
     VerifyResponse,
     VerifyRow,
 )
+from services.pipeline import features
 from services.pipeline.adaptive_k import AdaptiveK, RowState
 from services.pipeline.draft_method import DraftTrial, drafted, pin_drafter
 from services.pipeline.fair_share import most_over_share, parse_user_weights, share, start_order_key, user_of_inbox
@@ -118,7 +121,8 @@ def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int
 @dataclass
 class Request:
     """One admitted request. `history` is prompt + completion, append-only; verifier_len and
-    drafter_len are how many history tokens the pinned verifier / drafter hold."""
+    drafter_len are how many history tokens the pinned verifier / drafter hold; features_end and
+    feature_blocks: the target features on their way to an eagle drafter (features.py)."""
 
     request_id: str
     client_inbox: str
@@ -157,6 +161,15 @@ class Request:
     adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
     draft_trial: DraftTrial = field(default_factory=DraftTrial)  # draft_method "auto" (draft_method.py)
+    features_end: int = 0  # the next verify row's features_from (features.py)
+    feature_blocks: list[FeatureBlock] = field(default_factory=list)  # received, not yet delivered
+
+    def restart_drafter(self) -> None:
+        """Its drafter holds nothing of it (another drafter, or one that answered need_resync): the
+        history and the target features go to it again from position 0."""
+        self.drafter_len = 0
+        self.features_end = 0
+        self.feature_blocks = []
 
     @property
     def completion(self) -> list[int]:
@@ -206,6 +219,8 @@ class PlannedRow:
     draft: DraftTokens = field(default_factory=DraftTokens)
     degraded: list[str] = field(default_factory=list)
     drafted_by: str | None = None  # the drafter that answered for this row (draft_method.drafted)
+    features_from: int | None = None  # what its verify row asked (features.py)
+    features_sent: int | None = None  # the end of the features its draft row carried
 
 
 @dataclass
@@ -265,6 +280,10 @@ class SchedulerState:
       request waits in the queue until its deadline, then ends with `timeout` (a stack that is
       still starting, or a verifier that restarts, does not refuse work).
     - A request wanting drafts but without a live drafter runs k=0 flagged `draft_timeout`.
+    - A request drafted by an eagle drafter asks its verify rows for the target's features and
+      carries them to the drafter in its draft rows, as much as max_payload leaves room for
+      (features.py, docs/PROTOCOL.md#feature-level-drafts); its drafter restarting from position
+      0 (Request.restart_drafter) restarts the features with it.
     - A request's k is an upper bound: greedy and Gumbel-coupled rows take per step the k of
       adaptive_k.py (from timings the service reports: draft_timed, verify_timed; none reported,
       every step takes k); rejection-sampled rows always take k (plan_decode_row says why).
@@ -568,7 +587,8 @@ class SchedulerState:
         if not self.placement.alive(request.postprocessor_id):
             outbox.commits += self.repin_postprocessor(request)
         if request.speculative.num_speculative_tokens > 0 and not self.placement.alive(request.drafter_id):
-            request.drafter_id, request.drafter_len = pin_drafter(self, request), 0
+            request.drafter_id = pin_drafter(self, request)
+            request.restart_drafter()
         if not self.placement.alive(request.verifier_id):
             outbox.extend(self.migrate(request, now))
         return outbox
@@ -887,7 +907,8 @@ class SchedulerState:
         """One DraftRequest per drafter with rows, plus release-only batches for drafters with
         slots to free and nothing else to do. The request and its answer (MAX_DRAFT_SUPPORT
         ids per sampled draft at most) are kept under max_payload: rows past it run this step
-        without drafts, flagged draft_timeout."""
+        without drafts, flagged draft_timeout. A row carries its request's pending target
+        features, as many as the request's room leaves (features.py)."""
         batches = {}
         deadline = now + self.config.draft_timeout_s
         drafters = set(plan.draft_rows) | self.live_releases("drafter")
@@ -908,12 +929,17 @@ class SchedulerState:
                     planned.degraded.append("draft_timeout")
                     self.counters["rows_undrafted_payload"] += 1
                     continue
+                block = features.take(request.feature_blocks, MAX_FEATURE_BLOCK_BYTES if room is None
+                                      else request_room - request_bytes)
+                planned.features_sent = None if block is None else block.end
                 if room is not None:
+                    request_bytes += 0 if block is None else features.BLOCK_OVERHEAD_BYTES + len(block.data)
                     request_room, answer_room = request_room - request_bytes, answer_room - answer_bytes
                 rows.append(DraftRow(request_id=request.request_id, row=len(rows), step=request.step,
                                      cached_len=request.drafter_len, new_token_ids=new_ids,
                                      num_draft=planned.num_draft, draft_mode=request.speculative.draft_mode,
-                                     sampling=request.sampling.row_sampling(), prompt_len=request.prompt_len))
+                                     sampling=request.sampling.row_sampling(), prompt_len=request.prompt_len,
+                                     features=block))
                 kept.append(planned)
             if drafter_id in plan.draft_rows:
                 plan.draft_rows[drafter_id] = kept
@@ -935,11 +961,13 @@ class SchedulerState:
                 planned.num_draft = 0
                 planned.degraded.append("draft_timeout")
             elif result.need_resync:
-                request.drafter_len = 0
+                request.restart_drafter()
                 planned.num_draft = 0
                 planned.degraded.append("resync")
             else:
                 request.drafter_len = len(request.history)  # unchanged since the draft batch was built
+                if planned.features_sent is not None:
+                    features.delivered(request, planned.features_sent)
                 planned.drafted_by = drafter_id
                 if len(result.draft_token_ids) > planned.num_draft:
                     self.counters["dropped_excess_drafts"] += 1
@@ -954,29 +982,45 @@ class SchedulerState:
         """One VerifyRequest per verifier with rows (or only slots to release). The deadline
         covers the first try and the retries, so the retry can re-send the same message. A batch
         is kept under max_payload: rows past it wait for the next step (their drafts are
-        dropped); a request whose row is too large alone ends with `too_large` (plan.outbox)."""
+        dropped); a request whose row is too large alone ends with `too_large` (plan.outbox).
+        A request drafted by an eagle drafter asks for the target's features from its
+        features_end, unless the answer has no room for them left: then it asks next step
+        (features.py)."""
         deadline = now + self.config.verify_timeout_s * (self.config.verify_retries + 1)
         verifiers = set(plan.rows) | self.live_releases("verifier")
         for verifier_id in sorted(verifiers):
             release = self.take_releases(verifier_id)
             budget = None if self.max_payload is None else \
                 self.max_payload - MESSAGE_OVERHEAD_BYTES - ROW_OVERHEAD_BYTES // 8 * len(release)
+            answer_room = None if self.max_payload is None else self.max_payload - MESSAGE_OVERHEAD_BYTES
+            per_position = features.bytes_per_position(self.placement, verifier_id)
             rows, kept = [], []
             for planned in plan.rows.get(verifier_id, []):
                 request = planned.request
                 wants_side = request.logprobs.wants_side_channel
+                features_from = request.features_end if features.drafted_by_eagle(self.placement, request) else None
+                answer = ROW_OVERHEAD_BYTES + 4 * (planned.num_draft + 1)
+                if features_from is not None:
+                    feature_bytes = features.answer_bytes(features_from, planned.end, planned.num_draft, per_position)
+                    if answer_room is not None and answer + feature_bytes > answer_room:
+                        features_from = None
+                        self.counters["features_deferred_payload"] += 1
+                    else:
+                        answer += feature_bytes
                 row = VerifyRow(request_id=request.request_id, row=len(rows), step=request.step,
                                 cached_len=planned.cached_len,
                                 new_token_ids=request.history[planned.cached_len:planned.end],
                                 draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
                                 sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
                                 postprocessor_id=request.postprocessor_id if wants_side else None,
-                                prompt_len=request.prompt_len, emit=planned.emit)
+                                prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from)
                 size = verify_row_bytes(row)
                 if budget is not None and size > budget:
                     plan.outbox.extend(self.defer_oversized_row(planned, size, budget, now, alone=not rows))
                     continue
                 budget = None if budget is None else budget - size
+                answer_room = None if answer_room is None else answer_room - answer
+                planned.features_from = features_from
                 rows.append(row)
                 kept.append(planned)
             if verifier_id in plan.rows:
@@ -1059,6 +1103,8 @@ class SchedulerState:
             request.carried_degraded += [*degraded, "resync"]
             self.count_degraded(request, [*degraded, "resync"])
             return Outbox()
+        if planned.features_from is not None and not features.receive(request, result.features):
+            self.counters["features_dropped"] += 1
         tokens = result.token_ids.tolist()
         if planned.emit != bool(tokens) or result.num_draft != planned.num_draft:
             self.counters["bad_verify_results"] += 1

@@ -142,6 +142,6 @@ def test_bad_settings_are_refused_naming_the_field(overrides, field):
 
 
 def test_an_unknown_draft_method_is_refused_naming_the_field():
-    with pytest.raises(SpecbusError, match="draft_method: 'eagle' is not one of") as raised:
-        load_config(DrafterConfig, env={}, draft_method="eagle")
+    with pytest.raises(SpecbusError, match="draft_method: 'medusa' is not one of") as raised:
+        load_config(DrafterConfig, env={}, draft_method="medusa")
     assert raised.value.field == "draft_method"

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gpu_worker.tokenizer import (DetokenizerState, detokenize_step, draft_misfit, load_tokenizer,
+from gpu_worker.tokenizer import (DetokenizerState, detokenize_step, draft_misfit, eagle_misfit, load_tokenizer,
                                   new_detokenizer_state)
-from schemas.config import DEFAULT_DRAFT, TINY_DRAFT, TINY_TARGET
+from schemas.config import DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, TINY_DRAFT, TINY_TARGET
 
 LINES = ["héllo wörld ✓ 日本語", "def f(x):\n    return x  # ✓ done", "naïve café 😀 日本"]
 
@@ -92,3 +92,13 @@ def test_a_draft_fits_its_target_and_a_misfit_is_named():
     assert draft_misfit(TINY_TARGET, TINY_DRAFT) is None
     why = draft_misfit(TINY_TARGET, DEFAULT_DRAFT)
     assert str(TINY_TARGET) in why and str(DEFAULT_DRAFT) in why and "tokenizer" in why
+
+
+def test_an_eagle_head_fits_only_a_target_of_its_shape_and_a_misfit_names_both():
+    why = eagle_misfit(TINY_TARGET, DEFAULT_EAGLE_HEAD)
+    assert str(TINY_TARGET) in why and str(DEFAULT_EAGLE_HEAD) in why
+    assert "hidden size 576 and vocabulary 49152" in why and "hidden size 192 and vocabulary 4096" in why
+
+
+def test_the_shipped_eagle_head_fits_the_default_target(smollm2_target):
+    assert eagle_misfit(smollm2_target, DEFAULT_EAGLE_HEAD) is None

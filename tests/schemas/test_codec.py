@@ -1,5 +1,6 @@
 """Codec: every message survives encode -> decode; bad bytes give a typed CodecError."""
 
+import re
 import string
 
 import msgpack
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from schemas import (DEGRADED_REASONS, MESSAGE_TYPES, Admitted, CancelRequest, CodecError, Commit, DraftRequest,
-                     DraftResponse, DraftResult, DraftRow, Error, ErrorCode, GenerateRequest, Heartbeat,
+                     DraftResponse, DraftResult, DraftRow, Error, ErrorCode, FeatureBlock, GenerateRequest, Heartbeat,
                      LogprobArrays, LogprobOptions, Proposal, RowSampling, SamplingMask, SamplingParams,
                      SideChannelRecord, SpecbusError, SpeculativeOptions, StopNotice, StreamChunk, TokenLogprob,
                      Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, decode, decode_any, encode,
@@ -136,10 +137,17 @@ def batch_rows(draw, make_row):
 
 
 @st.composite
+def feature_blocks(draw):
+    n, e = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    return FeatureBlock(start=draw(counts), shape=[n, e], data=draw(st.binary(min_size=2 * n * e, max_size=2 * n * e)))
+
+
+@st.composite
 def draft_row(draw, request_id, row):
     return DraftRow(request_id=request_id, row=row, step=draw(counts), cached_len=draw(counts),
                     new_token_ids=draw(token_ids()), num_draft=draw(st.integers(0, 16)),
-                    draft_mode=draw(st.sampled_from(["greedy", "sample"])), sampling=draw(row_samplings))
+                    draft_mode=draw(st.sampled_from(["greedy", "sample"])), sampling=draw(row_samplings),
+                    features=draw(st.none() | feature_blocks()))
 
 
 @st.composite
@@ -156,7 +164,7 @@ def verify_row(draw, request_id, row):
                      new_token_ids=draw(token_ids()), draft_token_ids=drafts, proposal=proposal,
                      sampling=draw(row_samplings), logprobs=draw(logprob_options),
                      postprocessor_id=draw(st.none() | instance_ids), prompt_len=draw(counts),
-                     is_retry=draw(st.booleans()))
+                     is_retry=draw(st.booleans()), features_from=draw(st.none() | counts))
 
 
 @st.composite
@@ -168,7 +176,8 @@ def verify_result(draw, request_id, row):
         emitted = emitted[:0]
     return VerifyResult(request_id=request_id, step=draw(counts), token_ids=emitted, num_draft=num_draft,
                         num_accepted=num_accepted, need_resync=draw(st.booleans()),
-                        residual_fallback=draw(st.booleans()), error=draw(st.none() | errors))
+                        residual_fallback=draw(st.booleans()), error=draw(st.none() | errors),
+                        features=draw(st.none() | feature_blocks()))
 
 
 @st.composite
@@ -359,6 +368,25 @@ def test_hostile_field_values_only_ever_raise_codec_error(message_type, data):
         decode(msgpack.packb(raw, use_bin_type=True), message_type)
     except CodecError as exc:
         assert exc.code == ErrorCode.invalid_field and exc.field
+
+
+@pytest.mark.parametrize("change, field, message", [
+    ({"data": bytes(15)}, "rows[0].features.data", "15 bytes do not hold a bfloat16 matrix of shape [2, 4]"),
+    ({"data": "x" * 16}, "rows[0].features.data", "valid bytes"),
+    ({"shape": [0, 4], "data": b""}, "rows[0].features.shape", "n >= 1 positions"),
+    ({"shape": [2, 0], "data": b""}, "rows[0].features.shape", "1 <= E <= 65536"),
+    ({"shape": [2, 1 << 17], "data": b""}, "rows[0].features.shape", "1 <= E <= 65536"),
+    ({"shape": [1 << 40, 8]}, "rows[0].features.shape", "over the 4194304 bytes of a block"),
+    ({"shape": [8]}, "rows[0].features.shape", "at least 2 items"),
+    ({"dtype": "float32"}, "rows[0].features.dtype", "'bfloat16'"),
+])
+def test_a_bad_feature_block_is_refused_naming_its_field(change, field, message):
+    result = VerifyResult(request_id="r", step=0, features=FeatureBlock(start=3, shape=[2, 4], data=bytes(16)))
+    raw = msgpack.unpackb(encode(VerifyResponse(batch_id=1, verifier_id="v", rows=[result])))
+    raw["rows"][0]["features"].update(change)
+    with pytest.raises(CodecError, match=re.escape(message)) as raised:
+        decode(msgpack.packb(raw), VerifyResponse)
+    assert (raised.value.code, raised.value.field) == (ErrorCode.invalid_field, field)
 
 
 def test_error_reply_from_typed_error_keeps_code_and_field():
