@@ -428,12 +428,21 @@ def speculative_greedy(target, tconfig, head, prompt: list[int], max_new: int, k
     return out, stats
 
 
-def held_out_prompts(tokenizer, count: int, max_prompt: int, seed: int = SEED) -> list[list[int]]:
-    """The first human turn of `count` held-out ShareGPT conversations (seeded shuffle) in the chat
-    template, at most max_prompt tokens: what `specbus bench serve` sends, never trained on."""
+# Checkpoints and runs are compared on "select": the last SELECT_CONVS conversations of the train
+# split, which `features` (file order) reaches only after all the others; the held-out tenth is
+# for reported figures alone.
+SELECT_CONVS = 2000
+
+
+def sharegpt_prompts(tokenizer, count: int, max_prompt: int, seed: int = SEED,
+                     split: str = "held_out") -> list[list[int]]:
+    """The first human turn of `count` ShareGPT conversations of `split` ("held_out", never trained
+    on, or "select", see SELECT_CONVS) in a seeded shuffle, in the chat template, at most
+    max_prompt tokens: what `specbus bench serve` sends."""
     from services.commands.bench_serve_core import first_exchange
 
-    conversations = load_sharegpt(split="held_out")
+    conversations = (load_sharegpt(split="held_out") if split == "held_out"
+                     else load_sharegpt(split="train")[-SELECT_CONVS:])
     prompts = []
     for i in random.Random(seed).sample(range(len(conversations)), len(conversations)):
         exchange = first_exchange(conversations[i])
@@ -448,16 +457,17 @@ def held_out_prompts(tokenizer, count: int, max_prompt: int, seed: int = SEED) -
 
 
 def evaluate(target: Path, head_dir: Path, prompts_count: int, max_new: int, k: int, max_prompt: int,
-             device: str) -> dict:
-    """Held-out ShareGPT, greedy, batch 1: acceptance per draft position, tokens per target step,
-    the wall-time ratio k vs k=0, and whether both emitted the same token ids."""
+             device: str, split: str = "held_out") -> dict:
+    """ShareGPT prompts of `split` (sharegpt_prompts), greedy, batch 1: acceptance per draft
+    position, tokens per target step, the wall-time ratio k vs k=0, and whether both emitted the
+    same token ids."""
     from gpu_worker.eagle import load_head
 
     tokenizer = load_tokenizer(target)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, tconfig = load_model(target, device=device, dtype=dtype, max_seq_len=max_prompt + max_new + k + 2)
     head = load_head(head_dir, model, max_seq_len=max_prompt + max_new + k + 2)
-    prompts = held_out_prompts(tokenizer, prompts_count, max_prompt)
+    prompts = sharegpt_prompts(tokenizer, prompts_count, max_prompt, split=split)
     eos = tuple(tokenizer.eos_ids)
     totals = {"tokens": 0, "steps": 0, "tried": [0] * k, "accepted": [0] * k, "k_s": 0.0, "base_s": 0.0}
     same = 0
@@ -475,7 +485,7 @@ def evaluate(target: Path, head_dir: Path, prompts_count: int, max_new: int, k: 
         totals["k_s"] += t1 - t0
         totals["base_s"] += t2 - t1
     result = {
-        "prompts": len(prompts), "max_new_tokens": max_new, "k": k, "threads": torch.get_num_threads(),
+        "split": split, "prompts": len(prompts), "max_new_tokens": max_new, "k": k, "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."), "greedy_identical_to_k0": f"{same}/{len(prompts)}",
         "tokens_per_target_step": round(totals["tokens"] / max(1, totals["steps"]), 3),
         "acceptance_per_position": [round(a / max(1, t), 3) for a, t in zip(totals["accepted"], totals["tried"])],
@@ -511,6 +521,8 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("-k", type=int, default=4, help="eval: draft tokens per step")
+    parser.add_argument("--split", choices=["held_out", "select"], default="held_out",
+                        help="eval: held-out figures, or train conversations kept for comparing runs")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -520,8 +532,9 @@ def main() -> None:
         train(args.target, args.steps, args.batch, args.lr, args.unroll, args.reg_weight, args.init_layer,
               args.resume, args.follow, args.device, vocab_text_convs=args.vocab_convs)
     elif args.stage == "eval":
-        result = evaluate(args.target, args.head, args.prompts, args.max_new, args.k, args.max_prompt, args.device)
-        if args.head == OUT:
+        result = evaluate(args.target, args.head, args.prompts, args.max_new, args.k, args.max_prompt, args.device,
+                          args.split)
+        if args.head == OUT and args.split == "held_out":
             (OUT / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

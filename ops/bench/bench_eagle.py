@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gpu_worker.tokenizer import load_tokenizer
 from ops.bench.bench_ngram import paired_runs, report, summary
-from ops.train_eagle import held_out_prompts
+from ops.train_eagle import sharegpt_prompts
 from schemas.config import DEFAULT_EAGLE_HEAD, default_target_model
 from services.launch.stack import StackConfig
 
@@ -41,7 +41,7 @@ def decode_tokens_per_step(runs: list[dict]) -> float:
 
 async def bench(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(args.target_model)
-    prompts = held_out_prompts(tokenizer, args.prompts, args.max_prompt)
+    prompts = sharegpt_prompts(tokenizer, args.prompts, args.max_prompt)
     config = StackConfig(target_model=args.target_model, draft_method="eagle", eagle_head=args.eagle_head,
                          dtype=args.dtype, log_dir=args.log_dir or tempfile.mkdtemp(prefix="bench-eagle-"),
                          # batch 1 needs few slots; the default 64 x 2048 tokens is a 6 GB fp32 KV cache
