@@ -1,7 +1,7 @@
 """Slot KV cache, filled on demand within a memory budget.
 
 Each request owns one slot. A slot's storage is its own pair of tensors, grown in whole blocks of
-KEY_BLOCK positions as the slot's tokens need them (`reserve`, or `plan` as a fallback) and
+SLOT_BLOCK positions as the slot's tokens need them (`reserve`, or `plan` as a fallback) and
 released when the slot is freed, so an idle process holds no KV memory and a short request holds
 one block, not max_seq_len positions. The sum over slots never exceeds `memory_bytes`:
 `allocate(length)` is admission (the new slot's blocks must fit and leave ADMISSION_HEADROOM of
@@ -30,13 +30,19 @@ from dataclasses import dataclass
 
 import torch
 
-# Attention windows are whole blocks of KEY_BLOCK keys, the block torch's CPU flash attention
-# reduces over, so a block's reductions have one shape wherever a row's keys end
-# (model.attention). Slots grow by the same blocks, so a slot's window is always within its
-# storage.
-KEY_BLOCK = 512
+# Attention windows are whole blocks of KEY_BLOCK keys: model.attention reduces each block with
+# one shape wherever a row's keys end and combines the blocks in a fixed order. Much less than the
+# 512 of torch's CPU flash kernel's own split, so a short context reads fewer padding keys; not
+# 64 or 128, because at one token a step costs more per block combined (a few small ops per
+# layer) than per padding key read (ops/bench/RESULTS.md, "Session 7").
+KEY_BLOCK = 256
+# Slots grow by SLOT_BLOCK positions at a time: a multiple of KEY_BLOCK, so a window of whole key
+# blocks is always within the storage of the slot that reaches furthest. Larger than KEY_BLOCK so
+# a long request copies its storage less often (every growth copies what the slot holds).
+SLOT_BLOCK = 512
+assert SLOT_BLOCK % KEY_BLOCK == 0
 # Admission leaves this share of a budget free for running slots to grow (vLLM's admission
-# watermark, larger here because a slot grows a whole KEY_BLOCK at a time).
+# watermark, larger here because a slot grows a whole SLOT_BLOCK at a time).
 ADMISSION_HEADROOM = 0.1
 
 
@@ -60,19 +66,23 @@ class SlotError(ValueError):
 class ForwardPlan:
     """Index tensors (on the cache's device) for one batched forward; see `KVCache.plan`."""
     write_pos: torch.Tensor          # (B, T) column of each token; a slot's last column = scratch
-    rope_pos: torch.Tensor           # (B, T) position of each token, clamped to the table
-    mask: torch.Tensor               # (B, 1, T, W) bool, True = may attend
+    rope_pos: torch.Tensor           # (B, T) position of each token, clamped to the table; a
+                                     # token attends to the keys at positions <= its rope_pos
     window: int                      # W: keys 0..W-1 of each slot are read
-    keys: list[torch.Tensor]         # per row, its slot's (L, Hkv, C + 1, D) storage
-    values: list[torch.Tensor]
+    keys: list[tuple[torch.Tensor, ...]]    # per row, its slot's storage per layer: (Hkv, C + 1, D)
+    values: list[tuple[torch.Tensor, ...]]
+    write_index: list[tuple[torch.Tensor, torch.Tensor]]  # per row, (heads, columns) -> (T, Hkv)
+    windows: list[tuple[torch.Tensor, torch.Tensor]] | None  # batch 1: each layer's window
 
 
 class KVCache:
     """Slot s holds k, v: (L, Hkv, C_s + 1, D) each, zero-initialised, where the capacity C_s is
-    a whole number of KEY_BLOCKs (at most max_seq_len) covering the slot's tokens.
+    a whole number of SLOT_BLOCKs covering the slot's tokens, at most max_seq_len rounded up to
+    whole KEY_BLOCKs (`capacity_for`).
 
     Layout: a slot's keys for one layer and head are contiguous in position, so its attention
-    window `[layer, :, :W]` is one strided slice, already in SDPA's (Hkv, W, D) layout. The
+    window `[layer, :, :W]` is one strided slice in the (Hkv, W, D) layout attention reads, and
+    W, whole KEY_BLOCKs, never passes the storage of the slot that reaches furthest. The
     extra last column is a scratch column: writes of padding tokens land there, so a forward
     never needs a data-dependent (device-syncing) selection of the valid tokens. Zeros matter:
     positions in a window that a row must not see are masked, but a NaN there would still
@@ -108,15 +118,16 @@ class KVCache:
         self._free = set(range(max_slots))
         self._keys: list[torch.Tensor | None] = [None] * max_slots
         self._values: list[torch.Tensor | None] = [None] * max_slots
+        self._layers: list[tuple | None] = [None] * max_slots  # (keys, values), each L per-layer views
         self._capacity = [0] * max_slots
         self._heads = torch.arange(config.num_kv_heads, device=device).view(1, -1)
-        self._arange = torch.arange(max_seq_len + 1, device=device)
 
     # ------------------------------------------------------------------ memory
 
     def capacity_for(self, length: int) -> int:
-        """Positions a slot holding `length` tokens is given: whole KEY_BLOCKs, at most max_seq_len."""
-        return min(-(-length // KEY_BLOCK) * KEY_BLOCK, self.max_seq_len)
+        """Positions a slot holding `length` tokens is given: whole SLOT_BLOCKs, at most
+        max_seq_len rounded up to whole KEY_BLOCKs (so every window of whole key blocks fits)."""
+        return min(-(-length // SLOT_BLOCK) * SLOT_BLOCK, -(-self.max_seq_len // KEY_BLOCK) * KEY_BLOCK)
 
     def slot_bytes(self, length: int) -> int:
         """Bytes of a slot's storage when it holds `length` tokens (0 for none)."""
@@ -158,6 +169,7 @@ class KVCache:
             keys[:, :, :old] = self._keys[slot][:, :, :old]
             values[:, :, :old] = self._values[slot][:, :, :old]
         self._keys[slot], self._values[slot] = keys, values
+        self._layers[slot] = (keys.unbind(0), values.unbind(0))
         self.memory_used += self.slot_bytes(capacity) - self.slot_bytes(old)
         self._capacity[slot] = capacity
 
@@ -226,7 +238,7 @@ class KVCache:
         self._free.add(slot)
         self.lengths[slot] = 0
         self.memory_used -= self.slot_bytes(self._capacity[slot])
-        self._keys[slot] = self._values[slot] = None
+        self._keys[slot] = self._values[slot] = self._layers[slot] = None
         self._capacity[slot] = 0
 
     def truncate(self, slot: int, length: int) -> None:
@@ -266,28 +278,31 @@ class KVCache:
                     f"max_seq_len {self.max_seq_len}")
         ends = [start + n for start, n in zip(starts, new_list)]
         self._grow_within_budget(slot_list, [max(end, 1) for end in ends], f"slots {slot_list} need")
-        # Whole key blocks while they fit in the cache's columns (model.forward pads the rest);
-        # every slot's storage has at least min(that, max_seq_len + 1) columns.
-        window = min(-(-max(max(ends), 1) // KEY_BLOCK) * KEY_BLOCK, self.max_seq_len + 1)
+        # Whole key blocks: the storage of the slot that reaches furthest holds them (capacity_for).
+        window = -(-max(max(ends), 1) // KEY_BLOCK) * KEY_BLOCK
         last = self.max_seq_len - 1
         write_pos = [[start + t if t < n else self._capacity[s] for t in range(T)]
                      for s, start, n in zip(slot_list, starts, new_list)]
         rope_pos = [[min(start + t, last) for t in range(T)] for start in starts]
         index = torch.tensor([write_pos, rope_pos]).to(self.device)  # (2, B, T)
-        # Always a mask, even where a decode step could attend to everything: one attention path
-        # for every step. Padding tokens' clamped positions only change their own outputs.
-        mask = (self._arange[:window] <= index[1, :, :, None]).unsqueeze(1)
-        return ForwardPlan(write_pos=index[0], rope_pos=index[1], mask=mask, window=window,
-                           keys=[self._keys[s] for s in slot_list], values=[self._values[s] for s in slot_list])
+        # Index tuples and window views made once here, not in each layer's update and window.
+        windows = None
+        if B == 1:  # the window is a view of the slot's storage, (1, Hkv, W, D) per layer
+            windows = list(zip(*(t[:, :, :window].unsqueeze(1).unbind(0)
+                                  for t in self.tensors(slot_list[0]))))
+        return ForwardPlan(write_pos=index[0], rope_pos=index[1], window=window,
+                           keys=[self._layers[s][0] for s in slot_list], values=[self._layers[s][1] for s in slot_list],
+                           write_index=[(self._heads, pos) for pos in index[0].view(B, T, 1).unbind(0)],
+                           windows=windows)
 
     def update(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (B, T, Hkv, D) of `layer` into the plan's slots at its write_pos (B, T).
         All on the cache's device; a slot's last column is its scratch column for padding."""
         assert len(plan.keys) == k.shape[0] == plan.write_pos.shape[0], (len(plan.keys), k.shape)
-        for b, (keys, values) in enumerate(zip(plan.keys, plan.values)):
-            index = (self._heads, plan.write_pos[b].view(-1, 1))  # -> (T, Hkv)
-            keys[layer].index_put_(index, k[b])
-            values[layer].index_put_(index, v[b])
+        for keys, values, index, k_row, v_row in zip(plan.keys, plan.values, plan.write_index,
+                                                     k.unbind(0), v.unbind(0)):
+            keys[layer].index_put_(index, k_row)
+            values[layer].index_put_(index, v_row)
 
     def window(self, layer: int, plan: ForwardPlan):
         """Keys and values at positions 0..W-1 of the plan's slots: two (B, Hkv, W, D) tensors.
@@ -295,19 +310,19 @@ class KVCache:
         Views of the slot's storage at batch 1; gathered copies for several slots, zeros
         past a slot's storage (a short slot next to a long one: masked keys).
         """
+        if plan.windows is not None:
+            return plan.windows[layer]
         W = plan.window
-        if len(plan.keys) == 1:
-            return plan.keys[0][layer, :, :W].unsqueeze(0), plan.values[0][layer, :, :W].unsqueeze(0)
-        if all(t.shape[2] >= W for t in plan.keys):
-            return (torch.stack([t[layer, :, :W] for t in plan.keys]),
-                    torch.stack([t[layer, :, :W] for t in plan.values]))
+        if all(t[layer].shape[1] >= W for t in plan.keys):
+            return (torch.stack([t[layer][:, :W] for t in plan.keys]),
+                    torch.stack([t[layer][:, :W] for t in plan.values]))
         L, Hkv, D = self._dims
         out_k = torch.zeros(len(plan.keys), Hkv, W, D, device=self.device, dtype=self.dtype)
         out_v = torch.zeros_like(out_k)
         for b, (keys, values) in enumerate(zip(plan.keys, plan.values)):
-            n = min(W, keys.shape[2])
-            out_k[b, :, :n] = keys[layer, :, :n]
-            out_v[b, :, :n] = values[layer, :, :n]
+            n = min(W, keys[layer].shape[1])
+            out_k[b, :, :n] = keys[layer][:, :n]
+            out_v[b, :, :n] = values[layer][:, :n]
         return out_k, out_v
 
     def commit(self, slots: torch.Tensor, num_new: torch.Tensor) -> None:

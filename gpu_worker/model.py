@@ -18,10 +18,12 @@ three.
 Batch invariance: a position's logits are the same bits whether it is computed in a decode step,
 a verify step, a prefill chunk or a whole prompt, alone or next to other rows. Every reduction
 runs in an order fixed per row: projections through `linear` (one kernel family for every
-number of rows), attention through `attention` (keys in fixed-size blocks, blocks summed left
-to right). tests/gpu_worker/test_batch_invariance.py checks it with torch.equal.
+number of rows), attention through `attention` (units of a fixed shape against keys in
+fixed-size blocks, the blocks combined in a fixed order). tests/gpu_worker/test_batch_invariance.py
+checks it with torch.equal.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -232,59 +234,139 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 
 
 QUERY_TILE = 4  # query rows per attention unit: every unit has the same shape whatever T and B
+# The additive mask's value for a key a row may not see: finite, so a row that sees no key of a
+# block gets a finite log-sum-exp near MASKED there and the block weight exp(MASKED - m) = 0
+# exactly, with no -inf - -inf; a masked key itself gets weight exactly 0, as with -inf.
+MASKED = -1e30
+# `attention` takes exp of each row's block weight on this many lanes (a broadcast), not one.
+EXP_LANES = 16
 
 
-def attention_mask(mask: torch.Tensor, Hkv: int, G: int, W: int) -> torch.Tensor:
-    """mask (B, 1, T, window) bool, True = may attend -> (nq, B*Hkv, QUERY_TILE, W) float32.
+@dataclass
+class AttentionPlan:
+    """How `attention` lays out one forward's batch, the same for all its layers: units of
+    QUERY_TILE query rows of one key/value head (a head's T*G rows in (t, g) order, padded to
+    nq units) against the window's nb blocks of KEY_BLOCK keys; built by `attention_plan`."""
+    nq: int
+    nb: int
+    mask: torch.Tensor                    # float32, 0 = may attend, MASKED = may not, in the flash
+                                          # kernel's layout: (B*Hkv, nb, QT, KB) if nq == 1, else
+                                          # (nq, B*Hkv*nb, QT, KB)
+    unit_rows: tuple[torch.Tensor, ...]   # (b, t, head) of each unit row, broadcasting to
+                                          # (B, Hkv, nb, nq*QT): a copy per block; padding rows
+                                          # repeat a real row (their outputs are dropped)
+    out_rows: torch.Tensor                # (B*T*H,) the unit row, among (B*Hkv, nq*QT), that
+                                          # holds query row (b, t, head)
 
-    The additive mask of `attention`'s units (0 = may attend, -inf = may not). A unit's rows
-    are QUERY_TILE of the T*G query rows of one key/value head, in (t, g) order, padded to nq
-    units (padding rows attend to every key); keys are the window padded to W (hidden).
-    """
-    B, _, T, window = mask.shape
+
+@functools.lru_cache(maxsize=64)
+def unit_layout(B: int, T: int, Hkv: int, G: int, nb: int, device: torch.device) -> tuple:
+    """The part of an AttentionPlan that positions do not change, cached: every step of a batch
+    shape has the same (callers must not modify the tensors). Returns (row_token, unit_rows,
+    out_rows, keys): row_token (nq*QT,) the token of each unit row of a head, T for padding
+    rows; unit_rows and out_rows as in AttentionPlan; keys (nb, 1, KEY_BLOCK) key positions."""
     R, nq = T * G, -(-T * G // QUERY_TILE)
-    visible = F.pad(mask[:, 0], (0, W - window))                         # (B, T, W)
-    visible = visible.repeat_interleave(G, 1)                            # (B, R, W), row t*G + g
-    visible = F.pad(visible, (0, 0, 0, nq * QUERY_TILE - R), value=True)
-    visible = visible.view(B, 1, nq, QUERY_TILE, W).expand(B, Hkv, nq, QUERY_TILE, W)
-    visible = visible.permute(2, 0, 1, 3, 4).reshape(nq, B * Hkv, QUERY_TILE, W)
-    return torch.zeros(visible.shape, device=mask.device).masked_fill_(~visible, float("-inf"))
+    n = torch.arange(nq * QUERY_TILE, device=device)                    # a head's unit rows
+    t = n // G
+    batch = torch.arange(B, device=device).view(B, 1, 1, 1).expand(-1, -1, nb, -1)
+    head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1) * G + n % G
+    out_rows = torch.arange(B * Hkv, device=device).view(B, 1, Hkv, 1) * (nq * QUERY_TILE) + \
+        torch.arange(R, device=device).view(1, T, 1, G)                 # (B, T, Hkv, G)
+    keys = torch.arange(nb * KEY_BLOCK, device=device).view(nb, 1, KEY_BLOCK)
+    return t.clamp_max(T), (batch, t.clamp_max(T - 1), head), out_rows.flatten(), keys
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor) -> torch.Tensor:
+def attention_plan(pos: torch.Tensor, Hkv: int, G: int, W: int) -> AttentionPlan:
+    """The AttentionPlan of new tokens at positions pos (B, T) int64, each seeing keys 0..pos,
+    over a window of W keys (a multiple of KEY_BLOCK), for Hkv key/value heads of G query
+    heads each. Always a mask, even where a decode step could attend to everything: one
+    attention path for every step."""
+    B, T = pos.shape
+    nq, nb, U = -(-T * G // QUERY_TILE), W // KEY_BLOCK, B * Hkv
+    row_token, unit_rows, out_rows, keys = unit_layout(B, T, Hkv, G, nb, pos.device)
+    row_pos = F.pad(pos, (0, 1), value=W).index_select(1, row_token)     # padding rows see all
+    mask = torch.zeros(nq, B, Hkv, nb, QUERY_TILE, KEY_BLOCK, device=pos.device)
+    mask.masked_fill_(keys > row_pos.view(B, nq, 1, 1, QUERY_TILE, 1).transpose(0, 1), MASKED)
+    mask = mask.view(U, nb, QUERY_TILE, KEY_BLOCK) if nq == 1 else mask.view(nq, U * nb, QUERY_TILE, KEY_BLOCK)
+    return AttentionPlan(nq=nq, nb=nb, mask=mask, unit_rows=unit_rows, out_rows=out_rows)
+
+
+def block_sum(x: torch.Tensor) -> torch.Tensor:
+    """x (U, nb, ...) -> (U, ...): the sum over the nb key blocks as a pairwise tree over block
+    positions, ((0 + 1) + (2 + 3)) + ..., blocks past nb counting as blocks of zeros.
+
+    A block of zeros adds exactly 0 wherever it enters the tree, so a row whose keys end in
+    block j gets the same bits whatever the number of blocks after j (other rows' windows).
+    Each level sums a dim of size 2: one addition, whatever order a kernel takes.
+    """
+    nb = x.shape[1]
+    levels = (nb - 1).bit_length()
+    if nb < 2 ** levels:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 2 ** levels - nb))
+    if levels > 1:
+        x = x.unflatten(1, (2,) * levels)
+    for dim in range(levels, 0, -1):  # the last of the split dims pairs blocks 2i and 2i + 1
+        x = x.sum(dim)
+    return x
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `attention` takes from torch's CPU flash kernel, in plain ops for other devices:
+    q (..., L, D), k, v (..., S, D), mask (..., L, S) additive -> out (..., L, D) float32, the
+    softmax-weighted values, and lse (..., L) float32, the log-sum-exp of the row's scores.
+    Batch-invariant only where the device's matmuls are (on a GPU: fixed tiles, no split-K
+    chosen by shape)."""
+    scores = q.float() @ k.float().transpose(-1, -2) * scale + mask
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v.float(), lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Causal GQA attention whose bits per query row do not depend on T, B or the window.
 
-    q: (B, T, H, D); k, v: (B, Hkv, W, D) with W a multiple of KEY_BLOCK and (B, Hkv) mergeable
-    into one dim (the cache's slot-major layout, or contiguous); mask: `attention_mask`.
-    Returns (B, T, H*D) in q's dtype.
+    q: (B, T, H, D); k, v: (B, Hkv, W, D) with W = plan.nb * KEY_BLOCK and (B, Hkv) mergeable
+    into one dim (the cache's slot-major layout, or contiguous); plan: `attention_plan`.
+    Returns (B*T, H*D) in q's dtype.
 
     SDPA's reductions over keys follow its split of the work, chosen from the query and key
-    lengths, and a call without a mask takes another path. Here every call goes to the same
-    kernel (torch's CPU flash attention) with the same shape per unit of work: QUERY_TILE
-    query rows (the G query heads of a key/value head fold into rows, so K/V are never
-    repeated) against W keys read in blocks of exactly KEY_BLOCK = the kernel's key split, so
-    each block's matmuls, max and sum have one shape and the blocks are folded left to right
-    (online softmax). Keys a row cannot see get weight exactly 0, and a trailing block of them
-    rescales by exactly 1, so wherever the window ends the row's bits are the same. Units
-    differ only in number; each runs on one thread. On a GPU this is where a fixed-split
-    attention kernel goes (FlashInfer / FlexAttention with a fixed KV split size).
+    lengths, and a call without a mask takes another path. Here every piece of work has one
+    shape: a unit of QUERY_TILE query rows (the G query heads of a key/value head fold into
+    rows, so K/V are never repeated) against one block of KEY_BLOCK keys. All pairs go to one
+    call of torch's CPU flash kernel, which reduces a block of fewer than 512 keys in one piece
+    and returns each pair's softmax-weighted values out_j and log-sum-exp lse_j. (Four rows, not
+    G: the kernel's per-thread buffers are then 32-byte aligned on every thread, and its
+    matmuls' bits depend on that alignment.) A row's blocks are then combined as in
+    FlashAttention's blockwise softmax (Dao et al. 2022, sec. 3.1; Flash-Decoding's combine of
+    split keys): out = sum_j exp(lse_j - m) out_j / sum_j exp(lse_j - m), m = max_j lse_j, the
+    sums in `block_sum`'s fixed tree. A block the row cannot see at all has lse_j near MASKED,
+    so weight exactly 0: wherever the window ends, the row's bits are the same. Each weight's
+    exp runs on EXP_LANES lanes of a broadcast, so on every row in a loop of its own, never in
+    the scalar tail of a long run (whose rounding may differ from the vector code's).
+
+    On a GPU this is where a fixed-split attention kernel goes (FlashInfer / FlexAttention with
+    a fixed KV split size); `block_attention` there is only as invariant as the GPU's matmuls.
     """
     B, T, H, D = q.shape
-    Hkv, W = k.shape[1], k.shape[2]
-    G, R = H // Hkv, T * (H // Hkv)
-    nq = mask.shape[0]
-    units = q.new_zeros(B * Hkv, nq * QUERY_TILE, D)                  # padding rows: zeros
-    units[:, :R].view(B, Hkv, T, G, D).copy_(q.view(B, T, Hkv, G, D).transpose(1, 2))
-    q = units.view(B * Hkv, nq, QUERY_TILE, D).transpose(0, 1)          # (nq, B*Hkv, QT, D)
-    k, v = (t.view(1, B * Hkv, W, D).expand(nq, -1, -1, -1) for t in (k, v))
-    if q.device.type == "cpu":  # the flash kernel itself: no dispatch to another backend
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=mask, scale=D ** -0.5)[0]                  # (nq, B*Hkv, QT, D)
+    U, nq, nb = B * k.shape[1], plan.nq, plan.nb
+    units = q[plan.unit_rows]                                          # (B, Hkv, nb, nq*QT, D)
+    if nq == 1:  # kernel (batch, heads) = (unit, block): the keys as they are
+        units, k, v = units.view(U, nb, QUERY_TILE, D), k.view(U, nb, KEY_BLOCK, D), v.view(U, nb, KEY_BLOCK, D)
+    else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
+        units = units.view(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
+        k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))
+    if q.is_cpu:  # the flash kernel itself: no dispatch to another backend
+        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
+            units, k, v, attn_mask=plan.mask, scale=D ** -0.5)[:2]
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5)
-    out = out.transpose(0, 1).reshape(B, Hkv, nq * QUERY_TILE, D)[:, :, :R]
-    return out.reshape(B, Hkv, T, G * D).transpose(1, 2).reshape(B, T, H * D)
+        out, lse = block_attention(units, k, v, plan.mask, D ** -0.5)
+    if nq > 1:  # back to (U*nb, nq, QT, ...), the kernel's memory order here
+        out, lse = out.transpose(0, 1), lse.transpose(0, 1)
+    if nb > 1:  # nb == 1: the one block's weight is exp(0) = 1, the same bits as this
+        lse = lse.reshape(U, nb, nq, QUERY_TILE, 1)
+        weight = (lse - lse.amax(1, keepdim=True)).expand(-1, -1, -1, -1, EXP_LANES).exp()[..., :1]
+        out = (block_sum(out.reshape(U, nb, nq, QUERY_TILE, D) * weight) / block_sum(weight)).to(q.dtype)
+    return out.reshape(-1, D).index_select(0, plan.out_rows).view(B * T, H * D)
 
 
 @dataclass
@@ -293,18 +375,18 @@ class Step:
     plan: ForwardPlan
     cos: torch.Tensor              # (B, T, 1, D) RoPE of each new token's position
     sin: torch.Tensor              # (B, T, 1, D)
-    mask: torch.Tensor             # attention_mask of the plan's window padded to W
-    W: int                         # the window padded to whole key blocks
+    attention: AttentionPlan       # of the plan's window
 
 
 def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, slots: torch.Tensor,
               num_new: torch.Tensor, T: int, num_heads: int, num_kv_heads: int) -> Step:
     """Plan a forward of T new tokens per row on cache (`KVCache.plan`: it checks the batch and
-    grows the slots) and build the RoPE rows and the attention mask every layer uses."""
+    grows the slots) and build the RoPE rows and the attention layout every layer uses."""
     plan = cache.plan(slots, num_new, T)
-    W = -(-plan.window // KEY_BLOCK) * KEY_BLOCK                     # the plan pads it if it fits
-    return Step(plan=plan, cos=rope_cos[plan.rope_pos].unsqueeze(2), sin=rope_sin[plan.rope_pos].unsqueeze(2),
-                mask=attention_mask(plan.mask, num_kv_heads, num_heads // num_kv_heads, W), W=W)
+    B, D, pos = slots.shape[0], rope_cos.shape[1], plan.rope_pos.flatten()
+    return Step(plan=plan, cos=rope_cos.index_select(0, pos).view(B, T, 1, D),
+                sin=rope_sin.index_select(0, pos).view(B, T, 1, D),
+                attention=attention_plan(plan.rope_pos, num_kv_heads, num_heads // num_kv_heads, plan.window))
 
 
 def decoder_layer(cfg, layer: Layer, index: int, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
@@ -318,12 +400,9 @@ def decoder_layer(cfg, layer: Layer, index: int, x: torch.Tensor, cache: KVCache
     qk = qkv[:, :, :H + Hkv]                                         # (B, T, H+Hkv, D)
     qk = qk * step.cos + qk.roll(D // 2, -1) * step.sin
     cache.update(index, step.plan, qk[:, :, H:], qkv[:, :, H + Hkv:])
-    k, v = cache.window(index, step.plan)                            # (B, Hkv, window, D)
-    if step.W > step.plan.window:  # the window reached the cache's end: pad to whole key blocks
-        pad = (0, 0, 0, step.W - step.plan.window)
-        k, v = F.pad(k, pad), F.pad(v, pad)
-    o = attention(qk[:, :, :H], k, v, step.mask)                     # (B, T, H*D)
-    x = linear(o.reshape(B * T, H * D), layer.wo, layer.bo, residual=x)
+    k, v = cache.window(index, step.plan)                            # (B, Hkv, W, D)
+    o = attention(qk[:, :, :H], k, v, step.attention)                # (B*T, H*D)
+    x = linear(o, layer.wo, layer.bo, residual=x)
     h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
     gate, up = linear(h, layer.w_gate_up).chunk(2, -1)               # (B*T, I) each
     return linear(F.silu(gate) * up, layer.w_down, residual=x)

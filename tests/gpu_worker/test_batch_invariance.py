@@ -2,9 +2,10 @@
 
 Whole-prompt prefill is the reference; chunked prefill, one-token decode steps and verify steps
 of T = 2..9, each alone and batched with other rows (other lengths and cache fills, ragged
-num_new, padding columns, consecutive and scattered slots, a window of two key blocks), must
+num_new, padding columns, consecutive and scattered slots, windows of several key blocks), must
 give `torch.equal` logits, in both dtypes the runtime serves, at 1 and 2 torch threads (a library
-may pick its kernel or its split by thread count).
+may pick its kernel or its split by thread count). The sequences pass a key block boundary, so
+a row's keys end in either of two blocks, and a batched neighbour runs blocks ahead of them.
 """
 
 import itertools
@@ -19,7 +20,7 @@ from gpu_worker.model import forward
 from schemas.config import TINY_TARGET, default_target_model
 
 DTYPES = [torch.float32, torch.bfloat16]
-TWO_BLOCKS = KEY_BLOCK + 20  # a batched neighbour this far ahead: a window of two key blocks
+AHEAD = 2 * KEY_BLOCK + 20  # a batched neighbour this far ahead: windows of three, then four key blocks
 
 
 def cycle(length: int, sizes, start=()) -> list[int]:
@@ -75,7 +76,7 @@ def run_steps(model, config, ids, steps, batched: bool, max_seq_len: int, ahead:
 
 
 def check_invariance(model, config, length: int, verify_from: int, decode_from: int, runs=None,
-                     ahead: int = TWO_BLOCKS):
+                     ahead: int = AHEAD):
     """runs: (schedule name, batched) pairs to compare with the whole prefill; default all, and
     decode in a cache just as long as the sequence (the window passes its end: padded)."""
     ids = torch.randint(0, config.vocab_size, (length,), generator=torch.Generator().manual_seed(7))
@@ -114,12 +115,14 @@ TWO_THREAD_RUNS = [("chunked_64", False), ("verify", True)]
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tiny_target_logits_do_not_depend_on_batching(dtype, threads):
-    model, config = load_model(TINY_TARGET, dtype=dtype, max_seq_len=1024)
-    # 160 positions: a prefill above torch's parallel grain (so 2 threads split elementwise ops).
+    model, config = load_model(TINY_TARGET, dtype=dtype, max_seq_len=2048)
+    # KEY_BLOCK + 40 positions: two key blocks, and a prefill above torch's parallel grain (so 2
+    # threads split elementwise ops); the verify and decode steps cross the block boundary.
+    length = KEY_BLOCK + 40
     if threads == 1:
-        check_invariance(model, config, length=160, verify_from=96, decode_from=148)
+        check_invariance(model, config, length=length, verify_from=length - 64, decode_from=length - 48)
     else:
-        check_invariance(model, config, length=160, verify_from=130, decode_from=152,
+        check_invariance(model, config, length=length, verify_from=length - 46, decode_from=length - 44,
                          runs=TWO_THREAD_RUNS)
 
 
@@ -138,6 +141,6 @@ def smollm2() -> Path:
 def test_smollm2_logits_do_not_depend_on_batching(smollm2, dtype, threads):
     model, config = load_model(smollm2, dtype=dtype, max_seq_len=1024)
     # Fewer, shorter runs than the tiny test (a SmolLM2 forward costs ~30x a tiny one) at one
-    # thread, as the services run; the neighbour stays in the first key block.
-    check_invariance(model, config, length=40, verify_from=26, decode_from=36, ahead=37,
+    # thread, as the services run; the neighbour a key block ahead: windows of two blocks.
+    check_invariance(model, config, length=40, verify_from=26, decode_from=36, ahead=KEY_BLOCK + 20,
                      runs=[("chunked_16", False), ("verify", True), ("decode", True)])

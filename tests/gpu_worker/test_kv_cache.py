@@ -4,12 +4,20 @@ import pytest
 import torch
 
 from gpu_worker.checkpoint import load_model
-from gpu_worker.kv_cache import (ADMISSION_HEADROOM, KEY_BLOCK, CacheCapacityError, CacheFullError,
-                                 CacheMemoryError, KVCache, SlotError)
+from gpu_worker.kv_cache import (
+    ADMISSION_HEADROOM,
+    KEY_BLOCK,
+    SLOT_BLOCK,
+    CacheCapacityError,
+    CacheFullError,
+    CacheMemoryError,
+    KVCache,
+    SlotError,
+)
 from gpu_worker.model import forward
 from tests.gpu_worker.conftest import write_hf_model
 
-LONG = 2 * KEY_BLOCK + 100  # max_seq_len of the growth tests: three blocks
+LONG = 2 * SLOT_BLOCK + 100  # max_seq_len of the growth tests: three blocks
 
 
 @pytest.fixture
@@ -51,26 +59,28 @@ def test_storage_comes_with_tokens_and_goes_with_the_slot(model_and_config):
     cache = KVCache(config, max_slots=3, max_seq_len=8)
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     assert cache.bytes_per_token == per_token
-    assert cache.nbytes == 0 and cache.memory_bytes == 3 * (8 + 1) * per_token  # default: every slot full
+    # default: every slot full, max_seq_len rounded up to a whole key block, and a scratch column
+    assert cache.nbytes == 0 and cache.memory_bytes == 3 * (KEY_BLOCK + 1) * per_token
     slot = cache.allocate()
     assert cache.nbytes == 0 and cache.tensors(slot) == (None, None)
     forward(model, cache, torch.tensor([slot]), torch.ones(1, 3, dtype=torch.long), torch.tensor([3]))
     k, v = cache.tensors(slot)
-    assert k.shape == v.shape == (config.num_layers, config.num_kv_heads, 8 + 1, config.head_dim)
-    assert cache.nbytes == (8 + 1) * per_token  # a whole block, cut at max_seq_len, and the scratch column
+    assert k.shape == v.shape == (config.num_layers, config.num_kv_heads, KEY_BLOCK + 1, config.head_dim)
+    assert cache.nbytes == (KEY_BLOCK + 1) * per_token
     cache.free(slot)
     assert cache.nbytes == 0 and cache.tensors(slot) == (None, None)
 
 
 def test_growth_keeps_the_bits_of_a_cache_sized_up_front(long_model):
     model, config = long_model
-    ids = torch.randint(0, config.vocab_size, (KEY_BLOCK + 40,), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, config.vocab_size, (SLOT_BLOCK + 40,), generator=torch.Generator().manual_seed(5))
     grown, sized = KVCache(config, 1, LONG), KVCache(config, 1, LONG)
     slot = grown.allocate()
-    assert sized.allocate(length=LONG) == slot and sized.capacity(slot) == LONG
+    # max_seq_len rounded up to whole key blocks
+    assert sized.allocate(length=LONG) == slot and sized.capacity(slot) == 2 * SLOT_BLOCK + KEY_BLOCK
     # chunks of 24 cross the block boundary inside one forward (504 + 24 > 512)
     logits = feed(model, grown, slot, ids, 24)
-    assert grown.capacity(slot) == 2 * KEY_BLOCK and grown.nbytes == (2 * KEY_BLOCK + 1) * grown.bytes_per_token
+    assert grown.capacity(slot) == 2 * SLOT_BLOCK and grown.nbytes == (2 * SLOT_BLOCK + 1) * grown.bytes_per_token
     assert torch.equal(logits, feed(model, sized, slot, ids, 24))
     n = len(ids)
     assert torch.equal(grown.tensors(slot)[0][:, :, :n], sized.tensors(slot)[0][:, :, :n])
@@ -83,16 +93,16 @@ def test_budget_refuses_admission_and_growth_changing_nothing(long_model):
     assert cache.num_admissible == 3
     first = cache.allocate(length=10)  # the first request keeps no headroom
     assert cache.nbytes == one_block and cache.num_admissible == 1
-    second = cache.allocate(length=KEY_BLOCK)
+    second = cache.allocate(length=SLOT_BLOCK)
     assert cache.num_admissible == 0
     with pytest.raises(CacheMemoryError, match=f"kept for running requests, {one_block} are free"):
         cache.allocate(length=1)  # one block fits, but not with the headroom
     assert cache.num_free == 2 and cache.nbytes == 2 * one_block
-    cache.reserve(first, KEY_BLOCK + 1)  # growth may use the headroom
-    assert cache.capacity(first) == 2 * KEY_BLOCK
+    cache.reserve(first, SLOT_BLOCK + 1)  # growth may use the headroom
+    assert cache.capacity(first) == 2 * SLOT_BLOCK
     with pytest.raises(CacheMemoryError, match=f"slot {second} needs"):
-        cache.reserve(second, KEY_BLOCK + 1)
-    assert cache.capacity(second) == KEY_BLOCK and cache.nbytes == cache.slot_bytes(2 * KEY_BLOCK) + one_block
+        cache.reserve(second, SLOT_BLOCK + 1)
+    assert cache.capacity(second) == SLOT_BLOCK and cache.nbytes == cache.slot_bytes(2 * SLOT_BLOCK) + one_block
     with pytest.raises(CacheCapacityError, match=f"exceed max_seq_len {LONG}"):
         cache.reserve(second, LONG + 1)
     cache.free(first)
@@ -104,11 +114,11 @@ def test_memory_error_in_forward_writes_nothing(long_model):
     model, config = long_model
     cache = KVCache(config, max_slots=2, max_seq_len=LONG, memory_bytes=KVCache(config, 1, LONG).slot_bytes(1))
     slot = cache.allocate()
-    feed(model, cache, slot, torch.ones(KEY_BLOCK - 2, dtype=torch.long), 255)
+    feed(model, cache, slot, torch.ones(SLOT_BLOCK - 2, dtype=torch.long), 255)
     before = cache.tensors(slot)[0].clone()
     with pytest.raises(CacheMemoryError, match="is short"):
         forward(model, cache, torch.tensor([slot]), torch.ones(1, 5, dtype=torch.long), torch.tensor([5]))
-    assert int(cache.lengths[slot]) == KEY_BLOCK - 2 and cache.capacity(slot) == KEY_BLOCK
+    assert int(cache.lengths[slot]) == SLOT_BLOCK - 2 and cache.capacity(slot) == SLOT_BLOCK
     assert torch.equal(cache.tensors(slot)[0], before)
     other = cache.allocate()  # no storage yet: a forward would need a block the budget lacks
     with pytest.raises(CacheMemoryError):

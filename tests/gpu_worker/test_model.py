@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.checkpoint import load_model
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import ConfigError, ModelConfig, forward
+from gpu_worker.kv_cache import KEY_BLOCK, KVCache
+from gpu_worker.model import MASKED, ConfigError, ModelConfig, attention, attention_plan, block_attention, forward
 from tests.gpu_worker.conftest import write_hf_model
 
 V = 97  # conftest TINY vocab_size
@@ -123,6 +124,36 @@ def test_logits_index_selects_positions(tmp_path):
     picked = forward(model, picked_cache, slots, ids, num_new, logits_index=index)
     assert picked.shape == (2, 1, V)
     torch.testing.assert_close(picked[:, 0], torch.stack([full[0, 4], full[1, 2]]))
+
+
+@pytest.mark.parametrize("B, T, H, Hkv", [(1, 1, 9, 3), (2, 7, 6, 2), (1, 5, 4, 4)])
+def test_attention_over_several_key_blocks_matches_sdpa(B, T, H, Hkv):
+    """Each row's key blocks combined (2 to 3 blocks, a row's keys ending in any of them) give
+    causal attention; rows ahead of the others, so blocks a row cannot see are in the window."""
+    g, D, W = torch.Generator().manual_seed(8), 64, 3 * KEY_BLOCK
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(2, B, Hkv, W, D, generator=g)
+    pos = torch.tensor([KEY_BLOCK - 3, 2 * KEY_BLOCK + 10][:B]).view(B, 1) + torch.arange(T)
+    got = attention(q, k, v, attention_plan(pos, Hkv, H // Hkv, W)).view(B, T, H, D)
+    visible = torch.arange(W) <= pos[:, None, :, None]                    # (B, 1, T, W)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_block_attention_matches_the_cpu_flash_kernel():
+    """block_attention, attention's path off the CPU, returns what the flash kernel does (rows
+    that see no key of the block included: their lse is near MASKED, so their block weighs 0)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 5, 4, 64, generator=g)
+    k, v = torch.randn(2, 2, 5, KEY_BLOCK, 64, generator=g)
+    mask = torch.where(torch.rand(2, 5, 4, KEY_BLOCK, generator=g) < 0.5, MASKED, 0.0)
+    mask[0, 0, 1] = MASKED                                                # a row that sees nothing
+    out, lse = block_attention(q, k, v, mask, 0.125)
+    want_out, want_lse = torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=0.125)[:2]
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    seen = lse > MASKED / 2
+    assert not seen.all()
+    torch.testing.assert_close(out[seen], want_out[seen], atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_architecture_is_named():
