@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models
 
 from gpu_worker.checkpoint import save_d2t
 from gpu_worker.drafter_core import draft_batch, load_drafter
+from gpu_worker.kv_cache import KEY_BLOCK
 from gpu_worker.rejection import proposal_to_draft_probs
 from gpu_worker.sampling import SamplingTensors, process_logits
 from schemas.codec import decode, encode
@@ -236,11 +237,13 @@ def test_idle_slots_are_freed_and_a_full_cache_evicts_the_least_recently_used(dr
 
 
 def test_short_kv_memory_gives_no_drafts_and_holds_nothing(draft):
-    drafter = new_drafter(draft, kv_cache_memory="20000")  # one slot of 65 positions x 256 bytes
+    # room for one slot: max_seq_len 64 rounded up to a whole key block (256) + a scratch column,
+    # 257 positions x 256 bytes = 65,792; two would need 131,584
+    drafter = new_drafter(draft, kv_cache_memory="100000")
     got = results(drafter, row("a", PROMPT, index=0), row("b", PROMPT, index=1))
     assert len(got["a"].draft_token_ids) == 4 and len(got["b"].draft_token_ids) == 0 and not got["b"].need_resync
     assert sorted(rid for _, rid in drafter.requests) == ["a"] and drafter.counters["slots_memory"] == 1
-    assert drafter.cache.nbytes == 65 * 256 == drafter.cache.slot_bytes(1)
+    assert drafter.cache.nbytes == (KEY_BLOCK + 1) * 256 == drafter.cache.slot_bytes(1)
 
 
 def test_bad_token_id_is_refused_by_field_and_changes_nothing(draft):
