@@ -646,6 +646,11 @@ class SchedulerState:
         old_id = request.verifier_id
         new_id = self.placement.pick("verifier", self.pinned_count, exclude=old_id)
         new_id = new_id or (old_id if self.placement.alive(old_id) else None)
+        # The failed step's number is never planned again: the old verifier may still run that
+        # batch (frozen, then thawed) and would answer a new row of the same step with its stored
+        # result; and whichever verifier runs the request next starts from cached_len 0.
+        request.verifier_len = 0
+        request.step += 1
         if new_id is None:
             if not request.awaiting_verifier:
                 request.awaiting_verifier = True
@@ -656,8 +661,6 @@ class SchedulerState:
         if new_id != old_id:
             self.release(old_id, request.request_id)
             request.verifier_id = self.placement.count_pin(new_id)
-        request.verifier_len = 0  # cached_len 0: a verifier kept resets the slot
-        request.step += 1
         request.carried_degraded.append("migrated")
         self.count_degraded(request, ["migrated"])
         self.counters["migrated"] += 1

@@ -655,6 +655,28 @@ def test_a_request_whose_only_verifier_died_waits_for_another_and_moves_there(to
     assert row.request.request_id == "r2" and row.cached_len == 0 and state.counters["migrated"] == 1
 
 
+def test_a_request_whose_verifier_comes_back_never_reuses_the_failed_step(tokenizer):
+    """All verifiers frozen: the batch fails, the request waits; the same verifier thaws and may
+    run the stale batch, storing its answer for that step. The request's next row there must be
+    a new step from cached_len 0, or the verifier would answer it with the stale result."""
+    state = new_state(tokenizer)
+    request = submit(state, "r3")
+    step(state)
+    failed_step = request.step
+    state.clock.now += 5.0  # v1 silent past heartbeat_timeout_s: dead, no other verifier
+    for instance_id, role in (("d1", "drafter"), ("p1", "postprocessor")):
+        beat(state, instance_id, role)
+    state.boundary(time.time())
+    assert not state.plan_step(time.time()).rows and state.counters["verifier_awaited"] == 1
+    beat(state, "v1", "verifier")  # thawed: alive again
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    [row] = plan.rows["v1"]
+    assert row.request is request and row.cached_len == 0 and request.step > failed_step
+    [message] = state.verify_batches(plan, time.time()).values()
+    assert message.rows[0].step == request.step and message.rows[0].cached_len == 0
+
+
 def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alone(tokenizer):
     """Item 5: an oversized VerifyRequest was retried, then treated as a dead verifier."""
     state = new_state(tokenizer, max_step_tokens=100_000)
