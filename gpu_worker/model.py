@@ -447,11 +447,16 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     cache.commit(slots, num_new)
 
     x = x.view(B, T, E)
+    # The final norm is per row: norm then gather equals gather then norm, bit for bit; norm
+    # every row only when they are all returned.
     hidden = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) if return_hidden else None  # (B, T, E)
+    if hidden is not None:
+        x = hidden
     if logits_index is not None:
         assert logits_index.shape[0] == B and logits_index.dim() == 2, logits_index.shape
         index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
-    x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
+    if hidden is None:
+        x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
     logits = linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)
     return (logits, hidden) if return_hidden else logits

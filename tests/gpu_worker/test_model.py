@@ -6,7 +6,16 @@ import torch.nn.functional as F
 
 from gpu_worker.checkpoint import load_model
 from gpu_worker.kv_cache import KEY_BLOCK, KVCache
-from gpu_worker.model import MASKED, ConfigError, ModelConfig, attention, attention_plan, block_attention, forward
+from gpu_worker.model import (
+    MASKED,
+    ConfigError,
+    ModelConfig,
+    attention,
+    attention_plan,
+    block_attention,
+    forward,
+    linear,
+)
 from tests.gpu_worker.conftest import write_hf_model
 
 V = 97  # conftest TINY vocab_size
@@ -124,6 +133,23 @@ def test_logits_index_selects_positions(tmp_path):
     picked = forward(model, picked_cache, slots, ids, num_new, logits_index=index)
     assert picked.shape == (2, 1, V)
     torch.testing.assert_close(picked[:, 0], torch.stack([full[0, 4], full[1, 2]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_returning_the_hidden_states_leaves_the_logits_bit_for_bit(tmp_path, dtype):
+    write_hf_model(tmp_path, "llama")
+    model, config = load_model(tmp_path, dtype=dtype)
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(7))
+    slots, num_new = torch.tensor([0, 1]), torch.tensor([5, 3])
+    for index in (None, torch.tensor([[4, 0], [2, 1]])):
+        plain_cache, hidden_cache = KVCache(config, 2, 8, dtype=dtype), KVCache(config, 2, 8, dtype=dtype)
+        for cache in (plain_cache, hidden_cache):
+            cache.allocate(), cache.allocate()
+        plain = forward(model, plain_cache, slots, ids, num_new, logits_index=index)
+        logits, hidden = forward(model, hidden_cache, slots, ids, num_new, logits_index=index, return_hidden=True)
+        assert hidden.shape == (2, 5, config.hidden_size) and torch.equal(logits, plain)
+        rows = hidden if index is None else hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, config.hidden_size))
+        assert torch.equal(linear(rows.reshape(-1, config.hidden_size), model.lm_head).view(logits.shape), logits)
 
 
 @pytest.mark.parametrize("B, T, H, Hkv", [(1, 1, 9, 3), (2, 7, 6, 2), (1, 5, 4, 4)])
