@@ -90,10 +90,13 @@ class KVCache:
 
     memory_bytes: the budget for all slots' storage; None = enough for every slot at
     max_seq_len (growth then never runs short, and admission keeps no headroom).
+    side_bytes_per_token: bytes the owner keeps per position of a slot beside its keys and
+    values (the verifier's feature rows), charged to the budget with them: the owner sizes that
+    storage by `capacity_for`, so a slot's capacity pays for both.
     """
 
     def __init__(self, config, max_slots: int, max_seq_len: int, device="cpu",
-                 dtype=torch.float32, memory_bytes: int | None = None):
+                 dtype=torch.float32, memory_bytes: int | None = None, side_bytes_per_token: int = 0):
         if max_slots <= 0 or max_seq_len <= 0:
             raise ValueError(f"max_slots ({max_slots}) and max_seq_len ({max_seq_len}) "
                              f"must be positive")
@@ -105,9 +108,9 @@ class KVCache:
         self.device = torch.device(device)
         self.dtype = dtype
         self._dims = (config.num_layers, config.num_kv_heads, config.head_dim)
-        # bytes of one position of one slot, keys and values of every layer
+        # bytes of one position of one slot: keys and values of every layer, and the owner's side rows
         self.bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
-            torch.empty((), dtype=dtype).element_size()
+            torch.empty((), dtype=dtype).element_size() + side_bytes_per_token
         full = max_slots * self.slot_bytes(max_seq_len)
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be positive, got {memory_bytes}")

@@ -95,14 +95,18 @@ def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:
     return dtype, memory_bytes
 
 
-def load_model_and_cache(model_dir: str, config: ModelServiceConfig) -> tuple[Model, KVCache]:
+def load_model_and_cache(model_dir: str, config: ModelServiceConfig,
+                         side_bytes_per_value: int = 0) -> tuple[Model, KVCache]:
     """The model in model_dir and a KV cache of config.max_slots slots within
     config.kv_cache_memory (device, dtype from config); applies config.torch_threads first.
+    side_bytes_per_value: the budget also pays for a row of hidden_size values of this many bytes
+    per position (the verifier's feature rows, `KVCache` side_bytes_per_token).
     SpecbusError naming the field for a bad value."""
     dtype, memory_bytes = model_settings(config)
     log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."))
     model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len)
-    cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype, memory_bytes)
+    cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype, memory_bytes,
+                    side_bytes_per_value * model_config.hidden_size)
     release_free_heap()
     log.info("kv_cache_budget", memory_bytes=memory_bytes, bytes_per_token=cache.bytes_per_token,
              tokens=memory_bytes // cache.bytes_per_token, max_slots=config.max_slots)

@@ -84,7 +84,7 @@ log = structlog.get_logger(__name__)
 # Chunks share a padded forward while the padding stays under this many tokens plus a quarter
 # of the real ones (see step 3 of the module docstring for the measurement behind it).
 FREE_PADDING_TOKENS = 32
-FEATURE_BLOCK = 512  # positions a slot's feature buffer grows by
+FEATURE_BYTES = 2  # a feature value is kept as bfloat16
 # |sum - 1| allowed of a draft distribution: float16 probs round each value by at most 2**-11
 # relative (4.9e-4 in the sum), float32 softmax sums are off by ~1e-6.
 PROBS_SUM_TOLERANCE = 1e-3
@@ -142,7 +142,7 @@ class Verifier:
     @property
     def max_feature_rows(self) -> int:
         """Positions of one FeatureBlock at most (MAX_FEATURE_BLOCK_BYTES of bf16)."""
-        return MAX_FEATURE_BLOCK_BYTES // (2 * self.model.config.hidden_size)
+        return MAX_FEATURE_BLOCK_BYTES // (FEATURE_BYTES * self.model.config.hidden_size)
 
 
 @dataclass
@@ -188,7 +188,7 @@ class VerifyRowWork:
 
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
-    model, cache = load_model_and_cache(config.target_model, config)
+    model, cache = load_model_and_cache(config.target_model, config, side_bytes_per_value=FEATURE_BYTES)
     # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of;
     # hidden_size: they size the feature blocks they ask for by it (2 bytes a value)
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),
@@ -411,17 +411,18 @@ def forward_group(verifier: Verifier, group: list[tuple[VerifyRowWork, int, int]
     for b, (work, begin, end) in enumerate(group):
         offsets = [begin + o for o in wanted[b]]
         take_logits(verifier, work, offsets, logits[b, :len(offsets)])
-        store_features(work.state, work.start + begin, hidden[b, :end - begin])
+        store_features(work.state, work.start + begin, hidden[b, :end - begin], verifier.cache)
         work.fed = end
 
 
-def store_features(state: VerifierSlot, start: int, hidden: torch.Tensor) -> None:
+def store_features(state: VerifierSlot, start: int, hidden: torch.Tensor, cache: KVCache) -> None:
     """Keep hidden (n, E), the target's features at positions start..start+n-1, in the slot's
-    bf16 buffer, which grows by whole FEATURE_BLOCKs to hold them."""
+    bf16 buffer, which grows as the slot's cache does (`cache.capacity_for`: the cache's memory
+    budget pays for these rows, `load_verifier`)."""
     end, E = start + hidden.shape[0], hidden.shape[1]
     buffer = state.features
     if buffer is None or buffer.shape[0] < end:
-        grown = hidden.new_empty((-(-end // FEATURE_BLOCK) * FEATURE_BLOCK, E), dtype=torch.bfloat16)
+        grown = hidden.new_empty((cache.capacity_for(end), E), dtype=torch.bfloat16)
         if buffer is not None:
             grown[:buffer.shape[0]] = buffer
         state.features = buffer = grown

@@ -1,7 +1,8 @@
 """The KV cache memory budget through a real multi-process stack (tiny random models).
 
-The verifier's and drafter's --kv-cache-memory holds two requests' blocks at a time (one block
-of 512 positions of the tiny target is 513 x 256 bytes). Six requests at once: the verifier's
+The verifier's --kv-cache-memory holds two requests' blocks at a time (one block of 512
+positions of the tiny target is 513 x 320 bytes: its keys and values and its bf16 feature row;
+the drafter's smaller model fits more in the same budget). Six requests at once: the verifier's
 heartbeats never offer more than the memory admits, the scheduler keeps the rest queued until
 memory is freed, and every request gives what it gives alone, or is refused `overloaded` by the
 verifier (a heartbeat sent before a batch took the memory may reach the scheduler after it, so
@@ -26,7 +27,9 @@ from tests.gpu_worker.conftest import VT, write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-BLOCK_BYTES = 513 * 256  # the tiny target: 2 layers x 2 KV heads x head dim 8, float32, keys and values
+# the tiny target: 2 layers x 2 KV heads x head dim 8, float32, keys and values (256 bytes a position)
+# and the verifier's feature row, 32 bf16 values (64)
+BLOCK_BYTES = 513 * (256 + 64)
 BUDGET = 2 * BLOCK_BYTES + 40_000  # two blocks and the 10% admission headroom
 TIMEOUT_S = 120.0  # per request: queued ones wait for memory
 HEARTBEAT_S = "0.1"

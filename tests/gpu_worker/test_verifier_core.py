@@ -190,14 +190,15 @@ def test_a_full_cache_fails_only_the_new_row(target):
 
 def test_short_kv_memory_refuses_the_new_row_overloaded_and_heartbeats_say_so(target):
     # one slot of the tiny target (max_seq_len 128, rounded up to a whole key block of 256) is 257
-    # positions of 256 bytes: the budget holds two, the third would eat the headroom kept for growth
-    verifier = new_verifier(target, kv_cache_memory="150000")
+    # positions of 320 bytes (256 of keys and values, 64 of the bf16 feature row): the budget holds
+    # two, the third would eat the headroom kept for growth
+    verifier = new_verifier(target, kv_cache_memory="185000")
     slot_bytes = verifier.cache.slot_bytes(1)
-    assert slot_bytes == 257 * 256 and verifier.cache.memory_bytes == 150000 and verifier.cache.nbytes == 0
+    assert slot_bytes == 257 * 320 and verifier.cache.memory_bytes == 185000 and verifier.cache.nbytes == 0
     results = run(verifier, vrow("a", PROMPT), vrow("b", PROMPT), vrow("c", PROMPT))
     assert results["a"][0].error is None and results["b"][0].error is None
     error = results["c"][0].error
-    assert error.code == ErrorCode.overloaded and "KV cache memory budget 150000 bytes is short" in error.message
+    assert error.code == ErrorCode.overloaded and "KV cache memory budget 185000 bytes is short" in error.message
     assert verifier.cache.nbytes == 2 * slot_bytes and verifier.counters["refused_memory"] == 1
     beat = instance_heartbeat(verifier, "verifier", 0.5)
     assert (beat.capacity, beat.load, beat.free_slots, verifier.cache.num_free) == (MAX_SLOTS, 2, 0, MAX_SLOTS - 2)
