@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_worker import linear_kernel
 from gpu_worker.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -119,8 +120,8 @@ class ModelConfig:
 
 @dataclass
 class Layer:
-    """Projection weights as `pack_weight` leaves them, for `linear`: shapes below are the
-    checkpoint's (out, in); on a CPU oneDNN's packed copies, else (in, out) views."""
+    """Projection weights as `pack_weight` leaves them, for `linear`: (out, in) as in the
+    checkpoint (oneDNN's packed copies where the fixed-order kernel cannot run on this CPU)."""
     attn_norm: torch.Tensor        # (E,)
     wqkv: torch.Tensor             # ((H + 2*Hkv) * D, E): q, k, v projections fused at load
     bqkv: torch.Tensor | None      # ((H + 2*Hkv) * D,)
@@ -200,25 +201,36 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
                  rope_sin=sin.to(device=device, dtype=dtype))
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """w (out, in) -> what `linear` takes: oneDNN's packed copy where oneDNN serves w's dtype on
-    this CPU, else the (in, out) view for `x @ w` (BLAS reads rows, no per-call transpose).
+def fixed_kernel(t: torch.Tensor):
+    """The fixed-order projection kernel (gpu_worker/linear_kernel.py) when it serves t's device
+    and dtype here, else None."""
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16):
+        return linear_kernel.load()
+    return None
 
-    Why oneDNN: MKL, torch's float32 BLAS on x86, picks its kernel by the number of rows (a GEMV
-    at one row, other kernels and thread splits at a few rows), each summing over `in` in its
-    own order, so a row's bits depend on how many rows share the call. oneDNN's kernel for a
-    packed weight is one blocked GEMM for every row count (packed for 4 rows: a layout packed
-    for one row sends one-row calls to a GEMV of oneDNN's own). Where oneDNN does not serve
-    the dtype (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel computes each
-    output as one dot product over `in`, whatever the row count. A GPU needs batch-invariant
-    matmul kernels instead (a fixed tile configuration, no split-K chosen from the row count).
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w (out, in) -> what `linear` takes: w itself (contiguous) for our fixed-order CPU kernel,
+    or where that cannot run, oneDNN's packed copy where oneDNN serves w's dtype on this CPU,
+    else w itself for a BLAS matmul.
+
+    Why not a library's matmul: MKL, torch's float32 BLAS on x86, picks its kernel by the number
+    of rows (a GEMV at one row, other kernels and thread splits at a few rows), each summing over
+    `in` in its own order, so a row's bits depend on how many rows share the call. oneDNN's
+    kernel for a packed weight is one blocked GEMM for every row count (packed for 4 rows: a
+    layout packed for one row sends one-row calls to a GEMV of oneDNN's own), at ~25% more than
+    a GEMV at one row with the weights cold; our kernel costs a GEMV's at one row. Where oneDNN
+    does not serve the dtype (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel
+    computes each output as one dot product over `in`, whatever the row count. A GPU needs
+    batch-invariant matmul kernels instead (a fixed tile configuration, no split-K chosen from
+    the row count).
     """
-    if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+    if fixed_kernel(w) is None and w.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:
             return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 4)
         except RuntimeError:  # oneDNN refuses the dtype on this CPU
             pass
-    return w.t()
+    return w.contiguous()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -229,7 +241,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
-    out = torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
+    kernel = fixed_kernel(x)
+    if kernel is not None:
+        return kernel.fixed_linear(x, w, b, residual)
+    out = torch.mm(x, w.t()) if residual is None else torch.addmm(residual, x, w.t())
     return out if b is None else out.add_(b)
 
 

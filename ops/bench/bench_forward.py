@@ -49,7 +49,7 @@ def bench(model, config, tokens: list[int], context: int, reps: int, clock=time.
                     torch.tensor([T]))
             elapsed = clock() - start
             cache.truncate(slot, context)
-            if rep:  # round 0 warms up (oneDNN builds its kernel for each new row count)
+            if rep:  # round 0 warms up (caches; oneDNN, where it serves, builds its kernel per row count)
                 times[T].append(elapsed)
     return {T: statistics.median(t) * 1e3 for T, t in times.items()}
 

@@ -52,6 +52,7 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client
 
+from gpu_worker import linear_kernel
 from schemas.codec import decode
 from schemas.config import ENV_PREFIX
 from schemas.config import ROLES as CONFIGS
@@ -93,6 +94,25 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+async def build_linear_kernel() -> None:
+    """Build the CPU projection kernel (gpu_worker/linear_kernel.py) before the model services
+    start, once per checkout, so no verifier or drafter spends its ready_timeout_s compiling it.
+    A build that fails or runs past BUILD_TIMEOUT_S is logged; the services then use oneDNN."""
+    if linear_kernel.built() or linear_kernel.turned_off():
+        return
+    log.info("linear_kernel_building", path=str(linear_kernel.build_dir()))
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gpu_worker.linear_kernel",
+                                                   stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.wait_for(process.communicate(), linear_kernel.BUILD_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        process.kill()
+        await process.wait()
+        stderr = b"timed out"
+    if not linear_kernel.built():
+        log.warning("linear_kernel_unavailable", stderr=stderr.decode(errors="replace")[-STDERR_TAIL_CHARS:])
 
 
 class StackError(RuntimeError):
@@ -338,6 +358,7 @@ class Stack:
     async def start_services(self) -> None:
         """Every configured instance, at once; returns when all have heartbeated."""
         try:
+            await build_linear_kernel()
             started = [await self.spawn(role) for role in ROLES for _ in range(self.config.count(role))]
             await self.wait_ready(started)
             self.add_openai_env()

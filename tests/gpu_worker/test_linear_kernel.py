@@ -1,0 +1,77 @@
+"""The fixed-order CPU projection kernel (gpu_worker/linear_kernel.py): right, and a row's bits
+independent of the rows around it and of the thread count."""
+
+import pytest
+import torch
+
+from gpu_worker import linear_kernel
+from gpu_worker.model import linear, pack_weight
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = linear_kernel.load()
+    # both CPU kinds this project runs on have AVX2: there the kernel must build, not fall back quietly
+    assert module is not None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+    if module is None:
+        pytest.skip("no AVX2 on this CPU: model.linear uses oneDNN / BLAS")
+    return module
+
+
+def operands(dtype, M=13, N=10, K=37, seed=0):
+    """Shapes off the kernel's blocks: N not a multiple of 4, K not of 8, M not of 3."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(dtype) for shape in ((M, K), (N, K), (N,), (M, N))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_computes_residual_plus_x_w_transposed_plus_b(kernel, dtype):
+    x, w, b, residual = operands(dtype)
+    exact = residual.double() + x.double() @ w.double().T + b.double()
+    got = kernel.fixed_linear(x, w, b, residual)
+    assert got.dtype == dtype and got.shape == exact.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), exact, atol=tolerance * 10, rtol=tolerance)
+    torch.testing.assert_close(kernel.fixed_linear(x, w, None, None).double(), x.double() @ w.double().T,
+                               atol=tolerance * 10, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [37, 576])
+def test_a_rows_bits_do_not_depend_on_the_rows_around_it_or_the_threads(kernel, dtype, K):
+    x, w, b, residual = operands(dtype, M=13, N=66, K=K)
+    full = kernel.fixed_linear(x, w, b, residual)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start in range(13):
+                for stop in range(start + 1, 14):
+                    part = kernel.fixed_linear(x[start:stop], w, b, residual[start:stop])
+                    assert torch.equal(part, full[start:stop]), (count, start, stop)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_linear_runs_the_kernel_on_packed_weights(kernel, dtype):
+    x, w, b, residual = operands(dtype, N=12, K=64)
+    packed = pack_weight(w)
+    assert not packed.is_mkldnn and packed.shape == w.shape
+    assert torch.equal(linear(x, packed, b, residual), kernel.fixed_linear(x, w, b, residual))
+
+
+def test_turned_off_the_projections_go_to_onednn_and_stay_row_invariant(monkeypatch):
+    monkeypatch.setenv("SPECBUS_LINEAR_KERNEL", "0")
+    linear_kernel.load.cache_clear()
+    try:
+        assert linear_kernel.load() is None
+        x, w, b, residual = operands(torch.float32, N=12, K=64)
+        packed = pack_weight(w)
+        full = linear(x, packed, b, residual)
+        torch.testing.assert_close(full, residual + x @ w.T + b, atol=1e-5, rtol=1e-5)
+        assert all(torch.equal(linear(x[:m], packed, b, residual[:m]), full[:m]) for m in range(1, 14))
+    finally:
+        linear_kernel.load.cache_clear()
