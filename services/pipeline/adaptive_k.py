@@ -7,7 +7,7 @@ maximises the request's expected tokens per second; the request's k is the upper
                                                        positions < i accepted (Leviathan et al. 2023,
                                                        eq. 1, with a rate per position)
     time(k_t) = verify(T0 + k_t + 1) + draft(k_t) + commit
-    k_t = argmax E(k_t) / time(k_t), or 0 when that beats k_t = 0 by less than SPECULATION_MARGIN
+    k_t = argmax E(k_t) / time(k_t)
 
 - a_i: the request's own counts (decayed by ACCEPT_DECAY per judged step, so it follows the text
   it is on), behind PRIOR_WEIGHT pseudo-steps of the drafter's history across requests
@@ -17,10 +17,6 @@ maximises the request's expected tokens per second; the request's k is the upper
   draft by the drafter batch's largest k (only what k_t adds to the rows planned before it; 0 drafts
   send no draft request at all), the commit as a constant. Each is the median of the last
   COST_SAMPLES timings; sizes not measured are interpolated between measured ones.
-- Margin: drafting must promise SPECULATION_MARGIN more tokens per second than not drafting.
-  Where the gain is that thin (a weak draft, a verify that grows fast with T), the estimates'
-  noise (costs measured on a shared machine, acceptance from a few recent steps) decides the
-  sign, and a speculative step adds two bus hops that can stall: k_t = 0 is the safe side.
 - Measure first: while a batch-1 size in [0, k] has fewer than MIN_SAMPLES timings, a row alone in
   its batch takes the largest such k_t; a row in a larger batch takes k while nothing is measured
   (so a scheduler that is told no timings runs at k, as without this).
@@ -41,7 +37,6 @@ PRIOR_WEIGHT = 4.0  # pseudo-steps of the drafter's history behind a request's o
 PRIOR_MAX_STEPS = 1000.0  # the drafter's history is halved past this, so it follows a drift
 COST_SAMPLES = 5  # timings kept per size; the estimate is their median (a cold or stalled step is one of them)
 MIN_SAMPLES = 3  # a batch-1 size with fewer timings is measured before it is trusted
-SPECULATION_MARGIN = 0.05  # a k_t > 0 must beat k_t = 0's expected tokens per second by this fraction
 MAX_PROBE_BACKOFF = 8  # a request probes at least every MAX_PROBE_BACKOFF * probe_steps steps at k_t = 0
 
 
@@ -147,7 +142,7 @@ class AdaptiveK:
         prior = self.priors.get(prior_key, AcceptanceCounts())
         acceptance = [own.rate(i, prior.rate(i), PRIOR_WEIGHT) for i in range(k_max)]
         commit_s = self.commit_s.estimate(0) or 0.0
-        best, best_rate, rate_at_0 = 0, 0.0, 0.0
+        best, best_rate = 0, 0.0
         for k in range(k_max + 1):
             verify_s = verify.estimate(base_tokens + k + 1)
             draft_s = draft.estimate(k) if k > base_k else 0.0
@@ -156,10 +151,9 @@ class AdaptiveK:
             if k > base_k and base_k:
                 draft_s -= draft.estimate(base_k)  # what k adds to the drafter batch's rows planned before
             rate = expected_tokens(acceptance, k) / max(verify_s + draft_s + commit_s, 1e-9)
-            rate_at_0 = rate_at_0 or rate
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best if best_rate >= (1 + SPECULATION_MARGIN) * rate_at_0 else 0
+        return best
 
     def verified(self, row: RowState, prior_key: tuple[str, str], num_draft: int, num_accepted: int) -> None:
         """A verify step of a row with num_draft drafts, num_accepted of them accepted."""

@@ -8,9 +8,8 @@ import pytest
 from schemas.messages import DraftResponse, DraftResult, VerifyResponse, VerifyResult
 from services.pipeline.adaptive_k import (
     COST_SAMPLES,
-    MAX_PROBE_BACKOFF,
     MIN_SAMPLES,
-    SPECULATION_MARGIN,
+    MAX_PROBE_BACKOFF,
     AcceptanceCounts,
     AdaptiveK,
     CostTable,
@@ -155,19 +154,10 @@ def test_the_best_k_balances_acceptance_against_a_verify_that_grows_with_its_tok
     picks = {rate: choose(adaptive, history(rate)) for rate in (0.1, 0.5, 0.7, 0.95)}
     assert picks[0.1] == 0 and picks[0.95] == 4
     assert 0 < picks[0.5] <= picks[0.7] < 4
-    for rate, k in picks.items():  # the pick is the argmax of the formula (by more than the margin)
+    for rate, k in picks.items():  # the pick is the argmax of the formula
         a = [rate] * 4
         time_of = [0.027 + 0.006 * j + (0.001 + 0.001 * j if j else 0) for j in range(5)]
         assert max(range(5), key=lambda j: expected_tokens(a, j) / time_of[j]) == k
-
-
-def test_a_draft_that_gains_less_than_the_margin_is_not_run():
-    # verify 100 ms at T=1, 110 ms at T=2, a draft 10 ms: one draft pays off at acceptance 0.2
-    # (1.2 tokens in 120 ms against 1 in 100 ms) only by the margin's noise
-    adaptive = measured(lambda t: 0.100 + 0.010 * (t - 1), lambda k: 0.010 * k, k_max=1)
-    thin, clear = 1.2 * (1 + SPECULATION_MARGIN / 2) - 1, 1.2 * (1 + 2 * SPECULATION_MARGIN) - 1
-    assert choose(adaptive, history(thin), k_max=1) == 0
-    assert choose(adaptive, history(clear), k_max=1) == 1
 
 
 def test_a_new_request_starts_from_the_drafters_history():
