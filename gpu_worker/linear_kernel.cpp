@@ -126,5 +126,7 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output");
+  // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
+  m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",
+        py::call_guard<py::gil_scoped_release>());
 }

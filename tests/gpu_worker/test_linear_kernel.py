@@ -1,6 +1,9 @@
 """The fixed-order CPU projection kernel (gpu_worker/linear_kernel.py): right, and a row's bits
 independent of the rows around it and of the thread count."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -75,3 +78,24 @@ def test_turned_off_the_projections_go_to_onednn_and_stay_row_invariant(monkeypa
         assert all(torch.equal(linear(x[:m], packed, b, residual[:m]), full[:m]) for m in range(1, 14))
     finally:
         linear_kernel.load.cache_clear()
+
+
+def test_the_kernel_lets_other_threads_run_meanwhile(kernel):
+    # a service's event loop (its heartbeats, its bus) runs beside a forward in a worker thread
+    x, w = torch.randn(300, 576), torch.randn(16384, 576)
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    kernel.fixed_linear(x, w, None, None)
+    end = time.perf_counter()
+    done.set()
+    ticker.join()
+    assert sum(start < t < end for t in ticks) >= 3, f"no other thread ran during a {end - start:.3f} s call"
