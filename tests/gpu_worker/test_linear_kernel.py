@@ -98,4 +98,4 @@ def test_the_kernel_lets_other_threads_run_meanwhile(kernel):
     end = time.perf_counter()
     done.set()
     ticker.join()
-    assert sum(start < t < end for t in ticks) >= 3, f"no other thread ran during a {end - start:.3f} s call"
+    assert sum(start < t < end for t in ticks) >= 10, f"no other thread ran during a {end - start:.3f} s call"
