@@ -36,6 +36,7 @@ from tests.test_faults import (  # noqa: F401  (fixtures)
     check_whole,
     models,
     prompts,
+    replacement,
     tokenizer,
 )
 
@@ -217,9 +218,34 @@ async def test_a_restarted_nats_server_loses_no_stream(stack, client, prompts, t
     check_unchanged(await load.finish(), reference, tokenizer)
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def supervised(models, prompts, tmp_path_factory):
+    """One instance per role (float32), supervised as `specbus up` does, with restarts held back
+    well past the heartbeat timeout; and the undisturbed outputs of `requests`, taken on it before
+    any kill. Shared by the three kills below (one stack start and one reference instead of three):
+    each test ends only once its role's replacement heartbeats and nothing else was restarted, so
+    the next one starts on a whole stack, and every kill's streams still compare with the outputs
+    of the stack as it first came up."""
+    async with Stack(failover_config(models, tmp_path_factory.mktemp("only-one-logs"), schedulers=1)) as running:
+        stop = asyncio.Event()
+        held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
+        supervisor = asyncio.create_task(supervise(running, stop, held_back))
+        try:
+            async with connected_client(running, 1) as client:
+                reference = await Load(client, requests(prompts, "only-reference")).finish()
+            yield running, reference
+        finally:
+            stop.set()
+        await supervisor
+
+
+def running_ids(stack: Stack) -> set[str]:
+    return {p.instance_id for p in stack.processes.values() if p.running}
+
+
 @pytest.mark.parametrize("role", ["scheduler", "verifier", "postprocessor"])
 async def test_the_only_instance_of_a_role_killed_under_supervision_loses_no_stream(
-        role, models, prompts, tokenizer, tmp_path_factory):
+        role, supervised, prompts, tokenizer):
     """One instance per role, supervised as `specbus up` does: when it is SIGKILLed, the streams
     wait for the restarted one (a new instance id) and go on, token for token unchanged: the
     client fails over to the new scheduler, the scheduler moves requests to the new verifier,
@@ -227,30 +253,22 @@ async def test_the_only_instance_of_a_role_killed_under_supervision_loses_no_str
     logprobs, `logprobs_timeout`). The restart is held back well past the heartbeat timeout,
     so the death is noticed with no instance of that role to go to. Greedy and seeded sampled
     streams: the restarted scheduler admits only once it heard the drafter (a step without
-    drafts would take other seeded draws)."""
-    async with Stack(failover_config(models, tmp_path_factory.mktemp(f"only-{role}-logs"), schedulers=1)) as running:
-        stop = asyncio.Event()
-        held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
-        supervisor = asyncio.create_task(supervise(running, stop, held_back))
-        try:
-            async with connected_client(running, 1) as client:
-                reference = await Load(client, requests(prompts, "only-reference")).finish()
-                load = await Load.start(client, requests(prompts, f"only-{role}"))
-                [victim] = [p.instance_id for p in running.by_role(role) if p.running]
-                running.kill(victim, signal.SIGKILL)
-                assert await running.wait_exit(victim) == -signal.SIGKILL
-                killed_at = time.monotonic()
-                streams = await load.finish()
-                check_unchanged(streams, reference, tokenizer, with_logprobs=role != "postprocessor")
-                if role == "scheduler":
-                    check_failed_over(streams, killed_at, running)
-                elif role == "verifier":
-                    assert all("migrated" in got.degraded(since=killed_at) for got in streams)
-                assert await stop_supervisor(stop, supervisor) == [f"{role}-1"]
-        finally:
-            stop.set()
-
-
-async def stop_supervisor(stop: asyncio.Event, supervisor: asyncio.Task) -> list[str]:
-    stop.set()
-    return await supervisor
+    drafts would take other seeded draws). Each role on the module's `supervised` stack, after
+    the earlier roles' replacements took over: the replacement is `<role>-1` and the only process
+    restarted (what the supervisor's list of replacements showed when each kill had its own stack)."""
+    running, reference = supervised
+    before = running_ids(running)
+    async with connected_client(running, 1) as client:
+        load = await Load.start(client, requests(prompts, f"only-{role}"))
+        [victim] = [p.instance_id for p in running.by_role(role) if p.running]
+        running.kill(victim, signal.SIGKILL)
+        assert await running.wait_exit(victim) == -signal.SIGKILL
+        killed_at = time.monotonic()
+        streams = await load.finish()
+        check_unchanged(streams, reference, tokenizer, with_logprobs=role != "postprocessor")
+        if role == "scheduler":
+            check_failed_over(streams, killed_at, running)
+        elif role == "verifier":
+            assert all("migrated" in got.degraded(since=killed_at) for got in streams)
+    new = await replacement(running, role, victim)
+    assert new == f"{role}-1" and running_ids(running) == before - {victim} | {new}

@@ -111,7 +111,9 @@ async def generate_all(client, requests):
 # the shared stack
 
 
-async def test_greedy_speculative_decoding_equals_plain_greedy(client, prompts):
+async def test_greedy_speculative_decoding_equals_plain_greedy(stack, client, prompts):
+    """In the stack's dtype (the verifier says which it loaded), for every k: drafts were proposed,
+    and at k=4 some accepted, so the verify steps took part in the output."""
     outputs = {}
     for k in (0, 1, 2, 4, 8):
         results = await generate_all(client, [greedy(prompt, k) for prompt in prompts[:10]])
@@ -119,9 +121,12 @@ async def test_greedy_speculative_decoding_equals_plain_greedy(client, prompts):
         outputs[k] = [r.token_ids for r in results]
         proposed = sum(r.usage.draft_tokens_proposed for r in results)
         assert proposed > 0 if k else proposed == 0
+        if k == 4:
+            assert sum(r.usage.draft_tokens_accepted for r in results) > 0
     for k in (1, 2, 4, 8):
         for index, (plain, speculative) in enumerate(zip(outputs[0], outputs[k])):
             assert speculative == plain, f"k={k}, prompt {index}"
+    assert f"dtype={stack.config.dtype}" in (Path(stack.config.log_dir) / "verifier-0.log").read_text()
 
 
 async def test_seeded_sampling_is_the_same_twice_and_among_concurrent_requests(client, prompts):
