@@ -37,7 +37,6 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import structlog
@@ -45,11 +44,11 @@ import torch
 
 from gpu_worker.checkpoint import load_d2t, model_id
 from gpu_worker.coupling import gumbel_argmax
-from gpu_worker.kv_cache import CacheMemoryError, KVCache
+from gpu_worker.kv_cache import CacheMemoryError
 from gpu_worker.model import Model, forward
 from gpu_worker.sampling import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
                                  row_seed, sample)
-from gpu_worker.slots import evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
+from gpu_worker.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
 from gpu_worker.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import DrafterConfig
 from schemas.messages import (MAX_DRAFT_SUPPORT, DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat,
@@ -74,8 +73,8 @@ class DraftSlot:
     last_used: float  # time.monotonic()
 
 
-@dataclass
-class Drafter:
+@dataclass(kw_only=True)
+class Drafter(SlotOwner):
     """The draft model, its KV cache and the request_id -> slot map.
 
     d2t: (V_draft,) int64, draft id -> target id. t2d: (V_target,) int64, target id -> draft id
@@ -83,18 +82,11 @@ class Drafter:
     shares the target's vocabulary (no d2t.safetensors): then d2t and t2d are the identity.
     """
 
-    instance_id: str
     model: Model
-    cache: KVCache
     d2t: torch.Tensor
     t2d: torch.Tensor
     other_id: int | None
-    model_ids: dict[str, str]
     prefill_chunk: int
-    slot_idle_ttl_s: float
-    # Keyed by (scheduler_id, request_id): request ids are unique per scheduler only.
-    requests: dict[tuple[str, str], DraftSlot] = field(default_factory=dict)
-    counters: Counter = field(default_factory=Counter)
 
     @property
     def target_vocab_size(self) -> int:

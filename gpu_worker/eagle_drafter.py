@@ -37,21 +37,19 @@ target (services/pipeline/draft_method.py), since its drafts are worthless on an
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
 from gpu_worker.checkpoint import model_id
-from gpu_worker.drafter_core import (SHORT_FEED, DraftRowWork, DraftSlot, choose, draft_batch, draft_results,
+from gpu_worker.drafter_core import (SHORT_FEED, DraftRowWork, choose, draft_batch, draft_results,
                                      feed_groups, receive_row, start_choice)
 from gpu_worker.eagle import (EagleHead, build_head, draft_chain, head_forward, load_head_weights, load_target_pieces,
                               new_cache, unpack_features)
-from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import ConfigError
-from gpu_worker.slots import free_request, model_settings
+from gpu_worker.slots import SlotOwner, free_request, model_settings
 from gpu_worker.tokenizer import tokenizer_id
 from schemas.config import DrafterConfig, check_model_dir
 from schemas.errors import ErrorCode, SpecbusError
@@ -60,8 +58,8 @@ from schemas.messages import DraftRequest, DraftResponse, DraftResult, DraftRow
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class EagleDrafter:
+@dataclass(kw_only=True)
+class EagleDrafter(SlotOwner):
     """The head, its KV cache (one layer; a slot's length is the pairs it holds) and the
     request_id -> DraftSlot map (token_ids: the history, target ids).
 
@@ -69,16 +67,10 @@ class EagleDrafter:
     newest pair's feature, to feed it again when a step repeats.
     """
 
-    instance_id: str
     head: EagleHead
-    cache: KVCache
     t2d: torch.Tensor
     last_features: torch.Tensor
-    model_ids: dict[str, str]
     prefill_chunk: int
-    slot_idle_ttl_s: float
-    requests: dict[tuple[str, str], DraftSlot] = field(default_factory=dict)
-    counters: Counter = field(default_factory=Counter)
 
     @property
     def d2t(self) -> torch.Tensor:

@@ -25,15 +25,14 @@ proposed is rejected by the verifier, which changes speed, never the output.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from gpu_worker.drafter_core import DraftRowWork, DraftSlot, receive_row
+from gpu_worker.drafter_core import DraftRowWork, receive_row
 from gpu_worker.kv_cache import CacheFullError, SlotError
-from gpu_worker.slots import evict_idle, release
+from gpu_worker.slots import SlotOwner, evict_idle, release
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import ANY_TOKENIZER, DraftRequest, DraftResponse, DraftResult, Proposal
@@ -104,19 +103,13 @@ class TokenSlots:
             raise SlotError(f"slot {slot} is not an allocated slot")
 
 
-@dataclass
-class NgramDrafter:
+@dataclass(kw_only=True)
+class NgramDrafter(SlotOwner):
     """The slot owner of a prompt-lookup drafter (gpu_worker/slots.py SlotOwner): request slots
     keyed (scheduler_id, request_id), holding each request's committed history."""
 
-    instance_id: str
-    cache: TokenSlots
-    model_ids: dict[str, str]
-    slot_idle_ttl_s: float
     max_n: int
     min_n: int
-    requests: dict[tuple[str, str], DraftSlot] = field(default_factory=dict)
-    counters: Counter = field(default_factory=Counter)
 
 
 def load_ngram_drafter(config: DrafterConfig) -> NgramDrafter:

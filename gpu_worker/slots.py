@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -67,15 +68,20 @@ class SlotState(Protocol):
     last_used: float
 
 
-class SlotOwner(Protocol):
-    """What the functions below need of a Verifier or a Drafter."""
+@dataclass(kw_only=True)
+class SlotOwner:
+    """What a Verifier and every kind of drafter hold, and the functions below need: requests
+    maps (scheduler_id, request_id) to the request's slot state (its SlotState kind is the
+    owner's): request ids are unique per scheduler only, so two schedulers' requests with the
+    same id must not share (and truncate) one slot. cache: a KVCache (the ngram drafter's
+    TokenSlots has its slot calls)."""
 
     instance_id: str
     cache: KVCache
     model_ids: dict[str, str]
     slot_idle_ttl_s: float
-    requests: dict[tuple[str, str], SlotState]
-    counters: Counter
+    requests: dict[tuple[str, str], SlotState] = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
 
 
 def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:

@@ -55,7 +55,6 @@ import bisect
 import functools
 import time
 from array import array
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,7 +71,7 @@ from gpu_worker.rejection import RejectionResult, greedy_accepted, proposal_to_d
 from gpu_worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, Penalties, ProcessedLogits,
                                  SamplingInputError, SamplingTensors, check, make_uniforms, penalise, row_seed,
                                  sample)
-from gpu_worker.slots import free_request, load_model_and_cache, release
+from gpu_worker.slots import SlotOwner, free_request, load_model_and_cache, release
 from gpu_worker.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
@@ -122,18 +121,10 @@ class VerifierSlot:
         return self.prompt_offset + (0 if self.prompt_logprobs is None else self.prompt_logprobs.n)
 
 
-@dataclass
-class Verifier:
-    instance_id: str
+@dataclass(kw_only=True)
+class Verifier(SlotOwner):
     model: Model
-    cache: KVCache
-    model_ids: dict[str, str]
     prefill_chunk: int
-    slot_idle_ttl_s: float
-    # Keyed by (scheduler_id, request_id): request ids are unique per scheduler only, so two
-    # schedulers' requests with the same id must not share (and truncate) one slot.
-    requests: dict[tuple[str, str], VerifierSlot] = field(default_factory=dict)
-    counters: Counter = field(default_factory=Counter)
 
     @property
     def vocab_size(self) -> int:
