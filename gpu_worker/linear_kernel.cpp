@@ -4,10 +4,10 @@
 // Every output y[m][n] is its own dot product: 8 lane partial sums over k (lane j takes
 // k = 8c + j, c ascending, one fused multiply-add each), the lanes added as
 // ((0+1)+(2+3))+((4+5)+(6+7)), the tail k >= 8*(K/8) added in order, then + b[n], then
-// residual[m][n] + that, rounded once to the output dtype. The blocking (4 rows of w against
-// up to 3 rows of x, so a row of w is read from memory once for every 3 rows of x) only
-// decides which outputs are computed together, never the operations of one, and threads
-// split the rows of w, never k. bfloat16 inputs are widened to float32 exactly.
+// residual[m][n] + that, rounded once to the output dtype. The blocking (which rows of w and of
+// x are multiplied together, chosen by the number of rows: `run`) only decides which outputs are
+// computed together, never the operations of one, and threads split the rows of w, never k.
+// bfloat16 inputs are widened to float32 exactly.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,60 +39,77 @@ static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n) {
   a.y[m * a.N + n] = T(s);
 }
 
-#define FMA4(a0, a1, a2, a3, xr) { __m256 u = load8(xr + k); \
-  a0 = _mm256_fmadd_ps(u, v0, a0); a1 = _mm256_fmadd_ps(u, v1, a1); \
-  a2 = _mm256_fmadd_ps(u, v2, a2); a3 = _mm256_fmadd_ps(u, v3, a3); }
-
-// rows n0..n0+3 of w against rows m0..m0+MB-1 of x, MB in 1..3 (named accumulators: an array
-// of them is kept in memory by the compiler)
-template <typename T, int MB>
-static inline void block4(const Args<T>& a, int64_t n0, int64_t m0) {
-  const int64_t K = a.K, K8 = K / 8 * 8;
-  const T *w0 = a.w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-  const T *x0 = a.x + m0 * K, *x1 = x0 + K, *x2 = x1 + K;
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-  __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+// rows n0..n0+NB-1 of w against rows m0..m0+MB-1 of x; NB * MB <= 12 accumulators, so that they
+// and a row of w's 8 values stay in AVX2's 16 registers (the loops unroll fully). While it runs it
+// asks for `next`'s NB rows of w (the block this thread takes next, or nullptr), so that memory
+// streams weights while the multiply-adds run: a one-pass block of 5 rows is far from the memory
+// bandwidth on its own.
+template <typename T, int NB, int MB>
+static inline __attribute__((always_inline)) void block(const Args<T>& a, int64_t n0, int64_t m0, const T* next) {
+  const int64_t K = a.K, K8 = K / 8 * 8, line = 64 / sizeof(T);
+  const T *w = a.w + n0 * K, *x = a.x + m0 * K;
+  __m256 acc[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K8; k += 8) {
-    __m256 v0 = load8(w0 + k), v1 = load8(w1 + k), v2 = load8(w2 + k), v3 = load8(w3 + k);
-    FMA4(a00, a01, a02, a03, x0);
-    if constexpr (MB > 1) FMA4(a10, a11, a12, a13, x1);
-    if constexpr (MB > 2) FMA4(a20, a21, a22, a23, x2);
+    if (next && k % line == 0) {
+#pragma GCC unroll 16
+      for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * K + k), _MM_HINT_T0);
+    }
+    __m256 v[NB];
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) v[i] = load8(w + i * K + k);
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) {
+      __m256 u = load8(x + j * K + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(u, v[i], acc[i][j]);
+    }
   }
-  finish(a, a00, m0, n0); finish(a, a01, m0, n0 + 1); finish(a, a02, m0, n0 + 2); finish(a, a03, m0, n0 + 3);
-  if constexpr (MB > 1) {
-    finish(a, a10, m0 + 1, n0); finish(a, a11, m0 + 1, n0 + 1);
-    finish(a, a12, m0 + 1, n0 + 2); finish(a, a13, m0 + 1, n0 + 3);
-  }
-  if constexpr (MB > 2) {
-    finish(a, a20, m0 + 2, n0); finish(a, a21, m0 + 2, n0 + 1);
-    finish(a, a22, m0 + 2, n0 + 2); finish(a, a23, m0 + 2, n0 + 3);
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i);
+}
+
+// the last r < R rows of x, in one block
+template <typename T, int NB, int R>
+static inline void last_rows(const Args<T>& a, int64_t n0, int64_t m0, int64_t r, const T* next) {
+  if constexpr (R > 0) {
+    if (r == R) block<T, NB, R>(a, n0, m0, next);
+    else last_rows<T, NB, R - 1>(a, n0, m0, r, next);
   }
 }
 
-// one row n of w against one row m of x: the same operations as block4's
-template <typename T>
-static inline void block1(const Args<T>& a, int64_t n, int64_t m) {
-  const T *wr = a.w + n * a.K, *xr = a.x + m * a.K;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t k = 0; k < a.K / 8 * 8; k += 8) acc = _mm256_fmadd_ps(load8(xr + k), load8(wr + k), acc);
-  finish(a, acc, m, n);
-}
-
-template <typename T>
-static void run(const Args<T>& a, int64_t M) {
-  at::parallel_for(0, (a.N + 3) / 4, 16, [&](int64_t first, int64_t last) {
-    for (int64_t block = first; block < last; ++block) {
-      int64_t n0 = block * 4;
-      if (n0 + 4 > a.N) {
-        for (int64_t n = n0; n < a.N; ++n) for (int64_t m = 0; m < M; ++m) block1(a, n, m);
-        continue;
-      }
+// blocks of NB rows of w, split between threads; each against all M rows of x, MB at a time
+template <typename T, int NB, int MB>
+static void blocks(const Args<T>& a, int64_t M) {
+  at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const T* next = i + 1 < last ? a.w + (i + 1) * NB * a.K : nullptr;
       int64_t m0 = 0;
-      for (; m0 + 3 <= M; m0 += 3) block4<T, 3>(a, n0, m0);
-      if (M - m0 == 2) block4<T, 2>(a, n0, m0);
-      else if (M - m0 == 1) block4<T, 1>(a, n0, m0);
+      for (; m0 + MB <= M; m0 += MB) block<T, NB, MB>(a, i * NB, m0, next);
+      last_rows<T, NB, MB - 1>(a, i * NB, m0, M - m0, next);
     }
   });
+  for (int64_t n = a.N / NB * NB; n < a.N; ++n)
+    for (int64_t m = 0; m < M; ++m) block<T, 1, 1>(a, n, m, nullptr);
+}
+
+// Up to 12 rows of x (a decode or verify step) read each row of w from memory once; more (a
+// prefill) take 3 rows of x at a time against 4 of w held in cache.
+template <typename T>
+static void run(const Args<T>& a, int64_t M) {
+  switch (M) {
+    case 1: return blocks<T, 8, 1>(a, M);
+    case 2: return blocks<T, 6, 2>(a, M);
+    case 3: return blocks<T, 4, 3>(a, M);
+    case 4: return blocks<T, 3, 4>(a, M);
+    case 5: return blocks<T, 2, 5>(a, M);
+    default: return M <= 12 ? blocks<T, 2, 6>(a, M) : blocks<T, 4, 3>(a, M);
+  }
 }
 
 // x (M, K), w (N, K), b (N,) or None, residual (M, N) or None, all of one dtype (float32 or
