@@ -29,9 +29,10 @@ struct Args {
 
 template <typename T>
 static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, acc);
-  float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  // ((0+1)+(2+3))+((4+5)+(6+7)) in registers: each hadd adds neighbouring pairs per 128-bit half
+  __m256 h = _mm256_hadd_ps(acc, acc);
+  h = _mm256_hadd_ps(h, h);
+  float s = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   const T *xr = a.x + m * a.K, *wr = a.w + n * a.K;
   for (int64_t k = a.K / 8 * 8; k < a.K; ++k) s += widen(xr[k]) * widen(wr[k]);
   if (a.b) s += widen(a.b[n]);
