@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
@@ -291,31 +290,37 @@ async def fault_stack(models, tmp_path_factory):
 
 
 async def test_withheld_side_channel_gives_chunks_flagged_logprobs_timeout(fault_stack, prompts):
+    """No chunk waits for its record for good: one that did would hold the stream until the
+    request's deadline, which ends it `timeout` (or the client's StreamTimeout), never `length`."""
     _, client = fault_stack
     reference = await client.generate(greedy(prompts[3], k=4))
-    started = time.monotonic()
     result = await client.generate(greedy(prompts[3], k=4, logprobs=0))
-    assert time.monotonic() - started < 30  # 0.3 s per chunk at most, no hang
     assert result.token_ids == reference.token_ids and result.finish_reason == "length"
     assert result.usage.degraded_steps["logprobs_timeout"] == result.usage.steps  # every chunk, as none came
     assert all(entry is None for entry in result.logprobs or [])
 
 
 async def test_a_full_queue_refuses_at_once_with_overloaded(fault_stack, prompts):
+    """At once: every refusal comes before any admitted request has finished, so none of them
+    waited in the queue for room (a refusal after queueing would come once a request ends)."""
     _, client = fault_stack
+    ended: list[str] = []  # "refused" / "finished", in the order the requests ended
 
-    async def timed(request):
-        started = time.monotonic()
+    async def ended_as(request):
         try:
-            return await client.generate(request)
+            result = await client.generate(request)
         except Overloaded as exc:
-            return exc, time.monotonic() - started
+            ended.append("refused")
+            return exc
+        ended.append("finished")
+        return result
 
-    outcomes = await asyncio.gather(*(timed(greedy(p, k=4)) for p in prompts[:8]))
-    refused = [outcome for outcome in outcomes if isinstance(outcome, tuple)]
-    finished = [outcome for outcome in outcomes if not isinstance(outcome, tuple)]
+    outcomes = await asyncio.gather(*(ended_as(greedy(p, k=4)) for p in prompts[:8]))
+    refused = [outcome for outcome in outcomes if isinstance(outcome, Overloaded)]
+    finished = [outcome for outcome in outcomes if not isinstance(outcome, Overloaded)]
     assert len(refused) >= 4 and len(finished) >= 2  # 2 running + 2 queued fit
-    assert all(exc.code == ErrorCode.overloaded and elapsed < 5 for exc, elapsed in refused)
+    assert ended == ["refused"] * len(refused) + ["finished"] * len(finished), ended
+    assert all(exc.code == ErrorCode.overloaded for exc in refused)
     assert all(result.finish_reason == "length" for result in finished)
 
 
