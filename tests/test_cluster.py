@@ -1,13 +1,15 @@
 """A 3-node NATS cluster: the embedded stack with `nats_cluster=3`, every service a
 separate process given all three URLs, and the node one process is connected to SIGKILLed
 while NUM_REQUESTS streams run (triggered when every stream has FAULT_AFTER_CHUNKS
-chunks, not by wall time; tests/test_faults.py's workload).
+chunks, not by wall time; the workload of tests/test_faults.py's fault matrix, which runs it in
+float32); then, on the same stack, the drafter SIGKILLed the same way.
 
 Which node a process is on comes from each node's /connz monitoring endpoint (the connection
 named after the instance); the test's own client reads `nc.connected_url`. What a user checks:
 every stream equals the undisturbed run token for token and is whole. The stack runs in bfloat16, and
 half the streams are seeded samples coupled by Gumbel noise (their tokens depend on the seed only,
-not on which steps lost their drafts), so the identity is the bitwise one of docs/PROTOCOL.md. The connections of the
+not on which steps lost their drafts), so the identity is the bitwise one of docs/PROTOCOL.md,
+across a node loss and across a drafter kill. The connections of the
 dead node move to the others; what the node held in flight is recovered: verify and draft
 replies by the scheduler's retries, a chunk or a commit lost for good by the client's failover
 (the rest run again from the tokens it has, flagged `failover`). The cluster serves identical
@@ -23,18 +25,16 @@ from collections import Counter
 import pytest
 import pytest_asyncio
 
-from schemas.messages import GenerateRequest
-from services.client import make_request
 from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
 from services.launch.stack import Stack
 from tests.test_faults import (  # noqa: F401  (fixtures)
-    TIMEOUT_S,
-    K,
     Load,
     Streamed,
     check_whole,
     fault_config,
     heartbeats_since,
+    kill,
+    mixed_requests,
     models,
     prompts,
     tokenizer,
@@ -54,19 +54,10 @@ async def stack(models, tmp_path_factory):
         yield running
 
 
-def workload(prompts, name: str) -> list[GenerateRequest]:
-    """Greedy streams and (odd ones) Gumbel-coupled seeded samples, k=K."""
-    sampled = dict(temperature=0.8, top_p=0.95, draft_mode="sample", coupling="gumbel")
-    return [make_request(p, request_id=f"{name}-{i}-{time.monotonic_ns()}", max_tokens=MAX_TOKENS, ignore_eos=True,
-                         num_speculative_tokens=K, timeout_s=TIMEOUT_S,
-                         **(dict(sampled, seed=500 + i) if i % 2 else dict(temperature=0.0)))
-            for i, p in enumerate(prompts)]
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def reference(client, prompts) -> list[list[int]]:
     """Outputs of an undisturbed run on the cluster."""
-    results = await asyncio.gather(*(client.generate(r) for r in workload(prompts, "reference")))
+    results = await asyncio.gather(*(client.generate(r) for r in mixed_requests(prompts, "reference", MAX_TOKENS)))
     assert all(r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS for r in results)
     return [r.token_ids for r in results]
 
@@ -114,7 +105,7 @@ def outcome(got: Streamed, expected: list[int]) -> str:
 
 @pytest.mark.parametrize("victim", ["scheduler-0", "postprocessor-0", "client"])
 async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, prompts, reference, tokenizer, victim):
-    load = await Load.start(client, workload(prompts, f"kill-node-of-{victim}"))
+    load = await Load.start(client, mixed_requests(prompts, f"kill-node-of-{victim}", MAX_TOKENS))
     node = client_node(stack, client) if victim == "client" else await node_of(stack, victim)
     placement = await asyncio.to_thread(connection_names, stack)
     node.process.kill()
@@ -131,5 +122,22 @@ async def test_the_node_a_process_is_on_dies_and_streams_finish(stack, client, p
 
     await asyncio.to_thread(node.restart)  # the same ports: the other nodes' routes find it again
     await heartbeats_since(stack, list(stack.processes), killed_at)
-    again = await asyncio.gather(*(client.generate(r) for r in workload(prompts, f"after-{victim}")))
+    again = await asyncio.gather(*(client.generate(r) for r in mixed_requests(prompts, f"after-{victim}", MAX_TOKENS)))
     assert [r.token_ids for r in again] == reference
+
+
+async def test_a_killed_drafter_changes_no_stream(stack, client, prompts, reference, tokenizer):
+    """The fault matrix's drafter row in bfloat16: the steps after the kill run without drafts
+    (`draft_timeout`), which changes neither a greedy stream nor a Gumbel-coupled sample. The
+    drafter is started again afterwards, so the stack is whole for whatever runs next."""
+    load = await Load.start(client, mixed_requests(prompts, "kill-drafter", MAX_TOKENS))
+    [drafter] = stack.by_role("drafter")
+    killed_at = await kill(stack, drafter.instance_id)
+    streams = await load.finish()
+
+    outcomes = Counter(outcome(got, expected) for got, expected in zip(streams, reference))
+    assert set(outcomes) == {"identical"}, outcomes
+    for got in streams:
+        check_whole(got, tokenizer)
+    assert any("draft_timeout" in got.degraded(since=killed_at) for got in streams)  # the kill reached them
+    await stack.start_instance("drafter", drafter.instance_id)

@@ -1,8 +1,9 @@
 """Fault injection: every service a separate process (services.launch.stack), a
 real nats-server, and parts of the stack killed with SIGKILL or frozen with SIGSTOP while
-NUM_REQUESTS greedy streaming requests run. What a user checks: every stream is whole (seq 0, 1,
-2, ... without gap or duplicate, and its text is the decoding of its token ids), greedy outputs
-equal an undisturbed run, the degraded flags (docs/PROTOCOL.md#degraded-reasons) show where a fallback fired,
+NUM_REQUESTS greedy streaming requests run (the fault matrix's are half seeded samples coupled by
+Gumbel noise). What a user checks: every stream is whole (seq 0, 1, 2, ... without gap or
+duplicate, and its text is the decoding of its token ids), outputs equal an undisturbed run, the
+degraded flags (docs/PROTOCOL.md#degraded-reasons) show where a fallback fired,
 no request hangs, and the stack serves new requests afterwards.
 
 One stack for the module (starting one takes tens of seconds on a busy machine): 1 scheduler,
@@ -246,6 +247,19 @@ def check_greedy(streams: list[Streamed], reference: list[list[int]], tokenizer)
 
 def requests_for(prompts, name: str, **options) -> list[GenerateRequest]:
     return [greedy(p, f"{name}-{i}", **options) for i, p in enumerate(prompts)]
+
+
+GUMBEL_SAMPLED = dict(temperature=0.8, top_p=0.95, draft_mode="sample", coupling="gumbel")
+
+
+def mixed_requests(prompts, name: str, max_tokens: int) -> list[GenerateRequest]:
+    """Greedy streams and (odd ones) seeded samples coupled by Gumbel noise, k=K: a sample's tokens
+    depend on its seed and positions only, not on which steps lost their drafts
+    (docs/PROTOCOL.md#drafter-invariant-sampling), so no fault may change them either."""
+    return [make_request(p, request_id=f"{name}-{i}-{time.monotonic_ns()}", max_tokens=max_tokens, ignore_eos=True,
+                         num_speculative_tokens=K, timeout_s=TIMEOUT_S,
+                         **(dict(GUMBEL_SAMPLED, seed=500 + i) if i % 2 else dict(temperature=0.0)))
+            for i, p in enumerate(prompts)]
 
 
 def running(stack: Stack, role: str) -> list[str]:
@@ -573,18 +587,18 @@ def matrix_table(rows: list[dict]) -> str:
 
 
 async def test_fault_matrix_no_single_process_kill_changes_any_stream(matrix_stack, prompts, tokenizer):
-    """The same NUM_REQUESTS greedy streams against each single-process SIGKILL (each role, each
-    NATS node; at FAULT_AFTER_CHUNKS chunks per stream): every stream whole and identical to an
-    undisturbed run. Prints the table of outcomes per fault."""
+    """The same NUM_REQUESTS streams, greedy and Gumbel-coupled seeded samples (mixed_requests),
+    against each single-process SIGKILL (each role, each NATS node; at FAULT_AFTER_CHUNKS chunks
+    per stream): every stream whole and identical to an undisturbed run, in float32
+    (tests/test_cluster.py runs the workload in bfloat16). Prints the table of outcomes per fault."""
     async with matrix_stack.client(idle_timeout_s=MATRIX_IDLE_TIMEOUT_S,
                                    heartbeat_timeout_s=MATRIX_HEARTBEAT_TIMEOUT_S) as client:
-        undisturbed = await Load(client, requests_for(prompts, "matrix-reference",
-                                                      max_tokens=MATRIX_MAX_TOKENS)).finish()
+        undisturbed = await Load(client, mixed_requests(prompts, "matrix-reference", MATRIX_MAX_TOKENS)).finish()
         reference = [got.token_ids for got in undisturbed]
         assert all(len(tokens) == MATRIX_MAX_TOKENS for tokens in reference)
         rows, outcomes = [], []
         for fault in MATRIX_FAULTS:
-            load = await Load.start(client, requests_for(prompts, f"matrix-{fault}", max_tokens=MATRIX_MAX_TOKENS))
+            load = await Load.start(client, mixed_requests(prompts, f"matrix-{fault}", MATRIX_MAX_TOKENS))
             victim = await inject(matrix_stack, fault, load.streams)
             killed_at = time.monotonic()
             streams = await load.finish()
@@ -600,3 +614,5 @@ async def test_fault_matrix_no_single_process_kill_changes_any_stream(matrix_sta
             assert got.error is None, f"{row['fault']}: {got.error!r}\n{matrix_table(rows)}"
             check_whole(got, tokenizer)
         assert row["identical"] == row["streams"] - len(row["errors"]), f"{row['fault']}\n{matrix_table(rows)}"
+    drafter_row = rows[MATRIX_FAULTS.index("drafter")]  # the kill reached the streams: steps ran without drafts
+    assert "draft_timeout" in drafter_row["flagged"], matrix_table(rows)

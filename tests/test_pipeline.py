@@ -7,7 +7,9 @@ assertion depends on how good they are (greedy equality holds for any weights).
 
 Two stacks: `stack` is shared by the tests that disturb nothing; `fault_stack` is small (a
 scheduler admitting 2 running + 2 queued requests) and restricted (its verifier's NATS user may
-not publish side-channel records, so they are really withheld) and its drafter is killed last.
+not publish side-channel records, so they are really withheld). A drafter kill, greedy and
+Gumbel-coupled samples alike, is tests/test_faults.py's fault matrix (float32) and
+tests/test_cluster.py (bfloat16).
 """
 
 import asyncio
@@ -19,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
@@ -289,83 +290,38 @@ async def fault_stack(models, tmp_path_factory):
 
 
 async def test_withheld_side_channel_gives_chunks_flagged_logprobs_timeout(fault_stack, prompts):
+    """No chunk waits for its record for good: one that did would hold the stream until the
+    request's deadline, which ends it `timeout` (or the client's StreamTimeout), never `length`."""
     _, client = fault_stack
     reference = await client.generate(greedy(prompts[3], k=4))
-    started = time.monotonic()
     result = await client.generate(greedy(prompts[3], k=4, logprobs=0))
-    assert time.monotonic() - started < 30  # 0.3 s per chunk at most, no hang
     assert result.token_ids == reference.token_ids and result.finish_reason == "length"
     assert result.usage.degraded_steps["logprobs_timeout"] == result.usage.steps  # every chunk, as none came
     assert all(entry is None for entry in result.logprobs or [])
 
 
 async def test_a_full_queue_refuses_at_once_with_overloaded(fault_stack, prompts):
+    """At once: every refusal comes before any admitted request has finished, so none of them
+    waited in the queue for room (a refusal after queueing would come once a request ends)."""
     _, client = fault_stack
+    ended: list[str] = []  # "refused" / "finished", in the order the requests ended
 
-    async def timed(request):
-        started = time.monotonic()
+    async def ended_as(request):
         try:
-            return await client.generate(request)
+            result = await client.generate(request)
         except Overloaded as exc:
-            return exc, time.monotonic() - started
+            ended.append("refused")
+            return exc
+        ended.append("finished")
+        return result
 
-    outcomes = await asyncio.gather(*(timed(greedy(p, k=4)) for p in prompts[:8]))
-    refused = [outcome for outcome in outcomes if isinstance(outcome, tuple)]
-    finished = [outcome for outcome in outcomes if not isinstance(outcome, tuple)]
+    outcomes = await asyncio.gather(*(ended_as(greedy(p, k=4)) for p in prompts[:8]))
+    refused = [outcome for outcome in outcomes if isinstance(outcome, Overloaded)]
+    finished = [outcome for outcome in outcomes if not isinstance(outcome, Overloaded)]
     assert len(refused) >= 4 and len(finished) >= 2  # 2 running + 2 queued fit
-    assert all(exc.code == ErrorCode.overloaded and elapsed < 5 for exc, elapsed in refused)
+    assert ended == ["refused"] * len(refused) + ["finished"] * len(finished), ended
+    assert all(exc.code == ErrorCode.overloaded for exc in refused)
     assert all(result.finish_reason == "length" for result in finished)
-
-
-async def test_a_killed_drafter_leaves_greedy_outputs_unchanged_flagged_draft_timeout(fault_stack, prompts):
-    stack, client = fault_stack
-    requests = [make_request(p, max_tokens=64, temperature=0.0, ignore_eos=True, num_speculative_tokens=4,
-                             timeout_s=TIMEOUT_S) for p in prompts[4:6]]
-    reference = await generate_all(client, requests)
-    first_chunk = [asyncio.Event() for _ in requests]
-
-    async def read(index, request):
-        token_ids, degraded = [], set()
-        async for chunk in client.stream(request.model_copy(update={"request_id": request.request_id + "-k"})):
-            token_ids += chunk.token_ids.tolist()
-            degraded.update(chunk.degraded)
-            first_chunk[index].set()
-        return token_ids, degraded, chunk.finish_reason
-
-    readers = [asyncio.create_task(read(i, r)) for i, r in enumerate(requests)]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in first_chunk)), timeout=60)
-    stack.kill("drafter-0", signal.SIGKILL)
-    outcomes = await asyncio.wait_for(asyncio.gather(*readers), timeout=TIMEOUT_S)
-    assert await stack.wait_exit("drafter-0") == -signal.SIGKILL
-    for (token_ids, degraded, finish_reason), expected in zip(outcomes, reference):
-        assert finish_reason == "length" and token_ids == expected.token_ids
-    assert any("draft_timeout" in degraded for _, degraded, _ in outcomes)
-
-
-async def test_a_killed_drafter_leaves_gumbel_coupled_sampled_outputs_unchanged(fault_stack, prompts):
-    """The reference runs at k=0 (no drafter needed: the output does not depend on k); the
-    speculative runs lose their fresh drafter after their first chunk."""
-    stack, client = fault_stack
-    requests = [sampled(p, seed=50 + i, max_tokens=64, coupling="gumbel") for i, p in enumerate(prompts[4:6])]
-    reference = await generate_all(client, [r.model_copy(update={
-        "request_id": r.request_id + "-ref", "speculative": r.speculative.model_copy(
-            update={"num_speculative_tokens": 0})}) for r in requests])
-    drafter = await stack.spawn("drafter")
-    await stack.wait_ready([drafter])
-    first_chunk = [asyncio.Event() for _ in requests]
-
-    async def read(index, request):
-        token_ids = []
-        async for chunk in client.stream(request):
-            token_ids += chunk.token_ids.tolist()
-            first_chunk[index].set()
-        return token_ids
-
-    readers = [asyncio.create_task(read(i, r)) for i, r in enumerate(requests)]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in first_chunk)), timeout=60)
-    stack.kill(drafter.instance_id, signal.SIGKILL)
-    outcomes = await asyncio.wait_for(asyncio.gather(*readers), timeout=TIMEOUT_S)
-    assert outcomes == [r.token_ids for r in reference]
 
 
 # ---------------------------------------------------------------------------------------------
