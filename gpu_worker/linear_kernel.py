@@ -7,7 +7,8 @@ picks its kernel and split by the row count, oneDNN's packed GEMM is row-invaria
 serves the dtype but costs ~25% more than a GEMV at one row with the weights cold (as in a
 forward), and emulates bfloat16 slowly without AVX512-BF16. This kernel streams each weight row
 from memory once for up to 12 rows of x, prefetching the next block while it multiplies, so a
-one-row step costs what a GEMV does and a verify step of k+1 rows little more. It needs AVX2 and FMA (both CPU kinds this project runs on have them, and the same code,
+one-row step costs what a GEMV does and a verify step of k+1 rows little more; `model.pack_weight`
+stores weights with rows paired (`model.pair_rows`) so that a block is a few sequential streams. It needs AVX2 and FMA (both CPU kinds this project runs on have them, and the same code,
 hence the same bits, runs on both); elsewhere `load` returns None and `model.linear` keeps
 oneDNN. A GPU needs its own batch-invariant matmul instead (fixed tiles, no split-K chosen by
 shape).

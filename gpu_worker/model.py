@@ -120,8 +120,9 @@ class ModelConfig:
 
 @dataclass
 class Layer:
-    """Projection weights as `pack_weight` leaves them, for `linear`: (out, in) as in the
-    checkpoint (oneDNN's packed copies where the fixed-order kernel cannot run on this CPU)."""
+    """Projection weights as `pack_weight` leaves them, for `linear`: the shapes below are the
+    checkpoint's (out, in); held with rows paired for the fixed-order kernel, or as oneDNN's
+    packed copies where that kernel cannot run on this CPU."""
     attn_norm: torch.Tensor        # (E,)
     wqkv: torch.Tensor             # ((H + 2*Hkv) * D, E): q, k, v projections fused at load
     bqkv: torch.Tensor | None      # ((H + 2*Hkv) * D,)
@@ -196,7 +197,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
     embed = get("embed")
     cos, sin = rope_tables(config, num_positions)
     return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
-                 lm_head=pack_weight(embed if config.tie_word_embeddings else get("lm_head")),
+                 lm_head=pack_weight(embed, shared=True) if config.tie_word_embeddings else pack_weight(get("lm_head")),
                  rope_cos=cos.to(device=device, dtype=dtype),
                  rope_sin=sin.to(device=device, dtype=dtype))
 
@@ -209,9 +210,18 @@ def fixed_kernel(t: torch.Tensor):
     return None
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """w (out, in) -> what `linear` takes: w itself (contiguous) for our fixed-order CPU kernel,
-    or where that cannot run, oneDNN's packed copy where oneDNN serves w's dtype on this CPU,
+def pair_rows(w: torch.Tensor) -> torch.Tensor:
+    """w (out, in), out even, in a multiple of 8 -> (out/2, in/8, 2, 8): rows 2p and 2p+1 of w
+    interleaved in chunks of 8 values, the layout the fixed-order kernel streams fastest."""
+    out, inner = w.shape
+    return w.reshape(out // 2, 2, inner // 8, 8).transpose(1, 2).contiguous()
+
+
+def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """w (out, in) -> what `linear` takes: for our fixed-order CPU kernel, w's rows paired
+    (`pair_rows`) where its shape allows and w is not `shared` (read as it is elsewhere too, as a
+    tied lm_head is the embedding: pairing would hold a second copy), else w itself (contiguous);
+    where that kernel cannot run, oneDNN's packed copy where oneDNN serves w's dtype on this CPU,
     else w itself for a BLAS matmul.
 
     Why not a library's matmul: MKL, torch's float32 BLAS on x86, picks its kernel by the number
@@ -225,7 +235,10 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     batch-invariant matmul kernels instead (a fixed tile configuration, no split-K chosen from
     the row count).
     """
-    if fixed_kernel(w) is None and w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+    if fixed_kernel(w) is not None:
+        out, inner = w.shape
+        return pair_rows(w) if not shared and out % 2 == 0 and inner % 8 == 0 else w.contiguous()
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:
             return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 4)
         except RuntimeError:  # oneDNN refuses the dtype on this CPU

@@ -60,11 +60,20 @@ def test_a_rows_bits_do_not_depend_on_the_rows_around_it_or_the_threads(kernel, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_model_linear_runs_the_kernel_on_packed_weights(kernel, dtype):
-    x, w, b, residual = operands(dtype, N=12, K=64)
-    packed = pack_weight(w)
-    assert not packed.is_mkldnn and packed.shape == w.shape
-    assert torch.equal(linear(x, packed, b, residual), kernel.fixed_linear(x, w, b, residual))
+def test_model_linear_on_paired_rows_gives_the_bits_of_plain_rows_at_every_row_count(kernel, dtype):
+    # N = 70: after the blocks of 8, 6 and 4 rows a tail of whole pairs is left
+    x, w, b, residual = operands(dtype, M=13, N=70, K=576)
+    paired = pack_weight(w)
+    assert paired.shape == (35, 72, 2, 8) and torch.equal(paired[3, 5, 1], w[7, 40:48])
+    for m in range(1, 14):
+        assert torch.equal(linear(x[:m], paired, b, residual[:m]), kernel.fixed_linear(x[:m], w, b, residual[:m])), m
+
+
+def test_weights_are_paired_only_where_the_shape_allows_and_not_when_shared(kernel):
+    assert pack_weight(torch.randn(12, 64)).shape == (6, 8, 2, 8)
+    for plain in (pack_weight(torch.randn(12, 64), shared=True), pack_weight(torch.randn(11, 64)),
+                  pack_weight(torch.randn(12, 60))):
+        assert plain.dim() == 2 and not plain.is_mkldnn
 
 
 def test_turned_off_the_projections_go_to_onednn_and_stay_row_invariant(monkeypatch):
