@@ -9,13 +9,17 @@ maximises the request's expected tokens per second; the request's k is the upper
     time(k_t) = verify(T0 + k_t + 1) + draft(k_t) + commit
     k_t = argmax E(k_t) / time(k_t)
 
-- a_i: the request's own counts (decayed by ACCEPT_DECAY per judged step, so it follows the text
-  it is on), behind PRIOR_WEIGHT pseudo-steps of the drafter's history across requests
+- a_i: the request's own counts (decayed by ACCEPT_DECAY per step, so it follows the text it is
+  on), behind PRIOR_WEIGHT pseudo-steps of the drafter's history across requests
   (Laplace-smoothed), kept per drafter and acceptance rule (greedy rows, Gumbel-coupled rows).
+  A step at k_t = 0 judges nothing but still ages the request's counts: without that, a request
+  whose estimate dipped below break-even would keep the stale low estimate (it stops drafting, so
+  nothing corrects it) and a draft near break-even would drift to k_t = 0; aged, its estimate
+  returns to the drafter's history and it drafts again.
 - Costs are measured wall-clock seconds, bus round trips included: verify by the verifier batch's
   total new tokens T (T0 = the tokens of the rows planned before this one: at batch 1, T = k_t + 1),
   draft by the drafter batch's largest k (only what k_t adds to the rows planned before it; 0 drafts
-  send no draft request at all), the commit as a constant. Each is the median of the last
+  send no draft request at all), the commit as a constant. Each is the least of the last
   COST_SAMPLES timings; sizes not measured are interpolated between measured ones.
 - Measure first: while a batch-1 size in [0, k] has fewer than MIN_SAMPLES timings, a row alone in
   its batch takes the largest such k_t; a row in a larger batch takes k while nothing is measured
@@ -28,14 +32,18 @@ Plain logic, no clocks: the scheduler (scheduler_core.py) asks `choose`, tells `
 timings. Only rows whose output cannot depend on k use it: greedy and Gumbel-coupled rows.
 """
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 ACCEPT_DECAY = 0.9  # a request's own acceptance counts: the weight left to the past per judged step
 PRIOR_WEIGHT = 4.0  # pseudo-steps of the drafter's history behind a request's own counts
 PRIOR_MAX_STEPS = 1000.0  # the drafter's history is halved past this, so it follows a drift
-COST_SAMPLES = 5  # timings kept per size; the estimate is their median (a cold or stalled step is one of them)
+# Timings kept per size; the estimate is their least. A size is timed only while it is chosen, so
+# its timings may come from another minute of a machine whose speed drifts with other work (a
+# median read 82 ms at T=1 and 110 at T=2 where a verify of 2 costs 1.08 of 1): the least of a
+# few is what the size costs on this machine unhindered, comparable between sizes timed apart,
+# and passes over a cold or stalled step.
+COST_SAMPLES = 5
 MIN_SAMPLES = 3  # a batch-1 size with fewer timings is measured before it is trusted
 MAX_PROBE_BACKOFF = 8  # a request probes at least every MAX_PROBE_BACKOFF * probe_steps steps at k_t = 0
 
@@ -49,7 +57,12 @@ class AcceptanceCounts:
     accepted: list[float] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int, decay: float = 1.0) -> None:
-        """A step with num_draft drafts of which the first num_accepted were accepted."""
+        """A step with num_draft drafts of which the first num_accepted were accepted; with none,
+        every position's counts decay."""
+        if num_draft == 0:
+            self.judged = [decay * n for n in self.judged]
+            self.accepted = [decay * n for n in self.accepted]
+            return
         while len(self.judged) < num_draft:
             self.judged.append(0.0)
             self.accepted.append(0.0)
@@ -83,7 +96,7 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
 
 
 class CostTable:
-    """Recent timings (seconds) by an integer size: the median of the last COST_SAMPLES at a size;
+    """Recent timings (seconds) by an integer size: the least of the last COST_SAMPLES at a size;
     between measured sizes linear, beyond them the nearest measured one; None when empty."""
 
     def __init__(self) -> None:
@@ -97,13 +110,13 @@ class CostTable:
 
     def estimate(self, size: int) -> float | None:
         if size in self.samples:
-            return statistics.median(self.samples[size])
+            return min(self.samples[size])
         below = max((s for s in self.samples if s < size), default=None)
         above = min((s for s in self.samples if s > size), default=None)
         if below is None or above is None:
             nearest = above if below is None else below
-            return None if nearest is None else statistics.median(self.samples[nearest])
-        low, high = statistics.median(self.samples[below]), statistics.median(self.samples[above])
+            return None if nearest is None else min(self.samples[nearest])
+        low, high = min(self.samples[below]), min(self.samples[above])
         return low + (high - low) * (size - below) / (above - below)
 
 

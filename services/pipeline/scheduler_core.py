@@ -889,8 +889,11 @@ class SchedulerState:
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
                     seconds: float) -> None:
         """A draft batch's round trip, for adaptive_k (by its largest k). An unanswered batch is
-        left out: a dead drafter is placement's business, and its timeout says nothing of drafting."""
-        if self.adaptive is not None and message.rows and response is not None:
+        left out: a dead drafter is placement's business, and its timeout says nothing of drafting.
+        So is one that feeds a row's whole history (cached_len 0: a new request's prompt), a
+        one-time cost that would pass for the cost of every step at that k."""
+        if self.adaptive is not None and message.rows and response is not None and \
+                all(r.cached_len for r in message.rows):
             self.adaptive.draft_timed(drafter_id, max(r.num_draft for r in message.rows), seconds)
 
     def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,

@@ -49,16 +49,16 @@ def test_decayed_counts_follow_a_change_of_acceptance():
     assert counts.rate(0, 0.5, 4.0) < 0.25  # 50 accepted steps are mostly forgotten after 20 rejections
 
 
-def test_cost_table_medians_interpolates_and_keeps_recent_samples():
+def test_cost_table_takes_the_least_interpolates_and_keeps_recent_samples():
     table = CostTable()
     assert table.estimate(3) is None and not table.known(1)
-    for seconds in (0.010, 0.011, 0.500):  # one stalled step among them
+    for seconds in (0.011, 0.010, 0.500):  # one stalled step among them
         table.add(1, seconds)
-    assert table.known(1) and table.estimate(1) == 0.011
-    table.add(5, 0.031)
+    assert table.known(1) and table.estimate(1) == 0.010
+    table.add(5, 0.032)
     assert not table.known(5)
     assert table.estimate(3) == pytest.approx(0.021)  # halfway between T=1 and T=5
-    assert table.estimate(9) == 0.031 and table.estimate(0) == 0.011  # beyond: the nearest measured
+    assert table.estimate(9) == 0.032 and table.estimate(0) == 0.010  # beyond: the nearest measured
     for _ in range(COST_SAMPLES):
         table.add(1, 0.020)
     assert table.estimate(1) == 0.020  # only the last COST_SAMPLES count
@@ -125,6 +125,7 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
     adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
     row = RowState(acceptance=history(0.0))
     key = ("d", "greedy/greedy")
+    adaptive.priors[key] = history(0.0, steps=200)  # a useless drafter's history
 
     def steps_to_next_probe():
         for steps in range(1, 1000):
@@ -158,6 +159,20 @@ def test_the_best_k_balances_acceptance_against_a_verify_that_grows_with_its_tok
         a = [rate] * 4
         time_of = [0.027 + 0.006 * j + (0.001 + 0.001 * j if j else 0) for j in range(5)]
         assert max(range(5), key=lambda j: expected_tokens(a, j) / time_of[j]) == k
+
+
+def test_steps_at_zero_age_a_requests_counts_back_to_the_drafters_history():
+    # near break-even (a_1 about 0.3 here): a request whose own counts dipped stops drafting, and
+    # drafts again once its stale counts have aged behind the drafter's history
+    adaptive = measured(lambda t: 0.027 + 0.003 * (t - 1), lambda k: 0.004 * k, k_max=4)
+    key = ("d", "greedy/greedy")
+    adaptive.priors[key] = history(0.4, steps=200)
+    row = RowState(acceptance=history(0.0, steps=4))
+    chosen = []
+    for _ in range(12):
+        chosen.append(adaptive.choose(row, key, 4, "v", 0, "d", 0, True))
+        adaptive.verified(row, key, 0, 0)
+    assert chosen[0] == 0 and chosen[-1] > 0 and not row.probing, chosen  # before any probe (16 steps)
 
 
 def test_a_new_request_starts_from_the_drafters_history():
@@ -215,9 +230,11 @@ def test_a_greedy_request_with_a_useless_draft_settles_at_k0_and_reports_its_ks(
     state = new_state(tokenizer)
     request = submit(state, sampling={"max_tokens": 200}, speculative={"num_speculative_tokens": 4})
     ks = [timed_step(state, never)["r1"] for _ in range(80)]
-    # prefill (0), then the measuring steps (k = 4, 3, 2, 1, 0, MIN_SAMPLES each), then 0 with probes of 1
-    assert ks[1:1 + 5 * MIN_SAMPLES] == [k for k in (4, 3, 2, 1, 0) for _ in range(MIN_SAMPLES)]
-    settled = ks[1 + 5 * MIN_SAMPLES:]
+    # prefill (0), then the measuring steps (k = 4, 3, 2, 1, 0, MIN_SAMPLES each, one more at 4:
+    # the first draft batch feeds the prompt and is not timed), then 0 with probes of 1
+    measuring = [4] + [k for k in (4, 3, 2, 1, 0) for _ in range(MIN_SAMPLES)]
+    assert ks[1:1 + len(measuring)] == measuring
+    settled = ks[1 + len(measuring):]
     assert set(settled) == {0, 1}
     first = settled.index(1)  # the measuring steps at 0 count towards the first probe's 16
     assert first < 16 and settled.index(1, first + 1) == first + 32  # then a failed probe doubles the wait
