@@ -35,7 +35,7 @@ timings. Only rows whose output cannot depend on k use it: greedy and Gumbel-cou
 from collections import deque
 from dataclasses import dataclass, field
 
-ACCEPT_DECAY = 0.9  # a request's own acceptance counts: the weight left to the past per step
+ACCEPT_DECAY = 0.9  # a request's own acceptance counts: the weight left to the past per judged step
 PRIOR_WEIGHT = 4.0  # pseudo-steps of the drafter's history behind a request's own counts
 PRIOR_MAX_STEPS = 1000.0  # the drafter's history is halved past this, so it follows a drift
 # Timings kept per size; the estimate is their least. A size is timed only while it is chosen, so
@@ -57,18 +57,18 @@ class AcceptanceCounts:
     accepted: list[float] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int, decay: float = 1.0) -> None:
-        """A step with num_draft drafts of which the first num_accepted were accepted."""
+        """A step with num_draft drafts of which the first num_accepted were accepted; with none,
+        every position's counts decay."""
+        if num_draft == 0:
+            self.judged = [decay * n for n in self.judged]
+            self.accepted = [decay * n for n in self.accepted]
+            return
         while len(self.judged) < num_draft:
             self.judged.append(0.0)
             self.accepted.append(0.0)
         for i in range(min(num_accepted + 1, num_draft)):
             self.judged[i] = decay * self.judged[i] + 1.0
             self.accepted[i] = decay * self.accepted[i] + (i < num_accepted)
-
-    def age(self, decay: float) -> None:
-        """A step that judged nothing (k_t = 0): every position's counts decay."""
-        self.judged = [decay * n for n in self.judged]
-        self.accepted = [decay * n for n in self.accepted]
 
     def rate(self, i: int, prior_rate: float = 0.5, prior_weight: float = 2.0) -> float:
         """a_i: these counts behind prior_weight pseudo-steps at prior_rate (Laplace's rule by default)."""
@@ -169,11 +169,7 @@ class AdaptiveK:
         return best
 
     def verified(self, row: RowState, prior_key: tuple[str, str], num_draft: int, num_accepted: int) -> None:
-        """A decode step of a row with num_draft drafts (0 too: it ages the row's counts),
-        num_accepted of them accepted."""
-        if not num_draft:
-            row.acceptance.age(ACCEPT_DECAY)
-            return
+        """A verify step of a row with num_draft drafts, num_accepted of them accepted."""
         row.acceptance.record(num_draft, num_accepted, ACCEPT_DECAY)
         if row.probing:
             row.failed_probes = 0 if num_accepted else row.failed_probes + 1

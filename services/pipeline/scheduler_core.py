@@ -1124,7 +1124,7 @@ class SchedulerState:
         request.num_draft_accepted += result.num_accepted
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
-        if planned.decode and self.adaptive_row(request):
+        if planned.num_draft and self.adaptive_row(request):
             self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode, planned.num_draft,
                               result.num_accepted)

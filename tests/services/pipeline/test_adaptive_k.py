@@ -7,7 +7,6 @@ import pytest
 
 from schemas.messages import DraftResponse, DraftResult, VerifyResponse, VerifyResult
 from services.pipeline.adaptive_k import (
-    ACCEPT_DECAY,
     COST_SAMPLES,
     MIN_SAMPLES,
     MAX_PROBE_BACKOFF,
@@ -243,19 +242,6 @@ def test_a_greedy_request_with_a_useless_draft_settles_at_k0_and_reports_its_ks(
     decode_ks = ks[1:]
     assert usage.speculative_lengths == [decode_ks.count(k) for k in range(5)]
     assert usage.draft_tokens_proposed == sum(decode_ks) and usage.draft_tokens_accepted == 0
-
-
-def test_the_scheduler_ages_a_requests_counts_at_every_step_without_drafts(tokenizer):
-    state = new_state(tokenizer)
-    request = submit(state, sampling={"max_tokens": 200}, speculative={"num_speculative_tokens": 4})
-    aged = 0
-    for _ in range(40):
-        before = list(request.adaptive.acceptance.judged)
-        k = timed_step(state, never)["r1"]
-        if k == 0 and before:
-            assert request.adaptive.acceptance.judged == pytest.approx([ACCEPT_DECAY * n for n in before])
-            aged += 1
-    assert aged >= 10
 
 
 def test_a_greedy_request_with_a_perfect_draft_keeps_its_k(tokenizer):
