@@ -9,13 +9,9 @@ maximises the request's expected tokens per second; the request's k is the upper
     time(k_t) = verify(T0 + k_t + 1) + draft(k_t) + commit
     k_t = argmax E(k_t) / time(k_t)
 
-- a_i: the request's own counts (decayed by ACCEPT_DECAY per step, so it follows the text it is
-  on), behind PRIOR_WEIGHT pseudo-steps of the drafter's history across requests
+- a_i: the request's own counts (decayed by ACCEPT_DECAY per judged step, so it follows the text
+  it is on), behind PRIOR_WEIGHT pseudo-steps of the drafter's history across requests
   (Laplace-smoothed), kept per drafter and acceptance rule (greedy rows, Gumbel-coupled rows).
-  A step at k_t = 0 judges nothing but still ages the request's counts: without that, a request
-  whose estimate dipped below break-even would keep the stale low estimate (it stops drafting, so
-  nothing corrects it) and a draft near break-even would drift to k_t = 0; aged, its estimate
-  returns to the drafter's history and it drafts again.
 - Costs are measured wall-clock seconds, bus round trips included: verify by the verifier batch's
   total new tokens T (T0 = the tokens of the rows planned before this one: at batch 1, T = k_t + 1),
   draft by the drafter batch's largest k (only what k_t adds to the rows planned before it; 0 drafts
@@ -57,12 +53,7 @@ class AcceptanceCounts:
     accepted: list[float] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int, decay: float = 1.0) -> None:
-        """A step with num_draft drafts of which the first num_accepted were accepted; with none,
-        every position's counts decay."""
-        if num_draft == 0:
-            self.judged = [decay * n for n in self.judged]
-            self.accepted = [decay * n for n in self.accepted]
-            return
+        """A step with num_draft drafts of which the first num_accepted were accepted."""
         while len(self.judged) < num_draft:
             self.judged.append(0.0)
             self.accepted.append(0.0)

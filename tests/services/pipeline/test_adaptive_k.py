@@ -125,7 +125,6 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
     adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
     row = RowState(acceptance=history(0.0))
     key = ("d", "greedy/greedy")
-    adaptive.priors[key] = history(0.0, steps=200)  # a useless drafter's history
 
     def steps_to_next_probe():
         for steps in range(1, 1000):
@@ -159,20 +158,6 @@ def test_the_best_k_balances_acceptance_against_a_verify_that_grows_with_its_tok
         a = [rate] * 4
         time_of = [0.027 + 0.006 * j + (0.001 + 0.001 * j if j else 0) for j in range(5)]
         assert max(range(5), key=lambda j: expected_tokens(a, j) / time_of[j]) == k
-
-
-def test_steps_at_zero_age_a_requests_counts_back_to_the_drafters_history():
-    # near break-even (a_1 about 0.3 here): a request whose own counts dipped stops drafting, and
-    # drafts again once its stale counts have aged behind the drafter's history
-    adaptive = measured(lambda t: 0.027 + 0.003 * (t - 1), lambda k: 0.004 * k, k_max=4)
-    key = ("d", "greedy/greedy")
-    adaptive.priors[key] = history(0.4, steps=200)
-    row = RowState(acceptance=history(0.0, steps=4))
-    chosen = []
-    for _ in range(12):
-        chosen.append(adaptive.choose(row, key, 4, "v", 0, "d", 0, True))
-        adaptive.verified(row, key, 0, 0)
-    assert chosen[0] == 0 and chosen[-1] > 0 and not row.probing, chosen  # before any probe (16 steps)
 
 
 def test_a_new_request_starts_from_the_drafters_history():
