@@ -50,9 +50,12 @@ def write_useless_draft(draft_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 
 
 async def run_stack(target: str, draft: str, adaptive: bool, prompts: list[list[int]], max_tokens: int,
-                    warmup: int, dtype: str) -> dict:
-    config = StackConfig(target_model=target, draft_model=draft, dtype=dtype, role_args={
-        "scheduler": ["--adaptive-k", str(adaptive).lower(), "--draft-timeout-s", "5", "--max-tokens-cap", "4096"]})
+                    warmup: int, dtype: str, draft_dtype: str | None = None) -> dict:
+    role_args = {"scheduler": ["--adaptive-k", str(adaptive).lower(), "--draft-timeout-s", "5",
+                               "--max-tokens-cap", "4096"]}
+    if draft_dtype:
+        role_args["drafter"] = ["--dtype", draft_dtype]
+    config = StackConfig(target_model=target, draft_model=draft, dtype=dtype, role_args=role_args)
     totals = {k: {"tokens": 0, "wall_s": 0.0, "proposed": 0, "accepted": 0, "lengths": []} for k in (0, 4)}
     async with Stack(config) as stack, stack.client() as client:
         async def one(prompt, k):
@@ -92,6 +95,7 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="k=4 and k=0 requests per stack before measuring")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--draft-dtype", default=None, help="the drafter's --dtype (default: --dtype)")
     parser.add_argument("--adaptive", choices=("both", "on", "off"), default="both")
     parser.add_argument("--drafts", choices=("both", "shipped", "useless"), default="both")
     args = parser.parse_args()
@@ -101,7 +105,7 @@ async def main() -> None:
     prompts = held_out_prompts(target, args.prompts, args.prompt_tokens) if args.pair == "tiny" \
         else held_out_chat_prompts(tokenizer, args.prompts)
     settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.adaptive]
-    print(f"pair {args.pair}, dtype {args.dtype}, {args.prompts} prompts x {args.max_tokens} tokens, greedy, batch 1, "
+    print(f"pair {args.pair}, dtype {args.dtype}, draft dtype {args.draft_dtype or args.dtype}, {args.prompts} prompts x {args.max_tokens} tokens, greedy, batch 1, "
           f"{args.warmup} warm-up pairs per stack")
     print("| draft | adaptive_k | k=0 tok/s | k=4 tok/s | k=4 / k=0 | acceptance | k=4 speculative_lengths |")
     print("|---|---|---|---|---|---|---|")
@@ -112,7 +116,7 @@ async def main() -> None:
                 continue
             for adaptive in settings:
                 row = await run_stack(str(target), str(draft_dir), adaptive, prompts, args.max_tokens, args.warmup,
-                                      args.dtype)
+                                      args.dtype, args.draft_dtype)
                 print(f"| {name} | {'on' if adaptive else 'off'} | {row['k0_tokens_per_s']:.1f} | "
                       f"{row['k4_tokens_per_s']:.1f} | {row['ratio']:.2f}x | {row['acceptance']:.2f} | "
                       f"{row['speculative_lengths']} |", flush=True)

@@ -22,7 +22,10 @@ maximises the request's expected tokens per second; the request's k is the upper
   (so a scheduler that is told no timings runs at k, as without this).
 - Probe: a request that chose k_t = 0 for probe_steps steps in a row takes k_t = 1 once, so a
   drafter that got better is noticed; after each probe with nothing accepted the next one waits
-  twice as long (at most MAX_PROBE_BACKOFF times).
+  twice as long (at most MAX_PROBE_BACKOFF times). The back-off belongs to the drafter and its
+  acceptance rule (the prior's key), not to the request: a new request of a useless drafter starts
+  at the longest interval instead of paying the short first probes again, and one probe accepted
+  by any request brings every request back to probe_steps.
 
 Plain logic, no clocks: the scheduler (scheduler_core.py) asks `choose`, tells `verified` and the
 timings. Only rows whose output cannot depend on k use it: greedy and Gumbel-coupled rows.
@@ -69,11 +72,11 @@ class AcceptanceCounts:
 
 @dataclass
 class RowState:
-    """One request's part: its own acceptance, decayed (ACCEPT_DECAY), and its probe schedule."""
+    """One request's part: its own acceptance, decayed (ACCEPT_DECAY), and where it is in the
+    probe schedule."""
 
     acceptance: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     zero_run: int = 0  # steps in a row at k_t = 0
-    failed_probes: int = 0  # probes in a row that had nothing accepted
     probing: bool = False  # its step in flight is a probe
 
 
@@ -120,6 +123,7 @@ class AdaptiveK:
         self.draft_costs: dict[str, CostTable] = {}
         self.commit_s = CostTable()  # one size, 0
         self.priors: dict[tuple[str, str], AcceptanceCounts] = {}
+        self.failed_probes: dict[tuple[str, str], int] = {}  # by prior key: probes in a row with nothing accepted
 
     def choose(self, row: RowState, prior_key: tuple[str, str], k_max: int, verifier_id: str,
                base_tokens: int, drafter_id: str, base_k: int, alone: bool) -> int:
@@ -127,7 +131,7 @@ class AdaptiveK:
         whose drafter batch already asks base_k drafts; alone: the only row of its verify batch
         (batch 1: where sizes are measured first). Counts the row's steps at 0 for its probe."""
         k = self.best_k(row.acceptance, prior_key, k_max, verifier_id, base_tokens, drafter_id, base_k, alone)
-        backoff = min(2 ** row.failed_probes, MAX_PROBE_BACKOFF)
+        backoff = min(2 ** self.failed_probes.get(prior_key, 0), MAX_PROBE_BACKOFF)
         row.probing = k == 0 and row.zero_run + 1 >= self.probe_steps * backoff
         if row.probing:
             k = min(1, k_max)
@@ -163,7 +167,7 @@ class AdaptiveK:
         """A verify step of a row with num_draft drafts, num_accepted of them accepted."""
         row.acceptance.record(num_draft, num_accepted, ACCEPT_DECAY)
         if row.probing:
-            row.failed_probes = 0 if num_accepted else row.failed_probes + 1
+            self.failed_probes[prior_key] = 0 if num_accepted else self.failed_probes.get(prior_key, 0) + 1
             row.probing = False
         prior = self.priors.setdefault(prior_key, AcceptanceCounts())
         prior.record(num_draft, num_accepted)

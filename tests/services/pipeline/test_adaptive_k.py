@@ -140,7 +140,30 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
     assert intervals == [16, 32, 64, 16 * MAX_PROBE_BACKOFF, 16 * MAX_PROBE_BACKOFF]
     steps_to_next_probe()
     adaptive.verified(row, key, 1, 1)  # accepted: back to probe_steps
-    assert row.failed_probes == 0
+    assert adaptive.failed_probes[key] == 0
+
+
+def test_the_probe_back_off_is_the_drafters_so_a_new_request_starts_where_the_last_one_left_off():
+    adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
+    key, other_rule = ("d", "greedy/greedy"), ("d", "gumbel")
+
+    def steps_to_probe(row, prior_key):
+        for steps in range(1, 1000):
+            if adaptive.choose(row, prior_key, 4, "v", 0, "d", 0, True):
+                return steps
+            adaptive.verified(row, prior_key, 0, 0)
+        raise AssertionError("no probe")
+
+    first = RowState(acceptance=history(0.0))
+    for _ in range(3):
+        steps_to_probe(first, key)
+        adaptive.verified(first, key, 1, 0)  # rejected
+    assert steps_to_probe(RowState(acceptance=history(0.0)), key) == 16 * MAX_PROBE_BACKOFF
+    assert steps_to_probe(RowState(acceptance=history(0.0)), other_rule) == 16  # another rule: its own
+    second = RowState(acceptance=history(0.0))
+    steps_to_probe(second, key)
+    adaptive.verified(second, key, 1, 1)  # one accepted probe: every request of the drafter back to 16
+    assert steps_to_probe(RowState(acceptance=history(0.0)), key) == 16
 
 
 def test_a_good_draft_with_a_cheap_verify_takes_every_draft():
