@@ -33,7 +33,9 @@ import structlog
 from schemas.config import specbus_home
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma"]
+# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is dropped without
+# it, and the kernel then runs on one thread whatever torch.set_num_threads says.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 BUILD_TIMEOUT_S = 900.0  # a first build takes about a minute on 2 idle cores
 log = structlog.get_logger(__name__)
 
@@ -76,7 +78,7 @@ def load():
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
         return cpp_extension.load(name=module_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                  build_directory=str(directory), verbose=False)
+                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no headers: oneDNN serves instead
         log.warning("linear_kernel_unavailable", reason=f"build failed: {error}"[:2000])
         return None

@@ -10,11 +10,11 @@ from services.launch.stack import StackConfig, role_threads, serve_command
 
 
 @pytest.mark.parametrize("cores, verifiers, drafters, expected", [
-    (2, 1, 1, (1, 1)),    # this project's 2-core machines: one core left for the torch-free processes
-    (4, 1, 1, (2, 1)),
-    (16, 1, 1, (11, 4)),
-    (16, 2, 2, (5, 2)),
-    (16, 1, 0, (15, 4)),  # no drafter: its threads are not set aside
+    (2, 1, 1, (2, 2)),    # this project's 2-core machines: draft and verify each have both while they run
+    (4, 1, 1, (4, 4)),
+    (16, 1, 1, (16, 4)),  # a drafter: at most MAX_DRAFTER_THREADS
+    (16, 2, 2, (8, 4)),
+    (16, 4, 8, (4, 2)),
     (1, 3, 1, (1, 1)),    # never 0
 ])
 def test_threads_from_the_machine(cores, verifiers, drafters, expected):
