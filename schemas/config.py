@@ -109,8 +109,9 @@ class SchedulerConfig(InstanceConfig):
     heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
     # A request's num_speculative_tokens is an upper bound: each step of a greedy or Gumbel-coupled
     # row takes the k that maximises its measured tokens per second (services/pipeline/adaptive_k.py);
-    # false: every step takes the request's k. A row at k=0 tries k=1 after adaptive_k_probe_steps
-    # steps (twice as many after each probe that had nothing accepted, at most 8 times as many).
+    # false: every step takes the request's k. After adaptive_k_probe_steps steps at k=0 of a
+    # drafter's requests, one tries k=1 (twice as many after each probe that had nothing accepted,
+    # at most 8 times as many).
     adaptive_k: bool = True
     adaptive_k_probe_steps: int = 16
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids
@@ -122,7 +123,7 @@ class ModelServiceConfig(InstanceConfig):
     """What the verifier and the drafter share: a model, its KV cache slots, torch threads."""
 
     device: str = "cpu"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32 (a drafter: bfloat16)
     max_slots: int = 64
     max_seq_len: int = 2048
     prefill_chunk: int = 512  # tokens per forward for a long prompt

@@ -20,12 +20,13 @@ maximises the request's expected tokens per second; the request's k is the upper
 - Measure first: while a batch-1 size in [0, k] has fewer than MIN_SAMPLES timings, a row alone in
   its batch takes the largest such k_t; a row in a larger batch takes k while nothing is measured
   (so a scheduler that is told no timings runs at k, as without this).
-- Probe: a request that chose k_t = 0 for probe_steps steps in a row takes k_t = 1 once, so a
-  drafter that got better is noticed; after each probe with nothing accepted the next one waits
-  twice as long (at most MAX_PROBE_BACKOFF times). The back-off belongs to the drafter and its
-  acceptance rule (the prior's key), not to the request: a new request of a useless drafter starts
-  at the longest interval instead of paying the short first probes again, and one probe accepted
-  by any request brings every request back to probe_steps.
+- Probe: after probe_steps steps at k_t = 0 the row choosing the next one takes k_t = 1 once, so
+  a drafter that got better is noticed; after each probe with nothing accepted the next one waits
+  twice as long (at most MAX_PROBE_BACKOFF times). Steps and failed probes are counted per
+  drafter and acceptance rule (the prior's key), across its requests: a new request of a useless
+  drafter does not pay the short first intervals again, short requests still probe (the count
+  runs on across them), and one probe accepted by any request brings the interval back to
+  probe_steps.
 
 Plain logic, no clocks: the scheduler (scheduler_core.py) asks `choose`, tells `verified` and the
 timings. Only rows whose output cannot depend on k use it: greedy and Gumbel-coupled rows.
@@ -72,12 +73,11 @@ class AcceptanceCounts:
 
 @dataclass
 class RowState:
-    """One request's part: its own acceptance, decayed (ACCEPT_DECAY), and where it is in the
-    probe schedule."""
+    """One request's part: its own acceptance, decayed (ACCEPT_DECAY), and whether its step in
+    flight is a probe."""
 
     acceptance: AcceptanceCounts = field(default_factory=AcceptanceCounts)
-    zero_run: int = 0  # steps in a row at k_t = 0
-    probing: bool = False  # its step in flight is a probe
+    probing: bool = False
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -123,19 +123,22 @@ class AdaptiveK:
         self.draft_costs: dict[str, CostTable] = {}
         self.commit_s = CostTable()  # one size, 0
         self.priors: dict[tuple[str, str], AcceptanceCounts] = {}
-        self.failed_probes: dict[tuple[str, str], int] = {}  # by prior key: probes in a row with nothing accepted
+        # by prior key: steps at k_t = 0 since the last probe, and probes in a row with nothing accepted
+        self.zero_steps: dict[tuple[str, str], int] = {}
+        self.failed_probes: dict[tuple[str, str], int] = {}
 
     def choose(self, row: RowState, prior_key: tuple[str, str], k_max: int, verifier_id: str,
                base_tokens: int, drafter_id: str, base_k: int, alone: bool) -> int:
         """k_t in [0, k_max] for a row whose verify batch already holds base_tokens new tokens and
         whose drafter batch already asks base_k drafts; alone: the only row of its verify batch
-        (batch 1: where sizes are measured first). Counts the row's steps at 0 for its probe."""
+        (batch 1: where sizes are measured first). Counts steps at 0 towards the drafter's next probe."""
         k = self.best_k(row.acceptance, prior_key, k_max, verifier_id, base_tokens, drafter_id, base_k, alone)
         backoff = min(2 ** self.failed_probes.get(prior_key, 0), MAX_PROBE_BACKOFF)
-        row.probing = k == 0 and row.zero_run + 1 >= self.probe_steps * backoff
+        zero_steps = self.zero_steps.get(prior_key, 0) + (k == 0)
+        row.probing = k == 0 and zero_steps >= self.probe_steps * backoff
         if row.probing:
-            k = min(1, k_max)
-        row.zero_run = 0 if k else row.zero_run + 1
+            k, zero_steps = min(1, k_max), 0
+        self.zero_steps[prior_key] = zero_steps
         return k
 
     def best_k(self, own: AcceptanceCounts, prior_key: tuple[str, str], k_max: int, verifier_id: str,

@@ -75,10 +75,11 @@ def measured(verify_s, draft_s, k_max, commit_s=0.0) -> AdaptiveK:
     return adaptive
 
 
-def choose(adaptive, own=None, k_max=4, zero_run=0, prior=None):
+def choose(adaptive, own=None, k_max=4, zero_steps=0, prior=None):
     if prior is not None:
         adaptive.priors[("d", "greedy/greedy")] = prior
-    row = RowState(acceptance=own or AcceptanceCounts(), zero_run=zero_run)
+    adaptive.zero_steps[("d", "greedy/greedy")] = zero_steps
+    row = RowState(acceptance=own or AcceptanceCounts())
     return adaptive.choose(row, ("d", "greedy/greedy"), k_max, "v", 0, "d", 0, True)
 
 
@@ -117,8 +118,8 @@ def flat_verify(_tokens):
 def test_a_useless_draft_runs_at_zero_and_probes_with_one_draft_every_probe_steps():
     adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
     assert choose(adaptive, history(0.0)) == 0
-    assert choose(adaptive, history(0.0), zero_run=14) == 0
-    assert choose(adaptive, history(0.0), zero_run=15) == 1  # the 16th step in a row at 0
+    assert choose(adaptive, history(0.0), zero_steps=14) == 0
+    assert choose(adaptive, history(0.0), zero_steps=15) == 1  # the 16th step at 0
 
 
 def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
@@ -141,6 +142,17 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_the_interval():
     steps_to_next_probe()
     adaptive.verified(row, key, 1, 1)  # accepted: back to probe_steps
     assert adaptive.failed_probes[key] == 0
+
+
+def test_probes_count_the_drafters_steps_so_requests_shorter_than_the_interval_still_probe():
+    adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
+    key = ("d", "greedy/greedy")
+    adaptive.failed_probes[key] = 3  # the longest interval: 16 * MAX_PROBE_BACKOFF steps
+    chosen = []
+    for _ in range(16 * MAX_PROBE_BACKOFF // 10 + 1):  # requests of 10 steps each
+        row = RowState(acceptance=history(0.0))
+        chosen += [adaptive.choose(row, key, 4, "v", 0, "d", 0, True) for _ in range(10)]
+    assert chosen.count(1) == 1 and chosen.index(1) == 16 * MAX_PROBE_BACKOFF - 1
 
 
 def test_the_probe_back_off_is_the_drafters_so_a_new_request_starts_where_the_last_one_left_off():

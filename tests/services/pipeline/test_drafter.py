@@ -105,6 +105,12 @@ def same_result(a, b):
 # --- greedy ----------------------------------------------------------------------------------
 
 
+def test_a_drafters_auto_dtype_is_bfloat16_and_a_given_one_wins(draft):
+    auto = new_drafter(draft, dtype="auto")
+    assert auto.model.embed.dtype == auto.cache.dtype == torch.bfloat16
+    assert new_drafter(draft, dtype="float32").model.embed.dtype == torch.float32
+
+
 def test_greedy_drafts_are_the_draft_models_own_continuation_in_target_ids(draft):
     drafter = new_drafter(draft)
     with torch.no_grad():
