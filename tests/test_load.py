@@ -115,8 +115,10 @@ async def stack(models, tmp_path_factory):
     beat = ["--heartbeat-interval-s", HEARTBEAT_S]
     config = StackConfig(
         target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("load-logs"),
+        # adaptive k off: every step drafts, so a drafter slot fills in the step after its request's
+        # first token (with it on, the random draft is dropped and only probes fill slots, late)
         role_args={"scheduler": ["--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE), "--draft-timeout-s",
-                                 "5", *beat],
+                                 "5", "--adaptive-k", "false", *beat],
                    "verifier": ["--max-slots", str(SLOTS), *beat], "drafter": ["--max-slots", str(SLOTS), *beat],
                    "postprocessor": beat})
     async with Stack(config) as running:
