@@ -227,8 +227,16 @@ def test_a_cluster_node_refuses_a_route_without_the_password(tmp_path):
         node = cluster.nodes[0]
         outsider = ClusterConfig("specbus", "Wrong-password-123", routes=(f"127.0.0.1:{node.cluster_port}",))
         with NatsServer(NatsServerConfig(http_port=0, cluster=outsider)) as intruder:
-            time.sleep(1.0)  # the route attempt is made (and refused) at once
-            with urllib.request.urlopen(f"http://127.0.0.1:{intruder.monitoring_port}/routez", timeout=5) as reply:
-                assert json.load(reply)["num_routes"] == 0
+            # The intruder retries about once a second, and each attempt is a route for the few ms
+            # until the node's refusal: wait for a refusal, then for a moment with no route (a
+            # route that authenticated would stay, and this would time out).
+            def no_route() -> bool:
+                with urllib.request.urlopen(f"http://127.0.0.1:{intruder.monitoring_port}/routez", timeout=5) as reply:
+                    return json.load(reply)["num_routes"] == 0
+
+            deadline = time.monotonic() + 60.0
+            while "authentication error" not in node.log_tail() or not no_route():
+                assert time.monotonic() < deadline, f"no refused route within 60 s: {node.log_tail()[-2000:]}"
+                time.sleep(0.05)
     with pytest.raises(ValueError, match="cluster.password"):
         ClusterConfig("specbus", "")
