@@ -121,7 +121,7 @@ def load_drafter(config: DrafterConfig) -> Drafter:
 
     dtype "auto" is bfloat16 for a draft on every device: a draft step reads every weight for a
     few rows, so half the bytes is what it costs (the shipped draft: 5.5 ms a step in emulated
-    bf16 against 7.5 in float32 on an AVX2-only CPU, one thread), and the draft's rounding never
+    bf16 against 7.5 in float32 on an Intel Xeon without native bf16, one thread), and the draft's rounding never
     reaches the output, which the target decides (the shipped draft's weights are bf16 anyway)."""
     if config.dtype == "auto":
         config = dataclasses.replace(config, dtype="bfloat16")

@@ -105,8 +105,8 @@ async def main() -> None:
     prompts = held_out_prompts(target, args.prompts, args.prompt_tokens) if args.pair == "tiny" \
         else held_out_chat_prompts(tokenizer, args.prompts)
     settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.adaptive]
-    print(f"pair {args.pair}, dtype {args.dtype}, draft dtype {args.draft_dtype or args.dtype}, {args.prompts} prompts x {args.max_tokens} tokens, greedy, batch 1, "
-          f"{args.warmup} warm-up pairs per stack")
+    print(f"pair {args.pair}, dtype {args.dtype}, draft dtype {args.draft_dtype or args.dtype}, {args.prompts} "
+          f"prompts x {args.max_tokens} tokens, greedy, batch 1, {args.warmup} warm-up pairs per stack")
     print("| draft | adaptive_k | k=0 tok/s | k=4 tok/s | k=4 / k=0 | acceptance | k=4 speculative_lengths |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
