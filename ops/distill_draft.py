@@ -15,7 +15,7 @@ Design (the reasons are in models/README.md):
   subjects, and programming tasks), wrapped in its ChatML chat template with the template's
   default system prompt, as `specbus generate --chat` does. 3 of every 4 answers are greedy, the
   rest sampled at temperature 0.8, top-p 0.95 (the bench's sampled setting), up to
-  MAX_NEW_TOKENS each. Generation uses specbus's own runtime (gpu_worker.model.forward, slot KV
+  MAX_NEW_TOKENS each. Generation uses specbus's own runtime (gpu_worker.runtime.model.forward, slot KV
   cache, batched), and keeps the target's TOP_K most likely next tokens and their
   log-probabilities at every answer position: the labels. Prompts whose subject hashes into the
   held-out tenth are never trained on; acceptance is measured on their answers.
@@ -24,7 +24,7 @@ Design (the reasons are in models/README.md):
   and a reduced vocabulary of DRAFT_VOCAB ids with tied input/output embeddings that are the
   target's rows and stay frozen: the DRAFT_VOCAB - 1 target tokens most frequent in the training
   generations (`draft_vocabulary`) plus one input-only "other" id for every other target token
-  (d2t.safetensors maps draft ids to target ids; gpu_worker/checkpoint.py).
+  (d2t.safetensors maps draft ids to target ids; gpu_worker/runtime/checkpoint.py).
 - Loss, on answer positions only (the drafter only ever drafts answers): cross-entropy on the
   target's greedy token (what greedy acceptance checks) plus KL(target top-k || draft), the
   top-k renormalised and mapped into the draft vocabulary, the mass of ids outside it on
@@ -49,12 +49,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from gpu_worker.chat_template import render_chat
-from gpu_worker.checkpoint import load_d2t, load_model, save_d2t
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import forward
-from gpu_worker.sampling import SamplingTensors, make_uniforms, sample
-from gpu_worker.tokenizer import load_tokenizer
+from text.chat_template import render_chat
+from gpu_worker.runtime.checkpoint import load_d2t, load_model, save_d2t
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward
+from gpu_worker.sampling.sampler import SamplingTensors, make_uniforms, sample
+from text.tokenizer import load_tokenizer
 from schemas.config import default_target_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

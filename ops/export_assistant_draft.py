@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.checkpoint import load_d2t
+from gpu_worker.runtime.checkpoint import load_d2t
 from ops.train_models import eval_windows, source_files, token_stream
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_models import TINY, read_text, source_files  # noqa: E402
 
-from gpu_worker.checkpoint import load_model  # noqa: E402
-from gpu_worker.kv_cache import KVCache  # noqa: E402
-from gpu_worker.model import forward  # noqa: E402
-from gpu_worker.tokenizer import load_tokenizer  # noqa: E402
+from gpu_worker.runtime.checkpoint import load_model  # noqa: E402
+from gpu_worker.runtime.kv_cache import KVCache  # noqa: E402
+from gpu_worker.runtime.model import forward  # noqa: E402
+from text.tokenizer import load_tokenizer  # noqa: E402
 
 
 def forward_ms(path: Path, context: int, num_tokens: int, repeats: int, dtype=torch.float32) -> float:

@@ -9,12 +9,12 @@ it). Features go to $SPECBUS_HOME/eagle-data (shards of --shard-convs conversati
 interrupted run resumes at the next missing shard); checkpoints to .train/smollm2-eagle/; the head
 is exported to models/smollm2-eagle/ at every checkpoint. `--device cuda` runs any stage on a GPU.
 
-Design (gpu_worker/eagle.py has the head):
+Design (gpu_worker/runtime/eagle.py has the head):
 - Data: ShareGPT's train split only (services/commands/bench_serve_core.load_sharegpt; the
   held-out tenth, sha1(id) % 10 == 0, is for `eval` alone), every conversation rendered with the
   target's chat template (its default system prompt, as `specbus generate --chat` sends it),
   cut to --max-len tokens. Teacher-forced prefill with specbus's own runtime
-  (gpu_worker.model.forward(return_hidden=True)), so the features are the bits a verifier
+  (gpu_worker.runtime.model.forward(return_hidden=True)), so the features are the bits a verifier
   returns: per position the final-normed hidden state (bf16, what the serving path ships) and the
   token id. The target's next-token distribution is those features times its lm_head.
 - Loss per position after the system prompt: smooth L1 between the predicted and the target's
@@ -37,17 +37,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from gpu_worker.chat_template import render_chat
-from gpu_worker.checkpoint import D2T, load_model, our_name, read_config, weight_files
-from gpu_worker.eagle import EagleConfig, init_weights, save_head, unrolled_forward
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import forward
-from gpu_worker.tokenizer import load_tokenizer
+from text.chat_template import render_chat
+from gpu_worker.runtime.checkpoint import D2T, load_model, our_name, read_config, weight_files
+from gpu_worker.runtime.eagle import EagleConfig
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward
+from text.tokenizer import load_tokenizer
 from schemas.config import default_target_model, specbus_home
 from services.commands.bench_serve_core import load_sharegpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_draft import COPIED_FILES, DRAFT_VOCAB  # noqa: E402
+from eagle_training import init_weights, save_head, unrolled_forward  # noqa: E402
 from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,7 +100,7 @@ def without_lm_head(model):
     hidden states (the head does not touch them) without the (T, 49152) logits it never needs."""
     import dataclasses
 
-    from gpu_worker.model import pack_weight
+    from gpu_worker.runtime.model import pack_weight
     one_row = pack_weight(model.embed[:1].contiguous())
     return dataclasses.replace(model, lm_head=one_row, config=dataclasses.replace(model.config, vocab_size=1))
 
@@ -388,7 +389,7 @@ def speculative_greedy(target, tconfig, head, prompt: list[int], max_new: int, k
     target's own next token. Features reach the head as bf16, as the serving path ships them.
     Returns (token ids, {"steps": target forwards after the prefill, "tried": (k,) drafts at each
     position that were verified, "accepted": (k,) of those accepted})."""
-    from gpu_worker.eagle import draft_chain, new_cache
+    from gpu_worker.runtime.eagle import draft_chain, new_cache
 
     length = len(prompt) + max_new + k + 1
     cache = KVCache(tconfig, max_slots=1, max_seq_len=length, device=target.embed.device, dtype=target.embed.dtype)
@@ -461,7 +462,7 @@ def evaluate(target: Path, head_dir: Path, prompts_count: int, max_new: int, k: 
     """ShareGPT prompts of `split` (sharegpt_prompts), greedy, batch 1: acceptance per draft
     position, tokens per target step, the wall-time ratio k vs k=0, and whether both emitted the
     same token ids."""
-    from gpu_worker.eagle import load_head
+    from gpu_worker.runtime.eagle import load_head
 
     tokenizer = load_tokenizer(target)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -246,7 +246,7 @@ def fold_to_draft(target_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tenso
 
 
 def train_draft(steps: int, batch: int, lr: float, resume: bool, device: str, num_layers: int) -> None:
-    from gpu_worker.checkpoint import save_d2t
+    from gpu_worker.runtime.checkpoint import save_d2t
 
     torch.manual_seed(0)
     train, _ = source_files()
@@ -286,7 +286,7 @@ def evaluate(device: str) -> dict:
     """Held-out CE of both models and teacher-forced greedy acceptance."""
     from transformers import LlamaForCausalLM
 
-    from gpu_worker.checkpoint import load_d2t
+    from gpu_worker.runtime.checkpoint import load_d2t
 
     _, held_out = source_files()
     windows = eval_windows(token_stream(held_out)).to(device)

@@ -22,6 +22,9 @@ import numpy as np
 from pydantic_core import PydanticCustomError, core_schema
 
 MAX_ARRAY_BYTES = 64 * 1024 * 1024  # per array; the codec's message limit is usually lower
+# The one padding id: an empty slot of an IdMatrix, of a row's draft ids, of a rejected position's
+# token (never a vocabulary id, which is >= 0). Every tensor or array padding uses this name.
+PAD_TOKEN_ID = -1
 
 WIRE_DTYPES = {"int32": np.dtype("<i4"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 

@@ -29,9 +29,26 @@ DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_MODELS / "smollm2-draft"
 # The EAGLE head trained on the default target's features (models/README.md), shipped in git.
 DEFAULT_EAGLE_HEAD = REPO_MODELS / "smollm2-eagle"
-# a drafter's: a draft model, prompt lookup (gpu_worker/ngram.py), or an EAGLE head over the
-# target's features (gpu_worker/eagle_drafter.py)
+# a drafter's: a draft model, prompt lookup (gpu_worker/roles/ngram.py), or an EAGLE head over the
+# target's features (gpu_worker/roles/eagle_drafter.py)
 DRAFT_METHODS = ("model", "ngram", "eagle")
+# One owner each, imported wherever the value is needed (never written again as a literal):
+NATS_PORT = 4222                      # nats-server's client port, the default of every URL and flag
+DEFAULT_NATS_URL = f"nats://127.0.0.1:{NATS_PORT}"
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024   # a service's NATS max_payload, the codec's and the HTTP body's cap
+FINISHED_ID_TTL_S = 60.0              # a finished request id stays known (refused, commits dropped) this long
+CLIENT_ENV_FILE = "client.env"        # what `specbus up --log-dir DIR` writes for clients, in DIR
+HEARTBEAT_TIMEOUT_S = 2.0             # silence after which an instance (or a scheduler, to a client) is dead
+
+
+def service_version() -> str:
+    """The installed package's version (pyproject.toml), as every service reports it on $SRV.INFO."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("specbus")
+    except importlib.metadata.PackageNotFoundError:  # a source tree run without installing
+        return "0.0.0"
 
 
 def specbus_home() -> Path:
@@ -69,7 +86,7 @@ def default_instance_id(role: str) -> str:
 class BusConfig:
     """How to reach NATS. Credentials come from the environment or flags, never defaults."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = DEFAULT_NATS_URL
     prefix: str = DEFAULT_PREFIX
     nats_user: str | None = None
     nats_password: str | None = None
@@ -106,7 +123,7 @@ class SchedulerConfig(InstanceConfig):
     # On stop, how long the step in flight may still run before it is cancelled (its requests
     # then end with "error" like every other); kept under the stack's SIGKILL stop_timeout_s.
     stop_grace_s: float = 5.0
-    heartbeat_timeout_s: float = 2.0  # silence after which an instance is dead
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     # A request's num_speculative_tokens is an upper bound: each step of a greedy or Gumbel-coupled
     # row takes the k that maximises its measured tokens per second (services/pipeline/adaptive_k.py);
     # false: every step takes the request's k. After adaptive_k_probe_steps steps at k=0 of a
@@ -132,7 +149,7 @@ class ModelServiceConfig(InstanceConfig):
     # role from the machine (services/launch/stack.py role_threads).
     torch_threads: int = 0
     # The KV cache's memory budget ("2GiB", "512MiB", "1.5GB", or bytes; parse_bytes): slots get
-    # storage as their tokens need it, within this (gpu_worker/kv_cache.py). 2 GiB holds ~46k
+    # storage as their tokens need it, within this (gpu_worker/runtime/kv_cache.py). 2 GiB holds ~46k
     # tokens of SmolLM2-135M in float32 (92k in bfloat16): 64 requests of ~700 tokens, and keeps a
     # few stacks inside a 24 GB machine.
     kv_cache_memory: str = "2GiB"
@@ -146,10 +163,10 @@ class VerifierConfig(ModelServiceConfig):
 @dataclasses.dataclass
 class DrafterConfig(ModelServiceConfig):
     draft_model: str = str(DEFAULT_DRAFT)
-    # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/ngram.py),
+    # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/roles/ngram.py),
     # drafts continue the longest n-gram (ngram_max down to ngram_min tokens) seen before in the
     # request's own history; it fits every target; "eagle": the EAGLE head in eagle_head over the
-    # target's own features (gpu_worker/eagle_drafter.py), with target_model's embedding; it fits
+    # target's own features (gpu_worker/roles/eagle_drafter.py), with target_model's embedding; it fits
     # that target only.
     draft_method: str = "model"
     ngram_max: int = 4
@@ -192,7 +209,7 @@ class GatewayConfig(BusConfig):
     # body is read, then the body's size and pace. A prompt of MAX_PROMPT_CHARS characters (the most
     # a GenerateRequest takes) is at most 6 MiB of JSON even with every character \u-escaped, so
     # the largest valid request fits max_body_bytes; larger is a 413 before it is read.
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = MAX_MESSAGE_BYTES
     body_timeout_s: float = 30.0  # to receive the whole body (a slow body is a 408), ~280 KB/s for the largest
     header_timeout_s: float = 10.0  # from a connection's first byte (or an idle one's) to its request's headers
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn's default)

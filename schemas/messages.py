@@ -187,7 +187,7 @@ class RowSampling(WireModel):
     or below the top token's probability keeps that token alone, so nothing is lost); top_k in
     [0, MAX_TOP_K]; min_p in [0, 1).
 
-    logit_bias and the penalties (gpu_worker/sampling.py `penalise`, in vLLM's order: logit_bias,
+    logit_bias and the penalties (gpu_worker/sampling/sampler.py `penalise`, in vLLM's order: logit_bias,
     then repetition, frequency and presence penalties, then temperature and the filters) make a
     position's distribution depend on the tokens before it: frequency_penalty and
     presence_penalty count the output (the history after prompt_len, drafts of the same step
@@ -238,7 +238,7 @@ class RowSampling(WireModel):
 
     @property
     def gumbel(self) -> bool:
-        """A sampled row drawn by Gumbel-max coupling (gpu_worker/coupling.py)."""
+        """A sampled row drawn by Gumbel-max coupling (gpu_worker/sampling/coupling.py)."""
         return self.coupling == "gumbel" and not self.greedy
 
     @property

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.codec import validate
 from schemas.config import ENV_PREFIX, ROLES, BusConfig, default_target_model, load_config
 from schemas.errors import CodecError, ErrorCode, SpecbusError

@@ -25,8 +25,9 @@ SKIP_DIRS = {"node_modules", "build", "dist", "__pycache__", "shared"}
 MD_NAME = re.compile(r"(?<![\w/.-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*\.md)(#[\w-]+)?")
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
-CODE_PATH = re.compile(r"`((?:schemas|services|gpu_worker|ops|tests|models|docs)/[\w./-]*)`")
-LAYERS = {"schemas": {"gpu_worker", "services", "ops"}, "gpu_worker": {"services", "ops"}, "services": {"ops"}}
+CODE_PATH = re.compile(r"`((?:schemas|text|services|gpu_worker|ops|tests|models|docs)/[\w./-]*)`")
+LAYERS = {"schemas": {"text", "gpu_worker", "services", "ops"}, "text": {"gpu_worker", "services", "ops"},
+          "gpu_worker": {"services", "ops"}, "services": {"ops"}}
 # Inside services/: a room may import the rooms left of it in
 # runtime <- client, pipeline <- gateway, launch <- commands <- cli (client and pipeline are
 # independent, and so are gateway and launch).
@@ -40,7 +41,7 @@ SERVICE_ROOM_FORBIDDEN = {
     "commands": {"pipeline", "gateway", "cli"},
 }
 NO_ASYNC_IN_GPU_WORKER = {"asyncio", "nats"}
-TORCH_FREE = ("schemas", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
+TORCH_FREE = ("schemas", "text.tokenizer", "text.chat_template", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
               "services.gateway.gateway", "services.commands.models")
 
 

@@ -16,14 +16,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from gpu_worker.checkpoint import load_d2t, load_model
-from gpu_worker.eagle import EagleConfig, init_weights, save_head
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.tokenizer import load_tokenizer
+from gpu_worker.runtime.checkpoint import load_d2t, load_model
+from gpu_worker.runtime.eagle import EagleConfig
+from ops.eagle_training import init_weights, save_head
+from gpu_worker.runtime.kv_cache import KVCache
+from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.launch.stack import Stack, StackConfig
-from tests.gpu_worker.test_eagle import load_ops
+from tests.gpu_worker.runtime.test_eagle import load_ops
 from tests.test_ngram_pipeline import generate_all, greedy, gumbel  # requests as the ngram stack's
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -27,7 +27,7 @@ import pytest_asyncio
 from openai.types import CompletionUsage
 from openai.types.completion_usage import CompletionTokensDetails
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.messages import MAX_PROMPT_CHARS, Heartbeat
 from services.client import make_request, score_request

@@ -20,11 +20,11 @@ import pytest
 import pytest_asyncio
 import torch
 
-from gpu_worker.chat_template import ChatTemplateError, render_chat
-from gpu_worker.checkpoint import load_model
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import forward
-from gpu_worker.tokenizer import load_tokenizer
+from text.chat_template import ChatTemplateError, render_chat
+from gpu_worker.runtime.checkpoint import load_model
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward
+from text.tokenizer import load_tokenizer
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from schemas.errors import SpecbusError
 from schemas.messages import GenerateRequest

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import pytest_asyncio
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
 from schemas.config import TINY_TARGET
 from schemas.messages import ANY_TOKENIZER

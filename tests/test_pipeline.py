@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
 from schemas.codec import decode
 from schemas.config import REPO_MODELS

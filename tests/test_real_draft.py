@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from gpu_worker.checkpoint import load_d2t, read_config
-from gpu_worker.drafter_core import load_drafter
-from gpu_worker.tokenizer import tokenizer_id
+from gpu_worker.runtime.checkpoint import load_d2t, read_config
+from gpu_worker.roles.drafter_core import load_drafter
+from text.tokenizer import tokenizer_id
 from ops.bench.inprocess import load_inprocess, run_requests
 from schemas.config import DrafterConfig
 from services.client import make_request

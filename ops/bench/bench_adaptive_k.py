@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from ops.bench.bench_pipeline import held_out_prompts
 from ops.distill_draft import held_out_chat_prompts
 from schemas.config import DEFAULT_DRAFT, TINY_DRAFT, TINY_TARGET, default_target_model

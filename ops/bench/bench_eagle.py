@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from ops.bench.bench_ngram import paired_runs, report, summary
 from ops.train_eagle import sharegpt_prompts
 from schemas.config import DEFAULT_EAGLE_HEAD, default_target_model

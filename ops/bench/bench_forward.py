@@ -1,4 +1,4 @@
-"""Time one target forward (`gpu_worker.model.forward`) of T new tokens at batch 1.
+"""Time one target forward (`gpu_worker.runtime.model.forward`) of T new tokens at batch 1.
 
 For each dtype and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
 holding a 128-token context (the slot is truncated back after each call, so every call sees the
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.checkpoint import load_model
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import forward
+from gpu_worker.runtime.checkpoint import load_model
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward
 from schemas.config import TINY_TARGET, default_target_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

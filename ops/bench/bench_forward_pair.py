@@ -1,4 +1,4 @@
-"""This tree's `gpu_worker.model.forward` against another git revision's, paired in one process.
+"""This tree's `gpu_worker.runtime.model.forward` against another git revision's, paired in one process.
 
 Runs in separate processes minutes apart swing by up to 1.5x on a shared machine, so the figure
 to read is a paired one: both versions' models loaded in this process, `bench_forward.bench`
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.checkpoint import load_model
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import forward
+from gpu_worker.runtime.checkpoint import load_model
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward
 from ops.bench import bench_forward
 from schemas.config import default_target_model
 

@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from gpu_worker.logprobs import gather_logprobs
-from gpu_worker.rejection import rejection_sample
-from gpu_worker.sampling import ProcessedLogits, SamplingTensors
+from gpu_worker.sampling.logprobs import gather_logprobs
+from gpu_worker.sampling.rejection import rejection_sample
+from gpu_worker.sampling.sampler import ProcessedLogits, SamplingTensors
 
 
 def time_calls(fns, reps):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_worker.ngram import propose_ngram
+from gpu_worker.roles.ngram import propose_ngram
 from schemas.config import default_target_model
 from services.client import make_request
 from services.commands.bench_serve_core import first_exchange, load_sharegpt

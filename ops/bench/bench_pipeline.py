@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from ops.bench.bench_kernels import bench_one
 from ops.bench.inprocess import STAGES, load_inprocess, run_requests
 from ops.distill_draft import held_out_chat_prompts

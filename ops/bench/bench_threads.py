@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from ops.distill_draft import held_out_chat_prompts
 from schemas.config import DEFAULT_DRAFT, default_target_model
 from services.client import make_request

@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gpu_worker.drafter_core import Drafter, draft_batch, load_drafter
-from gpu_worker.drafter_core import heartbeat as drafter_heartbeat
-from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
-from gpu_worker.verifier_core import Verifier, load_verifier, verify_batch
+from gpu_worker.roles.drafter_core import Drafter, draft_batch, load_drafter
+from gpu_worker.roles.drafter_core import heartbeat as drafter_heartbeat
+from text.tokenizer import load_tokenizer, tokenizer_id
+from gpu_worker.roles.verifier_core import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.messages import GenerateRequest, Heartbeat, StreamChunk

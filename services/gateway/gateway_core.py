@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpu_worker.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 from schemas.config import GatewayConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import (MAX_TOP_LOGPROBS, GenerateRequest, StreamChunk, TokenLogprob, Usage)

@@ -52,7 +52,7 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client
 
-from gpu_worker import linear_kernel
+from gpu_worker.runtime import linear_kernel
 from schemas.codec import decode
 from schemas.config import ENV_PREFIX
 from schemas.config import ROLES as CONFIGS
@@ -97,13 +97,13 @@ def free_port() -> int:
 
 
 async def build_linear_kernel() -> None:
-    """Build the CPU projection kernel (gpu_worker/linear_kernel.py) before the model services
+    """Build the CPU projection kernel (gpu_worker/runtime/linear_kernel.py) before the model services
     start, once per checkout, so no verifier or drafter spends its ready_timeout_s compiling it.
     A build that fails or runs past BUILD_TIMEOUT_S is logged; the services then use oneDNN."""
     if linear_kernel.built() or linear_kernel.turned_off():
         return
     log.info("linear_kernel_building", path=str(linear_kernel.build_dir()))
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gpu_worker.linear_kernel",
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gpu_worker.runtime.linear_kernel",
                                                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         _, stderr = await asyncio.wait_for(process.communicate(), linear_kernel.BUILD_TIMEOUT_S)

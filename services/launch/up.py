@@ -8,7 +8,7 @@ import os
 import sys
 from contextlib import AsyncExitStack
 
-from gpu_worker.tokenizer import draft_misfit, eagle_misfit
+from text.tokenizer import draft_misfit, eagle_misfit
 from schemas.config import DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, ROLES, check_model_dir, default_target_model
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_PREFIX

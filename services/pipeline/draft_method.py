@@ -4,8 +4,8 @@ alive (docs/PROTOCOL.md#draft-methods). No NATS, no awaits: scheduler_core.py ca
 step whose drafts a drafter answered is verified.
 
 A drafter's method is its heartbeat's model_ids["draft_method"]: "ngram" (prompt lookup,
-gpu_worker/ngram.py), "eagle" (an EAGLE head over the target's features,
-gpu_worker/eagle_drafter.py) or "model" (also when absent: drafters from before the field). An
+gpu_worker/roles/ngram.py), "eagle" (an EAGLE head over the target's features,
+gpu_worker/roles/eagle_drafter.py) or "model" (also when absent: drafters from before the field). An
 eagle drafter fits only requests whose verifier serves the target it was trained for (its
 heartbeat's model_ids["target"] is the verifier's): it drafts from that target's features.
 

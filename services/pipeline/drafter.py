@@ -1,7 +1,7 @@
 """The drafter service: serves `<prefix>.draft.<instance_id>` with the draft logic of
-gpu_worker/drafter_core.py (`load_drafter`, `draft_batch`: draft_method "model"), of
-gpu_worker/ngram.py (`load_ngram_drafter`, `ngram_draft_batch`: draft_method "ngram", prompt
-lookup, no model) or of gpu_worker/eagle_drafter.py (`load_eagle_drafter`, `eagle_draft_batch`:
+gpu_worker/roles/drafter_core.py (`load_drafter`, `draft_batch`: draft_method "model"), of
+gpu_worker/roles/ngram.py (`load_ngram_drafter`, `ngram_draft_batch`: draft_method "ngram", prompt
+lookup, no model) or of gpu_worker/roles/eagle_drafter.py (`load_eagle_drafter`, `eagle_draft_batch`:
 draft_method "eagle", an EAGLE head over the target's features).
 """
 
@@ -11,9 +11,9 @@ import asyncio
 
 import structlog
 
-from gpu_worker.drafter_core import draft_batch, load_drafter
-from gpu_worker.eagle_drafter import eagle_draft_batch, load_eagle_drafter
-from gpu_worker.ngram import load_ngram_drafter, ngram_draft_batch
+from gpu_worker.roles.drafter_core import draft_batch, load_drafter
+from gpu_worker.roles.eagle_drafter import eagle_draft_batch, load_eagle_drafter
+from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
 from schemas.messages import DraftRequest
 from schemas.subjects import Subjects

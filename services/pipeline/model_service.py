@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 from nats.aio.client import Client
 
-from gpu_worker.slots import SlotOwner, evict_idle, instance_heartbeat
+from gpu_worker.roles.slots import SlotOwner, evict_idle, instance_heartbeat
 from schemas.codec import decode, encode, error_reply
 from schemas.config import ModelServiceConfig
 from schemas.errors import ErrorCode, SpecbusError

@@ -20,7 +20,7 @@ from contextlib import AsyncExitStack
 
 import structlog
 
-from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
+from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import decode, encode
 from schemas.config import PostprocessorConfig
 from schemas.errors import CodecError, ErrorCode

@@ -16,7 +16,7 @@ come before their commit (even before the request's first commit): they are buff
 and with a TTL. Records of prefill chunks that emit nothing carry only prompt logprobs; they
 are collected for the first chunk (seq 0), which waits until every prompt position is covered.
 
-Text: incremental detokenization (gpu_worker.tokenizer.detokenize_step), one token at a time so
+Text: incremental detokenization (text.tokenizer.detokenize_step), one token at a time so
 a stop string is located at the token that completes it. While a request has stop strings, the
 last (longest stop - 1) characters are held back, so a stop string split across chunks is cut
 exactly; the text never includes the stop string. A match ends the request: final chunk with
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import structlog
 
-from gpu_worker.tokenizer import DetokenizerState, Tokenizer, detokenize_step, new_detokenizer_state
+from text.tokenizer import DetokenizerState, Tokenizer, detokenize_step, new_detokenizer_state
 from schemas.errors import ErrorCode
 from schemas.messages import (
     MAX_TIMEOUT_S,

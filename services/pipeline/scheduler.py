@@ -25,7 +25,7 @@ import structlog
 from nats.aio.client import Client
 from pydantic import TypeAdapter, ValidationError
 
-from gpu_worker.tokenizer import load_tokenizer, tokenizer_id
+from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError

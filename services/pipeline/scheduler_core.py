@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from gpu_worker.chat_template import ChatTemplateError, render_chat
-from gpu_worker.tokenizer import Tokenizer, check_in_vocabulary
+from text.chat_template import ChatTemplateError, render_chat
+from text.tokenizer import Tokenizer, check_in_vocabulary
 from schemas.codec import encode
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
@@ -101,7 +101,7 @@ def verify_row_bytes(row: VerifyRow) -> int:
 
 def prompt_token_ids(request: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     """The prompt as token ids: given ids checked against the vocabulary, text encoded without BOS,
-    messages rendered with the tokenizer's chat template (gpu_worker/chat_template.py) then encoded."""
+    messages rendered with the tokenizer's chat template (text/chat_template.py) then encoded."""
     if request.prompt_token_ids is not None:
         check_in_vocabulary(request.prompt_token_ids, tokenizer.vocab_size, "prompt_token_ids")
         return request.prompt_token_ids.tolist()

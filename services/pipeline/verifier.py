@@ -1,5 +1,5 @@
 """The verifier service: serves `<prefix>.verify.<instance_id>` with the step logic of
-gpu_worker/verifier_core.py, and publishes side-channel records to `<prefix>.post.<id>.side`.
+gpu_worker/roles/verifier_core.py, and publishes side-channel records to `<prefix>.post.<id>.side`.
 
 `run_verifier(config, stop)` (started by `specbus serve verifier`): loads the target and serves
 it with services/pipeline/model_service.py `run_slot_service`: nats.micro service "verifier"
@@ -16,8 +16,8 @@ import asyncio
 import structlog
 from nats.aio.client import Client
 
-from gpu_worker.slots import instance_heartbeat
-from gpu_worker.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
+from gpu_worker.roles.slots import instance_heartbeat
+from gpu_worker.roles.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
 from schemas.codec import encode
 from schemas.config import VerifierConfig
 from schemas.messages import Heartbeat, VerifyRequest

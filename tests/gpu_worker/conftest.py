@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.checkpoint import save_d2t
+from gpu_worker.runtime.checkpoint import save_d2t
 from schemas.config import TINY_TARGET
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -6,7 +6,7 @@ SPECBUS_TEST_REJECTION_RULE=same_token_bypass. Nothing shipped reads either.
 The bad rule (the same-token bypass): a draft token is also accepted whenever the target's own
 sample at its position equals it. Done by zeroing the acceptance uniform there, so u * p < q holds
 (q(d) > 0, since the target drew d). The rejection sampler's module attribute is replaced before
-gpu_worker.verifier_core imports it by name.
+gpu_worker.roles.verifier_core imports it by name.
 """
 
 import os
@@ -14,9 +14,9 @@ import os
 if os.environ.get("SPECBUS_TEST_REJECTION_RULE") == "same_token_bypass":
     import torch
 
-    import gpu_worker.rejection
+    import gpu_worker.sampling.rejection
 
-    correct_rejection_sample = gpu_worker.rejection.rejection_sample
+    correct_rejection_sample = gpu_worker.sampling.rejection.rejection_sample
 
     def same_token_bypass(draft_token_ids, num_draft, draft_probs, target_probs, target_token_ids, greedy,
                           generator=None, *, uniforms=None, **options):
@@ -27,4 +27,4 @@ if os.environ.get("SPECBUS_TEST_REJECTION_RULE") == "same_token_bypass":
         return correct_rejection_sample(draft_token_ids, num_draft, draft_probs, target_probs, target_token_ids,
                                         greedy, generator, uniforms=torch.where(same, 0.0, uniforms), **options)
 
-    gpu_worker.rejection.rejection_sample = same_token_bypass
+    gpu_worker.sampling.rejection.rejection_sample = same_token_bypass

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.codec import decode
 from schemas.config import DEFAULT_DRAFT, TINY_TARGET
 from schemas.errors import SpecbusError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
 from services.commands.bench_serve_core import (DONE, MAX_PROMPT_LEN, MAX_TOTAL_LEN, BenchError, Distribution,
                                                 Failure, Goodput, RequestResult, SampleRequest, arrival_delays,

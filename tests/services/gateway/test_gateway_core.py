@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.messages import StreamChunk, TokenLogprob, Usage

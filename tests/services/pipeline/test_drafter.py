@@ -12,11 +12,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from gpu_worker.checkpoint import save_d2t
-from gpu_worker.drafter_core import draft_batch, load_drafter
-from gpu_worker.kv_cache import KEY_BLOCK
-from gpu_worker.rejection import proposal_to_draft_probs
-from gpu_worker.sampling import SamplingTensors, process_logits
+from gpu_worker.runtime.checkpoint import save_d2t
+from gpu_worker.roles.drafter_core import draft_batch, load_drafter
+from gpu_worker.runtime.kv_cache import KEY_BLOCK
+from gpu_worker.sampling.rejection import proposal_to_draft_probs
+from gpu_worker.sampling.sampler import SamplingTensors, process_logits
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
@@ -321,7 +321,7 @@ def test_drafts_stop_where_the_verifier_would_refuse_the_row(draft):
 def test_a_sampled_proposal_is_bounded_and_is_the_truncated_law_it_was_drawn_from(draft, monkeypatch):
     """Item 5: a sampled draft's proposal covered the whole vocabulary (~1 MiB a row at 32k).
     The drafter samples from its top MAX_DRAFT_SUPPORT ids, renormalised, and sends exactly that."""
-    monkeypatch.setattr("gpu_worker.drafter_core.MAX_DRAFT_SUPPORT", 8)
+    monkeypatch.setattr("gpu_worker.roles.drafter_core.MAX_DRAFT_SUPPORT", 8)
     drafter = new_drafter(draft)
     k = 3
     got = results(drafter, row("a", PROMPT, num_draft=k, mode="sample", temperature=1.0, seed=5))["a"]

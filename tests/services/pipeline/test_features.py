@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.messages import DraftResponse, DraftResult, FeatureBlock, Heartbeat, VerifyResponse, VerifyResult
 from services.pipeline import features
 from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, submit, write_tokenizer

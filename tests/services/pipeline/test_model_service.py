@@ -5,7 +5,7 @@ import asyncio
 import time
 
 from services.pipeline.model_service import evict_idle_loop
-from tests.gpu_worker.test_slots import MAX_SLOTS, model_dir, owner, take  # noqa: F401 (fixtures)
+from tests.gpu_worker.roles.test_slots import MAX_SLOTS, model_dir, owner, take  # noqa: F401 (fixtures)
 
 
 async def test_evict_idle_loop_gives_capacity_back_without_batches(owner):  # noqa: F811

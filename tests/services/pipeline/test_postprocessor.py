@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.config import PostprocessorConfig, load_config
 from schemas.messages import (

@@ -11,7 +11,7 @@ import time
 import msgpack
 import pytest
 
-from gpu_worker.tokenizer import tokenizer_id
+from text.tokenizer import tokenizer_id
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode

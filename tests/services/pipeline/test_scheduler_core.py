@@ -9,7 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from gpu_worker.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError

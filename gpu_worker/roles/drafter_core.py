@@ -1,0 +1,515 @@
+"""The drafter: owns the draft model and its KV cache slots, proposes draft tokens per request.
+
+Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_drafter(config)
+-> Drafter`, `draft_batch(drafter, request) -> DraftResponse`. services/pipeline/drafter.py
+`run_drafter(config, stop)` serves it.
+
+`draft_batch`, in order (docs/PROTOCOL.md#receiver-rule-and-resync):
+1. check every row's token ids against the target vocabulary (Error naming the field) before
+   touching any state;
+2. free the slots named in `request.release`, then slots idle longer than slot_idle_ttl_s;
+3. per row, the receiver rule: the slot holds committed tokens h[0:L]. L < cached_len (or an
+   unknown request with cached_len > 0) -> need_resync, nothing appended. Otherwise the slot
+   becomes h[0:cached_len] + new_token_ids (target ids mapped to draft ids with t2d; ids outside
+   the draft vocabulary become other_id). Positions whose tokens the slot already holds
+   (drafts fed last step that were accepted) are kept, not recomputed;
+4. feed: what each row still lacks goes through the model, in chunks of prefill_chunk tokens,
+   short feeds (decode rows) in a forward apart from long ones (resync) to limit padding; the
+   logits of each row's last fed token give its first draft;
+5. draft: one batched forward per draft position; rows with fewer drafts ride along with
+   num_new=0. other_id's logit is -inf before choosing; then a row's logit_bias and penalties
+   (`penalise`) as the verifier applies them, over the history in draft ids (prompt_len from
+   the row) and the drafts chosen before (ids the draft lacks carry no bias). Correctness does
+   not depend on it (the proposal sent is whatever distribution the draft was drawn from), but
+   a draft that ignored a bias of -100 would propose a banned token, rejected every time.
+   greedy rows (draft_mode "greedy", or a temperature-0 row) take the argmax (of the penalised
+   logits) and send a point_mass proposal; Gumbel-coupled rows (coupling "gumbel", whatever
+   their draft_mode) propose argmax(log q + G) with the target's noise at the same position
+   (gpu_worker/sampling/coupling.py) out of the distribution below; sampled rows draw from
+   process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with make_uniforms(seed, absolute
+   position, STREAM_DRAFT) and send that distribution as a sparse proposal. The top-k cap
+   bounds a proposal to MAX_DRAFT_SUPPORT ids per draft (~2 KB, where the whole vocabulary would
+   be ~0.4 MB), so batches stay far under NATS's max_payload; since what is sent is exactly the
+   (truncated, renormalised) law the draft was drawn from, rejection sampling stays exact;
+6. draft ids -> target ids with d2t (the sparse support too, many-to-one ids summed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from gpu_worker.runtime.checkpoint import load_d2t, model_id
+from gpu_worker.sampling.coupling import gumbel_argmax
+from gpu_worker.runtime.kv_cache import CacheMemoryError
+from gpu_worker.runtime.model import Model, forward
+from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
+                                 row_seed, sample)
+from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
+from text.tokenizer import check_in_vocabulary, tokenizer_id
+from schemas.config import DrafterConfig
+from schemas.messages import (MAX_DRAFT_SUPPORT, DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat,
+                              Proposal)
+
+log = structlog.get_logger(__name__)
+
+# A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
+# (a resync prefill) go through their own forwards so decode rows are not padded to their length.
+SHORT_FEED = 32
+
+
+@dataclass
+class DraftSlot:
+    """One request's cache slot. token_ids: the draft ids the slot holds, position by position
+    (len == cache.lengths[slot]); the first committed_len are committed history, the rest are
+    drafts fed last step (kept so accepted ones need not be recomputed)."""
+
+    slot: int
+    token_ids: list[int]
+    committed_len: int
+    last_used: float  # time.monotonic()
+
+
+@dataclass(kw_only=True)
+class Drafter(SlotOwner):
+    """The draft model, its KV cache and the request_id -> slot map.
+
+    d2t: (V_draft,) int64, draft id -> target id. t2d: (V_target,) int64, target id -> draft id
+    (other_id for target ids outside the draft vocabulary). other_id is None when the draft
+    shares the target's vocabulary (no d2t.safetensors): then d2t and t2d are the identity.
+    """
+
+    model: Model
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    other_id: int | None
+    prefill_chunk: int
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.t2d.numel()
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def slot_to_draft(self) -> torch.Tensor:
+        """(V_draft,) the ids a slot holds (draft ids already) -> draft ids: the identity."""
+        return torch.arange(self.draft_vocab_size)
+
+
+@dataclass
+class DraftRowWork:
+    """A row that needs the model: feed (draft ids) is appended to its slot, then num_draft
+    drafts are proposed; the first lands at absolute position `start` of the history."""
+
+    row: DraftRow
+    state: DraftSlot
+    feed: list[int]
+    num_draft: int
+    start: int
+    greedy: bool
+
+
+def load_drafter(config: DrafterConfig) -> Drafter:
+    """Load the draft model, its d2t map (identity when the directory has none) and a KV cache.
+
+    dtype "auto" is bfloat16 for a draft on every device: a draft step reads every weight for a
+    few rows, so half the bytes is what it costs (the shipped draft: 5.5 ms a step in emulated
+    bf16 against 7.5 in float32 on an Intel Xeon without native bf16, one thread), and the draft's rounding never
+    reaches the output, which the target decides (the shipped draft's weights are bf16 anyway)."""
+    if config.dtype == "auto":
+        config = dataclasses.replace(config, dtype="bfloat16")
+    model, cache = load_model_and_cache(config.draft_model, config)
+    maps = load_d2t(config.draft_model)
+    if maps is None:
+        d2t = t2d = torch.arange(model.config.vocab_size)
+        other_id = None
+    else:
+        d2t, t2d, other_id = maps.d2t, maps.t2d, maps.other_id
+    model_ids = {
+        "draft": model_id(config.draft_model),
+        "tokenizer": tokenizer_id(config.draft_model),
+        "target_vocab_size": str(t2d.numel()),
+    }
+    return Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d, other_id=other_id,
+                   model_ids=model_ids, prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# slots
+
+
+def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, str]],
+             now: float) -> DraftSlot | None:
+    """A fresh slot for key (scheduler_id, request_id). With none free, the least recently used
+    slot of a request outside this batch is taken (that request resyncs when it comes back);
+    None if there is none."""
+    if drafter.cache.num_free == 0:
+        idle = [(state.last_used, k) for k, state in drafter.requests.items() if k not in batch_keys]
+        if not idle:
+            drafter.counters["no_slot"] += 1
+            log.warning("no_free_slot", request_id=key[1], max_slots=drafter.cache.max_slots)
+            return None
+        victim = min(idle)[1]
+        free_request(drafter, victim, "evicted_full")
+        log.warning("slot_evicted_for_new_request", evicted=victim[1], request_id=key[1])
+    state = DraftSlot(slot=drafter.cache.allocate(), token_ids=[], committed_len=0, last_used=now)
+    drafter.requests[key] = state
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# one batch
+
+
+def check_token_ids(drafter: Drafter, request: DraftRequest) -> None:
+    for index, row in enumerate(request.rows):
+        check_in_vocabulary(row.new_token_ids, drafter.target_vocab_size, f"rows[{index}].new_token_ids")
+
+
+def common_prefix(a: list[int], b: list[int], start: int) -> int:
+    """Length of the common prefix of a and b, given that it is at least `start`."""
+    end = min(len(a), len(b))
+    i = start
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
+                now: float) -> DraftRowWork | DraftResult:
+    """Apply the receiver rule to one row: a DraftRowWork for the model, or the row's final answer."""
+    new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
+    work = receive_row(drafter, scheduler_id, row, new_ids, batch_keys, now)
+    if isinstance(work, DraftRowWork):  # the cache holds exactly the slot's tokens
+        drafter.cache.truncate(work.state.slot, len(work.state.token_ids))
+    return work
+
+
+def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], batch_keys: set[tuple[str, str]],
+                now: float) -> DraftRowWork | DraftResult:
+    """The receiver rule for one row whose new tokens are new_ids (already in the drafter's own
+    ids): a DraftRowWork (its feed: what the slot still lacks), or the row's final answer. drafter:
+    any slot owner (gpu_worker/roles/slots.py) whose cache can allocate, reserve and free slots and
+    whose requests hold DraftSlots: a Drafter, the model-free NgramDrafter (gpu_worker/roles/ngram.py)
+    or the EagleDrafter (gpu_worker/roles/eagle_drafter.py). The slot's token_ids end cut to the tokens
+    kept; the caller rolls its cache back to match (a Drafter's holds one position a token)."""
+    key = (scheduler_id, row.request_id)
+    state = drafter.requests.get(key)
+    held = 0 if state is None else state.committed_len
+    if row.cached_len > held:
+        drafter.counters["need_resync"] += 1
+        return DraftResult(request_id=row.request_id, need_resync=True)
+    history = ([] if state is None else state.token_ids[:row.cached_len]) + new_ids
+    if len(history) > drafter.cache.max_seq_len:
+        free_request(drafter, key, "too_long")
+        log.warning("history_too_long", request_id=row.request_id, length=len(history),
+                    max_seq_len=drafter.cache.max_seq_len)
+        return DraftResult(request_id=row.request_id)
+    if not history:
+        return DraftResult(request_id=row.request_id)
+    if state is None:
+        state = allocate(drafter, key, batch_keys, now)
+        if state is None:
+            return DraftResult(request_id=row.request_id, need_resync=True)
+    # The verifier holds history + drafts (verifier_core.check_row): offering more would fail the row there.
+    num_draft = max(0, min(row.num_draft, drafter.cache.max_seq_len - len(history)))
+    try:  # storage for the history and the drafts fed after it; short memory: no drafts this step
+        drafter.cache.reserve(state.slot, len(history) + num_draft)
+    except CacheMemoryError as exc:
+        free_request(drafter, key, "memory")
+        log.warning("kv_memory_short", request_id=row.request_id, error=str(exc))
+        return DraftResult(request_id=row.request_id)
+    keep = common_prefix(state.token_ids, history, row.cached_len)
+    if num_draft > 0:
+        keep = min(keep, len(history) - 1)  # the first draft needs the logits of a fed token
+    drafter.counters["reused_tokens"] += max(0, keep - row.cached_len)
+    del state.token_ids[keep:]
+    state.committed_len = len(history)
+    state.last_used = now
+    # a Gumbel-coupled row always proposes with the target's noise (draft_mode aside)
+    greedy = row.sampling.greedy or (row.draft_mode == "greedy" and not row.sampling.gumbel)
+    return DraftRowWork(row=row, state=state, feed=history[keep:], num_draft=num_draft, start=len(history), greedy=greedy)
+
+
+def forward_last(drafter: Drafter, slots: torch.Tensor, token_ids: torch.Tensor,
+                 num_new: torch.Tensor) -> torch.Tensor:
+    """Append token_ids[b, :num_new[b]] (B, T) to cache slots[b] (B,) in one forward; return
+    the logits of each row's last new token (B, V_draft). Rows with num_new 0 ride along: their
+    logits are zeros. Callers record the tokens in their DraftSlot."""
+    B, T = token_ids.shape
+    logits_index = None if T == 1 else (num_new - 1).clamp_min(0).view(B, 1)
+    # Choosing drafts needs the values on the host anyway; (B, V_draft) is small.
+    logits = forward(drafter.model, drafter.cache, slots, token_ids, num_new, logits_index)[:, 0].float().cpu()
+    drafter.counters["fed_tokens"] += int(num_new.sum())
+    riding = num_new == 0
+    return logits.masked_fill_(riding.view(B, 1), 0.0) if bool(riding.any()) else logits
+
+
+def slot_tensor(works: list[DraftRowWork]) -> torch.Tensor:
+    return torch.tensor([work.state.slot for work in works], dtype=torch.int64)
+
+
+def feed_groups(lengths: list[int], chunk: int):
+    """The forwards that feed items of lengths[i] positions each: yields lists of (i, begin,
+    end), every item's [0, lengths[i]) in chunks of at most chunk positions, in order; chunks of
+    at most SHORT_FEED positions (decode rows) in forwards apart from longer ones (a resync), so
+    they are not padded to their length."""
+    offsets = [0] * len(lengths)
+    while True:
+        remaining = [n - offset for n, offset in zip(lengths, offsets)]
+        short = [i for i, left in enumerate(remaining) if 0 < left <= SHORT_FEED]
+        long = [i for i, left in enumerate(remaining) if left > SHORT_FEED]
+        if not short and not long:
+            return
+        for group in (short, long):
+            if group:
+                chunks = [(i, offsets[i], min(lengths[i], offsets[i] + chunk)) for i in group]
+                yield chunks
+                for i, _, end in chunks:
+                    offsets[i] = end
+
+
+def feed(drafter: Drafter, works: list[DraftRowWork]) -> list[torch.Tensor | None]:
+    """Append every row's feed to its slot (chunked, `feed_groups`); the (V_draft,) logits of each
+    row's last fed token, or None for rows that fed nothing."""
+    last_logits: list[torch.Tensor | None] = [None] * len(works)
+    for group in feed_groups([len(work.feed) for work in works], drafter.prefill_chunk):
+        chunks = [works[i].feed[begin:end] for i, begin, end in group]
+        T = max(map(len, chunks))
+        token_ids = torch.tensor([chunk + [0] * (T - len(chunk)) for chunk in chunks], dtype=torch.int64)
+        num_new = torch.tensor(list(map(len, chunks)), dtype=torch.int64)
+        logits = forward_last(drafter, slot_tensor([works[i] for i, _, _ in group]), token_ids, num_new)
+        for b, (i, _, end) in enumerate(group):
+            works[i].state.token_ids.extend(chunks[b])
+            if end == len(works[i].feed):
+                last_logits[i] = logits[b]
+    return last_logits
+
+
+def draft_penalties(drafter, work: DraftRowWork) -> Penalties:
+    """A row's logit_bias and penalties in draft ids, over the history its slot holds. Bias ids
+    outside the target vocabulary are skipped here (the verifier fails that row, naming the
+    field; failing the draft batch would cost every other row its drafts), and so are ids the
+    draft has no id of its own for (other_id). drafter: a Drafter or an EagleDrafter (its
+    slot_to_draft maps the ids its slots hold to draft ids)."""
+    s = work.row.sampling
+    bias_ids = bias_values = None
+    if s.logit_bias is not None:
+        target_ids = torch.from_numpy(s.logit_bias.token_ids.astype("int64"))
+        values = torch.from_numpy(s.logit_bias.bias)
+        keep = target_ids < drafter.target_vocab_size
+        draft_ids = drafter.t2d[target_ids[keep]]
+        values = values[keep]
+        if drafter.other_id is not None:
+            values, draft_ids = values[draft_ids != drafter.other_id], draft_ids[draft_ids != drafter.other_id]
+        bias_ids, bias_values = draft_ids, values
+    history = drafter.slot_to_draft[torch.tensor(work.state.token_ids[:work.start], dtype=torch.int64)]
+    return Penalties.build(drafter.draft_vocab_size, history, work.row.prompt_len, bias_ids=bias_ids,
+                           bias_values=bias_values, repetition=s.repetition_penalty, frequency=s.frequency_penalty,
+                           presence=s.presence_penalty)
+
+
+@dataclass
+class DraftChoice:
+    """One batch's drafts, chosen position by position (`start_choice`, then `choose` once per
+    draft position): what the rows' choosing needs, and the drafts chosen so far.
+
+    num_draft (B,); draft_ids (B, K) draft ids, -1 past a row's num_draft; step_probs: per
+    position the (B, V_draft) processed probs each row's draft was drawn from (none when every
+    row is greedy). params, seeds (B,), starts (B,) (the absolute position of each row's first
+    draft), uniforms (B, K) (STREAM_DRAFT) and gumbel (B,) bool: None when every row is greedy.
+    penalised: the rows with logit_bias or penalties, penalties theirs (draft ids chosen so far
+    included).
+    """
+
+    num_draft: torch.Tensor
+    draft_ids: torch.Tensor
+    penalised: list[int]
+    penalties: Penalties | None
+    params: SamplingTensors | None = None
+    seeds: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    uniforms: torch.Tensor | None = None
+    gumbel: torch.Tensor | None = None
+    step_probs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """(B, K, V_draft), or None when every row is greedy."""
+        return torch.stack(self.step_probs, 1) if self.step_probs else None
+
+
+def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
+    """The choosing state of a batch of rows that draft (num_draft >= 1 each). drafter: a
+    Drafter or an EagleDrafter."""
+    B, K = len(works), max(work.num_draft for work in works)
+    penalised = [b for b, work in enumerate(works) if work.row.sampling.penalised]
+    choice = DraftChoice(num_draft=torch.tensor([work.num_draft for work in works]),
+                         draft_ids=torch.full((B, K), -1, dtype=torch.int64), penalised=penalised,
+                         penalties=Penalties.cat([draft_penalties(drafter, works[b]) for b in penalised])
+                         if penalised else None)
+    if all(work.greedy for work in works):
+        return choice
+    choice.params = SamplingTensors.build(
+        temperature=[0.0 if work.greedy else work.row.sampling.temperature for work in works],
+        top_k=[min(work.row.sampling.top_k or MAX_DRAFT_SUPPORT, MAX_DRAFT_SUPPORT) for work in works],
+        top_p=[work.row.sampling.top_p for work in works],
+        min_p=[work.row.sampling.min_p for work in works])
+    choice.seeds = torch.tensor([0 if work.greedy else row_seed(work.row.sampling) for work in works],
+                                dtype=torch.int64)
+    choice.starts = torch.tensor([work.start for work in works], dtype=torch.int64)
+    # draft j of a row lands at absolute position start + j
+    choice.uniforms = make_uniforms(choice.seeds, choice.starts.view(B, 1) + torch.arange(K), STREAM_DRAFT)  # (B, K)
+    choice.gumbel = torch.tensor([work.row.sampling.gumbel for work in works])
+    return choice
+
+
+def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.Tensor:
+    """Draft position j of every row from its logits (B, V_draft) float32 (changed in place:
+    other_id set to -inf, the row's penalties applied): greedy rows take the argmax; sampled rows
+    draw from process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with their uniforms;
+    Gumbel-coupled rows take argmax(log q + G) with the target's noise at the same position
+    (gpu_worker/sampling/coupling.py). Records the drafts (-1 past a row's num_draft) and their law in
+    choice; returns the (B,) draft ids chosen, a valid id for every row (what a chain feeds next)."""
+    B = logits.shape[0]
+    assert logits.shape == (B, drafter.draft_vocab_size), logits.shape
+    if drafter.other_id is not None:
+        logits[:, drafter.other_id] = float("-inf")  # stands for "not in my vocabulary": never proposed
+    penalised = choice.penalised
+    if choice.penalties is not None:
+        logits[penalised] = penalise(logits[penalised][:, None], choice.penalties)[:, 0]
+    if choice.params is None:
+        ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
+    else:
+        processed, ids = sample(logits.view(B, 1, -1), choice.params, choice.uniforms[:, j:j + 1])
+        ids = ids[:, 0]
+        gumbel = choice.gumbel
+        if gumbel.any():  # the target's noise at the same position, keyed by target ids
+            ids[gumbel] = gumbel_argmax(processed.probs[gumbel], choice.seeds[gumbel],
+                                        choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
+        choice.step_probs.append(processed.probs[:, 0])
+    choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, -1)
+    if choice.penalties is not None:
+        choice.penalties = add_tokens(choice.penalties, choice.draft_ids[penalised, j])
+    return ids
+
+
+def propose(drafter: Drafter, works: list[DraftRowWork], first_logits: torch.Tensor):
+    """Choose num_draft drafts per row (`choose`), one batched forward per position.
+
+    first_logits: (B, V_draft), the logits after each row's last fed token (changed in place).
+    Returns draft_ids (B, K) int64 in draft vocabulary (-1 past a row's num_draft) and the
+    processed probs (B, K, V_draft) each draft was drawn from (None when all rows are greedy;
+    meaningless past a row's num_draft and for greedy rows, which take the argmax).
+    """
+    B, K = len(works), max(work.num_draft for work in works)
+    assert first_logits.shape == (B, drafter.draft_vocab_size), first_logits.shape
+    choice = start_choice(drafter, works)
+    slots = slot_tensor(works)
+    logits = first_logits
+    for j in range(K):
+        ids = choose(drafter, choice, logits, j)
+        if j + 1 < K:
+            feeding = j + 1 < choice.num_draft  # (B,) rows that need another draft
+            logits = forward_last(drafter, slots, ids.view(B, 1), feeding.long())
+            for work, token, fed in zip(works, ids.tolist(), feeding.tolist()):
+                if fed:
+                    work.state.token_ids.append(token)
+    return choice.draft_ids, choice.probs
+
+
+def sparse_supports(drafter, probs: torch.Tensor):
+    """The supports of draft distributions probs (N, V_draft), in target ids.
+
+    Returns ids (N, S) int64 (-1 padding), probs (N, S) (0 at padding) and sizes (N,): draft
+    ids sharing a target id are summed (scatter-add), ids ascending within each row.
+    """
+    N = probs.shape[0]
+    target = probs.new_zeros(N, drafter.target_vocab_size).index_add_(1, drafter.d2t, probs)  # (N, V)
+    positive = target > 0
+    sizes = positive.sum(1)
+    rows, cols = positive.nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    slot = torch.arange(rows.numel()) - (sizes.cumsum(0) - sizes)[rows]  # index within the row's support
+    ids = torch.full((N, int(sizes.max())), -1, dtype=torch.int64)
+    ids[rows, slot] = cols
+    values = probs.new_zeros(ids.shape)
+    values[rows, slot] = target[rows, cols]
+    return ids, values, sizes
+
+
+def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
+                  probs: torch.Tensor | None) -> dict[str, DraftResult]:
+    """request_id -> DraftResult for rows that drafted: draft_ids (B, K) in draft ids (-1 past a
+    row's num_draft) mapped to target ids with d2t; greedy rows send a point mass, sampled rows
+    the sparse support (target ids) of the probs (B, K, V_draft) they were drawn from."""
+    target_ids = drafter.d2t[draft_ids.clamp_min(0)].to(torch.int32).numpy()  # (B, K)
+    sampled = [b for b, work in enumerate(works) if not work.greedy]
+    proposals = {}
+    if sampled:
+        B, K, V = probs[sampled].shape
+        ids, values, sizes = (t.view(B, K, -1) for t in sparse_supports(drafter, probs[sampled].view(B * K, V)))
+        for i, b in enumerate(sampled):
+            n = works[b].num_draft
+            width = int(sizes[i, :n].max())
+            proposals[b] = Proposal(kind="sparse", ids=ids[i, :n, :width].to(torch.int32).numpy(),
+                                    probs=values[i, :n, :width].numpy())
+    drafter.counters["draft_tokens"] += sum(work.num_draft for work in works)
+    return {work.row.request_id: DraftResult(request_id=work.row.request_id,
+                                             draft_token_ids=target_ids[b, :work.num_draft],
+                                             proposal=proposals.get(b, Proposal()))
+            for b, work in enumerate(works)}
+
+
+@torch.inference_mode()
+def run_model(drafter: Drafter, works: list[DraftRowWork]) -> dict[str, DraftResult]:
+    """Feed every row, then propose for the rows that want drafts: request_id -> DraftResult."""
+    first_logits = feed(drafter, works)
+    drafting = [(work, logits) for work, logits in zip(works, first_logits) if work.num_draft > 0]
+    if not drafting:
+        return {}
+    draft_works = [work for work, _ in drafting]
+    draft_ids, probs = propose(drafter, draft_works, torch.stack([logits for _, logits in drafting]))
+    return draft_results(drafter, draft_works, draft_ids, probs)
+
+
+def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = None, prepare=prepare_row,
+                run=run_model) -> DraftResponse:
+    """Answer one DraftRequest (steps in the module docstring). Raises SpecbusError naming the
+    field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests.
+    prepare(drafter, scheduler_id, row, batch_keys, now) -> a work item (with .row) or the row's
+    DraftResult, and run(drafter, works) -> {request_id: DraftResult}: the model drafter's by
+    default, the EagleDrafter's (gpu_worker/roles/eagle_drafter.py) otherwise."""
+    now = time.monotonic() if now is None else now
+    check_token_ids(drafter, request)
+    release(drafter, [(request.scheduler_id, request_id) for request_id in request.release])
+    evict_idle(drafter, now)
+    batch_keys = {(request.scheduler_id, row.request_id) for row in request.rows}
+    prepared = [prepare(drafter, request.scheduler_id, row, batch_keys, now) for row in request.rows]
+    works = [item for item in prepared if not isinstance(item, DraftResult)]
+    try:
+        drafts = run(drafter, works)
+    except Exception:
+        # Slots half-fed by a failed forward no longer match their records: drop them (resync).
+        for work in works:
+            free_request(drafter, (request.scheduler_id, work.row.request_id), "dropped_on_error")
+        raise
+    results = []
+    for row, item in zip(request.rows, prepared):
+        if isinstance(item, DraftResult):
+            results.append(item)
+        else:
+            results.append(drafts.get(row.request_id) or DraftResult(request_id=row.request_id))
+    drafter.counters["batches"] += 1
+    drafter.counters["rows"] += len(request.rows)
+    return DraftResponse(batch_id=request.batch_id, drafter_id=drafter.instance_id, rows=results)
+
+
+def heartbeat(drafter: Drafter, interval_s: float) -> Heartbeat:
+    return instance_heartbeat(drafter, "drafter", interval_s)

@@ -1,0 +1,1 @@
+"""The model runtime: the forward, its KV cache and projection kernel, checkpoint loading and conversion."""

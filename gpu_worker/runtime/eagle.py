@@ -1,0 +1,292 @@
+"""EAGLE-style feature-level draft head: one decoder layer over the target's own features.
+
+The head reads, at position t, the target's final-normed hidden state f_t (what
+`model.forward(..., return_hidden=True)` returns; the target's logits at t are lm_head(f_t)) and
+the embedding of the token x_{t+1} that followed it, and predicts the target's next feature
+f_{t+1}; its draft distribution for x_{t+2} is the target's lm_head applied to that prediction,
+over a reduced vocabulary (d2t). Drafting k tokens is a chain: the prediction and the drafted
+token are the next position's input (EAGLE-1, Li et al. 2024, arXiv:2401.15077).
+
+    pair t:  u_t = fc([rms(f_t) * feature_norm ; rms(embed[x_{t+1}]) * embed_norm])   (E,)
+             h_t = llama_layer(u_t, position t)        (attention over pairs 0..t, own KV cache)
+             f^_{t+1} = rms(h_t) * out_norm
+             draft_logits = f^_{t+1} @ embed[d2t]^T    (tied target embedding rows, frozen)
+
+The target's embedding and lm_head are reused, not stored in the head's file. The decoder
+layer is the target's layer shape (`model.Layer`), run by the same batch-invariant kernels as
+the target (`model.linear`, `model.attention`) over a `KVCache` with one layer.
+
+`head_forward` is the inference form (slot KV cache, packed weights, what a drafter calls,
+through `draft_chain`); ops/eagle_training.py holds the training form of the same math
+(`unrolled_forward`, plain autograd ops over whole sequences), and
+tests/gpu_worker/runtime/test_eagle.py checks they agree.
+
+Letters: B rows, T tokens per row, N pairs per row, K draft slots, V target vocabulary,
+Vd draft vocabulary, E hidden size, H heads, Hkv key/value heads, D head dim.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gpu_worker.runtime.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, save_d2t, weight_files
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import (ConfigError, Layer, Model, ModelConfig, decoder_layer, linear, pack_weight, plan_step,
+                              rope_tables)
+
+CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
+WEIGHTS_FILE = "model.safetensors"
+LAYER_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's shape; the layer's fields mirror the target's ModelConfig (num_layers is 1, so
+    a KVCache can be built from it)."""
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    num_layers: int = 1
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "target_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_layers != 1:
+            raise ConfigError(f"num_layers must be 1, got {self.num_layers}")
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                              f"({self.num_kv_heads}) and head_dim ({self.head_dim}) even")
+
+    @classmethod
+    def from_target(cls, target_config, intermediate_size: int | None = None) -> "EagleConfig":
+        c = target_config
+        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
+                   num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                   max_position_embeddings=c.max_position_embeddings, target_vocab_size=c.vocab_size)
+
+    @classmethod
+    def from_json(cls, path) -> "EagleConfig":
+        data = json.loads(Path(path).read_text())
+        fields = set(cls.__dataclass_fields__)
+        unknown, missing = set(data) - fields - {"architecture"}, fields - set(data) - {"num_layers"}
+        if unknown or missing:
+            raise ConfigError(f"{path}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def weight_names() -> list[str]:
+    """The head's own tensors (the target's embedding is not among them)."""
+    return (["fc.weight", "fc.bias", "feature_norm", "embed_norm", "out_norm"]
+            + [f"layer.{n}" for n in LAYER_NAMES])
+
+
+def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
+    """(config, float32 weights, d2t maps) of a head directory; ConfigError naming what is wrong."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise ConfigError(f"{path} has no {CONFIG_FILE}: not an EAGLE head directory")
+    config = EagleConfig.from_json(path / CONFIG_FILE)
+    with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
+        weights = {n: f.get_tensor(n).float() for n in f.keys()}  # noqa: SIM118 (safe_open, not a dict)
+    if set(weights) != set(weight_names()):
+        raise ConfigError(f"{path / WEIGHTS_FILE}: expected tensors {weight_names()}, found {sorted(weights)}")
+    maps = load_d2t(path)
+    if maps is None or maps.target_vocab_size != config.target_vocab_size:
+        raise ConfigError(f"{path}: d2t.safetensors missing or not for a {config.target_vocab_size}-token target")
+    return config, weights, maps
+
+
+def pack_features(features: torch.Tensor) -> bytes:
+    """features (N, E) any float dtype -> N * E little-endian bf16 values, row-major: what a
+    verifier ships (docs/PROTOCOL.md#feature-level-drafts)."""
+    assert features.dim() == 2, features.shape
+    return features.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+
+
+def unpack_features(data: bytes, shape: tuple[int, int], field: str = "features") -> torch.Tensor:
+    """`pack_features`'s bytes -> (N, E) bf16; ValueError naming field when the sizes disagree."""
+    n, e = shape
+    if n < 0 or e <= 0 or len(data) != 2 * n * e:
+        raise ValueError(f"{field}: {len(data)} bytes do not hold a bf16 matrix of shape {list(shape)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(n, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# inference
+
+
+@dataclass
+class TargetPieces:
+    """What the head reuses of its target without its layers: its config and embedding (V, E).
+    `build_head` takes this or the whole Model."""
+    config: ModelConfig
+    embed: torch.Tensor
+
+
+def load_target_pieces(path, device="cpu", dtype=torch.float32) -> TargetPieces:
+    """The target's config and embedding from its HF-layout directory, reading no other tensor
+    (a drafter process need not hold the target's layers)."""
+    config = read_config(path)
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            name = next((n for n in f.keys() if HF_TO_OURS.get(n) == "embed"), None)  # noqa: SIM118 (safe_open)
+            if name is not None:
+                return TargetPieces(config, f.get_tensor(name).to(device=device, dtype=dtype))
+    raise CheckpointError(f"{path}: no embedding tensor among its weights {[p.name for p in weight_files(path)]}")
+
+
+@dataclass
+class EagleHead:
+    """The head ready to run: its weights (through `pack_weight`) and the frozen target pieces."""
+    config: EagleConfig
+    fc: torch.Tensor               # (E, 2E) packed
+    fc_bias: torch.Tensor          # (E,)
+    feature_norm: torch.Tensor     # (E,)
+    embed_norm: torch.Tensor       # (E,)
+    layer: Layer
+    out_norm: torch.Tensor         # (E,)
+    embed: torch.Tensor            # (V, E) the target's embedding (shared, not copied)
+    lm_rows: torch.Tensor          # (Vd, E) packed: the target's lm_head rows of d2t
+    d2t: torch.Tensor              # (Vd,) int64
+    other_id: int                  # draft id never proposed (its logit is -inf)
+    rope_cos: torch.Tensor         # (P, D)
+    rope_sin: torch.Tensor         # (P, D) sign folded in (model.rope_tables)
+
+
+def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T, target: Model | TargetPieces,
+               max_seq_len: int | None = None) -> EagleHead:
+    """Pack the head's weights on the target's device and dtype. The target must tie its
+    lm_head to its embedding (its lm_head rows are read from the embedding)."""
+    misfit = head_misfit(config, target.config)
+    if misfit is not None:
+        raise ConfigError(misfit)
+    device, dtype = target.embed.device, target.embed.dtype
+
+    def get(name):
+        return weights[name].to(device=device, dtype=dtype)
+
+    layer = Layer(attn_norm=get("layer.attn_norm"),
+                  wqkv=pack_weight(torch.cat([get("layer.wq"), get("layer.wk"), get("layer.wv")])), bqkv=None,
+                  wo=pack_weight(get("layer.wo")), bo=None, mlp_norm=get("layer.mlp_norm"),
+                  w_gate_up=pack_weight(torch.cat([get("layer.w_gate"), get("layer.w_up")])),
+                  w_down=pack_weight(get("layer.w_down")))
+    cos, sin = rope_tables(config, max_seq_len or config.max_position_embeddings)
+    return EagleHead(config=config, fc=pack_weight(get("fc.weight")), fc_bias=get("fc.bias"),
+                     feature_norm=get("feature_norm"), embed_norm=get("embed_norm"), layer=layer,
+                     out_norm=get("out_norm"), embed=target.embed,
+                     lm_rows=pack_weight(target.embed[maps.d2t.to(device)].contiguous()),
+                     d2t=maps.d2t.to(device), other_id=maps.other_id,
+                     rope_cos=cos.to(device=device, dtype=dtype), rope_sin=sin.to(device=device, dtype=dtype))
+
+
+def head_misfit(config: EagleConfig, target_config: ModelConfig) -> str | None:
+    """Why a head cannot serve a target, naming both shapes, or None when it can."""
+    if not target_config.tie_word_embeddings:
+        return "the EAGLE head needs a target with tied embeddings (tie_word_embeddings)"
+    if target_config.hidden_size != config.hidden_size or target_config.vocab_size != config.target_vocab_size:
+        return (f"the EAGLE head is for a target of hidden size {config.hidden_size} and vocabulary "
+                f"{config.target_vocab_size}; the target has hidden size {target_config.hidden_size} and vocabulary "
+                f"{target_config.vocab_size}")
+    return None
+
+
+def load_head(path, target: Model | TargetPieces, max_seq_len: int | None = None) -> EagleHead:
+    config, weights, maps = load_head_weights(path)
+    return build_head(config, weights, maps, target, max_seq_len)
+
+
+def new_cache(head: EagleHead, max_slots: int, max_seq_len: int, memory_bytes: int | None = None) -> KVCache:
+    """The head's own KV cache: one layer, one slot per request (memory_bytes: its budget, as
+    KVCache's)."""
+    return KVCache(head.config, max_slots, max_seq_len, device=head.embed.device, dtype=head.embed.dtype,
+                   memory_bytes=memory_bytes)
+
+
+@torch.inference_mode()
+def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: torch.Tensor,
+                 token_ids: torch.Tensor, num_new: torch.Tensor,
+                 logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append pairs (features[b, t], token_ids[b, t]) to each row's slot; return the draft logits
+    and the predicted next features at the selected pairs.
+
+    slots: (B,) int64 allocated slots of `cache` (`new_cache`); features: (B, T, E) the target's
+    final-normed hidden states f at the slot's next positions (any float dtype); token_ids:
+    (B, T) int64 target ids, token_ids[b, t] the token that followed features[b, t]; num_new:
+    (B,) int64 CPU, row b's pairs are its first num_new[b] (the rest padding). logits_index:
+    (B, M) int64 pairs to read out, or None for all. Returns draft logits (B, M, Vd) with
+    other_id at -inf, and predicted features (B, M, E) (the next pair's input in a chain). The
+    slot's length advances by num_new (`KVCache.truncate` rolls drafted pairs back).
+    """
+    cfg = head.config
+    B, T = token_ids.shape
+    E = cfg.hidden_size
+    assert features.shape == (B, T, E) and slots.shape == (B,) and num_new.shape == (B,), \
+        (features.shape, token_ids.shape, slots.shape, num_new.shape)
+    step = plan_step(cache, head.rope_cos, head.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
+    device, dtype = head.embed.device, head.embed.dtype
+    f = F.rms_norm(features.to(device=device, dtype=dtype).reshape(B * T, E), (E,), head.feature_norm,
+                   cfg.rms_norm_eps)
+    e = F.rms_norm(head.embed[token_ids.to(device).view(-1)], (E,), head.embed_norm, cfg.rms_norm_eps)
+    x = linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
+    x = decoder_layer(cfg, head.layer, 0, x, cache, step)
+    cache.commit(slots, num_new)
+
+    x = x.view(B, T, E)
+    if logits_index is not None:
+        assert logits_index.dim() == 2 and logits_index.shape[0] == B, logits_index.shape
+        x = x.gather(1, logits_index.to(device).unsqueeze(-1).expand(-1, -1, E))   # (B, M, E)
+    predicted = F.rms_norm(x, (E,), head.out_norm, cfg.rms_norm_eps)
+    logits = linear(predicted.reshape(-1, E), head.lm_rows).view(*predicted.shape[:2], -1)
+    logits[..., head.other_id] = -math.inf
+    return logits, predicted
+
+
+def greedy_choice(logits: torch.Tensor, step: int) -> torch.Tensor:
+    """logits (B, Vd) -> draft ids (B,): the argmax (other_id is -inf)."""
+    return logits.argmax(-1)
+
+
+@torch.inference_mode()
+def draft_chain(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: torch.Tensor,
+                token_ids: torch.Tensor, num_new: torch.Tensor, k: int,
+                choose=greedy_choice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed each row's newly verified pairs, then draft k tokens as a chain; the drafted pairs are
+    rolled back, so the slots end holding exactly the verified pairs.
+
+    slots (B,), features (B, T, E), token_ids (B, T), num_new (B,) >= 1: as `head_forward` (the
+    last pair of a row is its newest target feature and the token the target emitted from it).
+    choose(logits (B, Vd), step) -> draft ids (B,): greedy by default; a sampled drafter draws
+    there with its own uniforms. Returns draft token ids (B, k) as target ids and the draft logits
+    (B, k, Vd) each was chosen from (float32; map draft ids to target ids with head.d2t).
+    """
+    B = slots.shape[0]
+    assert k >= 1 and bool((num_new >= 1).all()), (k, num_new)
+    committed = cache.lengths[slots.cpu()].clone() + num_new
+    last = (num_new - 1).view(B, 1)
+    logits, predicted = head_forward(head, cache, slots, features, token_ids, num_new, logits_index=last)
+    one = torch.ones(B, dtype=torch.long)
+    drafts, all_logits = [], []
+    for step in range(k):
+        all_logits.append(logits[:, 0].float())
+        drafts.append(choose(logits[:, 0], step))
+        if step + 1 < k:
+            logits, predicted = head_forward(head, cache, slots, predicted, head.d2t[drafts[-1]].view(B, 1), one)
+    for b, slot in enumerate(slots.tolist()):
+        cache.truncate(slot, int(committed[b]))
+    draft_ids = torch.stack(drafts, 1)                                # (B, k) draft ids
+    return head.d2t[draft_ids], torch.stack(all_logits, 1)

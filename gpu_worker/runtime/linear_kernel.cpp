@@ -1,0 +1,172 @@
+// y = residual + (x @ w^T + b) on the CPU with one fixed order of operations per output, whatever
+// the number of rows of x: the projection `gpu_worker/runtime/model.py linear` runs (see linear_kernel.py).
+//
+// Every output y[m][n] is its own dot product: 8 lane partial sums over k (lane j takes
+// k = 8c + j, c ascending, one fused multiply-add each), the lanes added as
+// ((0+1)+(2+3))+((4+5)+(6+7)), the tail k >= 8*(K/8) added in order, then + b[n], then
+// residual[m][n] + that, rounded once to the output dtype. The blocking (which rows of w and of
+// x are multiplied together, chosen by the number of rows: `run`) only decides which outputs are
+// computed together, never the operations of one, and threads split the rows of w, never k.
+// bfloat16 inputs are widened to float32 exactly.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float widen(float v) { return v; }
+static inline float widen(at::BFloat16 v) { return float(v); }
+
+template <typename T>
+struct Args {
+  const T* x; const T* w; const T* b; const T* residual; T* y;
+  int64_t N, K;
+};
+
+template <typename T>
+static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n) {
+  // ((0+1)+(2+3))+((4+5)+(6+7)) in registers: each hadd adds neighbouring pairs per 128-bit half
+  __m256 h = _mm256_hadd_ps(acc, acc);
+  h = _mm256_hadd_ps(h, h);
+  float s = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  const T *xr = a.x + m * a.K, *wr = a.w + n * a.K;  // a tail only where w is not paired (K % 8 != 0)
+  for (int64_t k = a.K / 8 * 8; k < a.K; ++k) s += widen(xr[k]) * widen(wr[k]);
+  if (a.b) s += widen(a.b[n]);
+  if (a.residual) s = widen(a.residual[m * a.N + n]) + s;
+  a.y[m * a.N + n] = T(s);
+}
+
+// Where values k..k+7 of row i of a block starting at w lie: rows one after another (w (N, K)), or
+// PAIRED (w (N/2, K/8, 2, 8), `pair_rows` in model.py) rows 2p and 2p+1 interleaved in chunks of 8,
+// so that a block of rows is a few sequential streams, which the memory prefetchers follow.
+template <bool PAIRED, typename T>
+static inline const T* chunk(const T* w, int64_t K, int i, int64_t k) {
+  return PAIRED ? w + (i / 2) * 2 * K + 2 * k + (i % 2) * 8 : w + i * K + k;
+}
+
+// rows n0..n0+NB-1 of w against rows m0..m0+MB-1 of x; NB * MB <= 12 accumulators, so that they
+// and a row of w's 8 values stay in AVX2's 16 registers (the loops unroll fully). While it runs it
+// asks for `next`'s NB rows of w (the block this thread takes next, or nullptr), so that memory
+// streams weights while the multiply-adds run: a one-pass block of 5 rows is far from the memory
+// bandwidth on its own. Not in a block of one float32 row of x: there the hardware prefetchers
+// keep up alone, and requests of ours only compete with theirs (measured: 10% slower).
+template <typename T, bool PAIRED, int NB, int MB>
+static inline __attribute__((always_inline)) void block(const Args<T>& a, int64_t n0, int64_t m0, const T* next) {
+  constexpr bool PREFETCH = MB * sizeof(float) / sizeof(T) >= 2;
+  constexpr int STREAM = PAIRED ? 2 : 1;  // rows per sequential stream
+  const int64_t K = a.K, K8 = K / 8 * 8, line = 64 / sizeof(T) / STREAM;  // k per cache line of a stream
+  const T *w = a.w + n0 * K, *x = a.x + m0 * K;
+  __m256 acc[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    if (PREFETCH && next && k % line == 0) {
+#pragma GCC unroll 16
+      for (int i = 0; i < NB; i += STREAM)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk<PAIRED>(next, K, i, k)), _MM_HINT_T0);
+    }
+    __m256 v[NB];
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) v[i] = load8(chunk<PAIRED>(w, K, i, k));
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) {
+      __m256 u = load8(x + j * K + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(u, v[i], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i);
+}
+
+// the last r < R rows of x, in one block
+template <typename T, bool PAIRED, int NB, int R>
+static inline void last_rows(const Args<T>& a, int64_t n0, int64_t m0, int64_t r, const T* next) {
+  if constexpr (R > 0) {
+    if (r == R) block<T, PAIRED, NB, R>(a, n0, m0, next);
+    else last_rows<T, PAIRED, NB, R - 1>(a, n0, m0, r, next);
+  }
+}
+
+// blocks of NB rows of w, split between threads; each against all M rows of x, MB at a time
+template <typename T, bool PAIRED, int NB, int MB>
+static void blocks(const Args<T>& a, int64_t M) {
+  at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const T* next = i + 1 < last ? a.w + (i + 1) * NB * a.K : nullptr;
+      int64_t m0 = 0;
+      for (; m0 + MB <= M; m0 += MB) block<T, PAIRED, NB, MB>(a, i * NB, m0, next);
+      last_rows<T, PAIRED, NB, MB - 1>(a, i * NB, m0, M - m0, next);
+    }
+  });
+  constexpr int STREAM = PAIRED ? 2 : 1;  // N is even when PAIRED
+  for (int64_t n = a.N / NB * NB; n < a.N; n += STREAM)
+    for (int64_t m = 0; m < M; ++m) block<T, PAIRED, STREAM, 1>(a, n, m, nullptr);
+}
+
+// Up to 12 rows of x (a decode or verify step) read each row of w from memory once; more (a
+// prefill) take 3 rows of x at a time against 4 of w held in cache. Even NB: whole pairs.
+template <typename T, bool PAIRED>
+static void run(const Args<T>& a, int64_t M) {
+  switch (M) {
+    case 1: return blocks<T, PAIRED, 8, 1>(a, M);
+    case 2: return blocks<T, PAIRED, 6, 2>(a, M);
+    case 3: return blocks<T, PAIRED, 4, 3>(a, M);
+    case 4: return blocks<T, PAIRED, 2, 4>(a, M);
+    case 5: return blocks<T, PAIRED, 2, 5>(a, M);
+    default: return M <= 12 ? blocks<T, PAIRED, 2, 6>(a, M) : blocks<T, PAIRED, 4, 3>(a, M);
+  }
+}
+
+template <typename T>
+static void run(const Args<T>& a, int64_t M, bool paired) {
+  if (paired) run<T, true>(a, M);
+  else run<T, false>(a, M);
+}
+
+// x (M, K), w (N, K) or its rows paired (N/2, K/8, 2, 8), b (N,) or None, residual (M, N) or None,
+// all of one dtype (float32 or bfloat16) on the CPU -> (M, N) of that dtype
+torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
+                           c10::optional<torch::Tensor> residual) {
+  bool paired = w.dim() == 4;
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || (paired && w.size(2) == 2 && w.size(3) == 8)),
+              "fixed_linear: x (M, K), w (N, K) or (N/2, K/8, 2, 8)");
+  int64_t M = x.size(0), N = paired ? 2 * w.size(0) : w.size(0), K = paired ? 8 * w.size(1) : w.size(1);
+  TORCH_CHECK(x.size(1) == K, "fixed_linear: x (M, K) against w of K = ", K);
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.device().is_cpu() && w.device().is_cpu(),
+              "fixed_linear: x and w of one dtype on the CPU");
+  x = x.contiguous();
+  w = w.contiguous();
+  torch::Tensor bias = b.has_value() ? b->contiguous() : torch::Tensor();
+  torch::Tensor res = residual.has_value() ? residual->contiguous() : torch::Tensor();
+  TORCH_CHECK(!bias.defined() || (bias.numel() == N && bias.scalar_type() == x.scalar_type()), "fixed_linear: b (N,)");
+  TORCH_CHECK(!res.defined() || (res.size(0) == M && res.size(1) == N && res.scalar_type() == x.scalar_type()),
+              "fixed_linear: residual (M, N)");
+  auto y = torch::empty({M, N}, x.options());
+  if (x.scalar_type() == torch::kFloat) {
+    Args<float> a{x.data_ptr<float>(), w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+                  res.defined() ? res.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, K};
+    run(a, M, paired);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "fixed_linear: float32 or bfloat16");
+    using B = at::BFloat16;
+    Args<B> a{x.data_ptr<B>(), w.data_ptr<B>(), bias.defined() ? bias.data_ptr<B>() : nullptr,
+              res.defined() ? res.data_ptr<B>() : nullptr, y.data_ptr<B>(), N, K};
+    run(a, M, paired);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
+  m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,90 @@
+"""The CPU projection kernel: x @ W^T (+ b, + residual) with one fixed order of operations per
+output, whatever the number of rows (linear_kernel.cpp says the order), compiled on first use.
+
+Why our own: a row's bits must not depend on how many rows share the call (a decode step's one
+row, a verify step's k+1, a prefill chunk's hundreds), and no CPU library promises that: MKL
+picks its kernel and split by the row count, oneDNN's packed GEMM is row-invariant where it
+serves the dtype but costs ~25% more than a GEMV at one row with the weights cold (as in a
+forward), and emulates bfloat16 slowly without AVX512-BF16. This kernel streams each weight row
+from memory once for up to 12 rows of x, prefetching the next block while it multiplies, so a
+one-row step costs what a GEMV does and a verify step of k+1 rows little more; `model.pack_weight`
+stores weights with rows paired (`model.pair_rows`) so that a block is a few sequential streams. It needs AVX2 and FMA (both CPU kinds this project runs on have them, and the same code,
+hence the same bits, runs on both); elsewhere `load` returns None and `model.linear` keeps
+oneDNN. A GPU needs its own batch-invariant matmul instead (fixed tiles, no split-K chosen by
+shape).
+
+Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
+ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's
+hash, so checkouts of different versions never share a build. `make models` builds it ahead
+(`python -m gpu_worker.runtime.linear_kernel`); otherwise the first process to load a model builds it
+(about a minute; others wait on torch's lock) and later ones import it. SPECBUS_LINEAR_KERNEL=0
+turns it off (oneDNN / BLAS then, still row-invariant where oneDNN serves the dtype).
+"""
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+import structlog
+
+from schemas.config import specbus_home
+
+SOURCE = Path(__file__).with_name("linear_kernel.cpp")
+# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is dropped without
+# it, and the kernel then runs on one thread whatever torch.set_num_threads says.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+BUILD_TIMEOUT_S = 900.0  # a first build takes about a minute on 2 idle cores
+log = structlog.get_logger(__name__)
+
+
+def build_dir() -> Path:
+    """Where this source, these flags and this Python and torch build to (nothing imported)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    torch_version = importlib.metadata.version("torch")
+    return specbus_home() / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch_version}" / digest
+
+
+def module_name() -> str:
+    return f"specbus_linear_{build_dir().name}"
+
+
+def built() -> bool:
+    """Whether the kernel is built for this checkout (cheap: torch is not imported)."""
+    return (build_dir() / f"{module_name()}.so").exists()
+
+
+def turned_off() -> bool:
+    return os.environ.get("SPECBUS_LINEAR_KERNEL", "1") == "0"
+
+
+@functools.cache
+def load():
+    """The compiled module (its `fixed_linear(x, w, b, residual)`), or None where it cannot run
+    here: turned off, a CPU without AVX2/FMA, or a failed build (logged)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if turned_off():
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("linear_kernel_unavailable", reason=f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+        return None
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # ninja from the virtualenv's bin, which is not on PATH when its python runs without activation
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        return cpp_extension.load(name=module_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    except Exception as error:  # no compiler, no headers: oneDNN serves instead
+        log.warning("linear_kernel_unavailable", reason=f"build failed: {error}"[:2000])
+        return None
+
+
+if __name__ == "__main__":
+    module = load()
+    print(f"linear kernel: {'built in ' + str(build_dir()) if module else 'not used (oneDNN / BLAS)'}")
+    sys.exit(0)

@@ -1,0 +1,490 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) for inference with a slot KV cache.
+
+The model is weights only (a dataclass of tensors); every piece of per-request state lives in
+the `KVCache`. `forward` is the one function the verifier and the drafter call: it appends a
+ragged batch of new tokens to the cache and returns logits.
+
+Letters in shapes: B batch rows, T tokens per row, M selected positions per row, V vocabulary,
+H query heads, Hkv key/value heads, D head dim, E hidden size, I MLP size, W attention window.
+
+RoPE layout: Hugging Face Llama "rotate-half". The D dims of a head form two halves
+(x1 = x[:D/2], x2 = x[D/2:]) and dim i is paired with dim i + D/2, both rotated by angle
+pos * theta^(-2i/D):  rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1).
+(Meta's original checkpoints interleave pairs (2i, 2i+1) instead; HF conversion permutes
+q/k weights into the half layout, which is what the safetensors files hold.) We fold the sign
+into the sine table, so rotate_half(x) * sin == x.roll(D/2) * signed_sin: one op instead of
+three.
+
+Batch invariance: a position's logits are the same bits whether it is computed in a decode step,
+a verify step, a prefill chunk or a whole prompt, alone or next to other rows. Every reduction
+runs in an order fixed per row: projections through `linear` (one kernel family for every
+number of rows), attention through `attention` (units of a fixed shape against keys in
+fixed-size blocks, the blocks combined in a fixed order). tests/gpu_worker/runtime/test_batch_invariance.py
+checks it with torch.equal.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A config.json this runtime cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout).
+
+        `sliding_window` (Mistral, Qwen2) is ignored: attention is always full, which equals
+        sliding-window attention while a sequence stays within the window.
+        """
+        architectures = hf.get("architectures") or []
+        supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if len(architectures) != 1 or not supported:
+            raise ConfigError(f"unsupported architectures {architectures!r} in config.json; "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        architecture = supported[0]
+
+        def field(name):
+            if hf.get(name) is None:
+                raise ConfigError(f"config.json lacks required field {name!r}")
+            return hf[name]
+
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias=true is not supported")
+        # transformers 5.x: rope_parameters={rope_theta, rope_type}; 4.x: rope_theta at the top
+        # and rope_scaling=None or {type|rope_type: ...}.
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"rope scaling type {rope_type!r} is not supported (only 'default')")
+        num_heads = field("num_attention_heads")
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=field("vocab_size"),
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_layers=field("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or field("hidden_size") // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+            max_position_embeddings=field("max_position_embeddings"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and no o_proj bias; Llama's attention_bias covers all four.
+            qkv_bias=architecture == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=architecture != "Qwen2ForCausalLM" and attention_bias,
+        )
+
+
+@dataclass
+class Layer:
+    """Projection weights as `pack_weight` leaves them, for `linear`: the shapes below are the
+    checkpoint's (out, in); held with rows paired for the fixed-order kernel, or as oneDNN's
+    packed copies where that kernel cannot run on this CPU."""
+    attn_norm: torch.Tensor        # (E,)
+    wqkv: torch.Tensor             # ((H + 2*Hkv) * D, E): q, k, v projections fused at load
+    bqkv: torch.Tensor | None      # ((H + 2*Hkv) * D,)
+    wo: torch.Tensor               # (E, H*D)
+    bo: torch.Tensor | None        # (E,)
+    mlp_norm: torch.Tensor         # (E,)
+    w_gate_up: torch.Tensor        # (2*I, E): gate and up projections fused at load
+    w_down: torch.Tensor           # (E, I)
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    embed: torch.Tensor            # (V, E)
+    layers: list[Layer]
+    norm: torch.Tensor             # (E,)
+    lm_head: torch.Tensor          # (V, E) through `pack_weight` (of `embed` when tied)
+    rope_cos: torch.Tensor         # (P, D) for positions 0..P-1
+    rope_sin: torch.Tensor         # (P, D) with the rotate-half sign folded in: (-sin, sin)
+
+
+def weight_names(config: ModelConfig) -> list[str]:
+    """Names `build_model` expects, in our scheme (`layers.{i}.wq`, ...)."""
+    per_layer = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if config.qkv_bias:
+        per_layer += ["bq", "bk", "bv"]
+    if config.o_bias:
+        per_layer += ["bo"]
+    names = ["embed", "norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
+    return names + [f"layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
+
+
+def rope_tables(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin), each (P, D) float32, computed as HF Llama's default rotary embedding."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
+    return torch.cat([freqs, freqs], -1).cos(), torch.cat([-freqs, freqs], -1).sin()
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
+                dtype=torch.float32, max_seq_len: int | None = None) -> Model:
+    """Fuse per-projection weights (named as `weight_names`) into a `Model` on `device`.
+
+    RoPE tables cover positions 0..max_seq_len-1 (default: max_position_embeddings; a
+    smaller value keeps the tables small for configs that allow 128k positions).
+    """
+    num_positions = max_seq_len or config.max_position_embeddings
+    if num_positions > config.max_position_embeddings:
+        raise ConfigError(f"max_seq_len {num_positions} exceeds max_position_embeddings "
+                          f"{config.max_position_embeddings}")
+
+    def get(name):
+        return weights[name].to(device=device, dtype=dtype)
+
+    def cat(*names):  # (out, in) pieces -> one (out_total, in) tensor
+        return torch.cat([get(n) for n in names])
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        layers.append(Layer(
+            attn_norm=get(p + "attn_norm"),
+            wqkv=pack_weight(cat(p + "wq", p + "wk", p + "wv")),
+            bqkv=cat(p + "bq", p + "bk", p + "bv") if config.qkv_bias else None,
+            wo=pack_weight(get(p + "wo")),
+            bo=get(p + "bo") if config.o_bias else None,
+            mlp_norm=get(p + "mlp_norm"),
+            w_gate_up=pack_weight(cat(p + "w_gate", p + "w_up")),
+            w_down=pack_weight(get(p + "w_down")),
+        ))
+    embed = get("embed")
+    cos, sin = rope_tables(config, num_positions)
+    return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
+                 lm_head=pack_weight(embed, shared=True) if config.tie_word_embeddings else pack_weight(get("lm_head")),
+                 rope_cos=cos.to(device=device, dtype=dtype),
+                 rope_sin=sin.to(device=device, dtype=dtype))
+
+
+def fixed_kernel(t: torch.Tensor):
+    """The fixed-order projection kernel (gpu_worker/runtime/linear_kernel.py) when it serves t's device
+    and dtype here, else None."""
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16):
+        return linear_kernel.load()
+    return None
+
+
+def pair_rows(w: torch.Tensor) -> torch.Tensor:
+    """w (out, in), out even, in a multiple of 8 -> (out/2, in/8, 2, 8): rows 2p and 2p+1 of w
+    interleaved in chunks of 8 values, the layout the fixed-order kernel streams fastest."""
+    out, inner = w.shape
+    return w.reshape(out // 2, 2, inner // 8, 8).transpose(1, 2).contiguous()
+
+
+def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """w (out, in) -> what `linear` takes: for our fixed-order CPU kernel, w's rows paired
+    (`pair_rows`) where its shape allows and w is not `shared` (read as it is elsewhere too, as a
+    tied lm_head is the embedding: pairing would hold a second copy), else w itself (contiguous);
+    where that kernel cannot run, oneDNN's packed copy where oneDNN serves w's dtype on this CPU,
+    else w itself for a BLAS matmul.
+
+    Why not a library's matmul: MKL, torch's float32 BLAS on x86, picks its kernel by the number
+    of rows (a GEMV at one row, other kernels and thread splits at a few rows), each summing over
+    `in` in its own order, so a row's bits depend on how many rows share the call. oneDNN's
+    kernel for a packed weight is one blocked GEMM for every row count (packed for 4 rows: a
+    layout packed for one row sends one-row calls to a GEMV of oneDNN's own), at ~25% more than
+    a GEMV at one row with the weights cold; our kernel costs a GEMV's at one row. Where oneDNN
+    does not serve the dtype (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel
+    computes each output as one dot product over `in`, whatever the row count. A GPU needs
+    batch-invariant matmul kernels instead (a fixed tile configuration, no split-K chosen from
+    the row count).
+    """
+    if fixed_kernel(w) is not None:
+        out, inner = w.shape
+        return pair_rows(w) if not shared and out % 2 == 0 and inner % 8 == 0 else w.contiguous()
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 4)
+        except RuntimeError:  # oneDNN refuses the dtype on this CPU
+            pass
+    return w.contiguous()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x @ W^T + b for x (N, in) and w = pack_weight(W); (N, out). A row's bits do
+    not depend on N."""
+    if w.is_mkldnn:
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+    kernel = fixed_kernel(x)
+    if kernel is not None:
+        return kernel.fixed_linear(x, w, b, residual)
+    out = torch.mm(x, w.t()) if residual is None else torch.addmm(residual, x, w.t())
+    return out if b is None else out.add_(b)
+
+
+QUERY_TILE = 4  # query rows per attention unit: every unit has the same shape whatever T and B
+# The additive mask's value for a key a row may not see: finite, so a row that sees no key of a
+# block gets a finite log-sum-exp near MASKED there and the block weight exp(MASKED - m) = 0
+# exactly, with no -inf - -inf; a masked key itself gets weight exactly 0, as with -inf.
+MASKED = -1e30
+# `attention` takes exp of each row's block weight on this many lanes (a broadcast), not one.
+EXP_LANES = 16
+
+
+@dataclass
+class AttentionPlan:
+    """How `attention` lays out one forward's batch, the same for all its layers: units of
+    QUERY_TILE query rows of one key/value head (a head's T*G rows in (t, g) order, padded to
+    nq units) against the window's nb blocks of KEY_BLOCK keys; built by `attention_plan`."""
+    nq: int
+    nb: int
+    mask: torch.Tensor                    # float32, 0 = may attend, MASKED = may not, in the flash
+                                          # kernel's layout: (B*Hkv, nb, QT, KB) if nq == 1, else
+                                          # (nq, B*Hkv*nb, QT, KB)
+    unit_rows: tuple[torch.Tensor, ...]   # (b, t, head) of each unit row, broadcasting to
+                                          # (B, Hkv, nb, nq*QT): a copy per block; padding rows
+                                          # repeat a real row (their outputs are dropped)
+    out_rows: torch.Tensor                # (B*T*H,) the unit row, among (B*Hkv, nq*QT), that
+                                          # holds query row (b, t, head)
+
+
+@functools.lru_cache(maxsize=64)
+def unit_layout(B: int, T: int, Hkv: int, G: int, nb: int, device: torch.device) -> tuple:
+    """The part of an AttentionPlan that positions do not change, cached: every step of a batch
+    shape has the same (callers must not modify the tensors). Returns (row_token, unit_rows,
+    out_rows, keys): row_token (nq*QT,) the token of each unit row of a head, T for padding
+    rows; unit_rows and out_rows as in AttentionPlan; keys (nb, 1, KEY_BLOCK) key positions."""
+    R, nq = T * G, -(-T * G // QUERY_TILE)
+    n = torch.arange(nq * QUERY_TILE, device=device)                    # a head's unit rows
+    t = n // G
+    batch = torch.arange(B, device=device).view(B, 1, 1, 1).expand(-1, -1, nb, -1)
+    head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1) * G + n % G
+    out_rows = torch.arange(B * Hkv, device=device).view(B, 1, Hkv, 1) * (nq * QUERY_TILE) + \
+        torch.arange(R, device=device).view(1, T, 1, G)                 # (B, T, Hkv, G)
+    keys = torch.arange(nb * KEY_BLOCK, device=device).view(nb, 1, KEY_BLOCK)
+    return t.clamp_max(T), (batch, t.clamp_max(T - 1), head), out_rows.flatten(), keys
+
+
+def attention_plan(pos: torch.Tensor, Hkv: int, G: int, W: int) -> AttentionPlan:
+    """The AttentionPlan of new tokens at positions pos (B, T) int64, each seeing keys 0..pos,
+    over a window of W keys (a multiple of KEY_BLOCK), for Hkv key/value heads of G query
+    heads each. Always a mask, even where a decode step could attend to everything: one
+    attention path for every step."""
+    B, T = pos.shape
+    nq, nb, U = -(-T * G // QUERY_TILE), W // KEY_BLOCK, B * Hkv
+    row_token, unit_rows, out_rows, keys = unit_layout(B, T, Hkv, G, nb, pos.device)
+    row_pos = F.pad(pos, (0, 1), value=W).index_select(1, row_token)     # padding rows see all
+    mask = torch.zeros(nq, B, Hkv, nb, QUERY_TILE, KEY_BLOCK, device=pos.device)
+    mask.masked_fill_(keys > row_pos.view(B, nq, 1, 1, QUERY_TILE, 1).transpose(0, 1), MASKED)
+    mask = mask.view(U, nb, QUERY_TILE, KEY_BLOCK) if nq == 1 else mask.view(nq, U * nb, QUERY_TILE, KEY_BLOCK)
+    return AttentionPlan(nq=nq, nb=nb, mask=mask, unit_rows=unit_rows, out_rows=out_rows)
+
+
+def block_sum(x: torch.Tensor) -> torch.Tensor:
+    """x (U, nb, ...) -> (U, ...): the sum over the nb key blocks as a pairwise tree over block
+    positions, ((0 + 1) + (2 + 3)) + ..., blocks past nb counting as blocks of zeros.
+
+    A block of zeros adds exactly 0 wherever it enters the tree, so a row whose keys end in
+    block j gets the same bits whatever the number of blocks after j (other rows' windows).
+    Each level sums a dim of size 2: one addition, whatever order a kernel takes.
+    """
+    nb = x.shape[1]
+    levels = (nb - 1).bit_length()
+    if nb < 2 ** levels:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 2 ** levels - nb))
+    if levels > 1:
+        x = x.unflatten(1, (2,) * levels)
+    for dim in range(levels, 0, -1):  # the last of the split dims pairs blocks 2i and 2i + 1
+        x = x.sum(dim)
+    return x
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `attention` takes from torch's CPU flash kernel, in plain ops for other devices:
+    q (..., L, D), k, v (..., S, D), mask (..., L, S) additive -> out (..., L, D) float32, the
+    softmax-weighted values, and lse (..., L) float32, the log-sum-exp of the row's scores.
+    Batch-invariant only where the device's matmuls are (on a GPU: fixed tiles, no split-K
+    chosen by shape)."""
+    scores = q.float() @ k.float().transpose(-1, -2) * scale + mask
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v.float(), lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Causal GQA attention whose bits per query row do not depend on T, B or the window.
+
+    q: (B, T, H, D); k, v: (B, Hkv, W, D) with W = plan.nb * KEY_BLOCK and (B, Hkv) mergeable
+    into one dim (the cache's slot-major layout, or contiguous); plan: `attention_plan`.
+    Returns (B*T, H*D) in q's dtype.
+
+    SDPA's reductions over keys follow its split of the work, chosen from the query and key
+    lengths, and a call without a mask takes another path. Here every piece of work has one
+    shape: a unit of QUERY_TILE query rows (the G query heads of a key/value head fold into
+    rows, so K/V are never repeated) against one block of KEY_BLOCK keys. All pairs go to one
+    call of torch's CPU flash kernel, which reduces a block of fewer than 512 keys in one piece
+    and returns each pair's softmax-weighted values out_j and log-sum-exp lse_j. (Four rows, not
+    G: the kernel's per-thread buffers are then 32-byte aligned on every thread, and its
+    matmuls' bits depend on that alignment.) A row's blocks are then combined as in
+    FlashAttention's blockwise softmax (Dao et al. 2022, sec. 3.1; Flash-Decoding's combine of
+    split keys): out = sum_j exp(lse_j - m) out_j / sum_j exp(lse_j - m), m = max_j lse_j, the
+    sums in `block_sum`'s fixed tree. A block the row cannot see at all has lse_j near MASKED,
+    so weight exactly 0: wherever the window ends, the row's bits are the same. Each weight's
+    exp runs on EXP_LANES lanes of a broadcast, so on every row in a loop of its own, never in
+    the scalar tail of a long run (whose rounding may differ from the vector code's).
+
+    On a GPU this is where a fixed-split attention kernel goes (FlashInfer / FlexAttention with
+    a fixed KV split size); `block_attention` there is only as invariant as the GPU's matmuls.
+    """
+    B, T, H, D = q.shape
+    U, nq, nb = B * k.shape[1], plan.nq, plan.nb
+    units = q[plan.unit_rows]                                          # (B, Hkv, nb, nq*QT, D)
+    if nq == 1:  # kernel (batch, heads) = (unit, block): the keys as they are
+        units, k, v = units.view(U, nb, QUERY_TILE, D), k.view(U, nb, KEY_BLOCK, D), v.view(U, nb, KEY_BLOCK, D)
+    else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
+        units = units.view(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
+        k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))
+    if q.is_cpu:  # the flash kernel itself: no dispatch to another backend
+        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
+            units, k, v, attn_mask=plan.mask, scale=D ** -0.5)[:2]
+    else:
+        out, lse = block_attention(units, k, v, plan.mask, D ** -0.5)
+    if nq > 1:  # back to (U*nb, nq, QT, ...), the kernel's memory order here
+        out, lse = out.transpose(0, 1), lse.transpose(0, 1)
+    if nb > 1:  # nb == 1: the one block's weight is exp(0) = 1, the same bits as this
+        lse = lse.reshape(U, nb, nq, QUERY_TILE, 1)
+        weight = (lse - lse.amax(1, keepdim=True)).expand(-1, -1, -1, -1, EXP_LANES).exp()[..., :1]
+        out = (block_sum(out.reshape(U, nb, nq, QUERY_TILE, D) * weight) / block_sum(weight)).to(q.dtype)
+    return out.reshape(-1, D).index_select(0, plan.out_rows).view(B * T, H * D)
+
+
+@dataclass
+class Step:
+    """One forward's cache plan and what every layer reads from it."""
+    plan: ForwardPlan
+    cos: torch.Tensor              # (B, T, 1, D) RoPE of each new token's position
+    sin: torch.Tensor              # (B, T, 1, D)
+    attention: AttentionPlan       # of the plan's window
+
+
+def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, slots: torch.Tensor,
+              num_new: torch.Tensor, T: int, num_heads: int, num_kv_heads: int) -> Step:
+    """Plan a forward of T new tokens per row on cache (`KVCache.plan`: it checks the batch and
+    grows the slots) and build the RoPE rows and the attention layout every layer uses."""
+    plan = cache.plan(slots, num_new, T)
+    B, D, pos = slots.shape[0], rope_cos.shape[1], plan.rope_pos.flatten()
+    return Step(plan=plan, cos=rope_cos.index_select(0, pos).view(B, T, 1, D),
+                sin=rope_sin.index_select(0, pos).view(B, T, 1, D),
+                attention=attention_plan(plan.rope_pos, num_kv_heads, num_heads // num_kv_heads, plan.window))
+
+
+def decoder_layer(cfg, layer: Layer, index: int, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
+    """One Llama decoder layer (layer `index` of cache) over x (B*T, E); returns (B*T, E). cfg:
+    anything with the ModelConfig fields hidden_size, num_heads, num_kv_heads, head_dim and
+    rms_norm_eps (the target's config, or an EAGLE head's)."""
+    B, T = step.plan.rope_pos.shape
+    H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
+    qkv = linear(h, layer.wqkv, layer.bqkv).view(B, T, H + 2 * Hkv, D)
+    qk = qkv[:, :, :H + Hkv]                                         # (B, T, H+Hkv, D)
+    qk = qk * step.cos + qk.roll(D // 2, -1) * step.sin
+    cache.update(index, step.plan, qk[:, :, H:], qkv[:, :, H + Hkv:])
+    k, v = cache.window(index, step.plan)                            # (B, Hkv, W, D)
+    o = attention(qk[:, :, :H], k, v, step.attention)                # (B*T, H*D)
+    x = linear(o, layer.wo, layer.bo, residual=x)
+    h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
+    gate, up = linear(h, layer.w_gate_up).chunk(2, -1)               # (B*T, I) each
+    return linear(F.silu(gate) * up, layer.w_down, residual=x)
+
+
+@torch.inference_mode()
+def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor,
+            num_new: torch.Tensor, logits_index: torch.Tensor | None = None,
+            return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Append new tokens to each row's cache slot, attend causally, return logits.
+
+    slots: (B,) int64, distinct allocated cache slots (CPU tensor: bookkeeping is on CPU).
+    token_ids: (B, T) int64. Row b's new tokens are token_ids[b, :num_new[b]]; the rest of
+        the row is padding (any valid id).
+    num_new: (B,) int64 on CPU, 0 <= num_new[b] <= T. A row with 0 leaves its slot untouched.
+    logits_index: (B, M) int64 positions in [0, T) whose logits to return, or None for all.
+    Returns (B, T, V) or (B, M, V) logits in the model's dtype; with return_hidden, also the
+    final-normed hidden states of every new position, (B, T, E) whatever logits_index asks (the
+    logits at t are lm_head of row t): the target features a feature-level (EAGLE-style) draft
+    conditions on. Batch-invariant like the logits.
+
+    New token t of row b sits at position cache.lengths[slot_b] + t and sees the slot's
+    committed prefix plus new tokens 0..t. Logits at padding positions (t >= num_new[b]) are
+    unspecified; padding never touches a slot's committed prefix (its cache writes land in
+    a scratch column). On return cache.lengths[slots] has advanced by num_new. Raises
+    CacheCapacityError (nothing written) when a row would pass cache.max_seq_len.
+    """
+    cfg = model.config
+    B, T = token_ids.shape
+    assert slots.shape == (B,) and num_new.shape == (B,), (slots.shape, num_new.shape, B)
+    if cache.max_seq_len > model.rope_cos.shape[0]:
+        raise ValueError(f"cache max_seq_len {cache.max_seq_len} exceeds the model's RoPE table "
+                         f"({model.rope_cos.shape[0]} positions); load with a larger max_seq_len")
+    if (cache.dtype, cache.device) != (model.embed.dtype, model.embed.device):
+        raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is "
+                         f"{model.embed.dtype} on {model.embed.device}")
+    step = plan_step(cache, model.rope_cos, model.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
+    device, E = model.embed.device, cfg.hidden_size
+    x = model.embed[token_ids.to(device).reshape(-1)]                # (B*T, E)
+    for i, layer in enumerate(model.layers):
+        x = decoder_layer(cfg, layer, i, x, cache, step)
+    cache.commit(slots, num_new)
+
+    x = x.view(B, T, E)
+    # The final norm is per row: norm then gather equals gather then norm, bit for bit; norm
+    # every row only when they are all returned.
+    hidden = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) if return_hidden else None  # (B, T, E)
+    if hidden is not None:
+        x = hidden
+    if logits_index is not None:
+        assert logits_index.shape[0] == B and logits_index.dim() == 2, logits_index.shape
+        index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
+        x = x.gather(1, index)                                       # (B, M, E)
+    if hidden is None:
+        x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
+    logits = linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)
+    return (logits, hidden) if return_hidden else logits

@@ -1,0 +1,1 @@
+"""Sampling math: logit processing and counter-based uniforms, rejection sampling, logprobs, coupling."""

@@ -1,0 +1,73 @@
+"""The drafter applies a row's logit_bias and penalties to its own proposal (gpu_worker/roles/drafter_core.py),
+on the tiny pair (a draft over 1024 ids with an "other" id): not needed for exactness, but a
+draft that ignored them would propose tokens the verifier rejects."""
+
+import time
+
+import pytest
+import torch
+import transformers
+
+from gpu_worker.roles.drafter_core import draft_batch, load_drafter
+from schemas.config import DrafterConfig, load_config
+from schemas.messages import DraftRequest, DraftRow, RowSampling
+from tests.gpu_worker.conftest import VD, VT, write_tiny_pair
+
+PROMPT = [5, 17, 42, 8, 99, 23, 61, 3, 77, 12, 50, 31, 6]
+OUTPUT = [17, 200, 17]  # a history of PROMPT + OUTPUT, prompt_len = len(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, draft = write_tiny_pair(tmp_path_factory.mktemp("pair"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(draft).eval()
+    drafter = load_drafter(load_config(DrafterConfig, env={}, draft_model=str(draft), instance_id="drafter-test",
+                                       max_slots=4, max_seq_len=64, dtype="float32"))
+    return hf, drafter
+
+
+def drafts(drafter, num_draft=4, mode="greedy", **sampling):
+    row = DraftRow(request_id="r", row=0, step=0, cached_len=0, new_token_ids=PROMPT + OUTPUT, num_draft=num_draft,
+                   draft_mode=mode, sampling=RowSampling(**sampling), prompt_len=len(PROMPT))
+    request = DraftRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 30, rows=[row], release=["r"])
+    result = draft_batch(drafter, request).rows[0]
+    assert not result.need_resync
+    return result
+
+
+def test_a_plus_100_bias_is_proposed_and_ids_the_draft_lacks_are_ignored(pair):
+    _, drafter = pair
+    # 3000 has no draft id of its own (it maps to "other"), VT is outside the target vocabulary
+    # (the verifier fails that row): neither may fail the batch, costing every row its drafts
+    result = drafts(drafter, logit_bias={500: 100.0, 3000: 100.0, VT: 100.0})
+    assert result.draft_token_ids.tolist() == [500] * 4
+
+
+def test_greedy_drafts_are_the_argmax_of_the_penalised_draft_logits(pair):
+    hf, drafter = pair
+    penalties = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.4, logit_bias={17: 2.0})
+    result = drafts(drafter, temperature=0, **penalties)
+    history, output = list(PROMPT + OUTPUT), list(OUTPUT)  # the tiny pair maps ids < VD - 1 to themselves
+    expected = []
+    for _ in range(4):
+        with torch.no_grad():
+            logits = hf(torch.tensor([history])).logits[0, -1]
+        logits[VD - 1] = float("-inf")  # "other"
+        logits[17] += 2.0
+        for token in set(history):
+            logits[token] = logits[token] / 1.4 if logits[token] > 0 else logits[token] * 1.4
+        for token in set(output):  # the output only: the prompt is not counted
+            logits[token] -= output.count(token) * 1.0 + 1.5
+        expected.append(int(logits.argmax()))
+        history.append(expected[-1])
+        output.append(expected[-1])
+    assert result.draft_token_ids.tolist() == expected
+    assert result.draft_token_ids.tolist() != drafts(drafter, temperature=0).draft_token_ids.tolist()
+
+
+def test_a_sampled_proposal_is_the_penalised_distribution(pair):
+    _, drafter = pair
+    result = drafts(drafter, mode="sample", temperature=1.0, seed=3, logit_bias={500: 100.0, 17: -100.0})
+    assert result.draft_token_ids.tolist() == [500] * 4
+    ids, probs = result.proposal.ids, result.proposal.probs  # (4, S), the support of each draft
+    assert (probs[ids == 500] > 0.999).all() and (probs[ids == 17] < 1e-30).all()

@@ -1,0 +1,111 @@
+"""The fixed-order CPU projection kernel (gpu_worker/runtime/linear_kernel.py): right, and a row's bits
+independent of the rows around it and of the thread count."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime.model import linear, pack_weight
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = linear_kernel.load()
+    # both CPU kinds this project runs on have AVX2: there the kernel must build, not fall back quietly
+    assert module is not None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+    if module is None:
+        pytest.skip("no AVX2 on this CPU: model.linear uses oneDNN / BLAS")
+    return module
+
+
+def operands(dtype, M=13, N=10, K=37, seed=0):
+    """Shapes off the kernel's blocks: N a multiple of none of its block heights (2, 3, 4, 6, 8),
+    K not of 8, M above the one-pass rows (12) and not a multiple of 3."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(dtype) for shape in ((M, K), (N, K), (N,), (M, N))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_computes_residual_plus_x_w_transposed_plus_b(kernel, dtype):
+    x, w, b, residual = operands(dtype)
+    exact = residual.double() + x.double() @ w.double().T + b.double()
+    got = kernel.fixed_linear(x, w, b, residual)
+    assert got.dtype == dtype and got.shape == exact.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), exact, atol=tolerance * 10, rtol=tolerance)
+    torch.testing.assert_close(kernel.fixed_linear(x, w, None, None).double(), x.double() @ w.double().T,
+                               atol=tolerance * 10, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [37, 576])
+def test_a_rows_bits_do_not_depend_on_the_rows_around_it_or_the_threads(kernel, dtype, K):
+    x, w, b, residual = operands(dtype, M=13, N=67, K=K)
+    full = kernel.fixed_linear(x, w, b, residual)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start in range(13):
+                for stop in range(start + 1, 14):
+                    part = kernel.fixed_linear(x[start:stop], w, b, residual[start:stop])
+                    assert torch.equal(part, full[start:stop]), (count, start, stop)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_linear_on_paired_rows_gives_the_bits_of_plain_rows_at_every_row_count(kernel, dtype):
+    # N = 70: after the blocks of 8, 6 and 4 rows a tail of whole pairs is left
+    x, w, b, residual = operands(dtype, M=13, N=70, K=576)
+    paired = pack_weight(w)
+    assert paired.shape == (35, 72, 2, 8) and torch.equal(paired[3, 5, 1], w[7, 40:48])
+    for m in range(1, 14):
+        assert torch.equal(linear(x[:m], paired, b, residual[:m]), kernel.fixed_linear(x[:m], w, b, residual[:m])), m
+
+
+def test_weights_are_paired_only_where_the_shape_allows_and_not_when_shared(kernel):
+    assert pack_weight(torch.randn(12, 64)).shape == (6, 8, 2, 8)
+    for plain in (pack_weight(torch.randn(12, 64), shared=True), pack_weight(torch.randn(11, 64)),
+                  pack_weight(torch.randn(12, 60))):
+        assert plain.dim() == 2 and not plain.is_mkldnn
+
+
+def test_turned_off_the_projections_go_to_onednn_and_stay_row_invariant(monkeypatch):
+    monkeypatch.setenv("SPECBUS_LINEAR_KERNEL", "0")
+    linear_kernel.load.cache_clear()
+    try:
+        assert linear_kernel.load() is None
+        x, w, b, residual = operands(torch.float32, N=12, K=64)
+        packed = pack_weight(w)
+        full = linear(x, packed, b, residual)
+        torch.testing.assert_close(full, residual + x @ w.T + b, atol=1e-5, rtol=1e-5)
+        assert all(torch.equal(linear(x[:m], packed, b, residual[:m]), full[:m]) for m in range(1, 14))
+    finally:
+        linear_kernel.load.cache_clear()
+
+
+def test_the_kernel_lets_other_threads_run_meanwhile(kernel):
+    # a service's event loop (its heartbeats, its bus) runs beside a forward in a worker thread
+    x, w = torch.randn(300, 576), torch.randn(16384, 576)
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    kernel.fixed_linear(x, w, None, None)
+    end = time.perf_counter()
+    done.set()
+    ticker.join()
+    assert sum(start < t < end for t in ticks) >= 10, f"no other thread ran during a {end - start:.3f} s call"

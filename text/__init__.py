@@ -1,0 +1,1 @@
+"""Torch-free text handling: the tokenizer, incremental detokenization and chat templates."""
