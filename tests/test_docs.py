@@ -4,10 +4,12 @@
 - every `*.md` a docstring or comment names, every relative link of a markdown file (with its
   #anchor) and every repository path the README and docs/ name in code spans exists, and
   docs/ARCHITECTURE.md names every module of schemas/, gpu_worker/ and services/;
-- the layering of docs/ARCHITECTURE.md holds: schemas <- gpu_worker <- services <- ops, inside
-  services/ runtime <- client, pipeline <- gateway, launch <- commands <- cli; no import circle
-  anywhere; gpu_worker/ knows nothing of asyncio or NATS; the scheduler, postprocessor, client,
-  gateway and `specbus models` never import torch.
+- the layering of docs/ARCHITECTURE.md holds: schemas <- text <- gpu_worker <- services <- ops,
+  inside services/ runtime <- client, pipeline <- gateway, launch <- commands <- cli; no import
+  circle anywhere; gpu_worker/ knows nothing of asyncio or NATS; the scheduler, postprocessor,
+  client, gateway and `specbus models` never import torch;
+- tests/ mirrors the packages (docs/ARCHITECTURE.md#naming): each tests/<package>/.../test_<name>.py
+  is the test of an existing module, and what is no module's test lives in tests/system/.
 """
 
 import ast
@@ -41,6 +43,7 @@ SERVICE_ROOM_FORBIDDEN = {
     "commands": {"pipeline", "gateway", "cli"},
 }
 NO_ASYNC_IN_GPU_WORKER = {"asyncio", "nats"}
+MIRRORED = ("schemas", "text", "gpu_worker", "services", "ops")  # the packages tests/ mirrors
 TORCH_FREE = ("schemas", "text.tokenizer", "text.chat_template", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
               "services.gateway.gateway", "services.commands.models")
 
@@ -241,3 +244,29 @@ def test_torch_free_modules_stay_torch_free():
            "assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"importing {TORCH_FREE} pulled in torch:\n{result.stderr[-2000:]}"
+
+
+def mirrored_module(test: Path) -> Path | None:
+    """The module tests/<package>/.../test_<name>.py tests: <package>/.../<name>.py, or for
+    test_<module>_<aspect>.py (one aspect of a module in a file of its own) <module>.py; None
+    when there is none."""
+    relative = test.relative_to(ROOT / "tests")
+    name = test.stem.removeprefix("test_")
+    stems = [name] + [name[:i] for i, char in enumerate(name) if char == "_"]
+    return next((ROOT / relative.parent / f"{stem}.py" for stem in stems
+                 if (ROOT / relative.parent / f"{stem}.py").is_file()), None)
+
+
+def test_tests_mirror_the_packages():
+    problems = []
+    for test in sorted((ROOT / "tests").rglob("test_*.py")):
+        relative = test.relative_to(ROOT / "tests")
+        if relative.parts[0] == "system" or relative == Path("test_docs.py"):
+            continue
+        if relative.parts[0] not in MIRRORED:
+            problems.append(f"tests/{relative}: under no package's mirror ({', '.join(MIRRORED)}) nor tests/system/")
+        elif mirrored_module(test) is None:
+            problems.append(f"tests/{relative}: no module {relative.parent}/{test.stem.removeprefix('test_')}.py "
+                            f"(or {relative.parent}/<module>.py for test_<module>_<aspect>.py) to test")
+    assert not problems, "test modules that mirror no module (move them, or to tests/system/):\n" + "\n".join(problems)
+

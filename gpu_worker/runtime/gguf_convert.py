@@ -7,7 +7,7 @@ load torch. Why our own converter rather than transformers' GGUF reader: it need
 or accelerate at run time (both dev-only here), it takes half the time (7 s against 15 s for
 SmolLM2), and its pre-tokenizer is the one llama.cpp uses for the file (transformers' GGUF
 tokenizer has no digit split; SmolLM2's vocabulary has no multi-digit tokens, so both encode the
-same). tests/test_models.py checks weights, tokenizer and logits against transformers' own GGUF
+same). tests/system/test_models.py checks weights, tokenizer and logits against transformers' own GGUF
 loading.
 
 Weights are dequantized with gguf's own `quants.dequantize` and stored as float32: a Q4_1 weight

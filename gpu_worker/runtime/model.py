@@ -19,7 +19,7 @@ Batch invariance: a position's logits are the same bits whether it is computed i
 a verify step, a prefill chunk or a whole prompt, alone or next to other rows. Every reduction
 runs in an order fixed per row: projections through `linear` (one kernel family for every
 number of rows), attention through `attention` (units of a fixed shape against keys in
-fixed-size blocks, the blocks combined in a fixed order). tests/gpu_worker/runtime/test_batch_invariance.py
+fixed-size blocks, the blocks combined in a fixed order). tests/gpu_worker/runtime/test_model_batch_invariance.py
 checks it with torch.equal.
 """
 

@@ -1,6 +1,6 @@
 """The `specbus` CLI as a user runs it: separate processes, real server, real signals.
 
-The full pipeline through the CLI (`up`, `generate`, `demo`) is in tests/test_pipeline.py.
+The full pipeline through the CLI (`up`, `generate`, `demo`) is in tests/system/test_pipeline.py.
 """
 
 import asyncio

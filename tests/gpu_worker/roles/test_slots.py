@@ -2,58 +2,14 @@
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.roles.slots import evict_idle, instance_heartbeat, load_model_and_cache, release
 from schemas.config import DrafterConfig, VerifierConfig, load_config, parse_bytes
 from schemas.errors import SpecbusError
-from tests.gpu_worker.conftest import write_hf_model
-
-MAX_SLOTS = 3
-
-
-@dataclass
-class Slot:
-    slot: int
-    last_used: float
-
-
-@dataclass
-class Owner:
-    """The fields the slot functions read, as a Verifier or a Drafter has them."""
-
-    cache: KVCache
-    slot_idle_ttl_s: float
-    instance_id: str = "owner-test"
-    model_ids: dict[str, str] = field(default_factory=lambda: {"target": "tiny"})
-    requests: dict[str, Slot] = field(default_factory=dict)
-    counters: Counter = field(default_factory=Counter)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    write_hf_model(path, "llama", seed=1)
-    return path
-
-
-def config(model_dir, **overrides):
-    return load_config(VerifierConfig, env={}, target_model=str(model_dir), instance_id="verifier-test",
-                       max_slots=MAX_SLOTS, max_seq_len=32, **{"dtype": "float32", **overrides})
-
-
-@pytest.fixture
-def owner(model_dir):
-    _, cache = load_model_and_cache(str(model_dir), config(model_dir))
-    return Owner(cache=cache, slot_idle_ttl_s=60.0)
-
-
-def take(owner, request_id, last_used):
-    owner.requests[request_id] = Slot(owner.cache.allocate(), last_used)
+from tests.slot_owner import MAX_SLOTS, config, take
 
 
 def test_release_frees_named_slots_and_counts_unknown_ids(owner):

@@ -13,7 +13,7 @@ from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.errors import ErrorCode
 from schemas.messages import LogprobOptions, Proposal, RowSampling, VerifyRequest, VerifyRow
-from tests.gpu_worker.conftest import TINY, write_hf_model
+from tests.tiny_checkpoints import TINY, write_hf_model
 
 V = TINY["vocab_size"]
 PROMPT = [5, 17, 42, 8, 90, 23, 61, 3, 77, 12, 50, 31, 6]

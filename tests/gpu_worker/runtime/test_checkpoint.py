@@ -10,7 +10,7 @@ from gpu_worker.runtime.checkpoint import (CheckpointError, load_d2t, load_model
                                    weight_files)
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
-from tests.gpu_worker.conftest import write_hf_model
+from tests.tiny_checkpoints import write_hf_model
 
 IDS = torch.arange(10)[None] * 7 % 97
 

@@ -15,7 +15,7 @@ from gpu_worker.runtime.kv_cache import (
     SlotError,
 )
 from gpu_worker.runtime.model import forward
-from tests.gpu_worker.conftest import write_hf_model
+from tests.tiny_checkpoints import write_hf_model
 
 LONG = 2 * SLOT_BLOCK + 100  # max_seq_len of the growth tests: three blocks
 

@@ -16,7 +16,7 @@ from gpu_worker.runtime.model import (
     forward,
     linear,
 )
-from tests.gpu_worker.conftest import write_hf_model
+from tests.tiny_checkpoints import write_hf_model
 
 V = 97  # conftest TINY vocab_size
 

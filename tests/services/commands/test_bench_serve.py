@@ -11,31 +11,16 @@ import sys
 import pytest
 import pytest_asyncio
 
-from services.launch.stack import Stack, StackConfig
-from tests.gpu_worker.conftest import write_tiny_pair
-
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 COMMAND_TIMEOUT_S = 120
 # the scheduler admits 2 running + 2 queued requests: 6 sent at once meet `overloaded`
 SCHEDULER_ARGS = ["--max-running", "2", "--max-queue", "2"]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target, draft = write_tiny_pair(tmp_path_factory.mktemp("models"))
-    config_path = target / "tokenizer_config.json"
-    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": CHATML}))
-    return target, draft
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), gateways=1,
-                         log_dir=tmp_path_factory.mktemp("bench-logs"), role_args={"scheduler": SCHEDULER_ARGS})
-    async with Stack(config) as running:
+async def stack(start_stack, chatml_pair):
+    async with start_stack(*chatml_pair, gateways=1, role_args={"scheduler": SCHEDULER_ARGS}) as running:
         yield running
 
 
@@ -55,11 +40,11 @@ async def bench(*args: str) -> tuple[int, str, str]:
     return process.returncode, out.decode(), err.decode()
 
 
-async def test_a_sharegpt_run_completes_every_request_and_writes_vllms_fields(stack, models, tmp_path):
+async def test_a_sharegpt_run_completes_every_request_and_writes_vllms_fields(stack, chatml_pair, tmp_path):
     result_file = tmp_path / "result.json"
     code, out, err = await bench("--client-env", str(stack.client_env_path), "--dataset", "sharegpt",
                                  "--num-prompts", "6", "--sharegpt-output-len", "8", "--max-concurrency", "2",
-                                 "--tokenizer", str(models[0]), "--goodput", "ttft:600000", "tpot:600000",
+                                 "--tokenizer", str(chatml_pair[0]), "--goodput", "ttft:600000", "tpot:600000",
                                  "--extra-body", '{"num_speculative_tokens": 2}', "--save-detailed",
                                  "--result-file", str(result_file))
     assert code == 0, err
@@ -68,7 +53,7 @@ async def test_a_sharegpt_run_completes_every_request_and_writes_vllms_fields(st
     assert (data["completed"], data["failed"], data["failures"]) == (6, 0, {})
     assert data["total_output_tokens"] == 6 * 8  # ignore_eos: every request runs to max_tokens
     assert data["output_lens"] == [8] * 6 and data["request_goodput"] > 0
-    assert data["model_id"] == models[0].name and data["base_url"] == stack.openai_base_url
+    assert data["model_id"] == chatml_pair[0].name and data["base_url"] == stack.openai_base_url
     assert (data["max_concurrency"], data["request_rate"], data["num_prompts"]) == (2, "inf", 6)
     assert data["total_input_tokens"] > sum(data["input_lens"]) - 1  # the server's counts, template included
     assert 0 <= data["draft_acceptance_rate"] <= 1
@@ -80,12 +65,12 @@ async def test_a_sharegpt_run_completes_every_request_and_writes_vllms_fields(st
         assert data[key] > 0
 
 
-async def test_a_rate_sweep_runs_each_rate_and_plots_it(stack, models, tmp_path):
+async def test_a_rate_sweep_runs_each_rate_and_plots_it(stack, chatml_pair, tmp_path):
     result_file = tmp_path / "sweep.json"
     code, out, err = await bench("--base-url", stack.openai_base_url, "--api-key", stack.api_key(),
                                  "--endpoint", "completions", "--dataset", "random", "--random-input-len", "16",
                                  "--random-output-len", "4", "--num-prompts", "4", "--request-rate", "50,inf",
-                                 "--tokenizer", str(models[0]), "--result-file", str(result_file))
+                                 "--tokenizer", str(chatml_pair[0]), "--result-file", str(result_file))
     assert code == 0, err
     entries = json.loads(result_file.read_text())
     assert [e["request_rate"] for e in entries] == [50.0, "inf"]
@@ -95,10 +80,10 @@ async def test_a_rate_sweep_runs_each_rate_and_plots_it(stack, models, tmp_path)
     assert "| rate |" in out
 
 
-async def test_refusals_are_counted_with_their_codes_and_a_bad_key_stops_the_run(stack, models, tmp_path):
+async def test_refusals_are_counted_with_their_codes_and_a_bad_key_stops_the_run(stack, chatml_pair, tmp_path):
     result_file = tmp_path / "refused.json"
     common = ("--base-url", stack.openai_base_url, "--dataset", "random", "--random-input-len", "8",
-              "--random-output-len", "64", "--tokenizer", str(models[0]))
+              "--random-output-len", "64", "--tokenizer", str(chatml_pair[0]))
     code, _, err = await bench(*common, "--api-key", stack.api_key(), "--num-prompts", "3",
                                "--extra-body", '{"no_such_field": 1}', "--result-file", str(result_file))
     data = json.loads(result_file.read_text())
@@ -117,7 +102,7 @@ async def test_refusals_are_counted_with_their_codes_and_a_bad_key_stops_the_run
     assert code == 2 and "401" in err and "invalid_api_key" in err
 
 
-async def test_a_silent_server_fails_each_request_at_its_timeout(models, tmp_path):
+async def test_a_silent_server_fails_each_request_at_its_timeout(chatml_pair, tmp_path):
     accepted = []
 
     async def never_answer(reader, writer):
@@ -129,7 +114,7 @@ async def test_a_silent_server_fails_each_request_at_its_timeout(models, tmp_pat
     try:
         code, _, err = await bench("--base-url", f"http://127.0.0.1:{port}/v1", "--model", "m", "--dataset", "random",
                                    "--random-input-len", "8", "--random-output-len", "4", "--num-prompts", "3",
-                                   "--request-timeout", "0.5", "--tokenizer", str(models[0]),
+                                   "--request-timeout", "0.5", "--tokenizer", str(chatml_pair[0]),
                                    "--result-file", str(result_file))
     finally:
         for writer in accepted:

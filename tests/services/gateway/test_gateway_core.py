@@ -1,5 +1,5 @@
 """The gateway's NATS-free logic: bodies and their mapping, errors, keys, chat templates, token
-texts and the response shapes built from StreamChunks (the HTTP side is tests/test_gateway.py)."""
+texts and the response shapes built from StreamChunks (the HTTP side is tests/system/test_gateway.py)."""
 
 import json
 

@@ -2,7 +2,7 @@
 restarts of real service processes of a Stack (torch-free postprocessors: they start in seconds).
 
 The full-stack kills (drafter, verifier, postprocessor under 8 streams, restarted by the
-supervisor) are in tests/test_faults.py."""
+supervisor) are in tests/system/faults/test_faults.py."""
 
 import asyncio
 import dataclasses

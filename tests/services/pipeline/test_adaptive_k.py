@@ -1,5 +1,5 @@
 """Adaptive speculation length: the formula, the cost tables, the choice, and the scheduler core
-driving it with timings from a cost model (no NATS; the real stack is tests/test_adaptive_k_stack.py)."""
+driving it with timings from a cost model (no NATS; the real stack is tests/system/test_adaptive_k_stack.py)."""
 
 import time
 
@@ -16,7 +16,7 @@ from services.pipeline.adaptive_k import (
     RowState,
     expected_tokens,
 )
-from tests.services.pipeline.test_scheduler_core import new_state, submit, tokenizer  # noqa: F401 (a fixture)
+from tests.services.pipeline.test_scheduler_core import new_state, submit
 
 # ------------------------------------------------------------------ the pieces
 

@@ -6,7 +6,7 @@ import time
 
 from schemas.messages import ANY_TOKENIZER, Heartbeat
 from services.pipeline.draft_method import TRIAL_STEPS
-from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, step, submit, tokenizer  # noqa: F401
+from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, step, submit
 
 BASE = (("v1", "verifier"), ("p1", "postprocessor"))
 

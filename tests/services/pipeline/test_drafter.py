@@ -24,7 +24,7 @@ from schemas.messages import DraftRequest, DraftResponse, DraftRow, Error, Heart
 from schemas.subjects import Subjects
 from services.pipeline.drafter import run_drafter
 from services.runtime.bus import request
-from tests.gpu_worker.conftest import TINY, write_hf_model
+from tests.tiny_checkpoints import TINY, write_hf_model
 
 VD = TINY["vocab_size"]  # draft vocabulary
 VT = 128  # target vocabulary

@@ -7,17 +7,11 @@ import time
 
 import pytest
 
-from text.tokenizer import load_tokenizer
 from schemas.messages import DraftResponse, DraftResult, FeatureBlock, Heartbeat, VerifyResponse, VerifyResult
 from services.pipeline import features
-from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, submit, write_tokenizer
+from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, submit
 
 E = 4  # features per position in these tests: 8 bytes
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 def block(start, stop) -> FeatureBlock:

@@ -5,10 +5,10 @@ import asyncio
 import time
 
 from services.pipeline.model_service import evict_idle_loop
-from tests.gpu_worker.roles.test_slots import MAX_SLOTS, model_dir, owner, take  # noqa: F401 (fixtures)
+from tests.slot_owner import MAX_SLOTS, take
 
 
-async def test_evict_idle_loop_gives_capacity_back_without_batches(owner):  # noqa: F811
+async def test_evict_idle_loop_gives_capacity_back_without_batches(owner):
     owner.slot_idle_ttl_s = 0.05
     take(owner, "a", time.monotonic())
     task = asyncio.create_task(evict_idle_loop(owner, asyncio.Lock()))

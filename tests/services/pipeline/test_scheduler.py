@@ -5,7 +5,6 @@ with a reply inbox."""
 
 import asyncio
 import json
-import shutil
 import time
 
 import msgpack
@@ -22,8 +21,6 @@ from services.pipeline.scheduler import run_scheduler
 from services.pipeline.verifier import run_verifier
 from services.runtime.bus import heartbeat_loop, request
 from tests.conftest import wait_for_heartbeats
-from tests.gpu_worker.conftest import write_hf_model
-from tests.services.pipeline.test_scheduler_core import write_tokenizer
 
 POSTPROCESSOR = "pp-test"
 PROMPTS = [[3, 14, 15, 9, 26], [5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6, 26, 4, 33, 8, 3, 27]]
@@ -31,22 +28,7 @@ SUBJECTS = Subjects()
 GENERATE = SUBJECTS.generate_for(DEFAULT_CLIENT_USER)  # the conftest nc's inbox is that user's
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    """A 2-layer target, a 1-layer draft (other random weights) and a twin draft (the target's
-    own weights: every greedy draft is accepted), sharing one tokenizer."""
-    root = tmp_path_factory.mktemp("models")
-    target = write_tokenizer(root / "target")
-    write_hf_model(target, "llama", seed=1)
-    draft = shutil.copytree(target, root / "draft")
-    for weights in draft.glob("*.safetensors"):
-        weights.unlink()
-    write_hf_model(draft, "llama", seed=2, num_hidden_layers=1)
-    twin = shutil.copytree(target, root / "twin")
-    return {"target": target, "draft": draft, "twin": twin}
-
-
-class Stack:
+class InProcessStack:
     """Services as tasks, each with its own stop event; the test plays postprocessor and client."""
 
     def __init__(self, nats_url, nc, tokenizer_dir):
@@ -99,7 +81,7 @@ class Stack:
 
 @pytest.fixture
 async def stack(nats_server, nc, model_dirs):
-    stack = Stack(nats_server.url, nc, model_dirs["target"])
+    stack = InProcessStack(nats_server.url, nc, model_dirs["target"])
     yield stack
     await stack.close()
 

@@ -2,14 +2,11 @@
 prefill, commit rules, usage, fallback decisions. Verifier and drafter answers are built here
 as the real message types they send; a real tokenizer (trained on the spot) gives EOS and text."""
 
-import json
 import time
 
 import pytest
 from structlog.testing import capture_logs
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
@@ -29,20 +26,6 @@ from services.pipeline.scheduler_core import SchedulerState, cut_tokens, prompt_
 
 TOKENIZER_HASH = "0123456789abcdef"
 EOS = 0
-TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun " * 4
-
-
-def write_tokenizer(path, vocab_size=60):
-    """A real BPE tokenizer.json (+ tokenizer_config.json naming EOS) trained on TEXT; id 0 is EOS."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"]))
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<eos>", "eos_token": "<eos>"}))
-    return path
-
-
 class Clock:
     """A monotonic clock the test moves by hand (heartbeat liveness)."""
 
@@ -51,11 +34,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 def beat(state, instance_id, role, capacity=8, free_slots=None, tokenizer_hash=TOKENIZER_HASH):

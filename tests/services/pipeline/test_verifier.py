@@ -23,7 +23,7 @@ from schemas.messages import (
 from schemas.subjects import Subjects
 from services.pipeline.verifier import run_verifier
 from services.runtime.bus import request
-from tests.gpu_worker.conftest import TINY, write_hf_model
+from tests.tiny_checkpoints import TINY, write_hf_model
 
 V = TINY["vocab_size"]
 PROMPT = [5, 17, 42, 8, 90, 23, 61, 3, 77, 12]

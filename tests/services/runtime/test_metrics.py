@@ -6,7 +6,6 @@ client, then every endpoint scraped over HTTP and compared with what the client 
 import asyncio
 import json
 import re
-import shutil
 import socket
 import urllib.request
 from pathlib import Path
@@ -24,8 +23,7 @@ from services.pipeline.scheduler import run_scheduler
 from services.pipeline.verifier import run_verifier
 from services.runtime.metrics import LABELLED, Metrics, SchedulerMetrics, serve_metrics
 from tests.conftest import wait_for_heartbeats
-from tests.gpu_worker.conftest import write_hf_model
-from tests.services.pipeline.test_scheduler_core import write_tokenizer
+from tests.tiny_checkpoints import write_model_dirs
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "ops/grafana/specbus-dashboard.json"
 VOCAB = 60  # the test tokenizer's: every generated id decodes
@@ -36,15 +34,9 @@ RUNNERS = {"scheduler": (run_scheduler, SchedulerConfig), "verifier": (run_verif
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    target = write_tokenizer(root / "target", vocab_size=VOCAB)
-    write_hf_model(target, "llama", seed=1, vocab_size=VOCAB)
-    draft = shutil.copytree(target, root / "draft")
-    for weights in draft.glob("*.safetensors"):
-        weights.unlink()
-    write_hf_model(draft, "llama", seed=2, vocab_size=VOCAB, num_hidden_layers=1)
-    return {"target": str(target), "draft": str(draft)}
+def decodable_model_dirs(tmp_path_factory):
+    """model_dirs whose models' vocabulary is the tokenizer's: every generated id decodes."""
+    return {name: str(path) for name, path in write_model_dirs(tmp_path_factory.mktemp("models"), VOCAB).items()}
 
 
 def free_port() -> int:
@@ -115,8 +107,8 @@ class Services:
 
 
 @pytest.fixture
-async def services(nats_server, model_dirs):
-    services = Services(nats_server.url, model_dirs)
+async def services(nats_server, decodable_model_dirs):
+    services = Services(nats_server.url, decodable_model_dirs)
     yield services
     await services.stop()
 

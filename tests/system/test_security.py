@@ -18,8 +18,6 @@ from schemas.messages import CancelRequest, Error
 from services.runtime.auth import PermissionDenied
 from services.runtime.bus import connect, permission_watch, request
 from services.client import Client, RequestError, make_request
-from services.launch.stack import Stack, StackConfig
-from tests.services.pipeline.test_scheduler import model_dirs  # noqa: F401 (a fixture: tiny target and draft)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,14 +26,12 @@ REFUSED_WITHIN_S = 2.0  # a refusal is one round trip; anything near a timeout i
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(model_dirs, tmp_path_factory):
-    config = StackConfig(target_model=str(model_dirs["target"]), draft_model=str(model_dirs["draft"]),
-                         client_users=("alice", "bob"),
-                         log_dir=tmp_path_factory.mktemp("secure-logs"), ready_timeout_s=90,
-                         role_args={"scheduler": ["--draft-timeout-s", "5"], "verifier": ["--max-seq-len", "128"],
-                                    "drafter": ["--max-seq-len", "128"]})
-    assert config.auth
-    async with Stack(config) as running:
+async def stack(start_stack, model_dirs):
+    role_args = {"scheduler": ["--draft-timeout-s", "5"], "verifier": ["--max-seq-len", "128"],
+                 "drafter": ["--max-seq-len", "128"]}
+    async with start_stack(model_dirs["target"], model_dirs["draft"], client_users=("alice", "bob"),
+                           ready_timeout_s=90, role_args=role_args) as running:
+        assert running.config.auth
         yield running
 
 

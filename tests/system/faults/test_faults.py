@@ -23,7 +23,6 @@ heartbeats, not by streams that must outlive its start (however long its imports
 
 import asyncio
 import json
-import shutil
 import signal
 import time
 from collections import Counter
@@ -31,23 +30,15 @@ from dataclasses import dataclass, field
 
 import pytest
 import pytest_asyncio
-import torch
 
-from text.tokenizer import load_tokenizer
-from ops.train_models import read_text, source_files
-from schemas.config import TINY_TARGET
 from schemas.messages import GenerateRequest, StreamChunk
 from services.client import Client, ClientError, make_request
 from services.launch.natsserver import NatsServerConfig
-from services.launch.stack import Stack, StackConfig
-from services.launch.supervisor import supervise
-from tests.gpu_worker.conftest import write_hf_model
+from services.launch.stack import Stack
 from tests.services.pipeline.test_scheduler_core import beat, new_state, step, submit
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-NUM_REQUESTS = 8
-PROMPT_TOKENS = 16
 MAX_TOKENS = 160
 LONG_MAX_TOKENS = 480  # many steps left after a fault at FAULT_AFTER_CHUNKS chunks, even at k=0
 FROZEN_CHUNKS = 20  # chunks every stream makes while the drafter is frozen
@@ -60,65 +51,23 @@ HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 1.5
 VERIFY_TIMEOUT_S = 2.0
 DRAFT_TIMEOUT_S = 0.5
-TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024)
-DRAFT_NOISE = 0.02  # relative to each weight's std: the draft mostly agrees with the target
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny random target over the shipped tokenizer, and a draft = target + noise."""
-    root = tmp_path_factory.mktemp("models")
-    target, draft = root / "target", root / "draft"
-    for path in (target, draft):
-        path.mkdir()
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(TINY_TARGET / name, path / name)
-    model = write_hf_model(target, "llama", seed=11, vocab_size=load_tokenizer(target).vocab_size, **TINY_MODEL)
-    generator = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * p.std() * DRAFT_NOISE)
-    model.save_pretrained(draft)
-    return target, draft
-
-
-@pytest.fixture(scope="module")
-def tokenizer(models):
-    return load_tokenizer(models[0])
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    """Consecutive PROMPT_TOKENS-token windows of the first held-out stdlib file."""
-    _, held_out = source_files()
-    ids = tokenizer.encode(read_text(held_out[0]))
-    windows = [ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS] for i in range(NUM_REQUESTS)]
-    assert len(windows[-1]) == PROMPT_TOKENS and len(set(map(tuple, windows))) == NUM_REQUESTS
-    return windows
-
-
-def fault_config(models, log_dir, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, **options) -> StackConfig:
-    """The tiny pair and the short heartbeat, verify and draft timeouts of these tests; options:
-    instance counts and other StackConfig fields."""
+def fault_settings(heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, **options) -> dict:
+    """start_stack settings: the short heartbeat, verify and draft timeouts of these tests;
+    options: instance counts and other StackConfig fields."""
     beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
-    return StackConfig(
-        target_model=str(models[0]), draft_model=str(models[1]), log_dir=log_dir,
-        role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(heartbeat_timeout_s),
-                                 "--verify-timeout-s", str(VERIFY_TIMEOUT_S), "--draft-timeout-s", str(DRAFT_TIMEOUT_S)],
-                   "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
-                   "postprocessor": beat}, **options)
+    return dict(role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(heartbeat_timeout_s),
+                                         "--verify-timeout-s", str(VERIFY_TIMEOUT_S),
+                                         "--draft-timeout-s", str(DRAFT_TIMEOUT_S)],
+                           "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
+                           "postprocessor": beat}, **options)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
-    config = fault_config(models, tmp_path_factory.mktemp("fault-logs"), verifiers=2, postprocessors=2)
-    async with Stack(config) as running:
-        stop = asyncio.Event()
-        supervisor = asyncio.create_task(supervise(running, stop))
+async def stack(start_stack, noisy_pair):
+    async with start_stack(*noisy_pair, supervised=True, **fault_settings(verifiers=2, postprocessors=2)) as running:
         yield running
-        stop.set()
-        print(f"\nreplacements started by the supervisor: {await supervisor}")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -525,17 +474,13 @@ MATRIX_FAULTS = ("scheduler", "verifier", "drafter", "postprocessor", "nats-0", 
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def matrix_stack(models, tmp_path_factory):
+async def matrix_stack(start_stack, noisy_pair):
     """Every role twice but the drafter (its death costs drafts, not output), a 3-node NATS
     cluster with monitoring on, supervised: every process there is something to kill."""
-    config = fault_config(models, tmp_path_factory.mktemp("matrix-logs"), MATRIX_HEARTBEAT_TIMEOUT_S, schedulers=2,
-                          verifiers=2, postprocessors=2, nats_cluster=3, nats=NatsServerConfig(http_port=0))
-    async with Stack(config) as running:
-        stop = asyncio.Event()
-        supervisor = asyncio.create_task(supervise(running, stop))
+    settings = fault_settings(MATRIX_HEARTBEAT_TIMEOUT_S, schedulers=2, verifiers=2, postprocessors=2, nats_cluster=3,
+                              nats=NatsServerConfig(http_port=0))
+    async with start_stack(*noisy_pair, supervised=True, **settings) as running:
         yield running
-        stop.set()
-        await supervisor
 
 
 async def inject(stack: Stack, fault: str, streams: list[Streamed]) -> str:
@@ -590,7 +535,7 @@ async def test_fault_matrix_no_single_process_kill_changes_any_stream(matrix_sta
     """The same NUM_REQUESTS streams, greedy and Gumbel-coupled seeded samples (mixed_requests),
     against each single-process SIGKILL (each role, each NATS node; at FAULT_AFTER_CHUNKS chunks
     per stream): every stream whole and identical to an undisturbed run, in float32
-    (tests/test_cluster.py runs the workload in bfloat16). Prints the table of outcomes per fault."""
+    (tests/system/faults/test_cluster.py runs the workload in bfloat16). Prints the table of outcomes per fault."""
     async with matrix_stack.client(idle_timeout_s=MATRIX_IDLE_TIMEOUT_S,
                                    heartbeat_timeout_s=MATRIX_HEARTBEAT_TIMEOUT_S) as client:
         undisturbed = await Load(client, mixed_requests(prompts, "matrix-reference", MATRIX_MAX_TOKENS)).finish()

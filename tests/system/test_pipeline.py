@@ -1,15 +1,15 @@
 """End to end: every service a separate process (services.launch.stack.Stack), a
 real nats-server, the shipped model pair.
 
-The models in models/ are being retrained and overwritten by checkpoints, so the module copies
-them once and every stack here loads that copy: all processes see the same weights, and no
+The models in models/ are being retrained and overwritten by checkpoints, so every stack here
+loads the session's copy (the `tiny_pair` fixture): all processes see the same weights, and no
 assertion depends on how good they are (greedy equality holds for any weights).
 
 Two stacks: `stack` is shared by the tests that disturb nothing; `fault_stack` is small (a
 scheduler admitting 2 running + 2 queued requests) and restricted (its verifier's NATS user may
 not publish side-channel records, so they are really withheld). A drafter kill, greedy and
-Gumbel-coupled samples alike, is tests/test_faults.py's fault matrix (float32) and
-tests/test_cluster.py (bfloat16).
+Gumbel-coupled samples alike, is tests/system/faults/test_faults.py's fault matrix (float32) and
+tests/system/faults/test_cluster.py (bfloat16).
 """
 
 import asyncio
@@ -17,7 +17,6 @@ import json
 import math
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,15 +27,12 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
 from schemas.codec import decode
-from schemas.config import REPO_MODELS
 from schemas.errors import ErrorCode
 from schemas.messages import GenerateRequest, StreamChunk
 from services.client import Client, Overloaded, RequestError, make_request, score_request
 from services.launch.natsserver import NatsServerConfig
-from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import NatsUser
 from services.runtime.bus import connect
 
@@ -52,18 +48,8 @@ def specbus(*args):
     return [sys.executable, "-m", "services.cli", *args]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    for name in ("target", "draft"):
-        shutil.copytree(REPO_MODELS / "tiny" / name, root / name)
-    return root / "target", root / "draft"
-
-
-@pytest.fixture(scope="module")
-def prompts(models) -> list[list[int]]:
-    """PROMPT_TOKENS tokens from the middle of each of the first held-out stdlib files."""
-    tokenizer = load_tokenizer(models[0])
+def held_out_prompts(tokenizer) -> list[list[int]]:
+    """PROMPT_TOKENS tokens from the middle of each of the first held-out stdlib files (NUM_PROMPTS)."""
     _, held_out = source_files()
     found = []
     for path in held_out:
@@ -76,8 +62,13 @@ def prompts(models) -> list[list[int]]:
     raise AssertionError(f"only {len(found)} held-out files give a {PROMPT_TOKENS}-token prompt")
 
 
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return held_out_prompts(tokenizer)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "bfloat16"])
-async def stack(models, tmp_path_factory, request):
+async def stack(start_stack, tiny_pair, request):
     """The shared stack, once per dtype: every identity below is bitwise in both (bf16 is what a
     GPU and `auto` on a CPU with native bf16 run; on a CPU without it bf16 is emulated, slower)."""
     # A generous draft timeout: on a loaded 2-core machine a late drafter would make steps run
@@ -85,12 +76,9 @@ async def stack(models, tmp_path_factory, request):
     # sampler keeps the distribution, not the draw), so the equality tests below would not hold.
     # Adaptive k off: these tests run each k they name (k=2 runs 2 drafts a step), and the CLI
     # test compares which tokens came from drafts across two runs, which adaptive k decides from
-    # timings (its own tests: tests/test_adaptive_k.py).
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), dtype=request.param,
-                         log_dir=tmp_path_factory.mktemp("stack-logs"),
-                         role_args={"scheduler": ["--max-tokens-cap", "256", "--draft-timeout-s", "5",
-                                                  "--adaptive-k", "false"]})
-    async with Stack(config) as running:
+    # timings (its own tests: tests/system/test_adaptive_k_stack.py).
+    scheduler = ["--max-tokens-cap", "256", "--draft-timeout-s", "5", "--adaptive-k", "false"]
+    async with start_stack(*tiny_pair, dtype=request.param, role_args={"scheduler": scheduler}) as running:
         yield running
 
 
@@ -268,7 +256,7 @@ async def test_gumbel_coupled_sampling_is_the_same_at_every_k_and_still_accepts_
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def fault_stack(models, tmp_path_factory):
+async def fault_stack(start_stack, tiny_pair):
     password = secrets.token_hex(16)
     users = (
         NatsUser("service", password),
@@ -276,15 +264,14 @@ async def fault_stack(models, tmp_path_factory):
         NatsUser("verifier", password, publish=("specbus.heartbeat",), allow_responses=True),
     )
     service_env = {"SPECBUS_NATS_USER": "service", "SPECBUS_NATS_PASSWORD": password}
-    config = StackConfig(
-        target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("fault-logs"),
+    settings = dict(
         auth=False, nats=NatsServerConfig(users=users), nats_user="service", nats_password=password,
         role_env={"scheduler": service_env, "drafter": service_env, "postprocessor": service_env,
                   "verifier": {"SPECBUS_NATS_USER": "verifier", "SPECBUS_NATS_PASSWORD": password}},
         role_args={"scheduler": ["--max-running", "2", "--max-queue", "2"],
                    "postprocessor": ["--side-channel-timeout-s", "0.3"]},
     )
-    async with Stack(config) as running:
+    async with start_stack(*tiny_pair, **settings) as running:
         async with Client(running.url, user="service", password=password) as fault_client:
             yield running, fault_client
 
@@ -328,10 +315,10 @@ async def test_a_full_queue_refuses_at_once_with_overloaded(fault_stack, prompts
 # the CLI's own stack commands
 
 
-async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, prompts):
+async def test_up_serves_until_sigint_and_stops_every_process(tiny_pair, tmp_path, prompts):
     process = await asyncio.create_subprocess_exec(
-        *specbus("up", "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path), "--target-model", str(models[0]),
-                 "--draft-model", str(models[1])),
+        *specbus("up", "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path), "--target-model", str(tiny_pair[0]),
+                 "--draft-model", str(tiny_pair[1])),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         url = (await asyncio.wait_for(process.stdout.readline(), timeout=30)).decode().strip()
@@ -358,8 +345,8 @@ async def test_up_serves_until_sigint_and_stops_every_process(models, tmp_path, 
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_demo_runs_generations_and_prints_a_summary(models, dtype):
-    env = {**os.environ, "SPECBUS_TARGET_MODEL": str(models[0]), "SPECBUS_DRAFT_MODEL": str(models[1])}
+async def test_demo_runs_generations_and_prints_a_summary(tiny_pair, dtype):
+    env = {**os.environ, "SPECBUS_TARGET_MODEL": str(tiny_pair[0]), "SPECBUS_DRAFT_MODEL": str(tiny_pair[1])}
     done = await asyncio.to_thread(subprocess.run, specbus("demo", "--max-tokens", "8", "--dtype", dtype),
                                    capture_output=True,
                                    text=True, timeout=240, env=env)

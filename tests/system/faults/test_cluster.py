@@ -1,7 +1,7 @@
 """A 3-node NATS cluster: the embedded stack with `nats_cluster=3`, every service a
 separate process given all three URLs, and the node one process is connected to SIGKILLed
 while NUM_REQUESTS streams run (triggered when every stream has FAULT_AFTER_CHUNKS
-chunks, not by wall time; the workload of tests/test_faults.py's fault matrix, which runs it in
+chunks, not by wall time; the workload of tests/system/faults/test_faults.py's fault matrix, which runs it in
 float32); then, on the same stack, the drafter SIGKILLed the same way.
 
 Which node a process is on comes from each node's /connz monitoring endpoint (the connection
@@ -27,17 +27,14 @@ import pytest_asyncio
 
 from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
 from services.launch.stack import Stack
-from tests.test_faults import (  # noqa: F401  (fixtures)
+from tests.system.faults.test_faults import (
     Load,
     Streamed,
     check_whole,
-    fault_config,
+    fault_settings,
     heartbeats_since,
     kill,
     mixed_requests,
-    models,
-    prompts,
-    tokenizer,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -47,10 +44,10 @@ MAX_TOKENS = 96
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
-    config = fault_config(models, tmp_path_factory.mktemp("cluster-logs"), nats_cluster=NODES, dtype="bfloat16",
-                          nats=NatsServerConfig(http_port=0))  # /connz says which node each process is on
-    async with Stack(config) as running:
+async def stack(start_stack, noisy_pair):
+    settings = fault_settings(nats_cluster=NODES, dtype="bfloat16",
+                              nats=NatsServerConfig(http_port=0))  # /connz says which node each process is on
+    async with start_stack(*noisy_pair, **settings) as running:
         yield running
 
 

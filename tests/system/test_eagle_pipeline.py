@@ -8,7 +8,6 @@ the same logprobs, a seeded Gumbel-coupled sample is the same at k=0 and k=4, an
 whose drafter is killed (SIGKILL) and restarted mid-way, which then drafts again."""
 
 import asyncio
-import shutil
 import signal
 import time
 
@@ -20,12 +19,9 @@ from gpu_worker.runtime.checkpoint import load_d2t, load_model
 from gpu_worker.runtime.eagle import EagleConfig
 from ops.eagle_training import init_weights, save_head
 from gpu_worker.runtime.kv_cache import KVCache
-from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
-from schemas.config import TINY_DRAFT, TINY_TARGET
-from services.launch.stack import Stack, StackConfig
 from tests.gpu_worker.runtime.test_eagle import load_ops
-from tests.test_ngram_pipeline import generate_all, greedy, gumbel  # requests as the ngram stack's
+from tests.system.test_ngram_pipeline import generate_all, greedy, gumbel  # requests as the ngram stack's
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -36,15 +32,9 @@ KILL_MAX_TOKENS = 1500  # the stream whose drafter is killed: cancelled once dra
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return shutil.copytree(TINY_TARGET, tmp_path_factory.mktemp("models") / "target")
-
-
-@pytest.fixture(scope="module")
-def prompts(target) -> list[list[int]]:
+def prompts(tokenizer) -> list[list[int]]:
     """PROMPT_TOKENS tokens from the start of each of the first held-out stdlib files, then the
     periodic text three times (the one whose drafts the head was fitted to)."""
-    tokenizer = load_tokenizer(target)
     _, held_out = source_files()
     found = [ids[:PROMPT_TOKENS] for ids in (tokenizer.encode(read_text(path)) for path in held_out[:9])
              if len(ids) >= PROMPT_TOKENS]
@@ -52,15 +42,16 @@ def prompts(target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def head(target, tmp_path_factory):
+def head(tiny_pair, tokenizer, tmp_path_factory):
     """An EAGLE head for the tiny target fitted (FIT_STEPS Adam steps of train_eagle's chain
     losses, two chain steps) to the target's features of the periodic text repeated."""
+    target, draft = tiny_pair
     ops = load_ops()
     model, tconfig = load_model(target, max_seq_len=512)
-    ids = load_tokenizer(target).encode(PERIOD * 12)
+    ids = tokenizer.encode(PERIOD * 12)
     features = ops.conversation_features(model, tconfig, KVCache(tconfig, max_slots=1, max_seq_len=512), ids, "cpu")
     config = EagleConfig.from_target(tconfig)
-    maps = load_d2t(TINY_DRAFT)
+    maps = load_d2t(draft)
     embed = model.embed.float()
     weights = {n: t.requires_grad_(True) for n, t in init_weights(config, ops.target_weights(target), seed=0).items()}
     optimizer = torch.optim.Adam(list(weights.values()), lr=3e-3)
@@ -77,13 +68,12 @@ def head(target, tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "bfloat16"])
-async def stack(request, target, head, tmp_path_factory):
+async def stack(request, start_stack, tiny_pair, head):
     # adaptive k off: every step drafts the k it names. A generous draft timeout: a late answer
     # would run the step k=0 (the same output, but the acceptance asserted would measure the load)
-    config = StackConfig(target_model=str(target), draft_method="eagle", eagle_head=str(head), dtype=request.param,
-                         log_dir=tmp_path_factory.mktemp("logs"),
-                         role_args={"scheduler": ["--draft-timeout-s", "5", "--adaptive-k", "false"]})
-    async with Stack(config) as running:
+    scheduler = ["--draft-timeout-s", "5", "--adaptive-k", "false"]
+    async with start_stack(tiny_pair[0], draft_method="eagle", eagle_head=str(head), dtype=request.param,
+                           role_args={"scheduler": scheduler}) as running:
         yield running
 
 

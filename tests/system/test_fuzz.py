@@ -75,10 +75,9 @@ from schemas.messages import (
 )
 from schemas.subjects import Subjects
 from services.client import RequestError, make_request
-from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import inbox_prefix
 from services.runtime.bus import connect
-from tests.gpu_worker.conftest import VT, write_tiny_pair
+from tests.tiny_checkpoints import VT
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -240,18 +239,11 @@ def expected_error(target: Target, payload: bytes) -> CodecError | None:
 # the stack
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return write_tiny_pair(tmp_path_factory.mktemp("models"))
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
+async def stack(start_stack, tiny_random_pair):
     limits = ["--max-seq-len", str(MAX_SEQ_LEN)]
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), auth=False,
-                         log_dir=tmp_path_factory.mktemp("fuzz-logs"),
-                         role_args={"verifier": limits, "drafter": limits, "scheduler": ["--draft-timeout-s", "5"]})
-    async with Stack(config) as running:
+    role_args = {"verifier": limits, "drafter": limits, "scheduler": ["--draft-timeout-s", "5"]}
+    async with start_stack(*tiny_random_pair, auth=False, role_args=role_args) as running:
         yield running
 
 

@@ -5,7 +5,8 @@ tiny random model pair whose target tokenizer got a ChatML chat template.
 Expected values come from the NATS client (services/client.py) for the same request: greedy
 text, logprobs, prompt scores. The OpenAI and vLLM behaviours a peer's test suite checks (usage,
 models.retrieve, prompt_logprobs, stream rules, echo offsets) are here too, and one client's
-flood on the bus; the limits checked before work are in tests/test_gateway_hardening.py. The scheduler admits 2 running + 2 queued requests, so a request
+flood on the bus; the limits checked before work are in tests/system/test_gateway_hardening.py.
+The scheduler admits 2 running + 2 queued requests, so a request
 with n=8 long choices meets `overloaded`. The test that stops the scheduler runs after the others
 on that stack; the last test starts a second, bare stack without auth (a gateway and no scheduler).
 """
@@ -32,35 +33,22 @@ from schemas.codec import decode, encode
 from schemas.messages import MAX_PROMPT_CHARS, Heartbeat
 from services.client import make_request, score_request
 from services.launch.natsserver import NatsServerConfig
-from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import CLIENT_MAX_PAYLOAD
 from services.runtime.bus import connect
-from tests.gpu_worker.conftest import write_tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPT = "def read_lines(path):\n    with open(path) as f:\n"
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target, draft = write_tiny_pair(tmp_path_factory.mktemp("models"))
-    config_path = target / "tokenizer_config.json"
-    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": CHATML}))
-    return target, draft
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]), gateways=1,
-                         client_users=("alice", "bob"), log_dir=tmp_path_factory.mktemp("gateway-logs"),
-                         nats=NatsServerConfig(http_port=0),  # /connz: who published what
-                         role_args={"scheduler": ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5"]})
-    async with Stack(config) as running:
+async def stack(start_stack, chatml_pair):
+    scheduler = ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5"]
+    async with start_stack(*chatml_pair, gateways=1, client_users=("alice", "bob"),
+                           nats=NatsServerConfig(http_port=0),  # /connz: who published what
+                           role_args={"scheduler": scheduler}) as running:
         yield running
 
 
@@ -72,8 +60,8 @@ def api(stack):
 
 
 @pytest.fixture(scope="module")
-def model(models):
-    return models[0].name
+def model(chatml_pair):
+    return chatml_pair[0].name
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -89,12 +77,12 @@ async def scheduler_stats(stack) -> dict:
     return json.loads(reply.data)["endpoints"][0]["data"]
 
 
-async def test_client_env_sets_up_the_sdk_and_models_lists_the_target(stack, models, model):
+async def test_client_env_sets_up_the_sdk_and_models_lists_the_target(stack, chatml_pair, model):
     env = dict(line.split("=", 1) for line in stack.client_env_path.read_text().splitlines())
     assert env["OPENAI_BASE_URL"] == stack.openai_base_url and env["OPENAI_API_KEY"] == stack.api_key("alice")
     listed = await openai.AsyncOpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"]).models.list()
     assert [m.id for m in listed.data] == [model]
-    assert listed.data[0].model_extra["draft_model"] == models[1].name
+    assert listed.data[0].model_extra["draft_model"] == chatml_pair[1].name
     bob = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("bob"), max_retries=0)
     assert [m.id for m in (await bob.models.list()).data] == [model]
 
@@ -579,14 +567,13 @@ async def test_health_is_ready_with_a_scheduler_and_503_without(stack, api, mode
     assert caught.value.status_code == 503
 
 
-async def test_without_auth_any_key_is_accepted_and_no_scheduler_is_a_503(models, tmp_path):
-    config = StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1, auth=False,
-                         target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path)
-    async with Stack(config) as bare:
+async def test_without_auth_any_key_is_accepted_and_no_scheduler_is_a_503(start_stack, chatml_pair):
+    async with start_stack(*chatml_pair, schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1,
+                           auth=False) as bare:
         env = dict(line.split("=", 1) for line in bare.client_env_path.read_text().splitlines())
         assert env == {"OPENAI_BASE_URL": bare.openai_base_url, "OPENAI_API_KEY": bare.api_key()}
         anyone = openai.AsyncOpenAI(base_url=bare.openai_base_url, api_key="anything", max_retries=0)
-        assert [m.id for m in (await anyone.models.list()).data] == [models[0].name]
+        assert [m.id for m in (await anyone.models.list()).data] == [chatml_pair[0].name]
         with pytest.raises(openai.InternalServerError) as caught:
-            await anyone.completions.create(model=models[0].name, prompt=PROMPT, max_tokens=4)
+            await anyone.completions.create(model=chatml_pair[0].name, prompt=PROMPT, max_tokens=4)
         assert caught.value.status_code == 503 and caught.value.body["code"] == "unavailable"

@@ -24,20 +24,17 @@ from schemas.codec import decode
 from schemas.messages import GenerateRequest
 from schemas.subjects import SCHEDULER_QUEUE_GROUP
 from services.client import make_request
-from services.launch.stack import Stack, StackConfig
-from services.launch.supervisor import RestartPolicy, supervise
+from services.launch.stack import Stack
+from services.launch.supervisor import RestartPolicy
 from services.runtime.bus import connect
-from tests.test_faults import (  # noqa: F401  (fixtures)
+from tests.system.faults.test_faults import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
     K,
     Load,
     Streamed,
     check_whole,
-    models,
-    prompts,
     replacement,
-    tokenizer,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -51,19 +48,18 @@ SCHEDULER_ARGS = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--heartb
                   str(HEARTBEAT_TIMEOUT_S), "--draft-timeout-s", "10", "--verify-timeout-s", "20"]
 
 
-def failover_config(models, log_dir, schedulers: int, dtype: str | None = None) -> StackConfig:
+def failover_settings(schedulers: int, dtype: str | None = None) -> dict:
+    """start_stack settings: `schedulers` schedulers with SCHEDULER_ARGS, the fault tests' heartbeats."""
     beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
-    return StackConfig(
-        schedulers=schedulers, target_model=str(models[0]), draft_model=str(models[1]), log_dir=log_dir, dtype=dtype,
-        role_args={"scheduler": SCHEDULER_ARGS, "verifier": [*beat, "--max-seq-len", "512"],
-                   "drafter": [*beat, "--max-seq-len", "512"], "postprocessor": beat})
+    return dict(schedulers=schedulers, dtype=dtype,
+                role_args={"scheduler": SCHEDULER_ARGS, "verifier": [*beat, "--max-seq-len", "512"],
+                           "drafter": [*beat, "--max-seq-len", "512"], "postprocessor": beat})
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "bfloat16"])
-async def stack(models, tmp_path_factory, request):
+async def stack(start_stack, noisy_pair, request):
     """Two schedulers, once per dtype: a failover keeps outputs and logprobs bit for bit in both."""
-    log_dir = tmp_path_factory.mktemp(f"failover-{request.param}-logs")
-    async with Stack(failover_config(models, log_dir, schedulers=2, dtype=request.param)) as running:
+    async with start_stack(*noisy_pair, **failover_settings(2, request.param)) as running:
         yield running
 
 
@@ -219,24 +215,18 @@ async def test_a_restarted_nats_server_loses_no_stream(stack, client, prompts, t
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def supervised(models, prompts, tmp_path_factory):
+async def supervised(start_stack, noisy_pair, prompts):
     """One instance per role (float32), supervised as `specbus up` does, with restarts held back
     well past the heartbeat timeout; and the undisturbed outputs of `requests`, taken on it before
     any kill. Shared by the three kills below (one stack start and one reference instead of three):
     each test ends only once its role's replacement heartbeats and nothing else was restarted, so
     the next one starts on a whole stack, and every kill's streams still compare with the outputs
     of the stack as it first came up."""
-    async with Stack(failover_config(models, tmp_path_factory.mktemp("only-one-logs"), schedulers=1)) as running:
-        stop = asyncio.Event()
-        held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
-        supervisor = asyncio.create_task(supervise(running, stop, held_back))
-        try:
-            async with connected_client(running, 1) as client:
-                reference = await Load(client, requests(prompts, "only-reference")).finish()
-            yield running, reference
-        finally:
-            stop.set()
-        await supervisor
+    held_back = RestartPolicy(first_delay_s=4 * HEARTBEAT_TIMEOUT_S)
+    async with start_stack(*noisy_pair, supervised=held_back, **failover_settings(1)) as running:
+        async with connected_client(running, 1) as client:
+            reference = await Load(client, requests(prompts, "only-reference")).finish()
+        yield running, reference
 
 
 def running_ids(stack: Stack) -> set[str]:

@@ -1,7 +1,7 @@
 """Models: `specbus models pull` / `list`, the GGUF conversion checked against transformers' own
 GGUF loading, chat templates rendered as transformers renders them, `generate --chat` through a
 real stack, and greedy k=4 == k=0 on the real pair in bf16 (on the tiny pair in both dtypes:
-tests/test_pipeline.py).
+tests/system/test_pipeline.py).
 
 Tests marked real_model need SmolLM2 pulled (`specbus models pull`; `make test` runs it) and are
 skipped with the reason otherwise; the rest run on the tiny pair.
@@ -30,8 +30,8 @@ from schemas.errors import SpecbusError
 from schemas.messages import GenerateRequest
 from services.client import make_request
 from services.commands.models import GGUF_MEMBER, source_gguf
-from services.launch.stack import Stack, StackConfig
 from services.pipeline.scheduler_core import prompt_token_ids
+from tests.tiny_checkpoints import add_chat_template
 
 TIMEOUT_S = 300.0
 CHATS = [
@@ -60,11 +60,7 @@ def specbus(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
 
 def with_template(source: Path, dest: Path, template: str) -> Path:
     """A copy of a model dir whose tokenizer_config.json has the chat template."""
-    shutil.copytree(source, dest)
-    config_path = dest / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    config_path.write_text(json.dumps({**config, "chat_template": template}))
-    return dest
+    return add_chat_template(shutil.copytree(source, dest), template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,10 +209,8 @@ def chat_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(chat_pair, tmp_path_factory):
-    config = StackConfig(target_model=str(chat_pair[0]), draft_model=str(chat_pair[1]), dtype="float32",
-                         log_dir=tmp_path_factory.mktemp("chat-logs"))
-    async with Stack(config) as running:
+async def stack(start_stack, chat_pair):
+    async with start_stack(*chat_pair, dtype="float32") as running:
         yield running
 
 
@@ -241,15 +235,13 @@ async def test_generate_chat_applies_the_template_and_equals_the_client(stack, c
 
 # ---------------------------------------------------------------------------------------------
 # greedy k=4 == k=0 on the real pair (the tiny pair's greedy identity in each dtype, k in {0, 1, 2,
-# 4, 8}, and that the dtype reaches the verifier: tests/test_pipeline.py's shared stack)
+# 4, 8}, and that the dtype reaches the verifier: tests/system/test_pipeline.py's shared stack)
 
 
 @pytest.mark.real_model
 @pytest.mark.asyncio(loop_scope="module")
-async def test_real_pair_answers_and_greedy_k4_equals_k0_in_bf16(smollm2_target, smollm2_draft, tmp_path):
-    config = StackConfig(target_model=str(smollm2_target), draft_model=str(smollm2_draft), dtype="bfloat16",
-                         log_dir=tmp_path)
-    async with Stack(config) as running, running.client() as client:
+async def test_real_pair_answers_and_greedy_k4_equals_k0_in_bf16(start_stack, smollm2_target, smollm2_draft):
+    async with start_stack(smollm2_target, smollm2_draft, dtype="bfloat16") as running, running.client() as client:
         results = {k: [await client.generate(make_request(messages=chat[-1:], max_tokens=16, temperature=0.0,
                                                           num_speculative_tokens=k, timeout_s=TIMEOUT_S))
                        for chat in CHATS[:2]] for k in (0, 4)}

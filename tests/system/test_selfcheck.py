@@ -1,7 +1,7 @@
 """`specbus selfcheck`: its statistics without NATS, then the command itself against
 real multi-process stacks on the tiny pair: a healthy one passes the quick run, and one whose
 verifier runs the same-token bypass (a known-bad rejection rule, injected through the test-only
-hook in tests/selfcheck_hook/) fails the distribution check."""
+hook in tests/system/selfcheck_hook/) fails the distribution check."""
 
 import asyncio
 import json
@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.commands.selfcheck import FULL, MIN_GROUP, QUICK
 from services.commands.selfcheck_core import (
     ALPHA,
@@ -29,7 +28,7 @@ from services.commands.selfcheck_core import (
     render_table,
     same_token_bypass,
 )
-from services.launch.stack import Stack, StackConfig
+from services.launch.stack import Stack
 
 HOOK_DIR = Path(__file__).parent / "selfcheck_hook"
 CELLS = 10  # the quick run's distribution cells: the Bonferroni factor the tests below use
@@ -136,15 +135,14 @@ def test_the_table_marks_failures_and_says_the_run_failed():
 # the command against real stacks (tiny pair)
 
 
-def stack_config(log_dir, bad_rule: bool = False, dtype: str | None = None) -> StackConfig:
+def stack_settings(bad_rule: bool = False, dtype: str | None = None) -> dict:
     # A generous draft timeout: on a loaded 2-core machine, steps whose drafter is late run with
     # k=0, which the seed check would have to rerun.
     role_env = {}
     if bad_rule:
         role_env = {"verifier": {"PYTHONPATH": os.pathsep.join([str(HOOK_DIR), os.environ.get("PYTHONPATH", "")]),
                                  "SPECBUS_TEST_REJECTION_RULE": "same_token_bypass"}}
-    return StackConfig(target_model=str(TINY_TARGET), draft_model=str(TINY_DRAFT), log_dir=log_dir, dtype=dtype,
-                       role_args={"scheduler": ["--draft-timeout-s", "5"]}, role_env=role_env)
+    return dict(dtype=dtype, role_args={"scheduler": ["--draft-timeout-s", "5"]}, role_env=role_env)
 
 
 async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict]:
@@ -160,8 +158,8 @@ async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path, dtype):
-    async with Stack(stack_config(tmp_path, dtype=dtype)) as stack:
+async def test_quick_selfcheck_passes_on_a_healthy_stack(start_stack, tiny_pair, dtype):
+    async with start_stack(*tiny_pair, **stack_settings(dtype=dtype)) as stack:
         code, report = await selfcheck(stack, "--quick")
     rows = {row["name"]: row for row in report["checks"]}
     assert code == 0 and report["passed"], json.dumps(report)[:3000]
@@ -174,8 +172,8 @@ async def test_quick_selfcheck_passes_on_a_healthy_stack(tmp_path, dtype):
     assert rows["logprob identity"]["value"] == "max diff 0", rows["logprob identity"]  # bit for bit
 
 
-async def test_selfcheck_fails_when_the_verifier_accepts_drafts_equal_to_its_own_sample(tmp_path):
-    async with Stack(stack_config(tmp_path, bad_rule=True)) as stack:
+async def test_selfcheck_fails_when_the_verifier_accepts_drafts_equal_to_its_own_sample(start_stack, tiny_pair):
+    async with start_stack(*tiny_pair, **stack_settings(bad_rule=True)) as stack:
         code, report = await selfcheck(stack, "--quick", "--checks", "distribution", "--samples", str(BAD_RULE_SAMPLES))
     rows = {row["name"]: row for row in report["checks"]}
     shown = json.dumps(report)[:4000]

@@ -9,7 +9,6 @@ import pytest
 
 from ops.bench.bench_pipeline import acceptance, decode_steps, main
 from schemas.messages import StreamChunk
-from tests.gpu_worker.conftest import write_tiny_pair
 
 MAX_TOKENS, K = 6, 2
 
@@ -34,13 +33,8 @@ def test_decode_steps_and_acceptance_by_hand():
     assert stats["predicted_tokens_per_step"] == pytest.approx((1 - 0.5 ** 3) / 0.5)
 
 
-@pytest.fixture
-def tiny_pair(tmp_path):
-    return write_tiny_pair(tmp_path)
-
-
-def test_bench_smoke(tiny_pair, tmp_path):
-    target, draft = tiny_pair
+def test_bench_smoke(tiny_random_pair, tmp_path):
+    target, draft = tiny_random_pair
     out = main(["--target-model", str(target), "--draft-model", str(draft), "--prompts", "2",
                 "--prompt-tokens", "16", "--max-tokens", str(MAX_TOKENS), "--ks", "0", str(K), "--peer-k", str(K),
                 "--overhead-batches", "1", "2", "--scaling-batches", "1", "3", "--kernel-batch", "1",

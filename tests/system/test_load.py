@@ -18,7 +18,6 @@ two waves of short requests on a fast machine.
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -28,8 +27,7 @@ from schemas.codec import decode
 from schemas.errors import ErrorCode
 from schemas.messages import Heartbeat
 from services.client import Overloaded, make_request
-from services.launch.stack import Stack, StackConfig
-from tests.gpu_worker.conftest import VT, write_tiny_pair
+from tests.tiny_checkpoints import VT
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -105,23 +103,17 @@ class Watcher:
                              f"(capacity, load, free_slots) {latest}")
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return write_tiny_pair(tmp_path_factory.mktemp("models"))
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
+async def stack(start_stack, tiny_random_pair):
     beat = ["--heartbeat-interval-s", HEARTBEAT_S]
-    config = StackConfig(
-        target_model=str(models[0]), draft_model=str(models[1]), log_dir=tmp_path_factory.mktemp("load-logs"),
+    settings = dict(
         # adaptive k off: every step drafts, so a drafter slot fills in the step after its request's
         # first token (with it on, the random draft is dropped and only probes fill slots, late)
         role_args={"scheduler": ["--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE), "--draft-timeout-s",
                                  "5", "--adaptive-k", "false", *beat],
                    "verifier": ["--max-slots", str(SLOTS), *beat], "drafter": ["--max-slots", str(SLOTS), *beat],
                    "postprocessor": beat})
-    async with Stack(config) as running:
+    async with start_stack(*tiny_random_pair, **settings) as running:
         yield running
 
 

@@ -4,17 +4,13 @@ Speculation with n-gram drafts must change no output: greedy k=4 equals k=0 toke
 and so does a seeded Gumbel-coupled sampled request."""
 
 import asyncio
-import shutil
 
 import pytest
 import pytest_asyncio
 
-from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
-from schemas.config import TINY_TARGET
 from schemas.messages import ANY_TOKENIZER
 from services.client import make_request
-from services.launch.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -25,15 +21,9 @@ TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return shutil.copytree(TINY_TARGET, tmp_path_factory.mktemp("models") / "target")
-
-
-@pytest.fixture(scope="module")
-def prompts(target) -> list[list[int]]:
+def prompts(tokenizer) -> list[list[int]]:
     """PROMPT_TOKENS tokens from the start of each of the first held-out stdlib files: source
     text repeats itself (names, keywords), so the history has n-grams to find."""
-    tokenizer = load_tokenizer(target)
     _, held_out = source_files()
     found = [ids[:PROMPT_TOKENS] for ids in (tokenizer.encode(read_text(path)) for path in held_out[:3 * NUM_PROMPTS])
              if len(ids) >= PROMPT_TOKENS]
@@ -42,12 +32,11 @@ def prompts(target) -> list[list[int]]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(target, tmp_path_factory):
+async def stack(start_stack, tiny_pair):
     # a generous draft timeout: a late answer would make a step run k=0 (still the same output,
     # but the assertions on accepted drafts would then measure the machine's load)
-    config = StackConfig(target_model=str(target), draft_method="ngram", log_dir=tmp_path_factory.mktemp("logs"),
-                         role_args={"scheduler": ["--draft-timeout-s", "5"]})
-    async with Stack(config) as running:
+    scheduler = ["--draft-timeout-s", "5"]
+    async with start_stack(tiny_pair[0], draft_method="ngram", role_args={"scheduler": scheduler}) as running:
         yield running
 
 

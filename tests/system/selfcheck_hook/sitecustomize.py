@@ -1,4 +1,4 @@
-"""Test-only fault injection for tests/test_selfcheck.py: a known-bad rejection rule in the
+"""Test-only fault injection for tests/system/test_selfcheck.py: a known-bad rejection rule in the
 verifier. Python imports `sitecustomize` at start-up from sys.path, so it runs only in a process
 whose PYTHONPATH holds this directory, which the test gives the verifier alone, together with
 SPECBUS_TEST_REJECTION_RULE=same_token_bypass. Nothing shipped reads either.

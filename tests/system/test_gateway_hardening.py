@@ -4,7 +4,7 @@ and every error an OpenAI error object, the web framework's own included.
 A bare stack: nats-server and one gateway (auth on, client user alice), no scheduler, so
 nothing here waits on a model; the gateway's header and body deadlines are shortened
 (HEADER_TIMEOUT_S, BODY_TIMEOUT_S) so the tests can watch them fire. What the limits let through
-is served as usual (tests/test_gateway.py); one client's flood on the bus is tested there too.
+is served as usual (tests/system/test_gateway.py); one client's flood on the bus is tested there too.
 Waits are bounded generously (WAIT_S): nothing here depends on how fast the machine is.
 """
 
@@ -20,8 +20,6 @@ import openai
 import pytest
 import pytest_asyncio
 
-from schemas.config import TINY_DRAFT, TINY_TARGET
-from services.launch.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -34,13 +32,10 @@ RSS_GROWTH_LIMIT = 64 * 1024 * 1024  # the gateway holds no body it refused: far
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory):
-    config = StackConfig(schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1,
-                         client_users=("alice",), target_model=str(TINY_TARGET), draft_model=str(TINY_DRAFT),
-                         log_dir=tmp_path_factory.mktemp("front-door-logs"),
-                         role_args={"gateway": ["--header-timeout-s", str(HEADER_TIMEOUT_S),
-                                                "--body-timeout-s", str(BODY_TIMEOUT_S)]})
-    async with Stack(config) as running:
+async def stack(start_stack, tiny_pair):
+    gateway = ["--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S)]
+    async with start_stack(*tiny_pair, schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1,
+                           client_users=("alice",), role_args={"gateway": gateway}) as running:
         yield running
 
 

@@ -11,7 +11,7 @@ import transformers
 from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from schemas.config import DrafterConfig, load_config
 from schemas.messages import DraftRequest, DraftRow, RowSampling
-from tests.gpu_worker.conftest import VD, VT, write_tiny_pair
+from tests.tiny_checkpoints import VD, VT, write_tiny_pair
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 3, 77, 12, 50, 31, 6]
 OUTPUT = [17, 200, 17]  # a history of PROMPT + OUTPUT, prompt_len = len(PROMPT)

@@ -8,7 +8,6 @@ whole module takes about 30 s here (starting the stack is most of it).
 """
 
 import asyncio
-import shutil
 import time
 
 import msgpack
@@ -16,11 +15,9 @@ import pytest
 import pytest_asyncio
 
 from schemas.codec import decode, encode
-from schemas.config import TINY_DRAFT, TINY_TARGET
 from schemas.errors import ErrorCode
 from schemas.messages import StreamChunk
 from services.client import RequestError, make_request
-from services.launch.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,22 +27,11 @@ PROMPT = list(range(100, 140))  # 40 tokens of the tiny model's vocabulary
 TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    for name, source in (("target", TINY_TARGET), ("draft", TINY_DRAFT)):
-        shutil.copytree(source, root / name)
-    return root / "target", root / "draft"
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
+async def stack(start_stack, tiny_pair):
     limit = ["--max-seq-len", str(MAX_SEQ_LEN)]
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]),
-                         log_dir=tmp_path_factory.mktemp("robustness-logs"),
-                         role_args={"verifier": limit, "drafter": limit,
-                                    "scheduler": ["--max-step-tokens", str(MAX_STEP_TOKENS)]})
-    async with Stack(config) as running:
+    role_args = {"verifier": limit, "drafter": limit, "scheduler": ["--max-step-tokens", str(MAX_STEP_TOKENS)]}
+    async with start_stack(*tiny_pair, role_args=role_args) as running:
         yield running
 
 

@@ -3,16 +3,12 @@ target with a useless draft (its embedding rows shuffled, ops/bench/bench_adapti
 scheduler has every reason to change k. Greedy output must not change: each k=4 request gives the
 token ids of k=0, whatever k its steps ran with, and usage says which ks those were."""
 
-import shutil
-
 import pytest
 import pytest_asyncio
 
 from ops.bench.bench_adaptive_k import write_useless_draft
-from schemas.config import REPO_MODELS
 from services.client import make_request
-from services.launch.stack import Stack, StackConfig
-from tests.test_pipeline import prompts  # noqa: F401 (a fixture: held-out stdlib windows)
+from tests.system.test_pipeline import held_out_prompts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -21,19 +17,16 @@ TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    shutil.copytree(REPO_MODELS / "tiny" / "target", root / "target")
-    return root / "target", write_useless_draft(REPO_MODELS / "tiny" / "draft", root / "useless-draft")
+def prompts(tokenizer) -> list[list[int]]:
+    return held_out_prompts(tokenizer)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(models, tmp_path_factory):
+async def stack(start_stack, tiny_pair, tmp_path_factory):
+    useless_draft = write_useless_draft(tiny_pair[1], tmp_path_factory.mktemp("models") / "useless-draft")
     # generous draft timeout: a late drafter would flag steps draft_timeout, which is not the point here
-    config = StackConfig(target_model=str(models[0]), draft_model=str(models[1]),
-                         log_dir=tmp_path_factory.mktemp("stack-logs"),
-                         role_args={"scheduler": ["--draft-timeout-s", "5", "--adaptive-k-probe-steps", "8"]})
-    async with Stack(config) as running:
+    scheduler = ["--draft-timeout-s", "5", "--adaptive-k-probe-steps", "8"]
+    async with start_stack(tiny_pair[0], useless_draft, role_args={"scheduler": scheduler}) as running:
         yield running
 
 

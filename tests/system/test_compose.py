@@ -30,7 +30,7 @@ from services.runtime.auth import (
 )
 from services.runtime.bus import BusUnavailable, connect
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NOT_CONFIG_ENV = {"SPECBUS_LOG_JSON"}  # read by the CLI's logging, not a service setting
 
 

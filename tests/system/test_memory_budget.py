@@ -22,8 +22,7 @@ from schemas.codec import decode
 from schemas.errors import ErrorCode
 from schemas.messages import Heartbeat
 from services.client import Overloaded, make_request
-from services.launch.stack import Stack, StackConfig
-from tests.gpu_worker.conftest import VT, write_tiny_pair
+from tests.tiny_checkpoints import VT
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -42,14 +41,11 @@ def greedy(prompt, max_tokens=16):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory):
-    target, draft = write_tiny_pair(tmp_path_factory.mktemp("models"))
+async def stack(start_stack, tiny_random_pair):
     beat = ["--heartbeat-interval-s", HEARTBEAT_S]
-    config = StackConfig(target_model=str(target), draft_model=str(draft), kv_cache_memory=str(BUDGET),
-                         log_dir=tmp_path_factory.mktemp("memory-logs"),
-                         role_args={"scheduler": ["--draft-timeout-s", "5", *beat], "verifier": beat,
-                                    "drafter": beat, "postprocessor": beat})
-    async with Stack(config) as running:
+    role_args = {"scheduler": ["--draft-timeout-s", "5", *beat], "verifier": beat, "drafter": beat,
+                 "postprocessor": beat}
+    async with start_stack(*tiny_random_pair, kv_cache_memory=str(BUDGET), role_args=role_args) as running:
         yield running
 
 
