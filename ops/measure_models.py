@@ -4,7 +4,7 @@
 
 Prints (and writes to models/measure.json):
 - median ms of one draft forward of 1 token and one target forward of 5 tokens, both after a
-  cache of `--context` tokens, and their ratio (the issue's budget: at most 0.15);
+  cache of `--context` tokens, and their ratio (the draft's cost budget: at most 0.15);
 - the size of the weight files;
 - the target's greedy continuation of the start of a held-out standard-library file.
 """

@@ -3,13 +3,21 @@
 - the generated tables of docs/PROTOCOL.md are what schemas/ produces today;
 - every `*.md` a docstring or comment names, every relative link of a markdown file (with its
   #anchor) and every repository path the README and docs/ name in code spans exists, and
-  docs/ARCHITECTURE.md names every module of schemas/, gpu_worker/ and services/;
+  docs/ARCHITECTURE.md names every module of schemas/, text/, gpu_worker/ and services/;
 - the layering of docs/ARCHITECTURE.md holds: schemas <- text <- gpu_worker <- services <- ops,
   inside services/ runtime <- client, pipeline <- gateway, launch <- commands <- cli; no import
   circle anywhere; gpu_worker/ knows nothing of asyncio or NATS; the scheduler, postprocessor,
   client, gateway and `specbus models` never import torch;
 - tests/ mirrors the packages (docs/ARCHITECTURE.md#naming): each tests/<package>/.../test_<name>.py
-  is the test of an existing module, and what is no module's test lives in tests/system/.
+  is the test of an existing module, and what is no module's test lives in tests/system/;
+- the code (schemas/, text/, gpu_worker/, services/, ops/; not tests/) stays small: no module
+  over MAX_MODULE_LINES lines, no class with more than MAX_CLASS_METHODS methods, no function
+  over MAX_FUNCTION_LINES lines;
+- its docstrings and comments state contracts, not measurements or history: no measured figure
+  (MEASURED_FIGURE below says which) and no issue or session number. Figures live in
+  ops/bench/RESULTS.md, history in git.
+
+Each check lists every offence as file:line and what, so one run shows all that is left.
 """
 
 import ast
@@ -44,6 +52,30 @@ SERVICE_ROOM_FORBIDDEN = {
 }
 NO_ASYNC_IN_GPU_WORKER = {"asyncio", "nats"}
 MIRRORED = ("schemas", "text", "gpu_worker", "services", "ops")  # the packages tests/ mirrors
+CODE = MIRRORED  # what the size and docstring checks read: everything but tests/
+MAX_MODULE_LINES = 700
+MAX_CLASS_METHODS = 25  # the defs of the class body, properties included
+MAX_FUNCTION_LINES = 80  # from its `def` line to its last, docstring included
+# A figure: a number or a range of them ("7", "0.5", "7-20") with a unit of time or a rate.
+NUMBER = r"\d+(?:[.,]\d+)?(?:\s*[-\u2013]\s*\d+(?:[.,]\d+)?)?"
+TIME_UNIT = r"(?:ns|\u00b5s|us|ms|s|secs?|seconds?|min|mins|minutes?|h|hours?)\b"
+RATE = r"(?:(?:tokens?|tok|steps?|it|req|requests?|calls?)\s*/\s*s\b|(?:tokens?|steps?|requests?) (?:per|a) second)"
+MEMORY_UNIT = r"(?:[KMGT]i?B|bytes)\b"
+# What makes a figure a measurement rather than a contract. A default, a timeout or a bound
+# ("a 10 s default", "timeout_s (seconds)", "after 0.5 s, doubling up to 30 s") is a contract
+# and passes; these are how measurements read:
+MEASURED_FIGURE = {
+    "an approximate figure": rf"(?:~|\u2248|\babout |\baround |\broughly |\bnearly )\s*{NUMBER}\s*(?:{TIME_UNIT}|{RATE})",
+    "a time per operation": rf"{NUMBER}\s*{TIME_UNIT}\s+(?:per|a|an|each)\s+(?:call|step|token|forward|request|row|batch|"
+                            r"run|draft|verify|position|iteration)s?\b",
+    "a rate": rf"{NUMBER}\s*{RATE}",
+    "figures compared": rf"{NUMBER}\s*{TIME_UNIT}\s+(?:against|instead of|vs\.?|versus|than)\s+{NUMBER}",
+    "a figure of a machine or setting": rf"{NUMBER}\s*{TIME_UNIT}\s+(?:at|on|with)\s+(?:\d|[A-Za-z_]+\s*=\s*\d|this "
+                                        r"(?:CPU|machine)|a (?:shared|busy|loaded))",
+    "a measured figure": rf"\bmeasured\b[^.;]{{0,80}}?{NUMBER}\s*(?:{TIME_UNIT}|{RATE}|{MEMORY_UNIT})",
+    "a speed-up": rf"{NUMBER}\s*[x\u00d7]\s+(?:faster|slower|speed-?up)",
+}
+HISTORY = {"an issue number": r"\bissues?\s+#?\d+", "a session number": r"\bsessions?\s+#?\d+"}
 TORCH_FREE = ("schemas", "text.tokenizer", "text.chat_template", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
               "services.gateway.gateway", "services.commands.models")
 
@@ -270,3 +302,58 @@ def test_tests_mirror_the_packages():
                             f"(or {relative.parent}/<module>.py for test_<module>_<aspect>.py) to test")
     assert not problems, "test modules that mirror no module (move them, or to tests/system/):\n" + "\n".join(problems)
 
+
+def code_files() -> list[Path]:
+    return [path for path in repo_files(".py") if path.relative_to(ROOT).parts[0] in CODE]
+
+
+def test_modules_classes_and_functions_stay_small():
+    problems = []
+    for path in code_files():
+        source = path.read_text()
+        name = path.relative_to(ROOT)
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            problems.append(f"{name}: {len(source.splitlines())} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
+                if methods > MAX_CLASS_METHODS:
+                    problems.append(f"{name}:{node.lineno}: class {node.name} has {methods} methods "
+                                    f"(at most {MAX_CLASS_METHODS})")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    problems.append(f"{name}:{node.lineno}: {node.name}() is {lines} lines (at most {MAX_FUNCTION_LINES})")
+    assert not problems, "too large (split along the jobs it does, STYLE.md 20):\n" + "\n".join(problems)
+
+
+def offences(rules: dict[str, str]) -> list[str]:
+    """file:line: what: 'the words', for every stretch of a docstring or comment of the code that
+    a rule matches (overlapping matches of several rules are one stretch, named by each)."""
+    patterns = {what: re.compile(rule, re.IGNORECASE) for what, rule in rules.items()}
+    found = []
+    for path in code_files():
+        for line, text in docs_and_comments(path):
+            spans = sorted((match.start(), match.end(), what) for what, pattern in patterns.items()
+                           for match in pattern.finditer(text))
+            merged: list[list] = []  # [start, end, whats]
+            for start, end, what in spans:
+                if merged and start < merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], end)
+                    merged[-1][2] += [what] if what not in merged[-1][2] else []
+                else:
+                    merged.append([start, end, [what]])
+            found += [(path.relative_to(ROOT), line + text[:start].count("\n"),
+                       f"{', '.join(whats)}: {' '.join(text[start:end].split())!r}") for start, end, whats in merged]
+    return [f"{name}:{at}: {what}" for name, at, what in sorted(found)]
+
+
+def test_docstrings_and_comments_carry_no_measured_figures():
+    problems = offences(MEASURED_FIGURE)
+    assert not problems, ("measured figures in docstrings or comments (state the contract; figures go to "
+                          "ops/bench/RESULTS.md, STYLE.md 21):\n" + "\n".join(problems))
+
+
+def test_docstrings_and_comments_carry_no_issue_or_session_numbers():
+    problems = offences(HISTORY)
+    assert not problems, "work history in docstrings or comments (say what holds now):\n" + "\n".join(problems)

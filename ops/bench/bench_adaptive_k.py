@@ -2,7 +2,7 @@
 pair and the same pair with a useless draft (its embedding rows shuffled, so nothing it proposes
 is accepted), with the scheduler's adaptive_k on and off.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/bench_adaptive_k.py --pair tiny           # ~3 min, 2 shared cores
+    PYTHONPATH=. .venv/bin/python ops/bench/bench_adaptive_k.py --pair tiny           # models/tiny (run time: ops/bench/RESULTS.md)
     PYTHONPATH=. .venv/bin/python ops/bench/bench_adaptive_k.py --pair smollm2        # the default pair (pulled)
 
 Per stack (one per draft and adaptive setting): --warmup requests first (the scheduler measures its

@@ -1,7 +1,7 @@
 """The OpenAI gateway's overhead: tokens/s through HTTP (the official `openai` SDK, streaming)
 against the NATS client (services/client.py) on the same stack, at each --batches concurrency.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/bench_gateway.py            # ~2 min on 2 shared CPU cores
+    PYTHONPATH=. .venv/bin/python ops/bench/bench_gateway.py            # run times: ops/bench/RESULTS.md
 
 One stack (services.launch.stack.Stack: nats-server, one process per service, one gateway), the tiny
 pair by default. Every request: a --prompt-tokens-long prompt from --prompts code prompts, greedy,

@@ -12,7 +12,7 @@ Best of --reps calls after one warm-up, the kernels interleaved, so that load fr
 processes on a shared machine skews no ratio.
 
 glibc hands blocks over 32 MiB back to the kernel on free, so every large temporary is
-page-faulted in afresh on each call (a 73 MB clone: 113 ms instead of 12 ms here). The
+page-faulted in afresh on each call (what that costs: ops/bench/RESULTS.md). The
 MALLOC_* variables keep freed memory in the heap, as a serving process would (or use tcmalloc):
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \

@@ -1,6 +1,6 @@
 """specbus against its peers and against itself, in one run.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py                  # ~6-8 min on 2 shared CPU cores
+    PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py                  # run time: ops/bench/RESULTS.md
     PYTHONPATH=. .venv/bin/python ops/bench/bench_pipeline.py --device cuda    # the same on a GPU
 
 Prints a table per section and writes <results>/results.json, <results>/results.md (the same

@@ -1,6 +1,6 @@
 """Threads per role and idle memory: specbus through the stack against transformers, one run.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/bench_threads.py                       # ~10 min on 2 shared cores
+    PYTHONPATH=. .venv/bin/python ops/bench/bench_threads.py                       # run time: ops/bench/RESULTS.md
     PYTHONPATH=. .venv/bin/python ops/bench/bench_threads.py --verifier-threads 1 2 --ks 0 4 --prompts 6
 
 1. memory: the first stack (`specbus up` defaults: gateway included, verifier threads from the

@@ -1,10 +1,9 @@
-"""Issue 11, through a real stack (services.launch.stack.Stack: every service its own process, a real
-nats-server, the tiny model pair shipped in models/tiny): requests that used to take a lane, a
-batch or the whole stack down, or to hang, now end alone with a typed error, and the stack
-serves on. Each test ends by checking that every service process is still running.
+"""Requests that could take a lane, a batch or the whole stack down, or hang, through a real stack
+(services.launch.stack.Stack: every service its own process, a real nats-server, the tiny model
+pair shipped in models/tiny): each ends alone with a typed error, and the stack serves on. Each
+test ends by checking that every service process is still running.
 
-The verifier and the drafter hold MAX_SEQ_LEN positions, so reaching that limit is quick. The
-whole module takes about 30 s here (starting the stack is most of it).
+The verifier and the drafter hold MAX_SEQ_LEN positions, so reaching that limit is quick.
 """
 
 import asyncio
