@@ -85,6 +85,10 @@ class Watcher:
     def beats_of(self, role: str, since: float = 0.0) -> list[Heartbeat]:
         return [beat for at, beat in self.beats if beat.role == role and at >= since]
 
+    async def wait_beats(self, roles: tuple[str, ...], since: float) -> None:
+        """Until a heartbeat of each role has arrived since `since` (time.monotonic())."""
+        await wait_until(lambda: all(self.beats_of(role, since) for role in roles), f"a heartbeat of each of {roles}")
+
     async def wait_slots(self, free: bool, timeout_s: float) -> float:
         """Seconds until a heartbeat sent after now reports every verifier and drafter slot free
         (free=True) or every one in use (free=False)."""
@@ -154,7 +158,11 @@ async def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(stac
 
     num_requests = 10 * (MAX_RUNNING + MAX_QUEUE) // 2  # 40: five times what is admitted
     async with Watcher(stack) as watcher:
+        crowd_at = time.monotonic()
         outcomes = await asyncio.gather(*(timed(i) for i in range(num_requests)))
+        # On a fast stack the crowd may be over between two heartbeats: the slot bounds below are
+        # read on at least one beat of each model role sent during or after it.
+        await watcher.wait_beats(("verifier", "drafter"), since=crowd_at)
     refused = [(i, exc, s) for i, exc, s in outcomes if isinstance(exc, Overloaded)]
     finished = [(i, result, s) for i, result, s in outcomes if not isinstance(result, Overloaded)]
     print(f"\n{len(finished)} admitted, {len(refused)} refused; slowest refusal "

@@ -384,9 +384,10 @@ async def test_with_every_verifier_frozen_requests_wait_for_one_and_finish_uncha
         stack, client, prompts, reference, tokenizer):
     verifiers = running(stack, "verifier")
     short_timeout_s = 4.0
-    requests = [greedy(p, f"all-frozen-{i}", timeout_s=short_timeout_s) if i % 2 else
-                greedy(p, f"all-frozen-{i}", max_tokens=LONG_MAX_TOKENS)  # still running at the freeze
-                for i, p in enumerate(prompts)]
+    # All still running at the freeze, however fast the stack: the short ones end at their
+    # deadline, never at max_tokens.
+    requests = [greedy(p, f"all-frozen-{i}", max_tokens=LONG_MAX_TOKENS,
+                       timeout_s=short_timeout_s if i % 2 else TIMEOUT_S) for i, p in enumerate(prompts)]
     long_ones = sum(r.timeout_s == TIMEOUT_S for r in requests)
     before = await scheduler_stats(stack)
     load = await Load.start(client, requests)
@@ -434,8 +435,9 @@ async def test_a_restarted_nats_server_ends_no_stream_silently_and_serves_again(
             assert got.error.message, index
             continue
         check_whole(got, tokenizer)  # a final chunk came: all of it, or the partial output and "error"
-        assert got.finish_reason in ("length", "error"), index
-        assert got.finish_reason == "error" or len(got.token_ids) == MAX_TOKENS, index
+        # (or "timeout": a stream the restart held up past its deadline ends there, with what it has)
+        assert got.finish_reason in ("length", "error", "timeout"), index
+        assert got.finish_reason != "length" or len(got.token_ids) == MAX_TOKENS, index
 
     await heartbeats_since(stack, list(pids(stack)), restarted_at)
     again = await asyncio.gather(*(client.generate(r) for r in requests_for(prompts, "after-restart")))
