@@ -13,6 +13,10 @@ hence the same bits, runs on both); elsewhere `load` returns None and `model.lin
 oneDNN. A GPU needs its own batch-invariant matmul instead (fixed tiles, no split-K chosen by
 shape).
 
+`quant_linear(x, blocks, kind, b, residual)` does the same for a weight held as GGUF blocks
+(gpu_worker/runtime/quantized.py): each block of rows is widened into a float32 buffer of the
+thread's exactly as gguf dequantizes it, then multiplied by the same code as a float32 weight.
+
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's
 hash, so checkouts of different versions never share a build. `make models` builds it ahead
@@ -35,7 +39,9 @@ from schemas.config import specbus_home
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
 # -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is dropped without
 # it, and the kernel then runs on one thread whatever torch.set_num_threads says.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# -ffp-contract=off: a multiply and an add stay two roundings (GGUF weights are widened as
+# gguf's float32 dequantization computes them); the dot products use explicit FMAs.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 900.0  # a first build takes about a minute on 2 idle cores
 log = structlog.get_logger(__name__)
 
