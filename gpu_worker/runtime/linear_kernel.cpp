@@ -201,6 +201,61 @@ struct QuantRows {
   }
 };
 
+// A block of NB rows of GGUF blocks against MB rows of x, each 8 widened weights multiplied as
+// they are widened (no buffer): the same operations per output as `block` on the widened rows
+// (lane j takes k = 8c + j, c ascending, one FMA each, then `finish`).
+template <int NB, int MB>
+static inline __attribute__((always_inline)) void quant_block(const Args<float>& a, const QuantRows& q, int64_t n0,
+                                                              int64_t m0) {
+  const int64_t K = a.K;
+  const float* x = a.x + m0 * K;
+  __m256 acc[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / QK; ++c) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) {
+      const uint8_t* blk = q.blocks + (n0 + i) * q.row_bytes + c * quant_block_bytes(q.kind);
+      __m256 v[4];
+      if (q.kind == Q4_1) {
+        __m256 d = _mm256_set1_ps(half_bits(blk)), m = _mm256_set1_ps(half_bits(blk + 2));
+        __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)), nib = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(w, nib), hi = _mm_and_si128(_mm_srli_epi16(w, 4), nib);
+        v[0] = widen_q4(lo, d, m);
+        v[1] = widen_q4(_mm_srli_si128(lo, 8), d, m);
+        v[2] = widen_q4(hi, d, m);
+        v[3] = widen_q4(_mm_srli_si128(hi, 8), d, m);
+      } else {
+        __m256 d = _mm256_set1_ps(half_bits(blk));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p)
+          v[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * p)))), d);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p)
+#pragma GCC unroll 16
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(load8(x + j * K + c * QK + 8 * p), v[p], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i, static_cast<const float*>(nullptr));
+}
+
+// rows of w NB at a time between threads (the last N % NB one at a time) against the M == MB rows of x
+template <int NB, int MB>
+static void quant_blocks(const Args<float>& a, const QuantRows& q, int64_t M) {
+  at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) quant_block<NB, MB>(a, q, i * NB, 0);
+  });
+  for (int64_t n = a.N / NB * NB; n < a.N; ++n)
+    for (int64_t m = 0; m < M; ++m) quant_block<1, 1>(a, q, n, m);
+}
+
 // x (M, K) float32, blocks (N, K/32 * block bytes) uint8 of `kind`, b (N,) or None, residual (M, N)
 // or None, float32 -> (M, N) float32: fixed_linear's operations on the widened weight
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, c10::optional<torch::Tensor> b,
@@ -222,7 +277,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, 
   auto y = torch::empty({M, N}, x.options());
   Args<float> a{x.data_ptr<float>(), nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
                 res.defined() ? res.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, K};
-  run<float, false>(a, QuantRows{blocks.data_ptr<uint8_t>(), K, blocks.size(1), kind}, M);
+  QuantRows q{blocks.data_ptr<uint8_t>(), K, blocks.size(1), kind};
+  // one or two rows (decode steps): widened as multiplied; more: widened once per block of rows
+  if (M == 1) quant_blocks<4, 1>(a, q, M);
+  else if (M == 2) quant_blocks<3, 2>(a, q, M);
+  else run<float, false>(a, q, M);
   return y;
 }
 
