@@ -40,6 +40,10 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
                              "on CUDA and on CPUs with native bf16, else float32)")
+    parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf"],
+                        help="how the verifier holds the target's projections (env SPECBUS_WEIGHTS; default auto: "
+                             "the GGUF blocks as published where the model has them and the dtype is float32, "
+                             "bit for bit the float32 model; else dense)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                         help="each verifier's and drafter's KV cache budget, e.g. 2GiB, 512MiB (env "
                              "SPECBUS_KV_CACHE_MEMORY; default 2GiB): slots take memory as their tokens need it, "
@@ -75,6 +79,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         draft_method=args.draft_method or os.environ.get(ENV_PREFIX + "DRAFT_METHOD"),
         eagle_head=args.eagle_head or os.environ.get(ENV_PREFIX + "EAGLE_HEAD"),
         dtype=args.dtype,
+        weights=args.weights,
         kv_cache_memory=args.kv_cache_memory,
         verifier_threads=args.verifier_threads,
         drafter_threads=args.drafter_threads,
