@@ -28,6 +28,7 @@ turns it off (oneDNN / BLAS then, still row-invariant where oneDNN serves the dt
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -66,6 +67,23 @@ def turned_off() -> bool:
     return os.environ.get("SPECBUS_LINEAR_KERNEL", "1") == "0"
 
 
+def import_built():
+    """The built module imported as a file, or None where that fails (a build still being written).
+
+    The build directory's name is the hash of this source and flags for this Python and torch, so
+    a .so there is this kernel: importing it needs neither ninja nor the extension loader's lock,
+    which every process starting at once (a stack, several checkouts) would otherwise queue on."""
+    path = build_dir() / f"{module_name()}.so"
+    try:
+        spec = importlib.util.spec_from_file_location(module_name(), path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError as error:
+        log.info("linear_kernel_import_failed", path=str(path), reason=str(error)[:500])
+        return None
+
+
 @functools.cache
 def load():
     """The compiled module (its `fixed_linear(x, w, b, residual)`), or None where it cannot run
@@ -78,6 +96,10 @@ def load():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("linear_kernel_unavailable", reason=f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
         return None
+    if built():
+        module = import_built()
+        if module is not None:
+            return module
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     # ninja from the virtualenv's bin, which is not on PATH when its python runs without activation
