@@ -24,14 +24,8 @@ from text.tokenizer import load_tokenizer
 from schemas.codec import validate
 from schemas.config import ENV_PREFIX, ROLES, BusConfig, default_target_model, load_config
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (
-    ChatMessage,
-    GenerateRequest,
-    SamplingParams,
-    SpeculativeOptions,
-    StreamChunk,
-    new_request_id,
-)
+from schemas.generation import ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, new_request_id
+from schemas.streams import StreamChunk
 from schemas.subjects import DEFAULT_PREFIX
 from services.client import Client
 from services.commands import bench_serve

@@ -30,8 +30,8 @@ from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import Model
 from schemas.config import ModelServiceConfig, parse_bytes
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import Heartbeat
 
 log = structlog.get_logger(__name__)
 

@@ -56,8 +56,8 @@ from gpu_worker.runtime import linear_kernel
 from schemas.codec import decode
 from schemas.config import ENV_PREFIX
 from schemas.config import ROLES as CONFIGS
+from schemas.control import Heartbeat
 from schemas.errors import SpecbusError
-from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
 from services.client import Client as SpecbusClient
 from services.launch.natsserver import STDERR_TAIL_CHARS, NatsCluster, NatsServer, NatsServerConfig

@@ -22,10 +22,13 @@ import structlog
 
 from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import decode, encode
+from schemas.commits import Commit, SideChannelRecord
 from schemas.config import PostprocessorConfig
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import Commit, Error, Heartbeat, SideChannelRecord, StreamChunk
+from schemas.streams import StreamChunk
 from schemas.subjects import Subjects
+from schemas.wire import Error
 from services.pipeline.postprocessor_core import NoticeToScheduler, Outgoing, Postprocessor
 from services.runtime.bus import (
     NO_RESPONDERS_STATUS,

@@ -37,20 +37,12 @@ import numpy as np
 import structlog
 
 from text.tokenizer import DetokenizerState, Tokenizer, detokenize_step, new_detokenizer_state
+from schemas.commits import Commit, LogprobArrays, SideChannelRecord, StopNotice
 from schemas.errors import ErrorCode
-from schemas.messages import (
-    MAX_TIMEOUT_S,
-    Commit,
-    Error,
-    LogprobArrays,
-    LogprobOptions,
-    SamplingMask,
-    SideChannelRecord,
-    StopNotice,
-    StreamChunk,
-    TokenLogprob,
-    Usage,
-)
+from schemas.generation import LogprobOptions
+from schemas.protocol import MAX_TIMEOUT_S
+from schemas.streams import SamplingMask, StreamChunk, TokenLogprob, Usage
+from schemas.wire import Error
 
 log = structlog.get_logger(__name__)
 

@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import MAX_PROMPT_CHARS
+from schemas.protocol import MAX_PROMPT_CHARS
 from schemas.subjects import DEFAULT_PREFIX, INSTANCE_ID_PATTERN, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
 
 # nats-server limits, shared by the server config rendered here and services/launch/natsserver.py.

@@ -14,18 +14,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
+from schemas.commits import Commit, LogprobArrays, SideChannelRecord, StopNotice
 from schemas.config import PostprocessorConfig, load_config
-from schemas.messages import (
-    Commit,
-    GenerateRequest,
-    Heartbeat,
-    LogprobArrays,
-    LogprobOptions,
-    SamplingMask,
-    SideChannelRecord,
-    StopNotice,
-    Usage,
-)
+from schemas.control import Heartbeat
+from schemas.generation import GenerateRequest, LogprobOptions
+from schemas.streams import SamplingMask, Usage
 from services.client import Client, make_request
 from services.pipeline.postprocessor import run_postprocessor
 from services.pipeline.postprocessor_core import ChunkToClient, NoticeToScheduler, Postprocessor

@@ -11,8 +11,9 @@ from structlog.testing import capture_logs
 
 from schemas.codec import decode, decode_any, encode
 from schemas.config import BusConfig
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.messages import Error, Heartbeat
+from schemas.wire import Error
 from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.pipeline.placement import InstanceRegistry
 from services.runtime.auth import PermissionDenied, generate_credentials, password_env, users_from_env
