@@ -25,7 +25,7 @@ def generate_payload(**overrides) -> bytes:
     ({"sampling__temperature": float("nan")}, "sampling.temperature", "finite"),
     ({"sampling__temperature": float("inf")}, "sampling.temperature", "finite"),
     ({"sampling__top_p": 0.0}, "sampling.top_p", "greater than or equal to 0.000001"),
-    # Issue 11 item 2: values that pass a float64 check but mean something else in float32
+    # values that pass a float64 check but mean something else in float32
     ({"sampling__temperature": 1e308}, "sampling.temperature", "less than or equal to 100"),
     ({"sampling__temperature": 1e-300}, "sampling.temperature", "temperature must be 0 .greedy. or in .0.01, 100"),
     ({"sampling__top_p": 1e-300}, "sampling.top_p", "greater than or equal to 0.000001"),
