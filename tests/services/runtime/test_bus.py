@@ -148,7 +148,8 @@ async def test_the_connection_carries_its_cap_its_watch_and_its_siblings(nats_se
     try:
         assert isinstance(nc, BusClient) and payload_limit(nc) == 1000 and permission_watch(nc) is nc.permissions
         sibling = bounded.connection  # the subscription's own connection, with nc's settings
-        assert isinstance(sibling, BusClient) and sibling is not nc and sibling.options["name"] == "pytest-capped.svc.own"
+        assert isinstance(sibling, BusClient) and sibling is not nc
+        assert sibling.options["name"] == "pytest-capped.svc.own"
         assert payload_limit(sibling) == 1000 and sibling.permissions is not nc.permissions
         assert (await request(nc, "svc.own", b"", timeout_s=5)).data == b"ok"
     finally:
