@@ -36,7 +36,8 @@ import torch
 from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
 from schemas.config import TINY_TARGET
-from schemas.messages import GenerateRequest, StreamChunk
+from schemas.generation import GenerateRequest
+from schemas.streams import StreamChunk
 from services.client import Client, ClientError, make_request
 from services.launch.natsserver import NatsServerConfig
 from services.launch.stack import Stack, StackConfig

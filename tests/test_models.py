@@ -27,7 +27,7 @@ from gpu_worker.runtime.model import forward
 from text.tokenizer import load_tokenizer
 from schemas.config import GGUF_BLOCKS_FILE, TINY_DRAFT, TINY_TARGET
 from schemas.errors import SpecbusError
-from schemas.messages import GenerateRequest
+from schemas.generation import GenerateRequest
 from services.client import make_request
 from services.commands.models import GGUF_MEMBER, source_gguf
 from services.launch.stack import Stack, StackConfig

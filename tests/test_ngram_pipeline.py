@@ -12,7 +12,7 @@ import pytest_asyncio
 from text.tokenizer import load_tokenizer
 from ops.train_models import read_text, source_files
 from schemas.config import TINY_TARGET
-from schemas.messages import ANY_TOKENIZER
+from schemas.protocol import ANY_TOKENIZER
 from services.client import make_request
 from services.launch.stack import Stack, StackConfig
 

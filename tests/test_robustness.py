@@ -18,7 +18,7 @@ import pytest_asyncio
 from schemas.codec import decode, encode
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from schemas.errors import ErrorCode
-from schemas.messages import StreamChunk
+from schemas.streams import StreamChunk
 from services.client import RequestError, make_request
 from services.launch.stack import Stack, StackConfig
 

@@ -31,8 +31,8 @@ from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import Model
 from gpu_worker.runtime.quantized import WEIGHT_FORMATS, has_blocks, usable
 from schemas.config import ModelServiceConfig, parse_bytes
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import Heartbeat
 
 log = structlog.get_logger(__name__)
 

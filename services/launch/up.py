@@ -13,7 +13,8 @@ from schemas.config import DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, ROLES,
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
-from services.launch.stack import Stack, StackConfig, StackError
+from services.launch.processes import StackError
+from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import CLIENT
 from services.runtime.tasks import until_stopped
 
@@ -132,7 +133,7 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
         return None
     counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
     print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
-    if stack.credentials:
+    if stack.credentials_path:
         print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
               f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
               f"in {stack.credentials_path})", flush=True)
