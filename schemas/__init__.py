@@ -2,20 +2,23 @@
 
 from schemas.arrays import (MAX_ARRAY_BYTES, IdMatrix, LogprobMatrix, LogprobVector, Packed, ProbMatrix, Ranks,
                             TokenIds)
-from schemas.codec import DEFAULT_MAX_BYTES, decode, decode_any, encode, error_reply, field_path, validate
+from schemas.codec import MESSAGE_TYPES, decode, decode_any, encode, error_reply, field_path, validate
+from schemas.commits import Commit, LogprobArrays, SideChannelRecord, StopNotice
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
-                              MESSAGE_TYPES, PROTOCOL_VERSION, Admitted, CancelRequest, Commit, DraftRequest,
-                              DraftResponse, DraftResult, DraftRow, Error, FeatureBlock, GenerateRequest,
-                              Heartbeat, LogprobArrays, LogprobOptions, Message, Proposal, RowSampling, SamplingMask,
-                              SamplingParams, SideChannelRecord, SpeculativeOptions, StopNotice, StreamChunk,
-                              TokenLogprob, Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow,
-                              check_limits, new_request_id)
+from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, RowSampling, SamplingParams,
+                                SpeculativeOptions, check_limits, new_request_id)
+from schemas.protocol import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
+                              PROTOCOL_VERSION)
+from schemas.steps import (DraftRequest, DraftResponse, DraftResult, DraftRow, FeatureBlock, Proposal, VerifyRequest,
+                           VerifyResponse, VerifyResult, VerifyRow)
+from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
 from schemas.subjects import DEFAULT_PREFIX, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
+from schemas.wire import Error, Message
 
 __all__ = [
     "MAX_ARRAY_BYTES", "IdMatrix", "LogprobMatrix", "LogprobVector", "Packed", "ProbMatrix", "Ranks", "TokenIds",
-    "DEFAULT_MAX_BYTES", "decode", "decode_any", "encode", "error_reply", "field_path", "validate",
+    "decode", "decode_any", "encode", "error_reply", "field_path", "validate",
     "CodecError", "ErrorCode", "SpecbusError",
     "DEGRADED_REASONS", "MAX_SPECULATIVE_TOKENS", "MAX_TOKENS_CAP", "MAX_TOP_LOGPROBS", "MESSAGE_TYPES",
     "PROTOCOL_VERSION", "Admitted", "CancelRequest", "Commit", "DraftRequest", "DraftResponse", "DraftResult",

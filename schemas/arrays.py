@@ -37,7 +37,7 @@ def _fail(message: str, **ctx: Any) -> PydanticCustomError:
 class Packed:
     """pydantic metadata: `Annotated[np.ndarray, Packed(("int32",), ndim=1, values="ids")]`.
 
-    values: "ids" (>= 0), "padded_ids" (>= -1), "probs" (finite, >= 0),
+    values: "ids" (>= 0), "padded_ids" (>= 0 or PAD_TOKEN_ID), "probs" (finite, >= 0),
     "logprobs" (no NaN, no +inf), or None (no check).
     """
 
@@ -123,8 +123,9 @@ class Packed:
             return
         if self.values == "ids" and array.min() < 0:
             raise _fail("token ids must be >= 0, got {value}", value=int(array.min()))
-        if self.values == "padded_ids" and array.min() < -1:
-            raise _fail("token ids must be >= 0 (or -1 for padding), got {value}", value=int(array.min()))
+        if self.values == "padded_ids" and array.min() < PAD_TOKEN_ID:
+            raise _fail(f"token ids must be >= 0 (or {PAD_TOKEN_ID} for padding), got {{value}}",
+                        value=int(array.min()))
         # `x < inf` is False for NaN and +inf: one pass instead of isnan + isposinf
         if self.values == "probs" and not ((array >= 0) & (array < np.inf)).all():
             raise _fail("probabilities must be finite and >= 0")

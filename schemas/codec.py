@@ -13,10 +13,22 @@ import msgpack
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
+from schemas.commits import Commit, SideChannelRecord, StopNotice
+from schemas.config import MAX_MESSAGE_BYTES
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Error, Message
+from schemas.generation import CancelRequest, GenerateRequest
+from schemas.protocol import PROTOCOL_VERSION
+from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse
+from schemas.streams import Admitted, StreamChunk
+from schemas.wire import Error, Message
 
-DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+# Every top-level message by its `type` string: what decode_any accepts.
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (GenerateRequest, CancelRequest, Error, StreamChunk, Admitted, DraftRequest, DraftResponse,
+                VerifyRequest, VerifyResponse, SideChannelRecord, Commit, StopNotice, Heartbeat)
+}
 # Containers in our messages are small (arrays are packed bytes), so tight per-container limits
 # cost nothing and stop a hostile payload from ballooning into millions of Python objects.
 MAX_ARRAY_LEN = 1 << 17
@@ -32,7 +44,7 @@ def encode(message: Message) -> bytes:
         raise CodecError(ErrorCode.internal, f"cannot encode {type(message).__name__}: {exc}") from exc
 
 
-def decode(data: bytes, message_type: type[M], *, max_bytes: int = DEFAULT_MAX_BYTES,
+def decode(data: bytes, message_type: type[M], *, max_bytes: int = MAX_MESSAGE_BYTES,
            context: dict[str, Any] | None = None) -> M:
     """context is passed to validation, e.g. {"max_tokens_cap": 8192} for a scheduler's cap."""
     raw = _unpack(data, max_bytes)
@@ -42,7 +54,7 @@ def decode(data: bytes, message_type: type[M], *, max_bytes: int = DEFAULT_MAX_B
     return validate(message_type, raw, context)
 
 
-def decode_any(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, context: dict[str, Any] | None = None) -> Message:
+def decode_any(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, context: dict[str, Any] | None = None) -> Message:
     raw = _unpack(data, max_bytes)
     message_type = MESSAGE_TYPES.get(raw["type"])
     if message_type is None:

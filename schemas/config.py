@@ -38,6 +38,7 @@ DEFAULT_NATS_URL = f"nats://127.0.0.1:{NATS_PORT}"
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024   # a service's NATS max_payload, the codec's and the HTTP body's cap
 FINISHED_ID_TTL_S = 60.0              # a finished request id stays known (refused, commits dropped) this long
 CLIENT_ENV_FILE = "client.env"        # what `specbus up --log-dir DIR` writes for clients, in DIR
+GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"  # in a pulled model dir: its GGUF weights as stored (gguf_convert.py)
 HEARTBEAT_TIMEOUT_S = 2.0             # silence after which an instance (or a scheduler, to a client) is dead
 
 
@@ -141,6 +142,12 @@ class ModelServiceConfig(InstanceConfig):
 
     device: str = "cpu"
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32 (a drafter: bfloat16)
+    # How the projection weights are held: "dense" (the safetensors weights, in dtype); "gguf" (the
+    # GGUF blocks `specbus models pull` keeps beside them, the published Q4_1 / Q8_0 weights as
+    # stored, with float32 activations: bit for bit the dense float32 model,
+    # gpu_worker/runtime/quantized.py); "auto": gguf where the model directory has them and the
+    # dtype is float32 on a CPU where the projection kernel runs, else dense.
+    weights: str = "auto"
     max_slots: int = 64
     max_seq_len: int = 2048
     prefill_chunk: int = 512  # tokens per forward for a long prompt

@@ -29,10 +29,10 @@ import numpy as np
 from pydantic import BaseModel, StringConstraints
 from pydantic.fields import FieldInfo
 
-from schemas import arrays, codec, messages, subjects
+from schemas import arrays, codec, commits, config, control, generation, protocol, steps, streams, subjects, wire
 from schemas.arrays import Packed
+from schemas.codec import MESSAGE_TYPES
 from schemas.errors import ErrorCode
-from schemas.messages import MESSAGE_TYPES
 from schemas.subjects import Subjects
 
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
@@ -59,8 +59,12 @@ SUBJECT_ROUTES = {
                     "publish (a nats.micro endpoint `stop`), no reply"),
 }
 
-# Named constants of the wire protocol, by module.
-LIMIT_MODULES = (messages, codec, arrays, subjects)
+# The modules that define the models on the bus: their docstrings and comments are the notes of
+# the model tables, their Annotated aliases the named types.
+MESSAGE_MODULES = (wire, generation, streams, steps, commits, control)
+# Named constants of the wire protocol, by module: (module, names), None for every constant it defines.
+LIMITS = ((protocol, None), (config, ("MAX_MESSAGE_BYTES",)), (codec, None), (arrays, None), (subjects, None))
+MODEL_MODULE_NAMES = {module.__name__ for module in MESSAGE_MODULES}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +126,7 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 def named_types() -> dict[tuple, str]:
     """Annotated aliases of schemas (RequestId, TokenIds, ...) by their metadata."""
     names = {}
-    for module in (arrays, messages):
+    for module in (arrays, *MESSAGE_MODULES):
         for name, value in vars(module).items():
             if typing.get_origin(value) is typing.Annotated and not name.startswith("_"):
                 names.setdefault(tuple(value.__metadata__), name)
@@ -210,7 +214,7 @@ DOC_FIELD = re.compile(r"(?:^|(?<=\. )|(?<=: ))(\w+(?: / \w+)*)(?: \[[^\]]*\])?:
 
 
 def docstring_notes(klass: type) -> dict[str, str]:
-    """name -> the sentence a class docstring starts with `name:` (the style of schemas/messages.py)."""
+    """name -> the sentence a class docstring starts with `name:` (the style of the models in schemas/)."""
     notes: dict[str, str] = {}
     for match in DOC_FIELD.finditer(" ".join((inspect.getdoc(klass) or "").split())):
         for name in match.group(1).split(" / "):
@@ -223,7 +227,7 @@ def model_table(model: type[BaseModel]) -> str:
     sentence of the class docstring that starts with its name."""
     notes = {}
     for klass in reversed(model.__mro__):
-        if inspect.isclass(klass) and issubclass(klass, BaseModel) and klass.__module__ == messages.__name__:
+        if inspect.isclass(klass) and issubclass(klass, BaseModel) and klass.__module__ in MODEL_MODULE_NAMES:
             notes.update(docstring_notes(klass))
             notes.update(source_comments(klass))
     rows = []
@@ -284,8 +288,8 @@ def errors_table() -> str:
 
 def limits_table() -> str:
     rows = []
-    for module in LIMIT_MODULES:
-        comments, names = source_comments(module), defined(module)
+    for module, listed in LIMITS:
+        comments, names = source_comments(module), defined(module) if listed is None else set(listed)
         for name, value in vars(module).items():
             if re.fullmatch(r"[A-Z][A-Z0-9_]+", name) and name in names \
                     and isinstance(value, (int, float, str, tuple)) and not isinstance(value, (bool, Enum)):
@@ -296,7 +300,7 @@ def limits_table() -> str:
 
 def types_table() -> str:
     rows = []
-    for module in (arrays, messages):
+    for module in (arrays, *MESSAGE_MODULES):
         comments, names = source_comments(module), defined(module)
         for name, value in vars(module).items():
             if name in names and NAMED.get(tuple(getattr(value, "__metadata__", ()))) == name:

@@ -22,26 +22,20 @@ import structlog
 
 from text.tokenizer import load_tokenizer
 from schemas.codec import validate
-from schemas.config import ENV_PREFIX, ROLES, BusConfig, default_target_model, load_config
+from schemas.config import ENV_PREFIX, MAX_MESSAGE_BYTES, ROLES, BusConfig, default_target_model, load_config
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (
-    ChatMessage,
-    GenerateRequest,
-    SamplingParams,
-    SpeculativeOptions,
-    StreamChunk,
-    new_request_id,
-)
+from schemas.generation import ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, new_request_id
+from schemas.streams import StreamChunk
 from schemas.subjects import DEFAULT_PREFIX
 from services.client import Client
 from services.commands import bench_serve
 from services.commands.models import add_models_arguments, run_models
 from services.commands.selfcheck import add_selfcheck_arguments, run_selfcheck_command
 from services.launch.natsserver import NatsServer, NatsServerConfig
-from services.launch.stack import PARENT_PID_ENV
+from services.launch.processes import PARENT_PID_ENV
 from services.launch.supervisor import CrashLoop, supervise
 from services.launch.up import add_stack_arguments, print_error, stack_config, start_stack
-from services.runtime.auth import DEFAULT_MAX_PAYLOAD, users_from_env
+from services.runtime.auth import users_from_env
 from services.runtime.logs import LEVELS, configure_logging
 from services.runtime.tasks import shutdown_event, until_stopped
 
@@ -57,7 +51,7 @@ log = structlog.get_logger(__name__)
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     parser.add_argument("--port", type=int, default=4222, help="client port; 0 picks a free one (default 4222)")
-    parser.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="bytes per message")
+    parser.add_argument("--max-payload", type=int, default=MAX_MESSAGE_BYTES, help="bytes per message")
     parser.add_argument("--jetstream-dir", default=None, help="enable JetStream, storing under this dir")
     parser.add_argument("--auth", action="store_true",
                         help="one user per role with subject permissions: users in SPECBUS_CLIENT_USERS, passwords "

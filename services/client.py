@@ -51,11 +51,13 @@ import structlog
 
 from schemas.codec import decode, decode_any, encode, validate
 from schemas.config import BusConfig
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.messages import (Admitted, CancelRequest, Error, GenerateRequest, Heartbeat, LogprobOptions,
-                              SamplingMask, SamplingParams, SpeculativeOptions, StreamChunk, TokenLogprob, Usage,
-                              new_request_id)
+from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, SamplingParams, SpeculativeOptions,
+                                new_request_id)
+from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
 from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
+from schemas.wire import Error
 from services.runtime.auth import CLIENT_MAX_PAYLOAD, PermissionDenied, inbox_prefix
 from services.runtime.bus import NO_RESPONDERS_STATUS, BusError, connect, permission_watch, publish, tls_context
 

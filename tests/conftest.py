@@ -26,7 +26,7 @@ import pytest_asyncio
 
 from schemas.codec import decode
 from schemas.config import DEFAULT_DRAFT, TINY_DRAFT, TINY_TARGET, default_target_model
-from schemas.messages import Heartbeat
+from schemas.control import Heartbeat
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.launch.stack import Stack, StackConfig

@@ -52,8 +52,9 @@ from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensor
 from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
 from text.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.config import DrafterConfig
-from schemas.messages import (MAX_DRAFT_SUPPORT, DraftRequest, DraftResponse, DraftResult, DraftRow, Heartbeat,
-                              Proposal)
+from schemas.control import Heartbeat
+from schemas.protocol import MAX_DRAFT_SUPPORT
+from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow, Proposal
 
 log = structlog.get_logger(__name__)
 

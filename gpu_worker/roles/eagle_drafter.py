@@ -53,7 +53,7 @@ from gpu_worker.roles.slots import SlotOwner, free_request, model_settings
 from text.tokenizer import tokenizer_id
 from schemas.config import DrafterConfig, check_model_dir
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import DraftRequest, DraftResponse, DraftResult, DraftRow
+from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow
 
 log = structlog.get_logger(__name__)
 

@@ -35,7 +35,8 @@ from gpu_worker.runtime.kv_cache import CacheFullError, SlotError
 from gpu_worker.roles.slots import SlotOwner, evict_idle, release
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import ANY_TOKENIZER, DraftRequest, DraftResponse, DraftResult, Proposal
+from schemas.protocol import ANY_TOKENIZER
+from schemas.steps import DraftRequest, DraftResponse, DraftResult, Proposal
 
 
 def propose_ngram(history: np.ndarray, num_draft: int, max_n: int, min_n: int = 1) -> list[int]:

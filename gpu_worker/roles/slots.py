@@ -29,9 +29,10 @@ import torch
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import Model
+from gpu_worker.runtime.quantized import WEIGHT_FORMATS, has_blocks, usable
 from schemas.config import ModelServiceConfig, parse_bytes
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import Heartbeat
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +62,19 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise SpecbusError(ErrorCode.invalid_field, f"dtype {name!r} is not one of {['auto', *sorted(DTYPES)]}",
                            "dtype")
     return DTYPES[name]
+
+
+def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) -> str:
+    """The weights format ("dense" or "gguf") for a config's weights name (ModelServiceConfig
+    `weights`); SpecbusError naming the field where "gguf" cannot serve."""
+    if name not in WEIGHT_FORMATS:
+        raise SpecbusError(ErrorCode.invalid_field, f"weights {name!r} is not one of {list(WEIGHT_FORMATS)}", "weights")
+    servable = has_blocks(model_dir) and usable(dtype, device)
+    if name == "gguf" and not servable:
+        raise SpecbusError(ErrorCode.invalid_field, f"weights gguf needs GGUF blocks in {model_dir} (`specbus models "
+                           f"pull` writes them for the default target) and dtype float32 on a CPU with the "
+                           f"projection kernel (dtype here: {str(dtype).removeprefix('torch.')})", "weights")
+    return "gguf" if name == "gguf" or (name == "auto" and servable) else "dense"
 
 
 class SlotState(Protocol):
@@ -109,8 +123,10 @@ def load_model_and_cache(model_dir: str, config: ModelServiceConfig,
     per position (the verifier's feature rows, `KVCache` side_bytes_per_token).
     SpecbusError naming the field for a bad value."""
     dtype, memory_bytes = model_settings(config)
-    log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."))
-    model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len)
+    weights = resolve_weights(config.weights, model_dir, dtype, config.device)
+    log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."),
+             weights=weights)
+    model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len, weights)
     cache = KVCache(model_config, config.max_slots, config.max_seq_len, config.device, dtype, memory_bytes,
                     side_bytes_per_value * model_config.hidden_size)
     release_free_heap()

@@ -73,10 +73,14 @@ from gpu_worker.sampling.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_
                                  sample)
 from gpu_worker.roles.slots import SlotOwner, free_request, load_model_and_cache, release
 from text.tokenizer import check_in_vocabulary, tokenizer_id
+from schemas.commits import LogprobArrays, SideChannelRecord
 from schemas.config import VerifierConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_FEATURE_BLOCK_BYTES, Error, FeatureBlock, LogprobArrays, RowSampling, SamplingMask,
-                              SideChannelRecord, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow)
+from schemas.generation import RowSampling
+from schemas.protocol import MAX_FEATURE_BLOCK_BYTES
+from schemas.steps import FeatureBlock, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow
+from schemas.streams import SamplingMask
+from schemas.wire import Error
 
 log = structlog.get_logger(__name__)
 

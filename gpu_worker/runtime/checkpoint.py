@@ -11,6 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpu_worker.runtime.model import Model, ModelConfig, build_model, weight_names
+from gpu_worker.runtime.quantized import read_blocks
+from schemas.config import GGUF_BLOCKS_FILE
 
 D2T_FILE = "d2t.safetensors"
 
@@ -76,15 +78,26 @@ def read_config(path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(config_file.read_text()))
 
 
-def load_model(path, device="cpu", dtype=torch.float32,
-               max_seq_len: int | None = None) -> tuple[Model, ModelConfig]:
+def load_model(path, device="cpu", dtype=torch.float32, max_seq_len: int | None = None,
+               weights_format: str = "dense") -> tuple[Model, ModelConfig]:
     """Load an HF-layout directory. fp16/bf16 files are converted to `dtype`.
 
     max_seq_len bounds the RoPE tables (see model.build_model). A tied checkpoint that also
-    stores lm_head.weight uses the embedding, as transformers does.
+    stores lm_head.weight uses the embedding, as transformers does. weights_format "gguf": the
+    projections the directory keeps as GGUF blocks (GGUF_BLOCKS_FILE, gpu_worker/runtime/quantized.py)
+    are read as blocks, not as dense weights (CheckpointError where there are none).
     """
     config = read_config(path)
     expected = set(weight_names(config))
+    blocks = {}
+    if weights_format == "gguf":
+        if not (Path(path) / GGUF_BLOCKS_FILE).is_file():
+            raise CheckpointError(f"{path} has no {GGUF_BLOCKS_FILE} (GGUF block weights): `specbus models pull "
+                                  f"--force` writes it for the default target; use weights dense otherwise")
+        blocks = {our_name(name): weight for name, weight in read_blocks(path).items()}
+        expected -= blocks.keys() - {"embed"}  # the lookup reads a dense embedding
+    elif weights_format != "dense":
+        raise ValueError(f"weights_format {weights_format!r}: dense or gguf")
     weights, unexpected = {}, []
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -96,13 +109,13 @@ def load_model(path, device="cpu", dtype=torch.float32,
                     continue
                 if name in expected:
                     weights[name] = f.get_tensor(hf_name).to(dtype, copy=True)
-                elif name is not None and not (name == "lm_head" and config.tie_word_embeddings):
+                elif name is not None and name not in blocks and not (name == "lm_head" and config.tie_word_embeddings):
                     unexpected.append(hf_name)
     missing = sorted(expected - weights.keys())
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing tensors {missing}, unexpected tensors "
                               f"{sorted(unexpected)}")
-    return build_model(config, weights, device, dtype, max_seq_len), config
+    return build_model(config, weights, device, dtype, max_seq_len, blocks), config
 
 
 def model_id(path) -> str:

@@ -15,6 +15,12 @@ is d * q + m with fp16 d and m, which needs more mantissa than bf16's 8 bits, so
 dtype that keeps the file's values exactly; the runtime casts to bf16 at load when asked.
 llama.cpp's converter permutes the rows of q and k (its RoPE rotates adjacent pairs, HF's rotates
 the two halves of each head); `unpermute_qk` undoes it.
+
+Beside them, GGUF_BLOCKS_FILE keeps every Q4_1 and Q8_0 weight as the file stores it: each row's
+blocks as bytes, (out, in/32 * block bytes) uint8 under its HF name (q and k rows unpermuted the
+same way), the block type in the metadata. The runtime reads these with `--weights gguf`
+(gpu_worker/runtime/quantized.py): the published weights as they are, widened in the projection
+kernel to exactly the float32 values of model.safetensors.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
+
+from schemas.config import GGUF_BLOCKS_FILE
 
 # GGUF tensor name (per layer: "blk.{}.") -> HF name
 GGUF_TO_HF = {
@@ -145,6 +153,28 @@ def convert_weights(reader: GGUFReader, config: dict, progress: bool = True) -> 
     return weights
 
 
+# the block types the runtime reads as stored (gpu_worker/runtime/quantized.py names them alike)
+STORED_BLOCK_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+
+
+def stored_blocks(reader: GGUFReader, config: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The Q4_1 / Q8_0 tensors as stored, (out, in/32 * block bytes) uint8 under their HF names,
+    rows in HF's order; and each one's block type name."""
+    blocks, kinds = {}, {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in STORED_BLOCK_TYPES:
+            continue
+        name = hf_name(tensor.name)
+        rows = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1)
+        if name.endswith("q_proj.weight"):
+            rows = unpermute_qk(rows, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            rows = unpermute_qk(rows, config["num_key_value_heads"])
+        blocks[name] = np.ascontiguousarray(rows)
+        kinds[name] = STORED_BLOCK_TYPES[tensor.tensor_type]
+    return blocks, kinds
+
+
 def build_tokenizer(reader: GGUFReader) -> Tokenizer:
     """The file's byte-level BPE tokenizer with llama.cpp's pre-tokenizer for it; control and
     user-defined tokens become added tokens (control ones special)."""
@@ -193,6 +223,10 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> dict:
     ids = {f"{key}_token_id": tokens.index(token) for key, token in named.items() if key in ("bos", "eos", "pad")}
     config.update(ids)
     save_file(convert_weights(reader, config, progress), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    blocks, kinds = stored_blocks(reader, config)
+    if blocks:
+        (out_dir / GGUF_BLOCKS_FILE).parent.mkdir(exist_ok=True)  # a folder: no *.safetensors weights glob finds it
+        save_file(blocks, str(out_dir / GGUF_BLOCKS_FILE), metadata={"format": "gguf-blocks", **kinds})
     build_tokenizer(reader).save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {f"{key}_token": token for key, token in named.items()}
     tokenizer_config |= {"add_bos_token": False, "clean_up_tokenization_spaces": False,

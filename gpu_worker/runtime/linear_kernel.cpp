@@ -12,6 +12,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <cstring>
+#include <vector>
+#include <c10/util/Half.h>
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {
@@ -28,12 +31,12 @@ struct Args {
 };
 
 template <typename T>
-static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n) {
+static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n, const T* wr) {
   // ((0+1)+(2+3))+((4+5)+(6+7)) in registers: each hadd adds neighbouring pairs per 128-bit half
   __m256 h = _mm256_hadd_ps(acc, acc);
   h = _mm256_hadd_ps(h, h);
   float s = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  const T *xr = a.x + m * a.K, *wr = a.w + n * a.K;  // a tail only where w is not paired (K % 8 != 0)
+  const T* xr = a.x + m * a.K;  // wr: row n of w; a tail only where w is not paired (K % 8 != 0)
   for (int64_t k = a.K / 8 * 8; k < a.K; ++k) s += widen(xr[k]) * widen(wr[k]);
   if (a.b) s += widen(a.b[n]);
   if (a.residual) s = widen(a.residual[m * a.N + n]) + s;
@@ -55,11 +58,12 @@ static inline const T* chunk(const T* w, int64_t K, int i, int64_t k) {
 // bandwidth on its own. Not in a block of one float32 row of x: there the hardware prefetchers
 // keep up alone, and requests of ours only compete with theirs (measured: 10% slower).
 template <typename T, bool PAIRED, int NB, int MB>
-static inline __attribute__((always_inline)) void block(const Args<T>& a, int64_t n0, int64_t m0, const T* next) {
+static inline __attribute__((always_inline)) void block(const Args<T>& a, const T* w, int64_t n0, int64_t m0,
+                                                        const T* next) {
   constexpr bool PREFETCH = MB * sizeof(float) / sizeof(T) >= 2;
   constexpr int STREAM = PAIRED ? 2 : 1;  // rows per sequential stream
   const int64_t K = a.K, K8 = K / 8 * 8, line = 64 / sizeof(T) / STREAM;  // k per cache line of a stream
-  const T *w = a.w + n0 * K, *x = a.x + m0 * K;
+  const T* x = a.x + m0 * K;  // w: rows n0..n0+NB-1 of the weight, as `chunk` lays them out
   __m256 acc[NB][MB];
 #pragma GCC unroll 16
   for (int i = 0; i < NB; ++i)
@@ -84,52 +88,201 @@ static inline __attribute__((always_inline)) void block(const Args<T>& a, int64_
 #pragma GCC unroll 16
   for (int i = 0; i < NB; ++i)
 #pragma GCC unroll 16
-    for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i);
+    for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i, w + i * K);
 }
 
 // the last r < R rows of x, in one block
 template <typename T, bool PAIRED, int NB, int R>
-static inline void last_rows(const Args<T>& a, int64_t n0, int64_t m0, int64_t r, const T* next) {
+static inline void last_rows(const Args<T>& a, const T* w, int64_t n0, int64_t m0, int64_t r, const T* next) {
   if constexpr (R > 0) {
-    if (r == R) block<T, PAIRED, NB, R>(a, n0, m0, next);
-    else last_rows<T, PAIRED, NB, R - 1>(a, n0, m0, r, next);
+    if (r == R) block<T, PAIRED, NB, R>(a, w, n0, m0, next);
+    else last_rows<T, PAIRED, NB, R - 1>(a, w, n0, m0, r, next);
   }
 }
 
+// Where a block's rows of w come from: the weight itself (`DenseRows`), or rows widened from
+// GGUF blocks into a buffer of the thread's (`QuantRows`, below) which `block` then reads as
+// float32 rows: the same code, hence the same operations per output, as on the widened weight.
+template <typename T>
+struct DenseRows {
+  static constexpr bool BUFFERED = false;
+  const T* w; int64_t K;
+  const T* rows(int64_t n0, int, T*) const { return w + n0 * K; }
+};
+
 // blocks of NB rows of w, split between threads; each against all M rows of x, MB at a time
-template <typename T, bool PAIRED, int NB, int MB>
-static void blocks(const Args<T>& a, int64_t M) {
+template <typename T, bool PAIRED, int NB, int MB, typename Rows>
+static void blocks(const Args<T>& a, const Rows& src, int64_t M) {
   at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+    std::vector<T> buffer(Rows::BUFFERED ? NB * a.K : 0);
     for (int64_t i = first; i < last; ++i) {
-      const T* next = i + 1 < last ? a.w + (i + 1) * NB * a.K : nullptr;
+      const T* w = src.rows(i * NB, NB, buffer.data());
+      const T* next = !Rows::BUFFERED && i + 1 < last ? a.w + (i + 1) * NB * a.K : nullptr;
       int64_t m0 = 0;
-      for (; m0 + MB <= M; m0 += MB) block<T, PAIRED, NB, MB>(a, i * NB, m0, next);
-      last_rows<T, PAIRED, NB, MB - 1>(a, i * NB, m0, M - m0, next);
+      for (; m0 + MB <= M; m0 += MB) block<T, PAIRED, NB, MB>(a, w, i * NB, m0, next);
+      last_rows<T, PAIRED, NB, MB - 1>(a, w, i * NB, m0, M - m0, next);
     }
   });
   constexpr int STREAM = PAIRED ? 2 : 1;  // N is even when PAIRED
-  for (int64_t n = a.N / NB * NB; n < a.N; n += STREAM)
-    for (int64_t m = 0; m < M; ++m) block<T, PAIRED, STREAM, 1>(a, n, m, nullptr);
+  std::vector<T> buffer(Rows::BUFFERED ? STREAM * a.K : 0);
+  for (int64_t n = a.N / NB * NB; n < a.N; n += STREAM) {
+    const T* w = src.rows(n, STREAM, buffer.data());
+    for (int64_t m = 0; m < M; ++m) block<T, PAIRED, STREAM, 1>(a, w, n, m, nullptr);
+  }
 }
 
 // Up to 12 rows of x (a decode or verify step) read each row of w from memory once; more (a
 // prefill) take 3 rows of x at a time against 4 of w held in cache. Even NB: whole pairs.
-template <typename T, bool PAIRED>
-static void run(const Args<T>& a, int64_t M) {
+template <typename T, bool PAIRED, typename Rows>
+static void run(const Args<T>& a, const Rows& src, int64_t M) {
   switch (M) {
-    case 1: return blocks<T, PAIRED, 8, 1>(a, M);
-    case 2: return blocks<T, PAIRED, 6, 2>(a, M);
-    case 3: return blocks<T, PAIRED, 4, 3>(a, M);
-    case 4: return blocks<T, PAIRED, 2, 4>(a, M);
-    case 5: return blocks<T, PAIRED, 2, 5>(a, M);
-    default: return M <= 12 ? blocks<T, PAIRED, 2, 6>(a, M) : blocks<T, PAIRED, 4, 3>(a, M);
+    case 1: return blocks<T, PAIRED, 8, 1>(a, src, M);
+    case 2: return blocks<T, PAIRED, 6, 2>(a, src, M);
+    case 3: return blocks<T, PAIRED, 4, 3>(a, src, M);
+    case 4: return blocks<T, PAIRED, 2, 4>(a, src, M);
+    case 5: return blocks<T, PAIRED, 2, 5>(a, src, M);
+    default: return M <= 12 ? blocks<T, PAIRED, 2, 6>(a, src, M) : blocks<T, PAIRED, 4, 3>(a, src, M);
   }
 }
 
 template <typename T>
 static void run(const Args<T>& a, int64_t M, bool paired) {
-  if (paired) run<T, true>(a, M);
-  else run<T, false>(a, M);
+  DenseRows<T> src{a.w, a.K};
+  if (paired) run<T, true>(a, src, M);
+  else run<T, false>(a, src, M);
+}
+
+// GGUF blocks of 32 weights along k (ggml's layouts, `gguf.quants`): Q4_1 is an fp16 scale d, an
+// fp16 minimum m and 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31, each
+// weight d * q + m; Q8_0 is an fp16 d and 32 int8 q, each weight d * q. Widened here as gguf's
+// own dequantization computes them in float32: the product rounded, then the sum rounded (the
+// build's -ffp-contract=off keeps the two roundings apart), so a widened row is bit for bit the
+// float32 weight `specbus models pull` stores.
+enum QuantKind : int64_t { Q4_1 = 0, Q8_0 = 1 };
+static constexpr int64_t QK = 32;
+static inline int64_t quant_block_bytes(int64_t kind) { return kind == Q4_1 ? 20 : 34; }
+static inline float half_bits(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+static inline __m256 widen_q4(__m128i q, __m256 d, __m256 m) {
+  return _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m);
+}
+
+struct QuantRows {
+  static constexpr bool BUFFERED = true;
+  const uint8_t* blocks; int64_t K, row_bytes, kind;
+  const float* rows(int64_t n0, int nb, float* out) const {
+    for (int r = 0; r < nb; ++r) {
+      const uint8_t* row = blocks + (n0 + r) * row_bytes;
+      float* o = out + r * K;
+      for (int64_t c = 0; c < K / QK; ++c, o += QK) {
+        if (kind == Q4_1) {
+          const uint8_t* blk = row + c * 20;
+          __m256 d = _mm256_set1_ps(half_bits(blk)), m = _mm256_set1_ps(half_bits(blk + 2));
+          __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)), nib = _mm_set1_epi8(0x0F);
+          __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+          _mm256_storeu_ps(o, widen_q4(lo, d, m));
+          _mm256_storeu_ps(o + 8, widen_q4(_mm_srli_si128(lo, 8), d, m));
+          _mm256_storeu_ps(o + 16, widen_q4(hi, d, m));
+          _mm256_storeu_ps(o + 24, widen_q4(_mm_srli_si128(hi, 8), d, m));
+        } else {
+          const uint8_t* blk = row + c * 34;
+          __m256 d = _mm256_set1_ps(half_bits(blk));
+          for (int j = 0; j < 4; ++j) {
+            __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j));
+            _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+          }
+        }
+      }
+    }
+    return out;
+  }
+};
+
+// A block of NB rows of GGUF blocks against MB rows of x, each 8 widened weights multiplied as
+// they are widened (no buffer): the same operations per output as `block` on the widened rows
+// (lane j takes k = 8c + j, c ascending, one FMA each, then `finish`).
+template <int NB, int MB>
+static inline __attribute__((always_inline)) void quant_block(const Args<float>& a, const QuantRows& q, int64_t n0,
+                                                              int64_t m0) {
+  const int64_t K = a.K;
+  const float* x = a.x + m0 * K;
+  __m256 acc[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / QK; ++c) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) {
+      const uint8_t* blk = q.blocks + (n0 + i) * q.row_bytes + c * quant_block_bytes(q.kind);
+      __m256 v[4];
+      if (q.kind == Q4_1) {
+        __m256 d = _mm256_set1_ps(half_bits(blk)), m = _mm256_set1_ps(half_bits(blk + 2));
+        __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)), nib = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(w, nib), hi = _mm_and_si128(_mm_srli_epi16(w, 4), nib);
+        v[0] = widen_q4(lo, d, m);
+        v[1] = widen_q4(_mm_srli_si128(lo, 8), d, m);
+        v[2] = widen_q4(hi, d, m);
+        v[3] = widen_q4(_mm_srli_si128(hi, 8), d, m);
+      } else {
+        __m256 d = _mm256_set1_ps(half_bits(blk));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p)
+          v[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * p)))), d);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p)
+#pragma GCC unroll 16
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(load8(x + j * K + c * QK + 8 * p), v[p], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i, static_cast<const float*>(nullptr));
+}
+
+// rows of w NB at a time between threads (the last N % NB one at a time) against the M == MB rows of x
+template <int NB, int MB>
+static void quant_blocks(const Args<float>& a, const QuantRows& q, int64_t M) {
+  at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) quant_block<NB, MB>(a, q, i * NB, 0);
+  });
+  for (int64_t n = a.N / NB * NB; n < a.N; ++n)
+    for (int64_t m = 0; m < M; ++m) quant_block<1, 1>(a, q, n, m);
+}
+
+// x (M, K) float32, blocks (N, K/32 * block bytes) uint8 of `kind`, b (N,) or None, residual (M, N)
+// or None, float32 -> (M, N) float32: fixed_linear's operations on the widened weight
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, c10::optional<torch::Tensor> b,
+                           c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "quant_linear: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.scalar_type() == torch::kFloat &&
+              blocks.scalar_type() == torch::kUInt8 && x.device().is_cpu() && blocks.device().is_cpu(),
+              "quant_linear: x (M, K) float32, blocks (N, bytes) uint8, on the CPU");
+  int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % QK == 0 && blocks.size(1) == K / QK * quant_block_bytes(kind),
+              "quant_linear: blocks of ", QK, " weights along K = ", K);
+  x = x.contiguous();
+  blocks = blocks.contiguous();
+  torch::Tensor bias = b.has_value() ? b->contiguous() : torch::Tensor();
+  torch::Tensor res = residual.has_value() ? residual->contiguous() : torch::Tensor();
+  TORCH_CHECK(!bias.defined() || (bias.numel() == N && bias.scalar_type() == torch::kFloat), "quant_linear: b (N,)");
+  TORCH_CHECK(!res.defined() || (res.size(0) == M && res.size(1) == N && res.scalar_type() == torch::kFloat),
+              "quant_linear: residual (M, N)");
+  auto y = torch::empty({M, N}, x.options());
+  Args<float> a{x.data_ptr<float>(), nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                res.defined() ? res.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, K};
+  QuantRows q{blocks.data_ptr<uint8_t>(), K, blocks.size(1), kind};
+  // one or two rows (decode steps): widened as multiplied; more: widened once per block of rows
+  if (M == 1) quant_blocks<4, 1>(a, q, M);
+  else if (M == 2) quant_blocks<3, 2>(a, q, M);
+  else run<float, false>(a, q, M);
+  return y;
 }
 
 // x (M, K), w (N, K) or its rows paired (N/2, K/8, 2, 8), b (N,) or None, residual (M, N) or None,
@@ -168,5 +321,7 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
   m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear, "residual + (x @ dequant(blocks)^T + b), fixed_linear's order",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -13,6 +13,10 @@ hence the same bits, runs on both); elsewhere `load` returns None and `model.lin
 oneDNN. A GPU needs its own batch-invariant matmul instead (fixed tiles, no split-K chosen by
 shape).
 
+`quant_linear(x, blocks, kind, b, residual)` does the same for a weight held as GGUF blocks
+(gpu_worker/runtime/quantized.py): each block of rows is widened into a float32 buffer of the
+thread's exactly as gguf dequantizes it, then multiplied by the same code as a float32 weight.
+
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's
 hash, so checkouts of different versions never share a build. `make models` builds it ahead
@@ -24,6 +28,7 @@ turns it off (oneDNN / BLAS then, still row-invariant where oneDNN serves the dt
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -35,7 +40,9 @@ from schemas.config import specbus_home
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
 # -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is dropped without
 # it, and the kernel then runs on one thread whatever torch.set_num_threads says.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# -ffp-contract=off: a multiply and an add stay two roundings (GGUF weights are widened as
+# gguf's float32 dequantization computes them); the dot products use explicit FMAs.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 900.0  # a first build takes about a minute on 2 idle cores
 log = structlog.get_logger(__name__)
 
@@ -60,6 +67,23 @@ def turned_off() -> bool:
     return os.environ.get("SPECBUS_LINEAR_KERNEL", "1") == "0"
 
 
+def import_built():
+    """The built module imported as a file, or None where that fails (a build still being written).
+
+    The build directory's name is the hash of this source and flags for this Python and torch, so
+    a .so there is this kernel: importing it needs neither ninja nor the extension loader's lock,
+    which every process starting at once (a stack, several checkouts) would otherwise queue on."""
+    path = build_dir() / f"{module_name()}.so"
+    try:
+        spec = importlib.util.spec_from_file_location(module_name(), path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError as error:
+        log.info("linear_kernel_import_failed", path=str(path), reason=str(error)[:500])
+        return None
+
+
 @functools.cache
 def load():
     """The compiled module (its `fixed_linear(x, w, b, residual)`), or None where it cannot run
@@ -72,6 +96,10 @@ def load():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("linear_kernel_unavailable", reason=f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
         return None
+    if built():
+        module = import_built()
+        if module is not None:
+            return module
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     # ninja from the virtualenv's bin, which is not on PATH when its python runs without activation

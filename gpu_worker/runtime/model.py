@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from gpu_worker.runtime import linear_kernel
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
+from gpu_worker.runtime.quantized import QuantizedWeight, fuse, quant_linear, usable
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -164,8 +165,13 @@ def rope_tables(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor, 
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
-                dtype=torch.float32, max_seq_len: int | None = None) -> Model:
+                dtype=torch.float32, max_seq_len: int | None = None,
+                blocks: dict[str, QuantizedWeight] | None = None) -> Model:
     """Fuse per-projection weights (named as `weight_names`) into a `Model` on `device`.
+
+    blocks (named alike): projections kept as GGUF blocks (float32 on the CPU only,
+    gpu_worker/runtime/quantized.py); a projection whose pieces are all there is one, and its
+    dense weights are not needed; a tied lm_head is the embedding's blocks.
 
     RoPE tables cover positions 0..max_seq_len-1 (default: max_position_embeddings; a
     smaller value keeps the tables small for configs that allow 128k positions).
@@ -181,23 +187,32 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
     def cat(*names):  # (out, in) pieces -> one (out_total, in) tensor
         return torch.cat([get(n) for n in names])
 
+    blocks = blocks or {}
+    if blocks and not usable(dtype, str(device)):
+        raise ConfigError(f"GGUF block weights need float32 on a CPU with the projection kernel, not {dtype} on {device}")
+
+    def projection(*names):
+        fused = fuse([blocks.get(n) for n in names])
+        return fused if fused is not None else pack_weight(cat(*names))
+
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
         layers.append(Layer(
             attn_norm=get(p + "attn_norm"),
-            wqkv=pack_weight(cat(p + "wq", p + "wk", p + "wv")),
+            wqkv=projection(p + "wq", p + "wk", p + "wv"),
             bqkv=cat(p + "bq", p + "bk", p + "bv") if config.qkv_bias else None,
-            wo=pack_weight(get(p + "wo")),
+            wo=projection(p + "wo"),
             bo=get(p + "bo") if config.o_bias else None,
             mlp_norm=get(p + "mlp_norm"),
-            w_gate_up=pack_weight(cat(p + "w_gate", p + "w_up")),
-            w_down=pack_weight(get(p + "w_down")),
+            w_gate_up=projection(p + "w_gate", p + "w_up"),
+            w_down=projection(p + "w_down"),
         ))
     embed = get("embed")
     cos, sin = rope_tables(config, num_positions)
     return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
-                 lm_head=pack_weight(embed, shared=True) if config.tie_word_embeddings else pack_weight(get("lm_head")),
+                 lm_head=blocks.get("embed") or pack_weight(embed, shared=True) if config.tie_word_embeddings
+                 else projection("lm_head"),
                  rope_cos=cos.to(device=device, dtype=dtype),
                  rope_sin=sin.to(device=device, dtype=dtype))
 
@@ -246,10 +261,12 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     return w.contiguous()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x @ W^T + b for x (N, in) and w = pack_weight(W); (N, out). A row's bits do
-    not depend on N."""
+    """residual + x @ W^T + b for x (N, in) and w = pack_weight(W) or W as GGUF blocks; (N, out).
+    A row's bits do not depend on N."""
+    if isinstance(w, QuantizedWeight):
+        return quant_linear(x, w, b, residual)
     if w.is_mkldnn:
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")

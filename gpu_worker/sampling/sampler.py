@@ -58,7 +58,7 @@ STREAM_RESIDUAL = 3
 
 def row_seed(sampling) -> int:
     """The seed of a row's RowSampling; 0 for a greedy row, which draws nothing. GenerateRequest
-    fills it for a sampled request that gave none (schemas/messages.py), so a sampled row
+    fills it for a sampled request that gave none (schemas/generation.py), so a sampled row
     without one is refused, naming the field."""
     if sampling.greedy:
         return 0

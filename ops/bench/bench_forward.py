@@ -1,9 +1,12 @@
 """Time one target forward (`gpu_worker.runtime.model.forward`) of T new tokens at batch 1.
 
-For each dtype and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
+For each weight format (float32, bfloat16, gguf: the GGUF blocks as stored with float32
+activations, where the model directory has them) and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
 holding a 128-token context (the slot is truncated back after each call, so every call sees the
 same context), the median of --reps calls after a warm-up round, and its ratio to T = 1. The T
 values are timed round-robin, so load from other processes on a shared machine skews no ratio.
+Last column: the bytes of weights a T=1 step reads over its time, against the machine's copy
+bandwidth at the same threads (a 256 MiB torch copy, bytes read plus written per second).
 Default model: SmolLM2-135M-Instruct when pulled, else the tiny target.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_forward.py
@@ -25,9 +28,34 @@ import torch
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
+from gpu_worker.runtime.quantized import QuantizedWeight, has_blocks
 from schemas.config import TINY_TARGET, default_target_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# name -> (activation dtype, weights format)
+FORMATS = {"float32": (torch.float32, "dense"), "bfloat16": (torch.bfloat16, "dense"), "gguf": (torch.float32, "gguf")}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the projection weights and lm_head one step reads (the embedding: a row a token)."""
+    def size(w):
+        return w.blocks.numel() if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+    layers = sum(size(w) for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    return layers + size(model.lm_head)
+
+
+def copy_bandwidth(threads: int, size: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes read plus written per second by a torch copy of `size` bytes at this thread count."""
+    torch.set_num_threads(threads)
+    src, dst = torch.ones(size // 4), torch.empty(size // 4)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * size / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -60,7 +88,8 @@ def main():
     pulled = Path(default_target_model())
     parser.add_argument("--model", default=str(pulled if (pulled / "config.json").exists()
                                                else TINY_TARGET))
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS),
+                        help="weight formats (gguf: skipped where the model has no GGUF blocks)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 9])
     parser.add_argument("--context", type=int, default=128)
@@ -70,16 +99,24 @@ def main():
 
     print(f"{args.model}; torch {torch.__version__}; batch 1, {args.context}-token context; "
           f"median {args.clock} ms per forward of {args.reps} (ratio to T={args.tokens[0]})")
-    print("| dtype | threads | " + " | ".join(f"T={T}" for T in args.tokens) + " |")
-    print("|---|---|" + "---|" * len(args.tokens))
-    for name in args.dtypes:
-        model, config = load_model(args.model, dtype=DTYPES[name],
-                                   max_seq_len=args.context + max(args.tokens))
+    copy = {threads: copy_bandwidth(threads) for threads in args.threads}
+    print("copy bandwidth: " + ", ".join(f"{t} threads {copy[t] / 1e9:.1f} GB/s" for t in args.threads))
+    print("| weights | threads | " + " | ".join(f"T={T}" for T in args.tokens) + " | weights read at T=1 |")
+    print("|---|---|" + "---|" * len(args.tokens) + "---|")
+    for name in args.formats:
+        dtype, weights = FORMATS[name]
+        if weights == "gguf" and not has_blocks(args.model):
+            print(f"| {name} | | {args.model} has no GGUF blocks |")
+            continue
+        model, config = load_model(args.model, dtype=dtype, max_seq_len=args.context + max(args.tokens),
+                                   weights_format=weights)
         for threads in args.threads:
             torch.set_num_threads(threads)
             ms = bench(model, config, args.tokens, args.context, args.reps, CLOCKS[args.clock])
             cells = [f"{ms[T]:.1f} ({ms[T] / ms[args.tokens[0]]:.2f})" for T in args.tokens]
-            print(f"| {name} | {threads} | " + " | ".join(cells) + " |", flush=True)
+            rate = weight_bytes(model) / (ms[args.tokens[0]] / 1e3)
+            read = f"{weight_bytes(model) / 1e6:.0f} MB, {rate / 1e9:.1f} GB/s ({rate / copy[threads]:.0%} of copy)"
+            print(f"| {name} | {threads} | " + " | ".join(cells) + f" | {read} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from ops.distill_draft import held_out_chat_prompts
 from ops.export_assistant_draft import check_expanded, export_assistant_draft, load_hf
 from ops.train_models import read_text, source_files
 from schemas.config import DEFAULT_DRAFT, SchedulerConfig, default_target_model
-from schemas.messages import StreamChunk
+from schemas.streams import StreamChunk
 from services.client import Client, make_request
 from services.launch.stack import Stack, StackConfig
 from services.runtime.logs import configure_logging

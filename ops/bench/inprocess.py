@@ -30,7 +30,9 @@ from text.tokenizer import load_tokenizer, tokenizer_id
 from gpu_worker.roles.verifier_core import Verifier, load_verifier, verify_batch
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
-from schemas.messages import GenerateRequest, Heartbeat, StreamChunk
+from schemas.control import Heartbeat
+from schemas.generation import GenerateRequest
+from schemas.streams import StreamChunk
 from services.pipeline.postprocessor_core import ChunkToClient, Postprocessor
 from services.pipeline.scheduler_core import SchedulerState, prompt_token_ids
 from services.pipeline.verifier import heartbeat as verifier_heartbeat

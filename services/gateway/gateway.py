@@ -68,8 +68,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from text.tokenizer import Tokenizer, load_tokenizer
 from schemas.codec import CodecError, decode
 from schemas.config import GatewayConfig
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import Heartbeat
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
 from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, ChoicePlan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error

@@ -52,7 +52,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from text.tokenizer import Tokenizer
 from schemas.config import GatewayConfig
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (MAX_TOP_LOGPROBS, GenerateRequest, StreamChunk, TokenLogprob, Usage)
+from schemas.generation import GenerateRequest
+from schemas.protocol import MAX_TOP_LOGPROBS
+from schemas.streams import StreamChunk, TokenLogprob, Usage
 from services.runtime.auth import AuthConfigError, api_key_env, client_user_names, password_env
 from services.client import make_request
 
@@ -62,7 +64,7 @@ MAX_CHOICES = 16  # n times the number of prompts
 MAX_ECHO_CHARS = 64
 MAX_MESSAGE_CHARS = 1024
 MAX_PARAM_CHARS = 128
-MAX_ROLE_CHARS = 64  # as schemas.messages.ChatMessage takes it
+MAX_ROLE_CHARS = 64  # as schemas.generation.ChatMessage takes it
 NEG_INF_LOGPROB = -9999.0
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import structlog
 
-from services.runtime.auth import DEFAULT_MAX_PAYLOAD, MAX_MAX_PAYLOAD, NatsUser, render_auth, render_tls
+from schemas.config import MAX_MESSAGE_BYTES
+from services.runtime.auth import MAX_MAX_PAYLOAD, NatsUser, render_auth, render_tls
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +73,7 @@ class ClusterConfig:
 class NatsServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: the server picks a free port
-    max_payload: int = DEFAULT_MAX_PAYLOAD  # bytes
+    max_payload: int = MAX_MESSAGE_BYTES  # bytes
     jetstream_store_dir: str | Path | None = None  # set: JetStream on, stored there
     users: tuple[NatsUser, ...] = ()
     tls_cert: str | Path | None = None

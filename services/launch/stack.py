@@ -27,11 +27,15 @@ that exit by themselves (what `specbus up` runs).
 Start-up waits until every instance has published a heartbeat on `<prefix>.heartbeat` (a gateway:
 until it accepts HTTP connections); a process that exits first, or an instance still silent after
 ready_timeout_s, fails the start with the tail of that process's log. Stopping goes upstream to
-downstream, one role group at a time (STOP_ORDER): gateways first (no new requests come in), then
-schedulers, so each finishes its step in flight against live drafters and verifiers and sends
-every request's final commit to a live postprocessor; then drafters and verifiers; postprocessors
-last, after they have forwarded those final commits. Each process gets SIGTERM, stop_timeout_s to
-exit by itself, then SIGKILL; the server stops last.
+downstream, one role group at a time (processes.STOP_ORDER): gateways first (no new requests
+come in), then schedulers, so each finishes its step in flight against live drafters and
+verifiers and sends every request's final commit to a live postprocessor; then drafters and
+verifiers; postprocessors last, after they have forwarded those final commits. Each process gets
+SIGTERM, stop_timeout_s to exit by itself, then SIGKILL; the server stops last.
+
+The Stack is the core; its collaborators each do one job: services/launch/processes.py starts
+and stops the processes, services/launch/credentials.py makes the credentials and writes the env
+files, services/launch/health.py watches heartbeats and waits for readiness.
 """
 
 from __future__ import annotations
@@ -41,10 +45,9 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import time
+from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,71 +55,23 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client
 
-from gpu_worker.runtime import linear_kernel
-from schemas.codec import decode
-from schemas.config import ENV_PREFIX
+from schemas.config import CLIENT_ENV_FILE
 from schemas.config import ROLES as CONFIGS
-from schemas.errors import SpecbusError
-from schemas.messages import Heartbeat
+from schemas.control import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
 from services.client import Client as SpecbusClient
-from services.launch.natsserver import STDERR_TAIL_CHARS, NatsCluster, NatsServer, NatsServerConfig
-from services.runtime.auth import (
-    CLIENT,
-    CLIENT_USERS_ENV,
-    MONITOR,
-    api_key_env,
-    check_user_names,
-    env_file_text,
-    generate_api_keys,
-    generate_credentials,
-    password_env,
-    users_from_env,
-    write_secret,
-)
+from services.launch.credentials import CREDENTIALS_FILE, StackCredentials
+from services.launch.health import HeartbeatWatch, accepts_http, wait_ready
+from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
+from services.launch.processes import (ServiceProcess, StackError, build_linear_kernel, free_port,
+                                       start_service_process, stop_in_order)
+from services.runtime.auth import CLIENT, MONITOR, check_user_names
 from services.runtime.bus import connect
 
 log = structlog.get_logger(__name__)
 
 # Every role the stack runs, in start order (docker-compose.yml runs the same set).
 ROLES = tuple(CONFIGS)  # scheduler, verifier, drafter, postprocessor
-STOP_ORDER = (("gateway",), ("scheduler",), ("drafter", "verifier"), ("postprocessor",))  # upstream first
-# Set for every service: `specbus serve` stops by itself once that process is gone (a stack
-# killed with SIGKILL cannot stop its children).
-PARENT_PID_ENV = "SPECBUS_PARENT_PID"
-CREDENTIALS_FILE = "credentials.env"
-CLIENT_ENV_FILE = "client.env"
-NO_AUTH_API_KEY = "no-auth"  # the openai SDK insists on some key
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (the OS picks it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-async def build_linear_kernel() -> None:
-    """Build the CPU projection kernel (gpu_worker/runtime/linear_kernel.py) before the model services
-    start, once per checkout, so no verifier or drafter spends its ready_timeout_s compiling it.
-    A build that fails or runs past BUILD_TIMEOUT_S is logged; the services then use oneDNN."""
-    if linear_kernel.built() or linear_kernel.turned_off():
-        return
-    log.info("linear_kernel_building", path=str(linear_kernel.build_dir()))
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gpu_worker.runtime.linear_kernel",
-                                                   stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    try:
-        _, stderr = await asyncio.wait_for(process.communicate(), linear_kernel.BUILD_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        process.kill()
-        await process.wait()
-        stderr = b"timed out"
-    if not linear_kernel.built():
-        log.warning("linear_kernel_unavailable", stderr=stderr.decode(errors="replace")[-STDERR_TAIL_CHARS:])
-
-
-class StackError(RuntimeError):
-    """A service process died or stayed silent while the stack was starting."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +103,7 @@ class StackConfig:
     draft_method: str | None = None
     eagle_head: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
+    weights: str | None = None  # the verifiers' and drafters' --weights; None: theirs (SPECBUS_WEIGHTS, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
     # torch threads per verifier / drafter process; 0: `role_threads` picks from the machine.
@@ -210,10 +166,9 @@ def role_threads(role: str, config: StackConfig, cores: int) -> int | None:
     Given (config.verifier_threads / drafter_threads) wins. Else, from the machine's cores: the
     verifiers share every core (cores // verifiers), the drafters too, each at most
     MAX_DRAFTER_THREADS, each at least 1: 2 cores -> verifier 2, drafter 2; 4 -> 4, 4; 16 -> 16, 4.
-    A request's draft and verify run one after the other, so each has the cores while it runs;
-    the torch-free processes' work between steps is a few ms of a step. Measured on 2 cores
-    (ops/bench/RESULTS.md "Threads per role"): k=0 through the stack 17.2 tokens/s with a 2-thread
-    verifier against 13.0 with 1; a draft step of the shipped draft 4.9 ms at 2 threads, 7.5 at 1.
+    A request's draft and verify run one after the other, so each has the cores while it runs,
+    and the torch-free processes' work between steps is a small part of a step. The measurements
+    behind the rule: ops/bench/RESULTS.md "Threads per role".
     """
     if role not in ("verifier", "drafter"):
         return None
@@ -232,7 +187,7 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
     settings = {"target_model": config.target_model, "tokenizer": config.target_model,
                 "draft_model": config.draft_model, "draft_method": config.draft_method,
-                "eagle_head": config.eagle_head, "dtype": config.dtype,
+                "eagle_head": config.eagle_head, "dtype": config.dtype, "weights": config.weights,
                 "kv_cache_memory": config.kv_cache_memory, "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):
         if settings.get(config_field.name) is not None:
@@ -240,53 +195,76 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     return argv + list(config.role_args.get(role, []))  # role_args come last: they win
 
 
-@dataclass
-class ServiceProcess:
-    role: str
-    instance_id: str
-    process: asyncio.subprocess.Process
-    log_path: Path
-    started_at: float  # time.monotonic()
+def port_args(role: str, instance_id: str, config: StackConfig, metrics_ports: dict[str, int],
+              gateway_ports: dict[str, int]) -> list[str]:
+    """The --metrics-port / --http-port flags of one instance. Assigns instance_id its ports in
+    metrics_ports (each new id the next port from metrics_port_base) and, for a gateway, in
+    gateway_ports (the next from http_port, or a free one); an id that has one keeps it."""
+    argv = []
+    if config.metrics_port_base:
+        port = metrics_ports.setdefault(instance_id, config.metrics_port_base + len(metrics_ports))
+        argv += ["--metrics-port", str(port)]
+    if role == "gateway":
+        port = gateway_ports.get(instance_id) or (
+            config.http_port + len(gateway_ports) if config.http_port else free_port())
+        gateway_ports[instance_id] = port
+        argv += ["--http-port", str(port)]
+    return argv
 
-    @property
-    def running(self) -> bool:
-        return self.process.returncode is None
 
-    def log_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-        return text if len(text) <= chars else text[-chars:].split("\n", 1)[-1]  # from a line start
+def make_log_dir(log_dir: str | Path | None) -> tuple[Path, bool]:
+    """(the directory, whether the stack owns it): the one given, created if needed, or a fresh
+    temporary one the stack removes on stop."""
+    if log_dir is None:
+        return Path(tempfile.mkdtemp(prefix="specbus-stack-")), True
+    path = Path(log_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path, False
 
 
 @dataclass
 class Stack:
+    """A running stack: its server, its processes by instance id, the heartbeats it has seen
+    (`heartbeats`, `heartbeat_seen_at`) and its credentials (module docstring)."""
+
     config: StackConfig = field(default_factory=StackConfig)
     server: NatsServer | NatsCluster | None = field(default=None, init=False)
     processes: dict[str, ServiceProcess] = field(default_factory=dict, init=False)  # instance id -> process
-    heartbeats: dict[str, Heartbeat] = field(default_factory=dict, init=False)  # instance id -> last beat
-    heartbeat_seen_at: dict[str, float] = field(default_factory=dict, init=False)  # time.monotonic()
-    num_bad_heartbeats: int = field(default=0, init=False)
+    watch: HeartbeatWatch = field(default_factory=HeartbeatWatch, init=False)
+    credentials: StackCredentials = field(init=False, repr=False)
     nc: Client | None = field(default=None, init=False, repr=False)
     log_dir: Path | None = field(default=None, init=False)
-    next_index: dict[str, int] = field(default_factory=dict, init=False)
+    next_index: Counter = field(default_factory=Counter, init=False)  # role -> the n of its next id
     exit_stack: AsyncExitStack = field(default_factory=AsyncExitStack, init=False, repr=False)
     owns_log_dir: bool = field(default=False, init=False)
-    credentials: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # as users_from_env reads
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> /metrics port
     gateway_ports: dict[str, int] = field(default_factory=dict, init=False)  # instance id -> HTTP port
+
+    def __post_init__(self) -> None:
+        self.credentials = StackCredentials(self.config.client_users)
+
+    @property
+    def heartbeats(self) -> dict[str, Heartbeat]:
+        """The last heartbeat of each instance id."""
+        return self.watch.heartbeats
+
+    @property
+    def heartbeat_seen_at(self) -> dict[str, float]:
+        """When each instance id last heartbeated (time.monotonic())."""
+        return self.watch.seen_at
 
     @property
     def credentials_path(self) -> Path | None:
         """Every user's password as KEY=value lines (None without auth)."""
-        return self.log_dir / CREDENTIALS_FILE if self.credentials and self.log_dir else None
+        return self.log_dir / CREDENTIALS_FILE if self.credentials.values and self.log_dir else None
 
     @property
     def client_env_path(self) -> Path | None:
         """The first client user's SPECBUS_NATS_USER/_PASSWORD (with auth) and, with gateways,
         OPENAI_BASE_URL and OPENAI_API_KEY (None when it holds neither)."""
-        return self.log_dir / CLIENT_ENV_FILE if (self.credentials or self.gateway_ports) and self.log_dir else None
+        if (self.credentials.values or self.gateway_ports) and self.log_dir:
+            return self.log_dir / CLIENT_ENV_FILE
+        return None
 
     @property
     def openai_base_url(self) -> str:
@@ -296,20 +274,12 @@ class Stack:
         return f"http://127.0.0.1:{next(iter(self.gateway_ports.values()))}/v1"
 
     def api_key(self, user: str | None = None) -> str:
-        """A client user's API key for the gateways (default: the first client user's); without
-        auth any key is accepted, and this is a placeholder."""
-        if not self.credentials:
-            return NO_AUTH_API_KEY
-        return self.credentials[api_key_env(user or self.config.client_users[0])]
+        """A client user's API key for the gateways (StackCredentials.api_key)."""
+        return self.credentials.api_key(user)
 
     def login(self, user: str) -> dict[str, str]:
         """{"user", "password"} of a user of this stack (a role or a client user); {} without auth."""
-        if not self.credentials:
-            return {}
-        variable = password_env(user)
-        if variable not in self.credentials:
-            raise KeyError(f"user: no user {user!r} in this stack; client users: {list(self.config.client_users)}")
-        return {"user": user, "password": self.credentials[variable]}
+        return self.credentials.login(user)
 
     def client_login(self, user: str | None = None) -> dict[str, str]:
         """A client user's login (default: the first client user) as Client(...) keywords."""
@@ -339,16 +309,20 @@ class Stack:
         return self
 
     async def start_server(self) -> str:
-        """The nats-server and the stack's heartbeat watcher; returns the url."""
+        """The nats-server and the stack's heartbeat watcher; returns the url. With auth, fresh
+        credentials for every user first (credentials.env and client.env in the log dir)."""
         try:
-            self.prepare_log_dir()
-            server = NatsServer(self.nats_config()) if self.config.nats_cluster == 1 else \
-                NatsCluster(self.nats_config(), size=self.config.nats_cluster)
+            self.log_dir, self.owns_log_dir = make_log_dir(self.config.log_dir)
+            nats = self.config.nats
+            if self.config.auth:
+                nats = dataclasses.replace(nats, users=self.credentials.generate(self.log_dir, self.config.prefix))
+            server = NatsServer(nats) if self.config.nats_cluster == 1 else \
+                NatsCluster(nats, size=self.config.nats_cluster)
             self.server = await self.exit_stack.enter_async_context(server)
             own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
             self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0, **own)
             self.exit_stack.push_async_callback(self.nc.close)
-            await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+            await self.nc.subscribe(self.subjects.heartbeat, cb=self.watch.on_heartbeat)
         except BaseException:
             await self.stop()
             raise
@@ -359,164 +333,56 @@ class Stack:
         try:
             await build_linear_kernel()
             started = [await self.spawn(role) for role in ROLES for _ in range(self.config.count(role))]
-            await self.wait_ready(started)
-            self.add_openai_env()
+            await wait_ready(started, self.is_ready, self.config.ready_timeout_s)
+            if self.gateway_ports:
+                self.credentials.add_openai_env(self.log_dir, self.openai_base_url)
         except BaseException:
             await self.stop()
             raise
 
-    def nats_config(self) -> NatsServerConfig:
-        """The server's config: with auth, fresh credentials for every user (also written to
-        credentials.env and client.env in the log dir, owner-only)."""
-        if not self.config.auth:
-            return self.config.nats
-        assert self.log_dir is not None
-        self.credentials = generate_credentials(self.config.client_users) | generate_api_keys(self.config.client_users)
-        write_secret(self.log_dir / CREDENTIALS_FILE, env_file_text(self.credentials))
-        for index, user in enumerate(self.config.client_users):  # client.env: the first one's login
-            login = self.client_login(user)
-            text = env_file_text({ENV_PREFIX + "NATS_USER": user, ENV_PREFIX + "NATS_PASSWORD": login["password"]})
-            if index == 0:
-                write_secret(self.log_dir / CLIENT_ENV_FILE, text)
-            if len(self.config.client_users) > 1:
-                write_secret(self.log_dir / f"client-{user}.env", text)
-        users = users_from_env(self.credentials, self.config.prefix)
-        return dataclasses.replace(self.config.nats, users=tuple(users))
-
-    def add_openai_env(self) -> None:
-        """With gateways, OPENAI_BASE_URL and OPENAI_API_KEY added to client.env (the first
-        client user's key) and to each client-<user>.env (that user's), so `set -a; . file; set +a`
-        sets up the openai SDK too; without auth, client.env holds only these two."""
-        if not self.gateway_ports:
-            return
-        files = {CLIENT_ENV_FILE: None}
-        if self.credentials and len(self.config.client_users) > 1:
-            files |= {f"client-{user}.env": user for user in self.config.client_users}
-        for name, user in files.items():
-            path = self.log_dir / name
-            text = path.read_text() if path.exists() else ""
-            write_secret(path, text + env_file_text({"OPENAI_BASE_URL": self.openai_base_url,
-                                                     "OPENAI_API_KEY": self.api_key(user)}))
-
-    def role_login_env(self, role: str) -> dict[str, str]:
-        """A role's NATS login as SPECBUS_NATS_USER/_PASSWORD; a gateway gets every client user's
-        password and API key and the monitor's password instead (services/gateway/gateway.py)."""
-        if role != "gateway":
-            return {f"{ENV_PREFIX}NATS_{key.upper()}": value for key, value in self.login(role).items()}
-        if not self.credentials:
-            return {ENV_PREFIX + "NO_AUTH": "1"}
-        users = (*self.config.client_users, MONITOR)
-        return {CLIENT_USERS_ENV: ",".join(self.config.client_users),
-                **{password_env(u): self.credentials[password_env(u)] for u in users},
-                **{api_key_env(u): self.credentials[api_key_env(u)] for u in self.config.client_users}}
-
-    def prepare_log_dir(self) -> None:
-        if self.config.log_dir is None:
-            self.log_dir = Path(tempfile.mkdtemp(prefix="specbus-stack-"))
-            self.owns_log_dir = True
-        else:
-            self.log_dir = Path(self.config.log_dir)
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-
-    async def on_heartbeat(self, msg) -> None:
-        try:
-            beat = decode(msg.data, Heartbeat)
-        except SpecbusError as exc:
-            self.num_bad_heartbeats += 1
-            log.warning("stack_bad_heartbeat", error=str(exc), count=self.num_bad_heartbeats)
-            return
-        self.heartbeats[beat.instance_id] = beat
-        self.heartbeat_seen_at[beat.instance_id] = time.monotonic()
-
-    def new_instance_id(self, role: str) -> str:
-        """The next unused id `<role>-<n>`."""
-        index = self.next_index.get(role, 0)
-        self.next_index[role] = index + 1
-        return f"{role}-{index}"
-
-    async def spawn_replacement(self, dead: ServiceProcess) -> ServiceProcess:
-        """A fresh instance (a new id) of a dead one's role in its place; does not wait for it. A
-        gateway listens on the dead one's HTTP port, so its clients' base URL stays valid."""
-        instance_id = self.new_instance_id(dead.role)
-        if dead.instance_id in self.gateway_ports:
-            self.gateway_ports[instance_id] = self.gateway_ports[dead.instance_id]
-        return await self.spawn(dead.role, instance_id)
-
-    async def spawn(self, role: str, instance_id: str | None = None) -> ServiceProcess:
-        """Start one instance of role (id `<role>-<n>` unless given); does not wait for it."""
+    async def spawn(self, role: str, instance_id: str | None = None, *,
+                    http_port: int | None = None) -> ServiceProcess:
+        """Start one instance of role (id `<role>-<n>` unless given; a gateway on http_port when
+        given); does not wait for it."""
         if role not in ROLES:
             raise ValueError(f"role: unknown role {role!r}, expected one of {ROLES}")
         if instance_id is None:
-            instance_id = self.new_instance_id(role)
+            instance_id = f"{role}-{self.next_index[role]}"
+            self.next_index[role] += 1
         known = self.processes.get(instance_id)
         if known is not None and known.running:
             raise StackError(f"{instance_id} is already running (pid {known.process.pid})")
         assert self.log_dir is not None
-        log_path = self.log_dir / f"{instance_id}.log"
-        login = self.role_login_env(role)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **login,
-               **self.config.role_env.get(role, {})}
-        argv = serve_command(role, instance_id, self.url, self.config)
-        if self.config.metrics_port_base:
-            port = self.metrics_ports.setdefault(instance_id, self.config.metrics_port_base + len(self.metrics_ports))
-            argv += ["--metrics-port", str(port)]
-        if role == "gateway":
-            port = self.gateway_ports.get(instance_id) or (
-                self.config.http_port + len(self.gateway_ports) if self.config.http_port else free_port())
-            self.gateway_ports[instance_id] = port
-            argv += ["--http-port", str(port)]
-        with log_path.open("ab") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
-                start_new_session=True,  # Ctrl-C in a terminal reaches the stack only; it stops the children
-            )
-        self.heartbeats.pop(instance_id, None)
-        self.heartbeat_seen_at.pop(instance_id, None)
-        started = ServiceProcess(role, instance_id, process, log_path, time.monotonic())
+        if http_port is not None:
+            self.gateway_ports[instance_id] = http_port
+        argv = serve_command(role, instance_id, self.url, self.config) + \
+            port_args(role, instance_id, self.config, self.metrics_ports, self.gateway_ports)
+        env = {**self.credentials.role_env(role), **self.config.role_env.get(role, {})}
+        self.watch.forget(instance_id)
+        started = await start_service_process(role, instance_id, argv, env, self.log_dir / f"{instance_id}.log")
         self.processes[instance_id] = started
-        log.info("stack_process_started", role=role, instance_id=instance_id, pid=process.pid,
+        log.info("stack_process_started", role=role, instance_id=instance_id, pid=started.process.pid,
                  metrics_port=self.metrics_ports.get(instance_id))
         return started
+
+    async def spawn_replacement(self, dead: ServiceProcess) -> ServiceProcess:
+        """A fresh instance (a new id) of a dead one's role in its place; does not wait for it. A
+        gateway listens on the dead one's HTTP port, so its clients' base URL stays valid."""
+        return await self.spawn(dead.role, http_port=self.gateway_ports.get(dead.instance_id))
 
     async def start_instance(self, role: str, instance_id: str | None = None,
                              timeout_s: float | None = None) -> ServiceProcess:
         """Start one more instance of role (or restart a dead one by id) and wait for its heartbeat."""
         started = await self.spawn(role, instance_id)
-        await self.wait_ready([started], timeout_s)
+        await wait_ready([started], self.is_ready, self.config.ready_timeout_s if timeout_s is None else timeout_s)
         return started
-
-    async def wait_ready(self, started: list[ServiceProcess], timeout_s: float | None = None) -> None:
-        """Until each instance has heartbeated since it started; StackError with its log tail
-        when one exits first or the time runs out."""
-        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        waiting = list(started)
-        while waiting:
-            for proc in waiting:
-                if not proc.running:
-                    raise StackError(f"{proc.instance_id} exited with code {proc.process.returncode} while "
-                                     f"starting; its log ({proc.log_path}) ends with:\n{proc.log_tail()}")
-            waiting = [p for p in waiting if not await self.is_ready(p)]
-            if waiting and time.monotonic() > deadline:
-                silent = waiting[0]
-                raise StackError(f"no heartbeat from {', '.join(p.instance_id for p in waiting)} within "
-                                 f"{timeout_s:.0f} s; the log of {silent.instance_id} ({silent.log_path}) "
-                                 f"ends with:\n{silent.log_tail()}")
-            await asyncio.sleep(0.05)
-        log.info("stack_ready", instances=sorted(p.instance_id for p in started))
 
     async def is_ready(self, proc: ServiceProcess) -> bool:
         """A service has heartbeated since it started; a gateway (no heartbeat: it is a client)
         accepts HTTP connections, which it does once its NATS connections are up."""
         if proc.role != "gateway":
-            return self.heartbeat_seen_at.get(proc.instance_id, -1.0) >= proc.started_at
-        port = self.gateway_ports[proc.instance_id]
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout=1.0)
-        except (OSError, asyncio.TimeoutError):
-            return False
-        writer.close()
-        return True
+            return self.watch.beat_since(proc.instance_id, proc.started_at)
+        return await accepts_http(self.gateway_ports[proc.instance_id])
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send sig to one instance (SIGKILL: a crash; SIGTERM: a polite stop)."""
@@ -531,24 +397,11 @@ class Stack:
         """The exit code of an instance, waiting up to timeout_s (asyncio.TimeoutError after)."""
         return await asyncio.wait_for(self.processes[instance_id].process.wait(), timeout=timeout_s)
 
-    async def stop_process(self, proc: ServiceProcess) -> None:
-        if not proc.running:
-            return
-        proc.process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.process.wait(), timeout=self.config.stop_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("stack_process_killed", instance_id=proc.instance_id, after_s=self.config.stop_timeout_s)
-            proc.process.kill()
-            await asyncio.wait_for(proc.process.wait(), timeout=self.config.stop_timeout_s)
-        log.info("stack_process_stopped", instance_id=proc.instance_id, returncode=proc.process.returncode)
-
     async def stop(self) -> None:
         """SIGTERM the processes role group by role group (STOP_ORDER; then SIGKILL), then close
         the connection and stop the server. Idempotent; keeps the log dir when it was given,
         removes a temporary one."""
-        for roles in STOP_ORDER:
-            await asyncio.gather(*(self.stop_process(p) for p in self.processes.values() if p.role in roles))
+        await stop_in_order(self.processes.values(), self.config.stop_timeout_s)
         await self.exit_stack.aclose()
         if self.owns_log_dir and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)

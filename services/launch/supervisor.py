@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.launch.stack import ServiceProcess, Stack
+from services.launch.processes import ServiceProcess
+from services.launch.stack import Stack
 
 log = structlog.get_logger(__name__)
 

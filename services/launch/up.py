@@ -13,7 +13,8 @@ from schemas.config import DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, ROLES,
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
-from services.launch.stack import Stack, StackConfig, StackError
+from services.launch.processes import StackError
+from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import CLIENT
 from services.runtime.tasks import until_stopped
 
@@ -40,6 +41,10 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
                              "on CUDA and on CPUs with native bf16, else float32)")
+    parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf"],
+                        help="how the verifier holds the target's projections (env SPECBUS_WEIGHTS; default auto: "
+                             "the GGUF blocks as published where the model has them and the dtype is float32, "
+                             "bit for bit the float32 model; else dense)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                         help="each verifier's and drafter's KV cache budget, e.g. 2GiB, 512MiB (env "
                              "SPECBUS_KV_CACHE_MEMORY; default 2GiB): slots take memory as their tokens need it, "
@@ -75,6 +80,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         draft_method=args.draft_method or os.environ.get(ENV_PREFIX + "DRAFT_METHOD"),
         eagle_head=args.eagle_head or os.environ.get(ENV_PREFIX + "EAGLE_HEAD"),
         dtype=args.dtype,
+        weights=args.weights,
         kv_cache_memory=args.kv_cache_memory,
         verifier_threads=args.verifier_threads,
         drafter_threads=args.drafter_threads,
@@ -127,7 +133,7 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
         return None
     counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
     print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
-    if stack.credentials:
+    if stack.credentials_path:
         print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
               f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
               f"in {stack.credentials_path})", flush=True)

@@ -25,7 +25,7 @@ heartbeat's model_ids["target"] is the verifier's): it drafts from that target's
 from collections import Counter
 from dataclasses import dataclass, field
 
-from schemas.messages import Heartbeat
+from schemas.control import Heartbeat
 
 TRIAL_STEPS = 8
 METHODS = ("ngram", "eagle", "model")  # "auto"'s trial order, and its order of preference on a tie

@@ -15,7 +15,7 @@ from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from gpu_worker.roles.eagle_drafter import eagle_draft_batch, load_eagle_drafter
 from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
-from schemas.messages import DraftRequest
+from schemas.steps import DraftRequest
 from schemas.subjects import Subjects
 from services.pipeline.model_service import SlotService, run_slot_service
 

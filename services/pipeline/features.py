@@ -22,7 +22,8 @@ until it holds features up to the end of the history, so a large backlog costs s
 drafts, never exactness.
 """
 
-from schemas.messages import MAX_FEATURE_BLOCK_BYTES, FeatureBlock
+from schemas.protocol import MAX_FEATURE_BLOCK_BYTES
+from schemas.steps import FeatureBlock
 from services.pipeline.draft_method import method_of
 
 BLOCK_OVERHEAD_BYTES = 64  # a FeatureBlock's keys, start, shape and dtype

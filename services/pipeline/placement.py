@@ -13,7 +13,8 @@ from typing import Any
 
 import structlog
 
-from schemas.messages import ANY_TOKENIZER, PROTOCOL_VERSION, Heartbeat
+from schemas.control import Heartbeat
+from schemas.protocol import ANY_TOKENIZER, PROTOCOL_VERSION
 
 log = structlog.get_logger(__name__)
 

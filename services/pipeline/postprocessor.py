@@ -22,10 +22,13 @@ import structlog
 
 from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import decode, encode
-from schemas.config import PostprocessorConfig
+from schemas.commits import Commit, SideChannelRecord
+from schemas.config import PostprocessorConfig, service_version
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import Commit, Error, Heartbeat, SideChannelRecord, StreamChunk
+from schemas.streams import StreamChunk
 from schemas.subjects import Subjects
+from schemas.wire import Error
 from services.pipeline.postprocessor_core import NoticeToScheduler, Outgoing, Postprocessor
 from services.runtime.bus import (
     NO_RESPONDERS_STATUS,
@@ -42,7 +45,6 @@ from services.runtime.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
 
-SERVICE_VERSION = "0.1.0"
 DRAIN_TIMEOUT_S = 5.0
 
 
@@ -69,7 +71,7 @@ class PostprocessorService:
         instance_id = self.config.instance_id
         self.bounce_sub = await self.nc.subscribe(self.bounce_prefix + ".>", cb=self.on_bounce)
         self.micro = await add_micro_service(
-            self.nc, "postprocessor", SERVICE_VERSION, "joins commits and logprobs, detokenizes, streams chunks",
+            self.nc, "postprocessor", service_version(), "joins commits and logprobs, detokenizes, streams chunks",
             endpoints={"commit": Endpoint(self.subjects.post_commit(instance_id), self.on_commit),
                        "side": Endpoint(self.subjects.post_side(instance_id), self.on_side)},
             metadata={"instance_id": instance_id, **self.model_ids}, stats_data=lambda _: self.metrics.stats())

@@ -27,23 +27,15 @@ from pydantic import TypeAdapter, ValidationError
 
 from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
+from schemas.commits import StopNotice
 from schemas.config import SchedulerConfig
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (
-    CancelRequest,
-    DraftRequest,
-    DraftResponse,
-    Error,
-    GenerateRequest,
-    Heartbeat,
-    RequestId,
-    StopNotice,
-    StreamChunk,
-    VerifyRequest,
-    VerifyResponse,
-    check_limits,
-)
+from schemas.generation import CancelRequest, GenerateRequest, check_limits
+from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse
+from schemas.streams import StreamChunk
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
+from schemas.wire import Error, RequestId
 from services.pipeline.scheduler_core import Outbox, SchedulerState, StepPlan, internal_error, prompt_token_ids
 from services.runtime.auth import inbox_prefix
 from services.runtime.bus import (
@@ -206,7 +198,7 @@ class Scheduler:
                                 error=Error.from_exception(exc, request_id))
             await self.publish(msg.reply, encode(chunk))
             return
-        # The client resends a request it hears nothing about (schemas.messages.Admitted).
+        # The client resends a request it hears nothing about (schemas.streams.Admitted).
         await self.publish(msg.reply, encode(self.state.admitted(request_id, started=False)))
         self.wake()
 

@@ -24,33 +24,16 @@ import structlog
 from text.chat_template import ChatTemplateError, render_chat
 from text.tokenizer import Tokenizer, check_in_vocabulary
 from schemas.codec import encode
+from schemas.commits import Commit
 from schemas.config import SchedulerConfig
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (
-    MAX_BATCH_ROWS,
-    MAX_DRAFT_SUPPORT,
-    MAX_FEATURE_BLOCK_BYTES,
-    MAX_INBOX_LEN,
-    Admitted,
-    Commit,
-    DraftRequest,
-    DraftResponse,
-    DraftRow,
-    DraftTokens,
-    Error,
-    FeatureBlock,
-    FinishReason,
-    GenerateRequest,
-    Heartbeat,
-    LogprobOptions,
-    SamplingParams,
-    SpeculativeOptions,
-    StreamChunk,
-    Usage,
-    VerifyRequest,
-    VerifyResponse,
-    VerifyRow,
-)
+from schemas.generation import GenerateRequest, LogprobOptions, SamplingParams, SpeculativeOptions
+from schemas.protocol import MAX_BATCH_ROWS, MAX_DRAFT_SUPPORT, MAX_FEATURE_BLOCK_BYTES, MAX_INBOX_LEN
+from schemas.steps import (DraftRequest, DraftResponse, DraftRow, DraftTokens, FeatureBlock, VerifyRequest,
+                           VerifyResponse, VerifyRow)
+from schemas.streams import Admitted, StreamChunk, Usage
+from schemas.wire import Error, FinishReason
 from services.pipeline import features
 from services.pipeline.adaptive_k import AdaptiveK, RowState
 from services.pipeline.draft_method import DraftTrial, drafted, pin_drafter

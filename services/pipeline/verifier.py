@@ -20,7 +20,8 @@ from gpu_worker.roles.slots import instance_heartbeat
 from gpu_worker.roles.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
 from schemas.codec import encode
 from schemas.config import VerifierConfig
-from schemas.messages import Heartbeat, VerifyRequest
+from schemas.control import Heartbeat
+from schemas.steps import VerifyRequest
 from schemas.subjects import Subjects
 from services.pipeline.model_service import SlotService, run_slot_service
 from services.runtime.bus import BusError, publish

@@ -79,16 +79,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from schemas.config import MAX_MESSAGE_BYTES, NATS_PORT
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import MAX_PROMPT_CHARS
+from schemas.protocol import MAX_PROMPT_CHARS
 from schemas.subjects import DEFAULT_PREFIX, INSTANCE_ID_PATTERN, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
 
-# nats-server limits, shared by the server config rendered here and services/launch/natsserver.py.
-DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+# nats-server limits, shared by the server config rendered here and services/launch/natsserver.py
+# (the server-wide max_payload is schemas.config MAX_MESSAGE_BYTES).
 MAX_MAX_PAYLOAD = 64 * 1024 * 1024  # nats-server's own hard limit
 # What a client user may publish at most (its account's limit, module docstring): the largest
 # valid GenerateRequest, a prompt of MAX_PROMPT_CHARS characters at 4 UTF-8 bytes each (or as many
-# int32 token ids), plus room for the options. The services keep DEFAULT_MAX_PAYLOAD: their
+# int32 token ids), plus room for the options. The services keep MAX_MESSAGE_BYTES: their
 # batches, commits and prompt logprobs are larger.
 CLIENT_MAX_PAYLOAD = 4 * MAX_PROMPT_CHARS + 64 * 1024
 # The two accounts of an authenticated deployment (module docstring).
@@ -184,7 +185,6 @@ PASSWORD_LENGTH = 32  # generated: a letter, then letters and digits (~190 bits)
 # "12-ab" a broken date, "a b" or "a,b" a parse error and "a#b" may end at a comment. Passwords
 # that start with a letter and hold only these characters stay strings, byte for byte.
 _PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{15,127}$")
-SERVER_PORT = 4222
 MONITORING_PORT = 8222  # /healthz for the compose healthcheck
 
 
@@ -350,6 +350,19 @@ def env_file_text(env: Mapping[str, str]) -> str:
     return "".join(f"{key}={value}\n" for key, value in env.items())
 
 
+API_KEY_PREFIX = "sk-specbus-"
+
+
+def api_key_env(user: str) -> str:
+    """The variable holding a client user's API key: SPECBUS_<USER>_API_KEY (- becomes _)."""
+    return password_env(user).removesuffix("_NATS_PASSWORD") + "_API_KEY"
+
+
+def generate_api_keys(users: Sequence[str]) -> dict[str, str]:
+    """A fresh random key per client user, as `gateway_logins` reads them."""
+    return {api_key_env(user): API_KEY_PREFIX + secrets.token_urlsafe(24) for user in users}
+
+
 # ---------------------------------------------------------------------------------------------
 # nats-server config file
 
@@ -368,9 +381,9 @@ def render_server_config(
     users: Iterable[NatsUser],
     *,
     host: str = "0.0.0.0",
-    port: int = SERVER_PORT,
+    port: int = NATS_PORT,
     http_port: int | None = MONITORING_PORT,
-    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    max_payload: int = MAX_MESSAGE_BYTES,
     tls_cert: str | None = None,
     tls_key: str | None = None,
     tls_ca: str | None = None,
@@ -512,15 +525,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-API_KEY_PREFIX = "sk-specbus-"
-
-
-def api_key_env(user: str) -> str:
-    """The variable holding a client user's API key: SPECBUS_<USER>_API_KEY (- becomes _)."""
-    return password_env(user).removesuffix("_NATS_PASSWORD") + "_API_KEY"
-
-
-def generate_api_keys(users: Sequence[str]) -> dict[str, str]:
-    """A fresh random key per client user, as `gateway_logins` reads them."""
-    return {api_key_env(user): API_KEY_PREFIX + secrets.token_urlsafe(24) for user in users}

@@ -1,5 +1,5 @@
 """NATS helpers every service uses: connect, request/publish with typed errors, bounded
-handlers, micro-service registration, heartbeats and the instance registry.
+handlers, micro-service registration and heartbeats.
 
 Deadlines are absolute wall-clock seconds (`time.time()`), the convention on the wire: every
 message carries the absolute deadline of its request, so each hop computes its own remaining
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -74,6 +73,37 @@ class BusUnavailable(BusError):
 # connect
 
 
+class BusClient(Client):
+    """A nats-py Client as `connect` opens it, carrying what the helpers of this module need of a
+    connection besides nats-py's own state: `permissions`, the PermissionWatch its error callback
+    feeds; `payload_cap`, connect's max_payload (None: the server's); and `open_sibling(name)`,
+    another connection with the same settings (`serve` gives a subscription one of its own).
+
+    The connection owns them, rather than a module-level registry keyed by connection: they are
+    born and die with it, nothing global can go stale or leak across tests, and a helper reads
+    them without a lookup that can miss. A plain nats-py Client (not from `connect`) has none of
+    them: the helpers then take the server's max_payload, a PermissionWatch nothing feeds, and no
+    sibling.
+    """
+
+    def __init__(self, url: str | list[str], settings: dict[str, Any]):
+        super().__init__()
+        self.permissions = PermissionWatch()
+        self.payload_cap: int | None = settings.get("max_payload")
+        self.url_given = url
+        self.settings = settings
+
+    async def open_sibling(self, name: str) -> BusClient:
+        """A new connection to the same servers with the same settings, named `name`."""
+        return await connect(self.url_given, name, **self.settings)
+
+
+# connect()'s settings under nats-py's own names; the others (opts) go to nats-py as they are
+NATS_OPTION_NAMES = {"connect_timeout_s": "connect_timeout", "reconnect_time_wait_s": "reconnect_time_wait",
+                     "ping_interval_s": "ping_interval"}
+OWN_SETTINGS = ("initial_connect_timeout_s", "max_payload")  # enforced here, not by nats-py
+
+
 async def connect(
     url: str | list[str],
     name: str,
@@ -90,7 +120,7 @@ async def connect(
     tls_hostname: str | None = None,
     max_payload: int | None = None,
     **opts: Any,
-) -> Client:
+) -> BusClient:
     """Connect with explicit settings; services reconnect forever (max_reconnect_attempts=-1).
 
     nats-py retries the first connection forever too when max_reconnect_attempts is -1, so
@@ -102,17 +132,38 @@ async def connect(
     it would close the connection); `publish` and `request` refuse more with BusPayloadTooLarge.
     Extra keyword arguments go to `nats.connect` unchanged.
     """
-    conn_log = log.bind(connection=name)
     if user is not None:
         opts.setdefault("inbox_prefix", inbox_prefix(user))  # the only inbox the server lets it read
-    watch = PermissionWatch()
+    settings = dict(connect_timeout_s=connect_timeout_s, initial_connect_timeout_s=initial_connect_timeout_s,
+                    reconnect_time_wait_s=reconnect_time_wait_s, max_reconnect_attempts=max_reconnect_attempts,
+                    ping_interval_s=ping_interval_s, max_outstanding_pings=max_outstanding_pings, user=user,
+                    password=password, tls=tls, tls_hostname=tls_hostname, max_payload=max_payload, **opts)
+    nc = BusClient(url, settings)
+    conn_log = log.bind(connection=name)
+    nats_options = {NATS_OPTION_NAMES.get(key, key): value for key, value in settings.items()
+                    if key not in OWN_SETTINGS}
+    try:
+        await asyncio.wait_for(nc.connect(servers=url.split(",") if isinstance(url, str) else url, name=name,
+                                          **nats_options, **connection_callbacks(nc, conn_log)),
+                               timeout=initial_connect_timeout_s)
+    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        reason = nc.last_error or exc  # after a timeout, the last attempt's error says why
+        await nc.close()
+        raise BusUnavailable(
+            f"cannot connect to NATS at {url} as {name!r}: {str(reason) or type(reason).__name__}"
+        ) from exc
+    conn_log.info("nats_connected", server=server_address(nc), max_payload=nc.max_payload)
+    return nc
 
+
+def connection_callbacks(nc: BusClient, conn_log: Any) -> dict[str, Callable[..., Awaitable[None]]]:
+    """nats-py's error, disconnected, reconnected and closed callbacks for nc: each logs, and the
+    error callback feeds nc.permissions (permission violations arrive there, not at the call)."""
     dropped = Counter()
 
     async def on_error(exc: Exception) -> None:
-        # Permission violations and slow consumers arrive here, not at the publish call.
-        if watch.on_error(exc):
-            conn_log.warning("nats_permission_denied", error=str(exc), count=sum(watch.counts.values()))
+        if nc.permissions.on_error(exc):
+            conn_log.warning("nats_permission_denied", error=str(exc), count=sum(nc.permissions.counts.values()))
             return
         if isinstance(exc, nats.errors.SlowConsumerError):  # one per message dropped: logged sparingly
             dropped[exc.subject] += 1
@@ -131,48 +182,11 @@ async def connect(
     async def on_closed() -> None:
         conn_log.info("nats_closed")
 
-    nc = Client()
-    PERMISSION_WATCHES[nc] = watch
-    if max_payload is not None:
-        PAYLOAD_CAPS[nc] = max_payload
-    settings = dict(connect_timeout_s=connect_timeout_s, initial_connect_timeout_s=initial_connect_timeout_s,
-                    reconnect_time_wait_s=reconnect_time_wait_s, max_reconnect_attempts=max_reconnect_attempts,
-                    ping_interval_s=ping_interval_s, max_outstanding_pings=max_outstanding_pings, user=user,
-                    password=password, tls=tls, tls_hostname=tls_hostname, max_payload=max_payload, **opts)
-    SIBLINGS[nc] = lambda sibling_name: connect(url, sibling_name, **settings)
-    try:
-        await asyncio.wait_for(
-            nc.connect(
-                servers=url.split(",") if isinstance(url, str) else url,
-                name=name,
-                connect_timeout=connect_timeout_s,
-                reconnect_time_wait=reconnect_time_wait_s,
-                max_reconnect_attempts=max_reconnect_attempts,
-                ping_interval=ping_interval_s,
-                max_outstanding_pings=max_outstanding_pings,
-                user=user,
-                password=password,
-                tls=tls,
-                tls_hostname=tls_hostname,
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
-                closed_cb=on_closed,
-                **opts,
-            ),
-            timeout=initial_connect_timeout_s,
-        )
-    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-        reason = nc.last_error or exc  # after a timeout, the last attempt's error says why
-        await nc.close()
-        raise BusUnavailable(
-            f"cannot connect to NATS at {url} as {name!r}: {str(reason) or type(reason).__name__}"
-        ) from exc
-    conn_log.info("nats_connected", server=server_address(nc), max_payload=nc.max_payload)
-    return nc
+    return {"error_cb": on_error, "disconnected_cb": on_disconnected, "reconnected_cb": on_reconnected,
+            "closed_cb": on_closed}
 
 
-async def connect_service(config: BusConfig, name: str, **opts: Any) -> Client:
+async def connect_service(config: BusConfig, name: str, **opts: Any) -> BusClient:
     """`connect` with the url, credentials and TLS files of a service's config (BusConfig or a
     subclass); opts go to `connect` and win over the config."""
     settings = {"connect_timeout_s": config.connect_timeout_s, "user": config.nats_user,
@@ -191,21 +205,15 @@ def tls_context(ca: str | None = None, cert: str | None = None, key: str | None 
     return context
 
 
-PERMISSION_WATCHES: weakref.WeakKeyDictionary[Client, PermissionWatch] = weakref.WeakKeyDictionary()
-PAYLOAD_CAPS: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()  # connect(max_payload=...)
-# how to open another connection with a connection's own settings (`serve`'s own connection)
-SIBLINGS: weakref.WeakKeyDictionary[Client, Callable[[str], Awaitable[Client]]] = weakref.WeakKeyDictionary()
-
-
 def payload_limit(nc: Client) -> int:
     """The most one message of nc may hold: the server's max_payload, or less (connect's max_payload)."""
-    cap = PAYLOAD_CAPS.get(nc)
+    cap = nc.payload_cap if isinstance(nc, BusClient) else None
     return nc.max_payload if cap is None else min(cap, nc.max_payload)
 
 
 def permission_watch(nc: Client) -> PermissionWatch:
-    """The connection's PermissionWatch (a fresh, never-fed one for a client not from `connect`)."""
-    return PERMISSION_WATCHES.setdefault(nc, PermissionWatch())
+    """The connection's PermissionWatch (a fresh one nothing feeds for a client not from `connect`)."""
+    return nc.permissions if isinstance(nc, BusClient) else PermissionWatch()
 
 
 def server_address(nc: Client) -> str | None:
@@ -479,9 +487,8 @@ async def serve(
     one the service does its work on. Replies go out on whatever connection the handler uses."""
     bounded = BoundedHandler(handler, name=subject, max_concurrency=max_concurrency, max_pending=max_pending,
                              on_overload=on_overload, max_pending_bytes=max_pending_bytes)
-    sibling = SIBLINGS.get(nc) if own_connection else None
-    if sibling is not None:
-        bounded.connection = nc = await sibling(f"{nc.options['name']}.{subject}")
+    if own_connection and isinstance(nc, BusClient):
+        bounded.connection = nc = await nc.open_sibling(f"{nc.options['name']}.{subject}")
     bounded.subscription = await nc.subscribe(subject, queue=queue or "", cb=bounded.dispatch,
                                               pending_msgs_limit=max(SERVE_PENDING_MSGS, max_pending),
                                               pending_bytes_limit=max_pending_bytes)

@@ -6,9 +6,9 @@ inside that block, including lines from other modules, because they live in cont
 (one copy per asyncio task).
 
 Tracebacks are bounded: plain text (console) or frames without locals (JSON), at most
-MAX_TRACEBACK_FRAMES frames. structlog's defaults render every frame's locals (rich), and a
-local that is a tensor or a batch message made one failed verify ~640 KB of log and ~2 s of
-formatting, long enough for the service to miss its heartbeats.
+MAX_TRACEBACK_FRAMES frames. structlog's defaults render every frame's locals (rich); a local
+that is a tensor or a batch message would turn one failure into a flood of log, formatted on the
+event loop for long enough to miss heartbeats.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def test_malformed_bytes_are_refused(payload, what):
     with pytest.raises(CodecError, match="malformed") as caught:
         decode(payload, CancelRequest)
     assert caught.value.code == ErrorCode.malformed
-    # the message says what is wrong (deep nesting used to end in ": ")
+    # the message says what is wrong, never an empty text after a colon (deep nesting has none of its own)
     assert caught.value.message.strip() and not caught.value.message.rstrip().endswith(":")
 
 

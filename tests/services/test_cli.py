@@ -17,12 +17,14 @@ import pytest
 from text.tokenizer import load_tokenizer
 from schemas.codec import decode
 from schemas.config import DEFAULT_DRAFT, TINY_TARGET
+from schemas.control import Heartbeat
 from schemas.errors import SpecbusError
-from schemas.messages import Heartbeat, StreamChunk
+from schemas.streams import StreamChunk
 from schemas.subjects import Subjects
 from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
 from services.launch.natsserver import NatsServerConfig
-from services.launch.stack import Stack, StackConfig, StackError
+from services.launch.processes import StackError
+from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import NatsUser, generate_credentials, password_env
 from services.runtime.bus import BusUnavailable, connect
 

@@ -12,20 +12,12 @@ import pytest
 
 from schemas.codec import decode, encode
 from schemas.config import BusConfig
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (
-    Admitted,
-    CancelRequest,
-    Error,
-    GenerateRequest,
-    Heartbeat,
-    SamplingMask,
-    StreamChunk,
-    TokenLogprob,
-    Usage,
-    seed_from_request_id,
-)
+from schemas.generation import CancelRequest, GenerateRequest, seed_from_request_id
+from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
 from schemas.subjects import Subjects
+from schemas.wire import Error
 from services.client import (
     Client,
     GenerationResult,

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ops.bench.bench_pipeline import acceptance, decode_steps, main
-from schemas.messages import StreamChunk
+from schemas.streams import StreamChunk
 
 MAX_TOKENS, K = 6, 2
 

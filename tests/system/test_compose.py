@@ -15,14 +15,13 @@ import nats.errors
 import pytest
 import yaml
 
-from schemas.config import ENV_PREFIX
+from schemas.config import ENV_PREFIX, MAX_MESSAGE_BYTES
 from schemas.config import ROLES as CONFIGS
 from services.cli import build_parser
 from services.launch.natsserver import find_nats_server_binary
 from services.launch.stack import ROLES, StackConfig, serve_command
 from services.runtime.auth import (
     CLIENT_USERS_ENV,
-    DEFAULT_MAX_PAYLOAD,
     SERVICE_ROLES,
     api_key_env,
     generate_credentials,
@@ -128,7 +127,7 @@ def test_nats_is_a_cluster_of_three_official_images_with_a_healthz_healthcheck(s
         assert nats["environment"]["SPECBUS_NATS_SERVER_NAME"] == name
     assert sorted(svc["ports"][0] for svc in nodes.values()) == [f"127.0.0.1:{port}:4222" for port in (4222, 4223, 4224)]
     conf = (REPO / "ops/nats/nats-server.conf").read_text()
-    assert "http_port: 8222" in conf and f"max_payload: {DEFAULT_MAX_PAYLOAD}" in conf
+    assert "http_port: 8222" in conf and f"max_payload: {MAX_MESSAGE_BYTES}" in conf
     assert 'include "nats-server.conf"' in (REPO / "ops/nats/cluster.conf").read_text()
 
 

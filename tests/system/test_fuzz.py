@@ -36,44 +36,17 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from schemas.codec import MAX_ARRAY_LEN, decode
+from schemas.commits import Commit, LogprobArrays, SideChannelRecord, StopNotice
+from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode
-from schemas.messages import (
-    MAX_BATCH_ROWS,
-    MAX_LOGPROB_TOKEN_IDS,
-    MAX_MASK_SIZE,
-    MAX_PROMPT_CHARS,
-    MAX_SPECULATIVE_TOKENS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE,
-    MAX_TIMEOUT_S,
-    MAX_TOKENS_CAP,
-    MAX_TOP_K,
-    MAX_TOP_LOGPROBS,
-    MIN_TEMPERATURE,
-    MIN_TOP_P,
-    CancelRequest,
-    Commit,
-    DraftRequest,
-    DraftRow,
-    Error,
-    GenerateRequest,
-    Heartbeat,
-    LogprobArrays,
-    LogprobOptions,
-    Message,
-    Proposal,
-    RowSampling,
-    SamplingMask,
-    SamplingParams,
-    SideChannelRecord,
-    StopNotice,
-    StreamChunk,
-    VerifyRequest,
-    VerifyResponse,
-    VerifyRow,
-)
+from schemas.generation import CancelRequest, GenerateRequest, LogprobOptions, RowSampling, SamplingParams
+from schemas.protocol import (MAX_BATCH_ROWS, MAX_LOGPROB_TOKEN_IDS, MAX_MASK_SIZE, MAX_PROMPT_CHARS,
+                              MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                              MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P)
+from schemas.steps import DraftRequest, DraftRow, Proposal, VerifyRequest, VerifyResponse, VerifyRow
+from schemas.streams import SamplingMask, StreamChunk
 from schemas.subjects import Subjects
+from schemas.wire import Error, Message
 from services.client import RequestError, make_request
 from services.runtime.auth import inbox_prefix
 from services.runtime.bus import connect

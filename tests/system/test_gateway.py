@@ -30,7 +30,8 @@ from openai.types.completion_usage import CompletionTokensDetails
 
 from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
-from schemas.messages import MAX_PROMPT_CHARS, Heartbeat
+from schemas.control import Heartbeat
+from schemas.protocol import MAX_PROMPT_CHARS
 from services.client import make_request, score_request
 from services.launch.natsserver import NatsServerConfig
 from services.runtime.auth import CLIENT_MAX_PAYLOAD

@@ -19,8 +19,8 @@ import pytest_asyncio
 import torch
 
 from schemas.codec import decode
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.messages import Heartbeat
 from services.client import Overloaded, make_request
 from tests.tiny_checkpoints import VT
 

@@ -25,9 +25,9 @@ from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
 from text.tokenizer import load_tokenizer
-from schemas.config import TINY_DRAFT, TINY_TARGET
+from schemas.config import GGUF_BLOCKS_FILE, TINY_DRAFT, TINY_TARGET
 from schemas.errors import SpecbusError
-from schemas.messages import GenerateRequest
+from schemas.generation import GenerateRequest
 from services.client import make_request
 from services.commands.models import GGUF_MEMBER, source_gguf
 from services.pipeline.scheduler_core import prompt_token_ids
@@ -90,6 +90,7 @@ def test_pull_converts_once_then_does_nothing(smollm2_target, tmp_path):
     assert weights.stat().st_mtime_ns == before
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (model_dir / name).read_bytes() == (smollm2_target / name).read_bytes(), name
+    assert (model_dir / GGUF_BLOCKS_FILE).is_file()  # the published weights as stored, for `weights: gguf`
 
 
 def test_models_list_json_names_every_model_with_role_path_and_presence(tmp_path):

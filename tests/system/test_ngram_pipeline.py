@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from ops.train_models import read_text, source_files
-from schemas.messages import ANY_TOKENIZER
+from schemas.protocol import ANY_TOKENIZER
 from services.client import make_request
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

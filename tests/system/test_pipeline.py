@@ -30,7 +30,8 @@ import pytest_asyncio
 from ops.train_models import read_text, source_files
 from schemas.codec import decode
 from schemas.errors import ErrorCode
-from schemas.messages import GenerateRequest, StreamChunk
+from schemas.generation import GenerateRequest
+from schemas.streams import StreamChunk
 from services.client import Client, Overloaded, RequestError, make_request, score_request
 from services.launch.natsserver import NatsServerConfig
 from services.runtime.auth import NatsUser

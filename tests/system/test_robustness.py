@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode
-from schemas.messages import StreamChunk
+from schemas.streams import StreamChunk
 from services.client import RequestError, make_request
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -14,7 +14,8 @@ import pytest_asyncio
 
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode
-from schemas.messages import CancelRequest, Error
+from schemas.generation import CancelRequest
+from schemas.wire import Error
 from services.runtime.auth import PermissionDenied
 from services.runtime.bus import connect, permission_watch, request
 from services.client import Client, RequestError, make_request

@@ -10,7 +10,8 @@ import transformers
 
 from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from schemas.config import DrafterConfig, load_config
-from schemas.messages import DraftRequest, DraftRow, RowSampling
+from schemas.generation import RowSampling
+from schemas.steps import DraftRequest, DraftRow
 from tests.tiny_checkpoints import VD, VT, write_tiny_pair
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 3, 77, 12, 50, 31, 6]

@@ -20,7 +20,8 @@ from gpu_worker.runtime.model import forward
 from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import TINY_DRAFT, TINY_TARGET, DrafterConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import DraftRequest, DraftRow, FeatureBlock, LogprobOptions, RowSampling, VerifyRequest, VerifyRow
+from schemas.generation import LogprobOptions, RowSampling
+from schemas.steps import DraftRequest, DraftRow, FeatureBlock, VerifyRequest, VerifyRow
 
 PROMPT = [(i * 37 + 11) % 4000 + 3 for i in range(40)]  # 40 tokens: a feed longer than SHORT_FEED
 SHORT_PROMPT = PROMPT[:9]

@@ -9,7 +9,7 @@ import pytest
 from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch, propose_ngram
 from schemas.config import DrafterConfig, load_config
 from schemas.errors import SpecbusError
-from schemas.messages import DraftRequest, DraftRow
+from schemas.steps import DraftRequest, DraftRow
 
 MAX_SLOTS = 3
 

@@ -12,7 +12,8 @@ from gpu_worker.roles.slots import evict_idle, instance_heartbeat
 from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.errors import ErrorCode
-from schemas.messages import LogprobOptions, Proposal, RowSampling, VerifyRequest, VerifyRow
+from schemas.generation import LogprobOptions, RowSampling
+from schemas.steps import Proposal, VerifyRequest, VerifyRow
 from tests.tiny_checkpoints import TINY, write_hf_model
 
 V = TINY["vocab_size"]

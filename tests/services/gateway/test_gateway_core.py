@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import StreamChunk, TokenLogprob, Usage
+from schemas.streams import StreamChunk, TokenLogprob, Usage
 from services.gateway.gateway_core import MAX_CHOICES, MAX_MESSAGE_CHARS, NEG_INF_LOGPROB, ApiError, ChatBody, Choice, CompletionBody, Login, TokenTexts, VerifierLimits, chat_plans, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, needs_api_key, speculation_json, usage_json, user_for_key, validation_error
 from services.runtime.auth import api_key_env, generate_api_keys
 

@@ -1,12 +1,13 @@
-"""What the stack passes each service: torch threads per role from the machine, the KV cache budget."""
+"""What the stack passes each service: torch threads per role from the machine, the KV cache budget,
+its ports."""
 
 import dataclasses
 
 import pytest
 
-from schemas.config import ROLES, load_config
+from schemas.config import NATS_PORT, ROLES, load_config
 from services.cli import build_parser
-from services.launch.stack import StackConfig, role_threads, serve_command
+from services.launch.stack import StackConfig, make_log_dir, port_args, role_threads, serve_command
 
 
 @pytest.mark.parametrize("cores, verifiers, drafters, expected", [
@@ -32,7 +33,7 @@ def test_given_threads_win():
 
 def settings(role: str, config: StackConfig):
     """The config a `serve role` process started by the stack loads (its flags, no environment)."""
-    args = build_parser().parse_args(serve_command(role, f"{role}-0", "nats://127.0.0.1:4222", config)[3:])
+    args = build_parser().parse_args(serve_command(role, f"{role}-0", f"nats://127.0.0.1:{NATS_PORT}", config)[3:])
     fields = {f.name for f in dataclasses.fields(ROLES[role])}
     return load_config(ROLES[role], env={}, **{name: value for name, value in vars(args).items() if name in fields})
 
@@ -45,3 +46,25 @@ def test_serve_commands_carry_threads_and_kv_cache_memory():
     assert settings("verifier", StackConfig()).kv_cache_memory == "2GiB"  # the services' default
     role_args = StackConfig(verifier_threads=2, role_args={"verifier": ["--torch-threads", "1"]})
     assert settings("verifier", role_args).torch_threads == 1  # role_args still win
+
+
+def test_each_new_instance_gets_the_next_ports_and_a_known_one_keeps_its_own():
+    config = StackConfig(metrics_port_base=9100, http_port=8000)
+    metrics, gateways = {}, {}
+    assert port_args("scheduler", "scheduler-0", config, metrics, gateways) == ["--metrics-port", "9100"]
+    assert port_args("gateway", "gateway-0", config, metrics, gateways) == ["--metrics-port", "9101",
+                                                                             "--http-port", "8000"]
+    assert port_args("gateway", "gateway-1", config, metrics, gateways)[-1] == "8001"
+    assert port_args("scheduler", "scheduler-0", config, metrics, gateways) == ["--metrics-port", "9100"]
+    assert (metrics, gateways) == ({"scheduler-0": 9100, "gateway-0": 9101, "gateway-1": 9102},
+                                   {"gateway-0": 8000, "gateway-1": 8001})
+    free = {}
+    assert port_args("gateway", "gateway-0", StackConfig(), {}, free)[0] == "--http-port" and free["gateway-0"] > 0
+    assert port_args("verifier", "verifier-0", StackConfig(), {}, {}) == []
+
+
+def test_a_given_log_dir_is_kept_and_a_temporary_one_is_owned(tmp_path):
+    assert make_log_dir(tmp_path / "logs") == (tmp_path / "logs", False) and (tmp_path / "logs").is_dir()
+    temporary, owned = make_log_dir(None)
+    assert owned and temporary.is_dir()
+    temporary.rmdir()

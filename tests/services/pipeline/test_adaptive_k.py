@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from schemas.messages import DraftResponse, DraftResult, VerifyResponse, VerifyResult
+from schemas.steps import DraftResponse, DraftResult, VerifyResponse, VerifyResult
 from services.pipeline.adaptive_k import (
     COST_SAMPLES,
     MIN_SAMPLES,

@@ -4,7 +4,8 @@ and "auto"'s per-request trial."""
 
 import time
 
-from schemas.messages import ANY_TOKENIZER, Heartbeat
+from schemas.control import Heartbeat
+from schemas.protocol import ANY_TOKENIZER
 from services.pipeline.draft_method import TRIAL_STEPS
 from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, step, submit
 

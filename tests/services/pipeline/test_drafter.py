@@ -19,9 +19,12 @@ from gpu_worker.sampling.rejection import proposal_to_draft_probs
 from gpu_worker.sampling.sampler import SamplingTensors, process_logits
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, load_config
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import DraftRequest, DraftResponse, DraftRow, Error, Heartbeat, RowSampling
+from schemas.generation import RowSampling
+from schemas.steps import DraftRequest, DraftResponse, DraftRow
 from schemas.subjects import Subjects
+from schemas.wire import Error
 from services.pipeline.drafter import run_drafter
 from services.runtime.bus import request
 from tests.tiny_checkpoints import TINY, write_hf_model

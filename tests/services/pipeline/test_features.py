@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from schemas.messages import DraftResponse, DraftResult, FeatureBlock, Heartbeat, VerifyResponse, VerifyResult
+from schemas.control import Heartbeat
+from schemas.steps import DraftResponse, DraftResult, FeatureBlock, VerifyResponse, VerifyResult
 from services.pipeline import features
 from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, submit
 

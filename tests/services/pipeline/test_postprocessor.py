@@ -14,18 +14,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
+from schemas.commits import Commit, LogprobArrays, SideChannelRecord, StopNotice
 from schemas.config import PostprocessorConfig, load_config
-from schemas.messages import (
-    Commit,
-    GenerateRequest,
-    Heartbeat,
-    LogprobArrays,
-    LogprobOptions,
-    SamplingMask,
-    SideChannelRecord,
-    StopNotice,
-    Usage,
-)
+from schemas.control import Heartbeat
+from schemas.generation import GenerateRequest, LogprobOptions
+from schemas.streams import SamplingMask, Usage
 from services.client import Client, make_request
 from services.pipeline.postprocessor import run_postprocessor
 from services.pipeline.postprocessor_core import ChunkToClient, NoticeToScheduler, Postprocessor
@@ -168,7 +161,7 @@ def test_a_gap_that_never_fills_ends_the_request_with_an_error(post, tokenizer):
 def test_record_for_an_unknown_request_expires_and_is_counted(post, tokenizer):
     post.on_side(record(tokenizer.encode("hello"), request_id="ghost", batch_id=3), now=0.0)
     post.on_tick(now=post.record_ttl_s + 1)
-    assert post.counters.unjoined_records == 1 and post.num_early == 0
+    assert post.counters.unjoined_records == 1 and len(post.early) == 0
 
 
 def test_record_that_does_not_match_its_commit_is_not_used(post, tokenizer):
@@ -359,9 +352,9 @@ def test_requests_over_the_limit_are_refused_with_overloaded(tokenizer):
 
 
 def test_a_request_id_reused_by_another_scheduler_is_served_or_refused_never_dropped(post, tokenizer):
-    """Issue 11 item 7: commits of a reused id were dropped for finished_ttl_s (the client waited
-    out its timeout). Ids are unique per scheduler: another scheduler's new request with the id of
-    a finished one is a new stream; with the id of a running one it is refused, typed."""
+    """Commits of a reused id are never dropped for finished_ttl_s (the client would wait out its
+    timeout). Ids are unique per scheduler: another scheduler's new request with the id of a
+    finished one is a new stream; with the id of a running one it is refused, typed."""
     post.on_commit(commit(0, tokenizer.encode("hello"), finish_reason="length"), now=0.0)
     other = commit(0, tokenizer.encode("abc"), client_inbox="_INBOX.other").model_copy(update={"scheduler_id": "sched-2"})
     [chunk] = chunks(post.on_commit(other, now=1.0))

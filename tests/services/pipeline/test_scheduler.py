@@ -12,9 +12,12 @@ import pytest
 
 from text.tokenizer import tokenizer_id
 from schemas.codec import decode, encode
+from schemas.commits import Commit
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.messages import Admitted, CancelRequest, Commit, GenerateRequest, Heartbeat, StreamChunk
+from schemas.generation import CancelRequest, GenerateRequest
+from schemas.streams import Admitted, StreamChunk
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.pipeline.drafter import run_drafter
 from services.pipeline.scheduler import run_scheduler

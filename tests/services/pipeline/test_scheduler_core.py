@@ -8,20 +8,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from schemas.codec import decode, encode
+from schemas.commits import Commit
 from schemas.config import SchedulerConfig, load_config
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.messages import (
-    MAX_DRAFT_SUPPORT,
-    Commit,
-    DraftResponse,
-    DraftResult,
-    Error,
-    GenerateRequest,
-    Heartbeat,
-    VerifyResponse,
-    VerifyResult,
-    seed_from_request_id,
-)
+from schemas.generation import GenerateRequest, seed_from_request_id
+from schemas.protocol import MAX_DRAFT_SUPPORT
+from schemas.steps import DraftResponse, DraftResult, VerifyResponse, VerifyResult
+from schemas.wire import Error
 from services.pipeline.scheduler_core import SchedulerState, cut_tokens, prompt_token_ids
 
 TOKENIZER_HASH = "0123456789abcdef"

@@ -8,19 +8,14 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from schemas.codec import decode, encode
+from schemas.commits import SideChannelRecord
 from schemas.config import VerifierConfig, load_config
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.messages import (
-    Error,
-    Heartbeat,
-    LogprobOptions,
-    RowSampling,
-    SideChannelRecord,
-    VerifyRequest,
-    VerifyResponse,
-    VerifyRow,
-)
+from schemas.generation import LogprobOptions, RowSampling
+from schemas.steps import VerifyRequest, VerifyResponse, VerifyRow
 from schemas.subjects import Subjects
+from schemas.wire import Error
 from services.pipeline.verifier import run_verifier
 from services.runtime.bus import request
 from tests.tiny_checkpoints import TINY, write_hf_model

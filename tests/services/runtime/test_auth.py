@@ -17,7 +17,7 @@ import pytest
 
 from schemas.codec import decode, encode
 from schemas.errors import SpecbusError
-from schemas.messages import StreamChunk
+from schemas.streams import StreamChunk
 from services.launch.natsserver import NatsServer, NatsServerConfig, find_nats_server_binary
 from services.runtime.auth import (
     CLIENTS_ACCOUNT,

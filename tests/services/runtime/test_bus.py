@@ -6,13 +6,15 @@ import json
 import time
 from collections import Counter
 
+import nats
 import pytest
 from structlog.testing import capture_logs
 
 from schemas.codec import decode, decode_any, encode
 from schemas.config import BusConfig
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.messages import Error, Heartbeat
+from schemas.wire import Error
 from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.pipeline.placement import InstanceRegistry
 from services.runtime.auth import PermissionDenied, generate_credentials, password_env, users_from_env
@@ -22,12 +24,14 @@ from services.runtime.bus import (
     BusNoResponders,
     BusPayloadTooLarge,
     BusTimeout,
+    BusClient,
     BusUnavailable,
     Endpoint,
     add_micro_service,
     connect,
     connect_service,
     heartbeat_loop,
+    payload_limit,
     permission_watch,
     publish,
     request,
@@ -136,6 +140,34 @@ async def test_connect_to_nothing_fails_within_its_timeout():
     with pytest.raises(BusUnavailable, match="cannot connect"):
         await connect(url, "pytest", initial_connect_timeout_s=0.5, reconnect_time_wait_s=0.05)
     assert time.monotonic() - started < 3.0
+
+
+async def test_the_connection_carries_its_cap_its_watch_and_its_siblings(nats_server):
+    nc = await connect(nats_server.url, "pytest-capped", max_payload=1000, initial_connect_timeout_s=5.0)
+    bounded = await serve(nc, "svc.own", lambda msg: msg.respond(b"ok"))
+    try:
+        assert isinstance(nc, BusClient) and payload_limit(nc) == 1000 and permission_watch(nc) is nc.permissions
+        sibling = bounded.connection  # the subscription's own connection, with nc's settings
+        assert isinstance(sibling, BusClient) and sibling is not nc
+        assert sibling.options["name"] == "pytest-capped.svc.own"
+        assert payload_limit(sibling) == 1000 and sibling.permissions is not nc.permissions
+        assert (await request(nc, "svc.own", b"", timeout_s=5)).data == b"ok"
+    finally:
+        await bounded.stop()
+        await nc.close()
+    assert sibling.is_closed  # stop() closes the subscription's connection
+
+
+async def test_a_plain_nats_client_works_uncapped_unwatched_and_without_siblings(nats_server):
+    plain = await nats.connect(nats_server.url)
+    bounded = await serve(plain, "svc.plain", lambda msg: msg.respond(b"ok"))
+    try:
+        assert payload_limit(plain) == plain.max_payload and bounded.connection is None
+        assert permission_watch(plain).counts == {}
+        assert (await request(plain, "svc.plain", b"", timeout_s=5)).data == b"ok"
+    finally:
+        await bounded.stop()
+        await plain.close()
 
 
 async def test_serve_runs_handlers_concurrently(nc):

@@ -64,8 +64,8 @@ def test_unknown_level_is_refused():
 
 @pytest.mark.parametrize("json_lines", [False, True])
 def test_tracebacks_are_bounded_and_carry_no_locals(json_lines):
-    """Issue 11 item 2: a failed batch logged every frame's locals (its tensors, its message),
-    ~640 KB a failure. The traceback keeps the frames and the error, never the locals."""
+    """A failed batch's traceback keeps the frames and the error, never the locals (a frame's
+    tensors or batch message would make every failure a flood of log)."""
     out = io.StringIO()
     configure_logging(json=json_lines, stream=out)
 

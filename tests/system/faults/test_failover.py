@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from schemas.codec import decode
-from schemas.messages import GenerateRequest
+from schemas.generation import GenerateRequest
 from schemas.subjects import SCHEDULER_QUEUE_GROUP
 from services.client import make_request
 from services.launch.stack import Stack

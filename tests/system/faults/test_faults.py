@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import pytest
 import pytest_asyncio
 
-from schemas.messages import GenerateRequest, StreamChunk
+from schemas.generation import GenerateRequest
+from schemas.streams import StreamChunk
 from services.client import Client, ClientError, make_request
 from services.launch.natsserver import NatsServerConfig
 from services.launch.stack import Stack

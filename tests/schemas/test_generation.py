@@ -1,14 +1,10 @@
-"""Validation: nonsense is refused with the error code and the dotted name of the field."""
-
-import time
+"""GenerateRequest and its options (schemas/generation.py): nonsense is refused with the error
+code and the dotted name of the field; sampling parameters reach the row subset."""
 
 import msgpack
-import numpy as np
 import pytest
 
-from schemas import (CodecError, Commit, DraftResponse, DraftResult, Error, ErrorCode, GenerateRequest,
-                     LogprobArrays, Proposal, SamplingMask, SamplingParams, SideChannelRecord, SpecbusError,
-                     StreamChunk, TokenLogprob, VerifyRequest, VerifyResult, VerifyRow, check_limits, decode, encode,
+from schemas import (CodecError, ErrorCode, GenerateRequest, SamplingParams, SpecbusError, check_limits, decode, encode,
                      new_request_id, validate)
 
 
@@ -29,7 +25,7 @@ def generate_payload(**overrides) -> bytes:
     ({"sampling__temperature": float("nan")}, "sampling.temperature", "finite"),
     ({"sampling__temperature": float("inf")}, "sampling.temperature", "finite"),
     ({"sampling__top_p": 0.0}, "sampling.top_p", "greater than or equal to 0.000001"),
-    # Issue 11 item 2: values that pass a float64 check but mean something else in float32
+    # values that pass a float64 check but mean something else in float32
     ({"sampling__temperature": 1e308}, "sampling.temperature", "less than or equal to 100"),
     ({"sampling__temperature": 1e-300}, "sampling.temperature", "temperature must be 0 .greedy. or in .0.01, 100"),
     ({"sampling__top_p": 1e-300}, "sampling.top_p", "greater than or equal to 0.000001"),
@@ -121,121 +117,6 @@ def test_logit_bias_and_penalties_reach_the_row_and_travel_packed():
     assert set(wire) == {"token_ids", "bias"} and set(wire["token_ids"]) == {"dtype", "shape", "data"}
     assert decode(encode(request), GenerateRequest) == request
     assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams().penalised
-
-
-def verify_payload(row_overrides: dict, duplicate_row: bool = False) -> bytes:
-    """A valid one-row VerifyRequest, its (last) row edited; duplicate_row appends a copy first."""
-    good = VerifyRow(request_id="r0", row=0, step=3, cached_len=10, prompt_len=8, draft_token_ids=[5, 6],
-                     proposal=Proposal(kind="sparse", ids=[[5, 9], [6, -1]], probs=[[0.75, 0.25], [1.0, 0.0]]))
-    raw = VerifyRequest(batch_id=4, scheduler_id="s0", deadline=time.time() + 1, rows=[good]).model_dump()
-    if duplicate_row:
-        raw["rows"].append(dict(raw["rows"][0]))
-    for key, value in row_overrides.items():
-        if key.startswith("proposal."):
-            raw["rows"][-1]["proposal"][key.removeprefix("proposal.")] = value
-        else:
-            raw["rows"][-1][key] = value
-    return msgpack.packb(raw, use_bin_type=True)
-
-
-@pytest.mark.parametrize("overrides, field, message", [
-    ({"proposal.kind": "gaussian"}, "rows[0].proposal.kind", "'point_mass', 'sparse' or 'dense'"),
-    ({"proposal.ids": None}, "rows[0].proposal.ids", "sparse proposal needs ids"),
-    ({"proposal.kind": "dense", "proposal.ids": None, "proposal.draft_vocab_size": 3},
-     "rows[0].proposal.draft_vocab_size", "draft_vocab_size 3 != probs width 2"),
-    ({"proposal.kind": "point_mass"}, "rows[0].proposal.ids", "point_mass proposal carries no ids"),
-    ({"draft_token_ids": [5]}, "rows[0].proposal.probs", "2 proposal rows for 1 draft tokens"),
-    ({"draft_token_ids": [5, 7]}, "rows[0].proposal.ids", "draft token at position 1 has no probability"),
-    ({"draft_token_ids": list(range(17)), "proposal.kind": "point_mass", "proposal.ids": None, "proposal.probs": None},
-     "rows[0].draft_token_ids", "at most 16 draft tokens"),
-    ({"postprocessor_id": "post.1"}, "rows[0].postprocessor_id", "pattern"),
-])
-def test_inconsistent_verify_row_names_the_field(overrides, field, message):
-    with pytest.raises(CodecError, match=message) as caught:
-        decode(verify_payload(overrides), VerifyRequest)
-    assert (caught.value.code, caught.value.field) == (ErrorCode.invalid_field, field)
-
-
-def test_same_request_twice_in_a_batch_is_refused():
-    with pytest.raises(CodecError, match="request r0 appears twice") as caught:
-        decode(verify_payload({"row": 1}, duplicate_row=True), VerifyRequest)
-    assert caught.value.field == "rows[1].request_id"
-
-
-def test_draft_response_checks_proposals_too():
-    row = DraftResult(request_id="r", draft_token_ids=[3])
-    raw = DraftResponse(batch_id=1, drafter_id="d0", rows=[row]).model_dump()
-    raw["rows"][0]["proposal"] = {"kind": "sparse", "ids": [[4]], "probs": [[1.0]]}
-    with pytest.raises(CodecError, match="draft token at position 0 has no probability") as caught:
-        decode(msgpack.packb(raw), DraftResponse)
-    assert caught.value.field == "rows[0].proposal.ids"
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"token_ids": [1, 2], "num_draft": 2, "num_accepted": 3}, "3 accepted of 2 drafts"),
-    ({"token_ids": [1, 2], "num_draft": 4, "num_accepted": 0}, "2 tokens emitted for 0 accepted drafts"),
-    ({"token_ids": [], "num_draft": 4, "num_accepted": 1}, "0 tokens emitted for 1 accepted drafts"),
-])
-def test_verify_result_counts_must_add_up(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        VerifyResult(request_id="r", step=0, **kwargs)
-
-
-def test_stream_chunk_per_token_fields_match_the_tokens():
-    with pytest.raises(ValueError, match="1 entries for 2 tokens"):
-        StreamChunk(request_id="r", seq=0, token_ids=[4, 5], from_draft=[True])
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"token_ids": [9, 3], "size": 2}, "sorted ascending"),
-    ({"token_ids": [3, 3], "size": 2}, "sorted ascending"),
-    ({"token_ids": [3, 9], "size": 1}, "size 1 is below the 2 ids"),
-    ({"token_ids": [3], "size": 100, "all_tokens": True}, "carries no ids"),
-])
-def test_sampling_mask_must_be_consistent(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingMask(**kwargs)
-
-
-def test_sampling_mask_reports_truncation_and_all():
-    assert SamplingMask(token_ids=[1, 5], size=900).truncated
-    assert not SamplingMask(token_ids=[1, 5], size=2).truncated
-    everything = SamplingMask(all_tokens=True, size=4096)
-    assert not everything.truncated and len(everything.token_ids) == 0
-
-
-def test_processed_side_channel_needs_logz_k():
-    raw = SideChannelRecord(request_id="r", batch_id=1, step=0, verifier_id="v0", mode="raw", token_ids=[3],
-                            logprobs=LogprobArrays(token_logprobs=[-0.5], top_ids=np.zeros((1, 0), np.int32),
-                                                   top_logprobs=np.zeros((1, 0)), requested_logprobs=np.zeros((1, 0)))
-                            ).model_dump()
-    raw["mode"] = "processed"
-    with pytest.raises(CodecError, match="processed mode needs logz_k") as caught:
-        decode(msgpack.packb(raw), SideChannelRecord)
-    assert caught.value.field == "logprobs.logz_k"
-
-
-def test_token_logprob_allows_minus_inf_but_not_nan():
-    assert TokenLogprob(token_id=1, logprob=float("-inf")).logprob == float("-inf")
-    with pytest.raises(ValueError, match="must not be NaN"):
-        TokenLogprob(token_id=1, logprob=float("nan"))
-
-
-def test_token_logprob_pairs_top_entries():
-    entry = TokenLogprob(token_id=1, logprob=-0.2, top_ids=[1, 7], top_logprobs=[-0.2, -1.9])
-    assert entry.top == [(1, pytest.approx(-0.2)), (7, pytest.approx(-1.9))]
-
-
-def test_commit_counts_must_add_up():
-    with pytest.raises(ValueError, match="5 accepted of 4 drafts"):
-        Commit(request_id="r", batch_id=1, step=0, seq=0, scheduler_id="s0", client_inbox="_INBOX.x",
-               num_draft=4, num_accepted=5)
-
-
-def test_error_from_exception():
-    error = Error.from_exception(SpecbusError("overloaded", "queue full"), request_id="r1")
-    assert (error.code, error.message, error.request_id) == (ErrorCode.overloaded, "queue full", "r1")
-    assert decode(encode(error), Error) == error
 
 
 def test_new_request_ids_are_valid_and_distinct():

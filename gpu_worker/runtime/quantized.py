@@ -1,0 +1,83 @@
+"""Projection weights kept as a GGUF file stores them: rows of Q4_1 or Q8_0 blocks of 32 weights.
+
+`specbus models pull` writes them beside the float32 weights (gguf_convert.GGUF_BLOCKS_FILE, HF
+names, q and k rows unpermuted). With `weights: gguf` a model's projections and its tied lm_head
+are `QuantizedWeight`s, which `model.linear` hands to the projection kernel's `quant_linear`: it
+widens each block in registers as gguf's own float32 dequantization does (Q4_1 d * q + m, two
+roundings; Q8_0 d * q) and then runs fixed_linear's operations on the widened rows. So a row's
+bits do not depend on the row count, and they equal the float32 model dequantized from the same
+file, bit for bit (tests/gpu_worker/runtime/test_quantized.py); the weights a step reads are
+those of the file (a Q4_1 weight is 5 bits, a Q8_0 one 8.5, float32 32).
+
+Activations stay float32: the widened weights need fp32's mantissa (an fp16 d times q plus an
+fp16 m), so `gguf` goes with dtype float32, on a CPU where the kernel runs. The embedding lookup
+reads a dense float32 copy of the (tied) embedding: a step reads only its tokens' rows of it.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from gpu_worker.runtime import linear_kernel
+from schemas.config import GGUF_BLOCKS_FILE
+
+# the kernel's QuantKind and each block's bytes (linear_kernel.cpp)
+KERNEL_KIND = {"q4_1": 0, "q8_0": 1}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+BLOCK_WEIGHTS = 32
+WEIGHT_FORMATS = ("auto", "dense", "gguf")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight W (out, in) as rows of GGUF blocks: blocks (out, in/32 * BLOCK_BYTES[kind]) uint8."""
+    blocks: torch.Tensor
+    kind: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, row_bytes = self.blocks.shape
+        return rows, row_bytes // BLOCK_BYTES[self.kind] * BLOCK_WEIGHTS
+
+
+def has_blocks(path) -> bool:
+    return (Path(path) / GGUF_BLOCKS_FILE).is_file()
+
+
+def read_blocks(path) -> dict[str, QuantizedWeight]:
+    """Every weight of path's GGUF_BLOCKS_FILE under its HF name (FileNotFoundError without it)."""
+    file = Path(path) / GGUF_BLOCKS_FILE
+    with safe_open(file, framework="pt", device="cpu") as f:
+        kinds = f.metadata() or {}
+        return {name: QuantizedWeight(f.get_tensor(name), kinds[name]) for name in f.keys()}  # noqa: SIM118
+
+
+def fuse(weights: list[QuantizedWeight | None]) -> QuantizedWeight | None:
+    """The rows of weights one after another (q, k, v into wqkv; gate, up into w_gate_up), or None
+    where one is missing or their block types differ (the caller keeps the dense weights)."""
+    if any(w is None for w in weights) or len({w.kind for w in weights}) != 1:
+        return None
+    return QuantizedWeight(torch.cat([w.blocks for w in weights]).contiguous(), weights[0].kind)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """W (out, in) float32, by gguf's own dequantization (the values `quant_linear` widens to)."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[weight.kind]
+    values = quants.dequantize(weight.blocks.numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(weight.shape)
+
+
+def usable(dtype: torch.dtype, device: str) -> bool:
+    """Whether `quant_linear` serves a model of this dtype on this device here."""
+    return dtype == torch.float32 and device == "cpu" and linear_kernel.load() is not None
+
+
+def quant_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x @ W^T + b for x (N, in) float32; (N, out) float32, fixed_linear's order."""
+    return linear_kernel.load().quant_linear(x, w.blocks, KERNEL_KIND[w.kind], b, residual)

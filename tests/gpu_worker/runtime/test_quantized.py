@@ -1,0 +1,111 @@
+"""GGUF block weights (gpu_worker/runtime/quantized.py): `quant_linear` is bit for bit the
+fixed-order kernel on the weights gguf dequantizes, whatever the row count and thread count, and
+the default target served from its blocks is bit for bit the float32 model converted from the
+same file."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from gpu_worker.roles.slots import resolve_weights
+from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime.checkpoint import load_model, read_config
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward, pack_weight
+from gpu_worker.runtime.quantized import BLOCK_BYTES, QuantizedWeight, dequantize, fuse, quant_linear, read_blocks
+from schemas.config import TINY_TARGET
+from schemas.errors import SpecbusError
+
+KINDS = ["q4_1", "q8_0"]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = linear_kernel.load()
+    if module is None:
+        pytest.skip("no AVX2 on this CPU: GGUF weights are served dense")
+    return module
+
+
+def random_weight(kind: str, rows: int, inner: int, seed: int = 0) -> QuantizedWeight:
+    """Random blocks: any nibbles / int8 values, small fp16 scales (and minimums)."""
+    rng = np.random.default_rng(seed)
+    nb = inner // 32
+    raw = rng.integers(0, 256, size=(rows, nb, BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, nb, 2 if kind == "q4_1" else 1)) * 0.02).astype(np.float16)
+    raw[:, :, :scales.shape[-1] * 2] = scales.view(np.uint8).reshape(rows, nb, -1)
+    return QuantizedWeight(torch.from_numpy(raw.reshape(rows, -1).copy()), kind)
+
+
+def test_dequantize_is_ggufs_own():
+    w = random_weight("q4_1", 6, 64)
+    reference = quants.dequantize(w.blocks.numpy(), GGMLQuantizationType.Q4_1)
+    assert torch.equal(dequantize(w), torch.from_numpy(reference.astype(np.float32)))
+    assert w.shape == (6, 64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quant_linear_equals_the_kernel_on_the_dequantized_weight(kernel, kind):
+    N, K = 70, 96  # N off every block height (2, 3, 4, 6, 8), even (paired dense rows)
+    w = random_weight(kind, N, K)
+    dense = dequantize(w)
+    g = torch.Generator().manual_seed(1)
+    b, x_all, r_all = torch.randn(N, generator=g), torch.randn(16, K, generator=g), torch.randn(16, N, generator=g)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for M in range(1, 17):
+            x, r = x_all[:M], r_all[:M]
+            got = quant_linear(x, w, b, r)
+            assert torch.equal(got, kernel.fixed_linear(x, pack_weight(dense), b, r)), (kind, threads, M)
+            assert torch.equal(got[:1], quant_linear(x[:1], w, b, r[:1])), "a row depends on its neighbours"
+
+
+def test_fused_blocks_are_the_rows_one_after_another(kernel):
+    a, b = random_weight("q4_1", 4, 64, seed=2), random_weight("q4_1", 6, 64, seed=3)
+    x = torch.randn(3, 64)
+    fused = fuse([a, b])
+    assert torch.equal(quant_linear(x, fused), torch.cat([quant_linear(x, a), quant_linear(x, b)], 1))
+    assert fuse([a, random_weight("q8_0", 4, 64)]) is None and fuse([a, None]) is None
+
+
+def test_quant_linear_refuses_a_bad_shape(kernel):
+    w = random_weight("q8_0", 4, 64)
+    with pytest.raises(RuntimeError, match="blocks of 32 weights along K"):
+        kernel.quant_linear(torch.randn(2, 96), w.blocks, 1, None, None)
+
+
+def test_weights_setting_resolves_and_names_the_field(kernel):
+    assert resolve_weights("auto", str(TINY_TARGET), torch.float32, "cpu") == "dense"  # no blocks there
+    assert resolve_weights("dense", str(TINY_TARGET), torch.float32, "cpu") == "dense"
+    with pytest.raises(SpecbusError, match="weights gguf needs GGUF blocks") as error:
+        resolve_weights("gguf", str(TINY_TARGET), torch.float32, "cpu")
+    assert error.value.field == "weights"
+    with pytest.raises(SpecbusError, match="is not one of") as error:
+        resolve_weights("int3", str(TINY_TARGET), torch.float32, "cpu")
+    assert error.value.field == "weights"
+
+
+@pytest.mark.real_model
+def test_the_default_target_from_its_blocks_is_the_float32_model(kernel, smollm2_target):
+    path = smollm2_target
+    blocks = read_blocks(path)
+    assert {w.kind for w in blocks.values()} == {"q4_1", "q8_0"}
+    with pytest.raises(SpecbusError, match="dtype float32") as error:
+        resolve_weights("gguf", str(path), torch.bfloat16, "cpu")
+    assert error.value.field == "weights"
+    assert resolve_weights("auto", str(path), torch.float32, "cpu") == "gguf"
+    assert resolve_weights("auto", str(path), torch.bfloat16, "cpu") == "dense"
+    dense, config = load_model(path, max_seq_len=256)
+    served, _ = load_model(path, max_seq_len=256, weights_format="gguf")
+    assert isinstance(served.layers[0].wqkv, QuantizedWeight) and isinstance(served.lm_head, QuantizedWeight)
+    assert torch.equal(dequantize(blocks["model.embed_tokens.weight"]), dense.embed)
+    ids = torch.randint(0, config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    num_new = torch.tensor([24, 17, 1])
+    logits = []
+    for model in (dense, served):
+        cache = KVCache(read_config(path), 3, 256, "cpu", torch.float32)
+        slots = torch.tensor([cache.allocate() for _ in range(3)])
+        logits.append(forward(model, cache, slots, ids, num_new))
+    for row, n in enumerate(num_new.tolist()):
+        assert torch.equal(logits[0][row, :n], logits[1][row, :n]), f"row {row}"
