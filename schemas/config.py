@@ -112,13 +112,20 @@ class SchedulerConfig(InstanceConfig):
     # weighs 1); services/pipeline/fair_share.py says how they are applied.
     user_weights: str = ""
     max_batch_rows: int = 64  # rows in one step's batch per verifier
-    max_step_tokens: int = 1024  # new tokens per verifier per step (prefill is chunked to fit)
+    max_step_tokens: int = 1024  # new tokens per verifier per step at most (prefill is chunked to fit)
+    # The time a step's verify batch aims at, at the verifier: every decoding row first, then
+    # prefill chunks up to the tokens the verifier's measured pace fits in this time (its step
+    # budget, services/pipeline/step_budget.py), so a long prompt never stalls the rows decoding.
+    target_step_s: float = 0.5
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
     # another's verification (services/pipeline/scheduler_core.py); 1: one step at a time. max_batch_rows and
     # max_step_tokens hold per lane.
     lanes: int = 2
     max_tokens_cap: int = 4096
     draft_timeout_s: float = 0.5
+    # The least a verify try is waited for; a batch's own wait follows its tokens and the
+    # verifier's measured pace, and a verifier that still heartbeats is waited on past it
+    # (services/pipeline/step_budget.py).
     verify_timeout_s: float = 10.0
     verify_retries: int = 1
     # On stop, how long the step in flight may still run before it is cancelled (its requests
@@ -134,6 +141,11 @@ class SchedulerConfig(InstanceConfig):
     adaptive_k_probe_steps: int = 16
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids
     tokenizer: str = dataclasses.field(default_factory=default_target_model)
+
+    def __post_init__(self) -> None:
+        if not self.target_step_s > 0:
+            raise SpecbusError(ErrorCode.invalid_field, f"target_step_s: {self.target_step_s} is not > 0",
+                               "target_step_s")
 
 
 @dataclasses.dataclass

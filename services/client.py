@@ -15,17 +15,20 @@ without one): the only subjects the server lets that user use, and how the sched
 request it is. Chunks are reordered by seq,
 duplicates dropped, and a final chunk that arrives with earlier seqs missing waits `gap_grace_s`
 for them, then raises StreamBroken. Every wait is bounded: the whole request by timeout_s +
-timeout_margin_s, the gap between two chunks by idle_timeout_s (after the first one); a
-timeout raises StreamTimeout and sends a CancelRequest. An Error chunk raises RequestError
+timeout_margin_s, the silence of a started request by idle_timeout_s (chunks and Admitted
+both break it: its scheduler sends Admitted `started` again while the request runs, so only a
+request no scheduler runs any more falls silent); a timeout raises StreamTimeout and sends a
+CancelRequest. An Error chunk raises RequestError
 (Overloaded when the scheduler refused the request for lack of room); a request or inbox the
 NATS server refuses this user raises RequestError with code `forbidden` at once.
 Beside the chunks the scheduler answers Admitted: on arrival (queued) and when the request
-starts; from the start on, idle_timeout_s also bounds the wait for the first chunk.
+starts (and again, as a keepalive, while it runs); from the start on, idle_timeout_s also
+bounds the wait for the first chunk.
 
 Failover (docs/PROTOCOL.md#scheduler-failover; `failover=False` turns it off): the client reads
 the schedulers' heartbeats. When the scheduler running a request is silent for
 heartbeat_timeout_s, or the stream lost something on the way (a gap before the final chunk, an
-`unavailable` error chunk that names no scheduler: a lost commit, no chunk for idle_timeout_s),
+`unavailable` error chunk that names no scheduler: a lost commit, nothing for idle_timeout_s),
 the request is sent again as a new run resuming after the tokens already read (same seed, same
 positions: the same output), at most MAX_FAILOVERS times; only then do the errors above apply.
 A request no scheduler acknowledged within admission_timeout_s (it, or the answer, was lost in a

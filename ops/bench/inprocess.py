@@ -33,8 +33,9 @@ from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_
 from schemas.control import Heartbeat
 from schemas.generation import GenerateRequest
 from schemas.streams import StreamChunk
+from services.pipeline.admission import prompt_token_ids
 from services.pipeline.postprocessor_core import ChunkToClient, Postprocessor
-from services.pipeline.scheduler_core import SchedulerState, prompt_token_ids
+from services.pipeline.scheduler_core import SchedulerState
 from services.pipeline.verifier import heartbeat as verifier_heartbeat
 
 STAGES = ("schedule", "draft", "verify", "commit", "codec")

@@ -28,7 +28,7 @@ maximises the request's expected tokens per second; the request's k is the upper
   runs on across them), and one probe accepted by any request brings the interval back to
   probe_steps.
 
-Plain logic, no clocks: the scheduler (scheduler_core.py) asks `choose`, tells `verified` and the
+Plain logic, no clocks: the scheduler's step planner (step_planner.py) asks `choose`, tells `verified` and the
 timings. Only rows whose output cannot depend on k use it: greedy and Gumbel-coupled rows.
 """
 
@@ -40,9 +40,9 @@ PRIOR_WEIGHT = 4.0  # pseudo-steps of the drafter's history behind a request's o
 PRIOR_MAX_STEPS = 1000.0  # the drafter's history is halved past this, so it follows a drift
 # Timings kept per size; the estimate is their least. A size is timed only while it is chosen, so
 # its timings may come from another minute of a machine whose speed drifts with other work (a
-# median read 82 ms at T=1 and 110 at T=2 where a verify of 2 costs 1.08 of 1): the least of a
-# few is what the size costs on this machine unhindered, comparable between sizes timed apart,
-# and passes over a cold or stalled step.
+# median can rank a larger size cheaper than a smaller one, ops/bench/RESULTS.md "Adaptive
+# speculation length"): the least of a few is what the size costs on this machine unhindered,
+# comparable between sizes timed apart, and passes over a cold or stalled step.
 COST_SAMPLES = 5
 MIN_SAMPLES = 3  # a batch-1 size with fewer timings is measured before it is trusted
 MAX_PROBE_BACKOFF = 8  # a request probes at least every MAX_PROBE_BACKOFF * probe_steps steps at k_t = 0

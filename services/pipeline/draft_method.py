@@ -1,7 +1,7 @@
 """Which drafter a request drafts with: its SpeculativeOptions.draft_method against the drafters
-alive (docs/PROTOCOL.md#draft-methods). No NATS, no awaits: scheduler_core.py calls
-`pin_drafter` where it pins a drafter (start, a dead drafter replaced) and `drafted` once a
-step whose drafts a drafter answered is verified.
+alive (docs/PROTOCOL.md#draft-methods). No NATS, no awaits: the scheduler's core
+(scheduler_core.py) calls `pin_drafter` where it pins a drafter (start, and recovery.py's
+replacement of a dead one) and `drafted` once a step whose drafts a drafter answered is verified.
 
 A drafter's method is its heartbeat's model_ids["draft_method"]: "ngram" (prompt lookup,
 gpu_worker/roles/ngram.py), "eagle" (an EAGLE head over the target's features,
@@ -112,7 +112,7 @@ def drafted(state, request, drafter_id: str, num_accepted: int) -> None:
     new_id = pick_method(state, request, wanted)
     if new_id is None:  # none live with room: stay, and ask again after the next step
         return
-    state.release(request.drafter_id, request.request_id)
+    state.releases.release(request.drafter_id, request.request_id)
     request.drafter_id = state.placement.count_pin(new_id)
     request.restart_drafter()
     state.counters["draft_method_switches"] += 1

@@ -4,11 +4,11 @@ Capacity is max_running + max_queue requests. A user's share is capacity * w_use
 sums the weights of the users that have requests (running or queued) and of the user asking, so
 a lone user may use everything (work conserving) and a newcomer is entitled to its part at once.
 
-- Admission (`SchedulerState.admit`): with room, anyone is admitted. Full, a user under its
+- Admission (`Admission.admit`, admission.py): with room, anyone is admitted. Full, a user under its
   share is admitted and the newest queued request of the user most over its share is refused in
   its place (`overloaded`, queued requests only: running ones are never preempted); a user at or
   over its share, or a full scheduler with nothing to refuse, is refused.
-- Start order (`SchedulerState.boundary`): a queued request of the user with the fewest running
+- Start order (`Admission.start_order`): a queued request of the user with the fewest running
   requests per weight starts first; a user's own requests start in arrival order.
 
 Weights come from `SchedulerConfig.user_weights` ("alice=2,bob=1"; a user not listed weighs 1).

@@ -1,8 +1,9 @@
 """Target features on the scheduler's side, for requests drafted by an eagle drafter
 (docs/PROTOCOL.md#feature-level-drafts). No NATS, no torch: a FeatureBlock's data is bytes.
-scheduler_core.py calls these where it builds and applies verify and draft batches.
+batch_builder.py calls these where it builds and applies draft and verify batches, commits.py
+where a verified row brings features back.
 
-A request (scheduler_core.Request) keeps `features_end`, the position after the features its
+A request (scheduler_types.Request) keeps `features_end`, the position after the features its
 drafter holds or has on their way to it, and `feature_blocks`, the blocks received from the
 verifier and not yet delivered (contiguous, ending at features_end):
 - its verify rows ask features_from = features_end; a block that comes back

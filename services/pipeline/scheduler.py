@@ -9,6 +9,8 @@ Subjects: `<p>.generate.<user>` (queue group "schedulers"; the reply subject mus
 user's own inbox `_INBOX.<user>.`), `<p>.cancel.<user>` (every scheduler; the one that owns the
 request acts, and only when the user is the request's own), `<p>.heartbeat` (in and out),
 `stop_notice(instance_id)` (a nats.micro endpoint, so $SRV.STATS.scheduler shows the counters).
+Beside the heartbeats, every heartbeat_interval_s, the keepalives of running requests whose
+clients heard nothing since (SchedulerState.keepalives).
 
 On stop: admission closes, the step in flight finishes (within stop_grace_s, else it is cancelled
 and its requests fail), then every running or queued request
@@ -28,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
 from schemas.commits import StopNotice
-from schemas.config import SchedulerConfig
+from schemas.config import SchedulerConfig, service_version
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import CancelRequest, GenerateRequest, check_limits
@@ -36,13 +38,16 @@ from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResp
 from schemas.streams import StreamChunk
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
 from schemas.wire import Error, RequestId
-from services.pipeline.scheduler_core import Outbox, SchedulerState, StepPlan, internal_error, prompt_token_ids
+from services.pipeline.admission import prompt_token_ids
+from services.pipeline.scheduler_core import STEP_GAUGES, SchedulerState
+from services.pipeline.scheduler_types import Outbox, StepPlan, internal_error
 from services.runtime.auth import inbox_prefix
 from services.runtime.bus import (
     BoundedHandler,
     BusDeadlineExpired,
     BusError,
     BusPayloadTooLarge,
+    BusTimeout,
     Endpoint,
     add_micro_service,
     connect_service,
@@ -57,7 +62,6 @@ from services.runtime.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
 
-VERSION = "0.1.0"
 IDLE_WAIT_S = 0.05  # how often an idle loop re-checks deadlines, queued requests and dead instances
 # Error replies a retry or another verifier may cure; any other code means the message itself
 # was refused, and its requests end with "error".
@@ -65,10 +69,11 @@ RETRYABLE_CODES = {ErrorCode.timeout, ErrorCode.unavailable, ErrorCode.no_capaci
 
 
 async def timed(awaitable):
-    """(its result, the seconds it took)."""
+    """(its result, the seconds it took, time.monotonic() when it was done)."""
     start = time.monotonic()
     result = await awaitable
-    return result, time.monotonic() - start
+    done = time.monotonic()
+    return result, done - start, done
 
 
 def request_id_of(data: bytes) -> str | None:
@@ -103,9 +108,9 @@ class Scheduler:
         self.state.max_payload = self.nc.max_payload
         self.subscriptions.append(await self.nc.subscribe(subjects.heartbeat, cb=self.on_heartbeat))
         self.subscriptions.append(await self.nc.subscribe(f"{subjects.cancel}.*", cb=self.on_cancel))
-        self.state.metrics.watch_counts(self.stats, SCHEDULER_GAUGES)
+        self.state.metrics.watch_counts(self.stats, (*SCHEDULER_GAUGES, *STEP_GAUGES))
         self.service = await add_micro_service(
-            self.nc, "scheduler", VERSION, "admission and the speculative decoding step loop",
+            self.nc, "scheduler", service_version(), "admission and the speculative decoding step loop",
             endpoints={"stop": Endpoint(subjects.stop_notice(self.config.instance_id), self.on_stop_notice)},
             metadata={"instance_id": self.config.instance_id}, stats_data=lambda _: self.state.metrics.stats())
         # Listen before admitting: after heartbeat_timeout_s every live instance has been heard, so
@@ -119,7 +124,8 @@ class Scheduler:
                                          max_pending=4 * self.config.max_queue + 64))
         # Heartbeats last: a client that hears this scheduler may send it requests (failover).
         self.tasks = [*self.step_loops, asyncio.create_task(heartbeat_loop(
-            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat")]
+            self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat"),
+            asyncio.create_task(self.keepalive_loop(), name="scheduler-keepalives")]
         log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
 
     async def stop(self) -> None:
@@ -151,6 +157,13 @@ class Scheduler:
         """The counters and gauges (running, queued) of $SRV.STATS, before the metrics' own."""
         return {**self.state.stats(), **{f"generate_{k}": v for h in self.handlers for k, v in h.stats().items()}}
 
+    async def keepalive_loop(self) -> None:
+        """Every heartbeat_interval_s, Admitted `started` to the clients of running requests that
+        heard nothing since (SchedulerState.keepalives)."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await self.send(self.state.keepalives())
+
     def heartbeat(self) -> bytes:
         config = self.config
         return encode(Heartbeat(instance_id=config.instance_id, role="scheduler",
@@ -180,7 +193,7 @@ class Scheduler:
             generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": self.config.max_tokens_cap})
             request_id = generate.request_id
             check_limits(generate, max_tokens_cap=self.config.max_tokens_cap)
-            self.state.check_prompt_text(generate)
+            self.state.admission.check_prompt_text(generate)
             # in a thread: a long prompt takes the tokenizer a while, and the step loops must go on
             prompt_ids = await asyncio.to_thread(prompt_token_ids, generate, self.state.tokenizer)
             self.state.admit(generate, msg.reply, prompt_ids, time.time())
@@ -301,7 +314,7 @@ class Scheduler:
         started = time.monotonic()
         drafts = state.draft_batches(plan, time.time())
         replies = await asyncio.gather(*(timed(self.draft(d, m)) for d, m in drafts.items()))
-        for (drafter_id, message), (reply, seconds) in zip(drafts.items(), replies):
+        for (drafter_id, message), (reply, seconds, _) in zip(drafts.items(), replies):
             state.apply_draft(plan, drafter_id, message, reply)
             state.draft_timed(drafter_id, message, reply, seconds)
         drafted = time.monotonic()
@@ -309,11 +322,12 @@ class Scheduler:
         await self.send(plan.outbox)  # requests whose row could not fit in a message
         replies = await asyncio.gather(*(timed(self.verify(v, m, plan)) for v, m in verifies.items()))
         verified = time.monotonic()
-        for verifier_id, (reply, _) in zip(verifies, replies):
+        for verifier_id, (reply, _, _) in zip(verifies, replies):
             await self.send(state.apply_verify(plan, verifier_id, reply, time.time()))
         committed = time.monotonic()
-        for (verifier_id, message), (reply, seconds) in zip(verifies.items(), replies):
-            state.verify_timed(verifier_id, message, reply, seconds, committed - verified, verifier_id in plan.retried)
+        for (verifier_id, message), (reply, seconds, answered_at) in zip(verifies.items(), replies):
+            state.verify_timed(verifier_id, message, reply, seconds, committed - verified, verifier_id in plan.retried,
+                               answered_at)
         if not plan.empty:  # release-only batches are not steps
             state.metrics.step_timed(drafted - started if drafts else None, verified - drafted, committed - verified)
         return not plan.empty
@@ -338,8 +352,11 @@ class Scheduler:
 
     async def verify(self, verifier_id: str, message: VerifyRequest, plan: StepPlan) -> VerifyResponse | Error | None:
         """The verifier's answer after at most verify_retries re-sends of the same message (rows
-        flagged is_retry); None when it never answered usefully."""
+        flagged is_retry); None when it never answered usefully. A try waits the batch's own
+        time (plan.attempt_s), and on while the verifier heartbeats (await_reply): a slow
+        verifier is not sent the batch again, a silent one is."""
         subject = self.subjects.verify(verifier_id)
+        attempt_s = plan.attempt_s.get(verifier_id, self.config.verify_timeout_s)
         for attempt in range(self.config.verify_retries + 1):
             if attempt:
                 plan.retried.add(verifier_id)
@@ -347,8 +364,7 @@ class Scheduler:
                                                               for r in message.rows]})
             with log_context(verifier_id=verifier_id, batch_id=message.batch_id, attempt=attempt):
                 try:
-                    msg = await request(self.nc, subject, encode(message), timeout_s=self.config.verify_timeout_s,
-                                        deadline=message.deadline)
+                    msg = await self.await_reply(verifier_id, subject, encode(message), attempt_s, message.deadline)
                     reply = decode_any(msg.data)
                 except BusDeadlineExpired:
                     break
@@ -367,6 +383,27 @@ class Scheduler:
                 self.state.counters["verify_failures"] += 1
                 log.warning("verify_unexpected_reply", reply=getattr(reply, "code", reply.type))
         return None
+
+    async def await_reply(self, instance_id: str, subject: str, payload: bytes, attempt_s: float,
+                          deadline: float):
+        """The reply to a request on subject, waited for attempt_s, then on, up to deadline, for as
+        long as instance_id heartbeats (counted: `verify_waits_past_timeout`); BusTimeout once it
+        is silent past attempt_s, and the bus's own errors."""
+        reply = asyncio.ensure_future(request(self.nc, subject, payload, deadline=deadline))
+        wait_s, extended = attempt_s, False
+        try:
+            while not (await asyncio.wait({reply}, timeout=wait_s))[0]:
+                if not self.state.placement.alive(instance_id):
+                    raise BusTimeout(f"no reply on {subject!r} within {attempt_s:.3f} s, and {instance_id} is silent")
+                if not extended:
+                    extended = True
+                    self.state.counters["verify_waits_past_timeout"] += 1
+                    log.info("verify_slow_verifier_alive", instance_id=instance_id, waited_s=round(attempt_s, 3))
+                wait_s = self.config.heartbeat_interval_s
+            return reply.result()
+        finally:
+            reply.cancel()  # no-op once done
+            await asyncio.gather(reply, return_exceptions=True)
 
     # ------------------------------------------------------------------ output
 

@@ -30,7 +30,7 @@ from schemas.errors import SpecbusError
 from schemas.generation import GenerateRequest
 from services.client import make_request
 from services.commands.models import GGUF_MEMBER, source_gguf
-from services.pipeline.scheduler_core import prompt_token_ids
+from services.pipeline.admission import prompt_token_ids
 from tests.tiny_checkpoints import add_chat_template
 
 TIMEOUT_S = 300.0

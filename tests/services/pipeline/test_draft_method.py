@@ -74,7 +74,7 @@ def test_auto_tries_both_methods_then_keeps_the_one_accepted_more(tokenizer):
     assert request.drafter_id == "n1"
     drafted_steps(state, request, 1, accepted=0)
     assert request.drafter_id == "d1" and request.drafter_len == 0  # the model drafter gets the whole history
-    assert state.releases["n1"] == ["r1"]
+    assert state.releases.pending["n1"] == ["r1"]
     step(state, drafts={"r1": [1, 2]}, draft_reply=False)  # no answer: not counted
     drafted_steps(state, request, TRIAL_STEPS, accepted=2)
     assert request.draft_trial.settled == "model" and request.drafter_id == "d1"
@@ -89,7 +89,7 @@ def test_auto_goes_back_to_ngram_when_it_was_accepted_more_or_as_much(tokenizer)
     drafted_steps(state, request, TRIAL_STEPS, accepted=1)
     drafted_steps(state, request, TRIAL_STEPS, accepted=1)  # a tie goes to ngram, which costs no forward
     assert request.draft_trial.settled == "ngram" and request.drafter_id == "n1" and request.drafter_len == 0
-    assert state.releases["d1"] == ["r1"] and state.counters["draft_method_chose_ngram"] == 1
+    assert state.releases.pending["d1"] == ["r1"] and state.counters["draft_method_chose_ngram"] == 1
 
 
 def test_auto_with_one_method_live_stays_on_it(tokenizer):

@@ -16,7 +16,10 @@ from schemas.commits import Commit
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
+from schemas.commits import Commit
+from schemas.control import Heartbeat
 from schemas.generation import CancelRequest, GenerateRequest
+from schemas.steps import VerifyRequest, VerifyResponse, VerifyResult
 from schemas.streams import Admitted, StreamChunk
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.pipeline.drafter import run_drafter
@@ -90,9 +93,9 @@ async def stack(nats_server, nc, model_dirs):
 
 
 def scheduler_config(stack, **overrides):
-    return load_config(SchedulerConfig, env={}, nats_url=stack.nats_url, instance_id="sched-test",
-                       tokenizer=str(stack.tokenizer_dir), heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
-                       **overrides)
+    settings = dict(nats_url=stack.nats_url, instance_id="sched-test", tokenizer=str(stack.tokenizer_dir),
+                    heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    return load_config(SchedulerConfig, env={}, **{**settings, **overrides})
 
 
 def start_pipeline(stack, model_dirs, draft="draft", **scheduler_overrides):
@@ -252,3 +255,54 @@ async def test_stop_with_a_hung_verify_in_flight_ends_the_request_within_the_gra
     assert time.monotonic() - started < 10  # the grace, not the 60 s verify timeout
     await asyncio.wait_for(stack.finished["hung"].wait(), timeout=5)
     assert stack.commits["hung"][-1].finish_reason == "error"
+
+
+async def test_a_slow_verifier_that_heartbeats_is_waited_for_and_its_clients_are_kept_alive(stack):
+    """A verify that outlasts verify_timeout_s at a verifier that heartbeats all along: the
+    scheduler waits for that answer (the batch is sent once: no re-send, no `verifier_retry`),
+    and meanwhile the client hears Admitted `started` again (keepalives), so it never takes the
+    silence for lost output. The batch is held until both showed, so nothing here depends on
+    the machine's speed."""
+    await stack.be_postprocessor()
+    batches, answer = [], asyncio.Event()
+
+    async def slow(msg):  # one batch at a time, as a verifier runs them
+        message = decode(msg.data, VerifyRequest)
+        batches.append(message)
+        if message.rows and not answer.is_set():
+            await answer.wait()
+        rows = [VerifyResult(request_id=r.request_id, step=r.step, token_ids=[9] if r.emit else [])
+                for r in message.rows]
+        await stack.nc.publish(msg.reply, encode(VerifyResponse(batch_id=message.batch_id,
+                                                                verifier_id="verifier-slow", rows=rows)))
+
+    await stack.nc.subscribe(SUBJECTS.verify("verifier-slow"), cb=slow)
+    model_ids = {"tokenizer": tokenizer_id(stack.tokenizer_dir)}
+    stack.tasks.append(asyncio.create_task(heartbeat_loop(stack.nc, SUBJECTS.heartbeat, lambda: encode(Heartbeat(
+        instance_id="verifier-slow", role="verifier", capacity=8, load=0, free_slots=8, model_ids=model_ids,
+        sent_at=time.time(), interval_s=0.1)), 0.1)))
+    # A try of 0.2 s, and tries enough that the batch's deadline is far off: the held batch is
+    # never refused as late. heartbeat_timeout_s 50 times the beats' interval: a loaded machine
+    # does not make the verifier look dead.
+    stack.start("scheduler", run_scheduler, scheduler_config(stack, verify_timeout_s=0.2, verify_retries=1000,
+                                                             heartbeat_timeout_s=5.0))
+    await stack.wait_for_instances("verifier-slow", "sched-test")
+    inbox = await stack.nc.subscribe(stack.nc.new_inbox())
+    stack.finished["slow"] = asyncio.Event()
+    await stack.nc.publish(GENERATE, encode(greedy("slow", PROMPTS[0], k=0, max_tokens=2)), reply=inbox.subject)
+    started = 0
+    while started < 2:  # the start, then a keepalive while the verify is held
+        started += decode((await inbox.next_msg(timeout=60)).data, Admitted).started
+    while not (await scheduler_stats(stack)).get("verify_waits_past_timeout"):  # its first try ran out
+        await asyncio.sleep(0.05)
+    answer.set()
+    await asyncio.wait_for(stack.finished["slow"].wait(), timeout=60)
+    commits = sorted(stack.commits["slow"], key=lambda c: c.seq)
+    assert commits[-1].finish_reason == "length" and not any(c.degraded for c in commits)
+    assert not any(row.is_retry for batch in batches for row in batch.rows)  # waited for, never sent again
+    assert (await scheduler_stats(stack)).get("verify_failures", 0) == 0
+
+
+async def scheduler_stats(stack) -> dict:
+    reply = await request(stack.nc, "$SRV.STATS.scheduler", b"", timeout_s=5)
+    return json.loads(reply.data)["endpoints"][0]["data"]

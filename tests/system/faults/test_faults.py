@@ -453,7 +453,7 @@ async def test_a_final_commit_lost_with_its_postprocessor_is_replayed(tokenizer)
     request = submit(state, sampling={"max_tokens": 3})
     for _ in range(5):  # admission, prefill, then one token a step: the third commit is final
         step(state)
-    assert request.request_id in state.finishing
+    assert request.request_id in state.committer.finishing
     state.clock.now += 1.5 * HEARTBEAT_TIMEOUT_S  # p1 falls silent right after the final commit
     for instance_id, role in (("v1", "verifier"), ("d1", "drafter"), ("p2", "postprocessor")):
         beat(state, instance_id, role)
@@ -462,7 +462,7 @@ async def test_a_final_commit_lost_with_its_postprocessor_is_replayed(tokenizer)
     assert replayed and replayed[-1].finish_reason == "length"
     assert [c.seq for c in replayed] == list(range(len(replayed)))
     state.clock.now += 3 * HEARTBEAT_TIMEOUT_S
-    assert not state.boundary(state.clock.now).commits and not state.finishing  # replayed once, then forgotten
+    assert not state.boundary(state.clock.now).commits and not state.committer.finishing  # replayed once, then forgotten
 
 
 # ---------------------------------------------------------------------------------------------

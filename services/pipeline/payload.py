@@ -1,0 +1,91 @@
+"""What the scheduler's messages may hold under the bus's max_payload: the byte estimates its
+batches and a request's first commit are sized by, and the one room formula every batch uses.
+
+Every estimate is an upper bound, so a message kept within `PayloadRoom` is never refused by the
+server: MESSAGE_OVERHEAD_BYTES covers what a message needs beyond the arrays counted (keys, ids,
+numbers, options), ROW_OVERHEAD_BYTES the same per row, RELEASE_BYTES one released slot's
+request id. A batch's request carries its rows and its releases; its answer carries the rows'
+results only. Pure functions and one small class, no NATS.
+"""
+
+from dataclasses import dataclass
+
+from schemas.generation import LogprobOptions, RowSampling
+from schemas.protocol import MAX_DRAFT_SUPPORT
+from schemas.steps import VerifyRow
+
+MESSAGE_OVERHEAD_BYTES = 4096
+ROW_OVERHEAD_BYTES = 1024
+RELEASE_BYTES = ROW_OVERHEAD_BYTES // 8
+TOKEN_BYTES = 4  # one int32 token id
+PROPOSAL_ENTRY_BYTES = 8  # one id and its probability of a sparse proposal
+
+
+@dataclass
+class PayloadRoom:
+    """Bytes left for rows in one batch's request and in its answer; None: unchecked (the
+    server's max_payload is not known)."""
+
+    request: int | None
+    answer: int | None
+
+    @classmethod
+    def of(cls, max_payload: int | None, num_released: int = 0) -> "PayloadRoom":
+        """The room of a batch that also releases num_released slots."""
+        if max_payload is None:
+            return cls(None, None)
+        answer = max_payload - MESSAGE_OVERHEAD_BYTES
+        return cls(answer - RELEASE_BYTES * num_released, answer)
+
+    def fits(self, request: int = 0, answer: int = 0) -> bool:
+        return (self.request is None or request <= self.request) and (self.answer is None or answer <= self.answer)
+
+    def take(self, request: int, answer: int) -> None:
+        if self.request is not None:
+            self.request -= request
+            self.answer -= answer
+
+
+def draft_is_sampled(sampling: RowSampling, draft_mode: str) -> bool:
+    """Whether a draft row's drafts are drawn from a distribution and answered with a sparse
+    proposal (up to MAX_DRAFT_SUPPORT ids per draft) rather than a point mass: every row that
+    is not greedy (temperature 0) and either drafts in mode "sample" or is Gumbel-coupled (a
+    coupled row proposes with the target's noise whatever its draft_mode), the rule
+    gpu_worker/roles/drafter_core.py applies."""
+    return not sampling.greedy and (draft_mode == "sample" or sampling.gumbel)
+
+
+def draft_row_bytes(num_new: int, sampling: RowSampling) -> int:
+    """An upper estimate of a DraftRow's encoded size, its target features left out."""
+    return ROW_OVERHEAD_BYTES + TOKEN_BYTES * num_new + sum(a.nbytes for a in sampling.arrays())
+
+
+def draft_answer_bytes(num_draft: int, sampled: bool) -> int:
+    """An upper estimate of a DraftResult's encoded size (draft_is_sampled: with a proposal)."""
+    return ROW_OVERHEAD_BYTES + num_draft * (TOKEN_BYTES + PROPOSAL_ENTRY_BYTES * MAX_DRAFT_SUPPORT * sampled)
+
+
+def verify_row_bytes(row: VerifyRow) -> int:
+    """An upper estimate of a VerifyRow's encoded size: its arrays plus ROW_OVERHEAD_BYTES."""
+    proposal = row.proposal
+    arrays = (row.new_token_ids, row.draft_token_ids, row.logprobs.logprob_token_ids, proposal.ids, proposal.probs,
+              *row.sampling.arrays())
+    return ROW_OVERHEAD_BYTES + sum(a.nbytes for a in arrays if a is not None)
+
+
+def verify_answer_bytes(num_draft: int) -> int:
+    """An upper estimate of a VerifyResult's encoded size, its target features left out: up to
+    num_draft + 1 emitted tokens."""
+    return ROW_OVERHEAD_BYTES + TOKEN_BYTES * (num_draft + 1)
+
+
+def first_commit_bytes(encoded_commit: int, max_tokens: int, prompt_len: int, logprobs: LogprobOptions) -> int:
+    """An upper estimate of a request's largest commit or side record: its first commit
+    (encoded_commit bytes, prompt included) with room for a replay's whole completion, or the
+    prompt logprobs per prompt position (logprob, rank, logz, top-n ids and values, the
+    requested ids)."""
+    size = encoded_commit + TOKEN_BYTES * max_tokens + MESSAGE_OVERHEAD_BYTES
+    top_n = logprobs.prompt_logprobs
+    if top_n is not None:
+        size += prompt_len * (ROW_OVERHEAD_BYTES // 8 + 12 + 8 * top_n + TOKEN_BYTES * len(logprobs.logprob_token_ids))
+    return size

@@ -1,0 +1,160 @@
+"""The step planner: which rows a lane's next step gives each verifier, and each decode row's k.
+No NATS, no awaits, no clocks: services/pipeline/scheduler_core.py owns one `StepPlanner` and
+asks it once per step, and tells it what each verified row accepted and what each batch cost.
+
+Per verifier, of the lane's requests that are not in a step already and whose verifier and
+postprocessor are alive (the others wait: see recovery.py), decode first (vLLM's decode
+priority with a token budget, SGLang's chunked prefill: a long prompt never stalls the rows
+already decoding):
+1. rows: the decoding requests that waited longest for a row, then the prefilling ones, up to
+   max_batch_rows in all, one row kept for a prefill while any waits;
+2. decode rows: 1 new token + its drafts each, every one within max_step_tokens;
+3. prefill rows: chunks of the verifier's step budget (step_budget.py: the tokens that fit in
+   target_step_s at its measured pace) less the decode rows' tokens, and at least as many
+   tokens as the decode rows took and MIN_STEP_TOKENS (decode rows that fill the budget alone
+   leave prompts an equal share, so queued requests keep starting under load), at most what
+   max_step_tokens leaves. A request with completion tokens (resumed, or
+   re-prefilled after a migration or resync) stops its prefill one token short, so its next
+   token comes from a decode step at the same position as in the interrupted run
+   (docs/PROTOCOL.md#scheduler-failover).
+A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
+adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k.
+"""
+
+from collections.abc import Iterable
+
+from schemas.config import SchedulerConfig
+from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse, VerifyResult
+from schemas.wire import Error
+from services.pipeline.adaptive_k import AdaptiveK
+from services.pipeline.placement import Placement
+from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
+from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
+
+
+class StepPlanner:
+    """Plans steps (module docstring); `adaptive` is None with adaptive_k off, `budget` holds
+    the verifiers' measured paces."""
+
+    def __init__(self, config: SchedulerConfig, placement: Placement):
+        self.config = config
+        self.placement = placement
+        self.adaptive = AdaptiveK(config.adaptive_k_probe_steps) if config.adaptive_k else None
+        self.budget = StepBudget(config.target_step_s, config.max_step_tokens, config.verify_timeout_s, config.lanes)
+        self.num_plans = 0
+
+    def plan(self, requests: Iterable[Request], in_flight: set[str], lane: int | None = None) -> StepPlan:
+        """Rows per verifier for the lane's requests (None: every lane's) not in a step already
+        (module docstring). The planned requests join in_flight until the core's end_step."""
+        draft_rows: dict[str, list[PlannedRow]] = {}
+        by_verifier: dict[str, list[Request]] = {}
+        for request in requests:
+            # A lane's own requests are never in a step when it plans (its steps run one at a time).
+            ours = request.lane == lane if lane is not None else request.request_id not in in_flight
+            # else it waits for a postprocessor, or for a verifier (see recovery.py), or its deadline
+            if ours and self.placement.alive(request.postprocessor_id) and self.placement.alive(request.verifier_id):
+                by_verifier.setdefault(request.verifier_id, []).append(request)
+        self.num_plans += 1
+        rows, budgets = {}, {}
+        for verifier_id, waiting in by_verifier.items():
+            budgets[verifier_id] = self.budget.step_tokens(verifier_id)
+            planned = self.plan_verifier(waiting, budgets[verifier_id], draft_rows)
+            for row in planned:
+                row.request.last_planned = self.num_plans
+                in_flight.add(row.request.request_id)
+            if planned:
+                rows[verifier_id] = planned
+        return StepPlan(rows, draft_rows, budgets=budgets)
+
+    def plan_verifier(self, requests: list[Request], step_tokens: int,
+                      draft_rows: dict[str, list[PlannedRow]]) -> list[PlannedRow]:
+        """One verifier's rows (module docstring, steps 1-3) under its step budget step_tokens;
+        decode rows with drafts are added to draft_rows by drafter."""
+        limit, rows = self.config.max_step_tokens, self.config.max_batch_rows
+        oldest_first = sorted(requests, key=lambda r: r.last_planned)
+        prefill = [r for r in oldest_first if r.pending_len > 1 or (r.scoring and r.pending_len >= 1)]
+        decode = [r for r in oldest_first if r.pending_len == 1 and not r.scoring]
+        decode = decode[:rows - 1] if prefill and rows > 1 else decode[:rows]
+        prefill = prefill[:rows - len(decode)]
+        planned: list[PlannedRow] = []
+        used = 0
+        for request in decode:
+            if used >= limit:
+                break
+            base_k = max((r.num_draft for r in draft_rows.get(request.drafter_id, [])), default=0)
+            row = self.plan_decode_row(request, limit - used, used, base_k, alone=len(decode) + len(prefill) == 1)
+            used += 1 + row.num_draft
+            planned.append(row)
+            if row.num_draft:
+                draft_rows.setdefault(request.drafter_id, []).append(row)
+        room = min(limit - used, max(step_tokens - used, used, MIN_STEP_TOKENS))
+        for request in prefill:
+            if room < 1:
+                break
+            pending = request.pending_len - (len(request.completion) > 0)  # one token short: step 3
+            chunk = min(pending, room)
+            end = request.verifier_len + chunk
+            planned.append(PlannedRow(request, request.verifier_len, end,
+                                      emit=end == len(request.history) and not request.scoring, num_draft=0))
+            room -= chunk
+        return planned
+
+    def plan_decode_row(self, request: Request, budget: int, base_tokens: int = 0, base_k: int = 0,
+                        alone: bool = True) -> PlannedRow:
+        """A decode row with up to the request's k drafts (fewer near max_tokens or the budget);
+        for a greedy or Gumbel-coupled row the k of adaptive_k, given the base_tokens new tokens
+        of the rows planned before it on its verifier, the base_k drafts its drafter is already
+        asked for, and whether it is alone in its verify batch. A rejection-sampled row always
+        takes its k: its draws depend on k, and a seeded request must draw the same tokens again,
+        after a failover too, where the new scheduler knows nothing of the acceptance the old one
+        measured (docs/PROTOCOL.md#adaptive-k)."""
+        remaining = request.sampling.max_tokens - len(request.completion)
+        wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
+        alive = self.placement.alive(request.drafter_id)
+        if wanted and alive and self.adaptive_row(request):
+            wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
+                                          base_tokens, request.drafter_id, base_k, alone)
+        row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=wanted, decode=True)
+        if row.num_draft and not alive:
+            row.num_draft = 0
+            row.degraded.append("draft_timeout")
+        return row
+
+    def adaptive_row(self, request: Request) -> bool:
+        """Whether the request's k per step is adaptive_k's: greedy and Gumbel-coupled rows, whose
+        tokens do not depend on k, when the scheduler's adaptive_k is on."""
+        return self.adaptive is not None and (request.sampling.greedy or request.sampling.gumbel)
+
+    @staticmethod
+    def prior_key(request: Request) -> tuple[str, str]:
+        """Whose history a request's acceptance starts from: its drafter's, for its acceptance rule."""
+        rule = "greedy" if request.sampling.greedy else "gumbel"
+        return request.drafter_id or "", f"{rule}/{request.speculative.draft_mode}"
+
+    def verified(self, planned: PlannedRow, result: VerifyResult) -> None:
+        """A row's verified drafts, for adaptive_k."""
+        request = planned.request
+        if planned.num_draft and self.adaptive_row(request):
+            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
+
+    def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
+                    seconds: float) -> None:
+        """A draft batch's round trip, for adaptive_k (by its largest k). An unanswered batch is
+        left out: a dead drafter is placement's business, and its timeout says nothing of drafting.
+        So is one that feeds a row's whole history (cached_len 0: a new request's prompt), a
+        one-time cost that would pass for the cost of every step at that k."""
+        if self.adaptive is not None and message.rows and response is not None and \
+                all(r.cached_len for r in message.rows):
+            self.adaptive.draft_timed(drafter_id, max(r.num_draft for r in message.rows), seconds)
+
+    def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,
+                     seconds: float, commit_s: float, retried: bool, answered_at: float | None = None) -> None:
+        """A verify batch's round trip (answered at monotonic answered_at), for the verifier's pace
+        (step_budget.py) and adaptive_k (by its new tokens, drafts included), and the commit
+        after it; a batch that needed a retry or got no answer is left out."""
+        if not isinstance(response, VerifyResponse) or retried:
+            return
+        tokens = sum(len(r.new_token_ids) + len(r.draft_token_ids) for r in message.rows)
+        self.budget.timed(verifier_id, tokens, seconds, answered_at)
+        if self.adaptive is not None and message.rows:
+            self.adaptive.verify_timed(verifier_id, tokens, seconds, commit_s)

@@ -1,0 +1,102 @@
+"""Batch building (services/pipeline/batch_builder.py, services/pipeline/payload.py), through
+the scheduler's core without NATS: late drafts, and batches kept under max_payload."""
+
+import time
+
+import pytest
+
+from schemas.codec import encode
+from schemas.errors import ErrorCode
+from schemas.generation import RowSampling
+from schemas.protocol import MAX_DRAFT_SUPPORT
+from services.pipeline.payload import draft_is_sampled
+from services.pipeline.step_budget import VERIFY_SLACK
+from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
+    commits_of,
+    new_state,
+    step,
+    submit,
+    tokenizer,
+)
+
+
+def test_drafter_late_runs_k0_and_flags_draft_timeout(tokenizer):
+    state = new_state(tokenizer)
+    request = submit(state, speculative={"num_speculative_tokens": 4})
+    step(state)
+    _, requests, outbox = step(state, drafts={"r1": [1, 2, 3, 4]}, draft_reply=False)
+    assert len(requests["v1"].rows[0].draft_token_ids) == 0
+    [commit] = commits_of(outbox)
+    assert commit.degraded == ["draft_timeout"] and commit.num_draft == 0
+    assert request.drafter_len == 0 and request.degraded_steps == {"draft_timeout": 1}
+
+
+
+def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alone(tokenizer):
+    """A VerifyRequest that would exceed max_payload leaves its last rows for the next step; a
+    row too large alone ends its request `too_large`; the verifier is not blamed."""
+    state = new_state(tokenizer, max_step_tokens=100_000)
+    state.planner.budget.timed("v1", 1000, 0.001)  # a fast verifier: the step budget is max_step_tokens
+    for name in ("a", "b", "c"):
+        submit(state, name, prompt_ids=[5] * 3000)
+    state.max_payload = 4096 + 3 * 1024 + 2 * 12_000 + 100  # room for two rows of ~13 KB, not three
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    message = state.verify_batches(plan, time.time())["v1"]
+    assert [r.request_id for r in message.rows] == ["a", "b"] and [r.row for r in message.rows] == [0, 1]
+    assert len(encode(message)) <= state.max_payload
+    assert "c" not in state.in_flight and state.counters["rows_deferred_payload"] == 1 and "c" in state.running
+    state.end_step(plan)
+    state.max_payload = 8192  # now not even one row fits: that request ends, with why
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    state.verify_batches(plan, time.time())
+    ended = {chunk_or_commit.request_id: chunk_or_commit for _, chunk_or_commit in plan.outbox.commits}
+    assert set(ended) == {"a", "b", "c"} and all(c.error.code == ErrorCode.too_large for c in ended.values())
+    assert state.placement.avoid_until == {}  # the verifier is not blamed
+
+
+
+def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer):
+    """A sampled draft's answer is up to MAX_DRAFT_SUPPORT ids per draft: a DraftRequest keeps
+    its rows' answers within max_payload, and the rows past it run this step without drafts."""
+    state = new_state(tokenizer)
+    sampled = {"sampling": {"temperature": 1.0}, "speculative": {"num_speculative_tokens": 4, "draft_mode": "sample"}}
+    for name in ("a", "b", "c"):
+        submit(state, name, **sampled)
+    step(state)  # prefill
+    one_answer = 1024 + 4 * (4 + 8 * MAX_DRAFT_SUPPORT)
+    state.max_payload = 4096 + 2 * one_answer + 100  # room for two rows' answers, not three
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    message = state.draft_batches(plan, time.time())["d1"]
+    assert [r.request_id for r in message.rows] == ["a", "b"] and [r.row for r in message.rows] == [0, 1]
+    undrafted = {p.request.request_id: p for p in plan.rows["v1"]}["c"]
+    assert undrafted.num_draft == 0 and undrafted.degraded == ["draft_timeout"]
+    assert state.counters["rows_undrafted_payload"] == 1 and state.placement.avoid_until == {}
+
+
+def test_a_draft_is_sampled_unless_greedy_and_gumbel_rows_always_are():
+    """The drafter's rule (gpu_worker/roles/drafter_core.py): a Gumbel-coupled row proposes a
+    distribution whatever its draft_mode, a temperature-0 row never does."""
+    greedy, sampled = RowSampling(temperature=0.0), RowSampling(temperature=0.8)
+    coupled = RowSampling(temperature=0.8, coupling="gumbel")
+    assert not draft_is_sampled(greedy, "sample") and not draft_is_sampled(sampled, "greedy")
+    assert draft_is_sampled(sampled, "sample") and draft_is_sampled(coupled, "greedy")
+
+
+def test_a_verify_deadline_is_the_step_budgets_wait_for_the_batch_for_every_try(tokenizer):
+    """plan.attempt_s is StepBudget.attempt_s of the batch's tokens (step_budget.py, tested
+    there), and VerifyRequest.deadline covers every try of it."""
+    state = new_state(tokenizer, max_step_tokens=4096, verify_timeout_s=1.0, verify_retries=2)
+    for tokens in (10, 100, 1000) * 3:
+        state.planner.budget.timed("v1", tokens, 0.004 * tokens)  # 4 ms a token: the budget is 125
+    submit(state, "big", prompt_ids=[5] * 2000)
+    now = time.time()
+    state.boundary(now)
+    plan = state.plan_step(now)
+    message = state.verify_batches(plan, now)["v1"]
+    assert len(message.rows[0].new_token_ids) == 125
+    assert plan.attempt_s["v1"] == state.planner.budget.attempt_s("v1", 125) == pytest.approx(
+        VERIFY_SLACK * state.config.lanes * 0.5)
+    assert message.deadline - now == pytest.approx(3 * plan.attempt_s["v1"])

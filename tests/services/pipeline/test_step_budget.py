@@ -1,0 +1,77 @@
+"""A verifier's measured pace (services/pipeline/step_budget.py): the fit of a batch's round
+trip to its tokens, the step budget it gives and the verify deadline; timings are made up."""
+
+import pytest
+
+from services.pipeline.step_budget import COLD_STEP_TOKENS, MIN_STEP_TOKENS, VERIFY_SLACK, Pace, StepBudget
+
+
+def budget(target_step_s=0.5, max_step_tokens=1024, verify_timeout_s=10.0) -> StepBudget:
+    return StepBudget(target_step_s, max_step_tokens, verify_timeout_s)
+
+
+def test_a_verifier_never_timed_gets_the_cold_budget_and_the_floor_wait():
+    fresh = budget()
+    assert fresh.step_tokens("v1") == COLD_STEP_TOKENS and fresh.attempt_s("v1", 5000) == 10.0
+    assert budget(max_step_tokens=10).step_tokens("v1") == 10  # never above max_step_tokens
+
+
+def test_sizes_far_apart_separate_the_overhead_from_the_cost_per_token():
+    pace = budget()
+    for tokens in (10, 200, 40, 400, 100) * 3:
+        pace.timed("v1", tokens, 0.05 + 0.002 * tokens)
+    overhead, per_token = pace.paces["v1"].fit()
+    assert overhead == pytest.approx(0.05) and per_token == pytest.approx(0.002)
+    assert pace.step_tokens("v1") == 225  # (0.5 - 0.05) / 0.002
+    assert pace.step_tokens("other") == COLD_STEP_TOKENS  # per verifier
+
+
+def test_sizes_alike_charge_every_token_the_overhead():
+    pace = Pace()
+    for _ in range(5):
+        pace.add(100, 0.3)
+    assert pace.fit() == (0.0, pytest.approx(0.003))  # 0.3 s / 100 tokens, none of it overhead
+
+
+def test_the_budget_stays_within_its_bounds():
+    slow, fast = budget(), budget()
+    slow.timed("v1", 10, 5.0)  # a step of 10 tokens already takes 10 x the target
+    fast.timed("v1", 1000, 0.001)
+    assert slow.step_tokens("v1") == MIN_STEP_TOKENS and fast.step_tokens("v1") == 1024
+
+
+def test_the_pace_follows_a_verifier_that_slows_down():
+    pace = budget()
+    for _ in range(20):
+        pace.timed("v1", 100, 0.1)
+    before = pace.step_tokens("v1")
+    for _ in range(60):
+        pace.timed("v1", 100, 0.4)  # another scheduler's batches now queue there too
+    assert before == 500 and pace.step_tokens("v1") == pytest.approx(125, abs=2)
+
+
+def test_a_bigger_batch_is_waited_for_longer_and_never_less_than_verify_timeout_s():
+    """A try waits VERIFY_SLACK x lanes predicted round trips of the batch, or of the step
+    budget when that is larger (every lane's batch may be queued before it), at least
+    verify_timeout_s."""
+    pace, two_lanes = budget(verify_timeout_s=1.0), StepBudget(0.5, 1024, 1.0, lanes=2)
+    for tokens in (10, 100, 1000) * 3:
+        pace.timed("v1", tokens, 0.001 * tokens)  # 1 ms a token: the step budget is 500
+        two_lanes.timed("v1", tokens, 0.001 * tokens)
+    assert pace.step_tokens("v1") == 500
+    assert pace.attempt_s("v1", 10) == pace.attempt_s("v1", 500) == pytest.approx(VERIFY_SLACK * 0.5)
+    assert pace.attempt_s("v1", 4000) == pytest.approx(VERIFY_SLACK * 4.0)
+    assert two_lanes.attempt_s("v1", 4000) == pytest.approx(2 * VERIFY_SLACK * 4.0)
+    assert budget(verify_timeout_s=30.0).attempt_s("v1", 4000) == 30.0  # not timed yet: the floor
+    floor = budget(verify_timeout_s=30.0)
+    floor.timed("v1", 100, 0.1)
+    assert floor.attempt_s("v1", 100) == 30.0  # timed, and still under the floor
+
+
+def test_time_spent_queued_behind_another_answer_is_not_the_batchs_own():
+    """Two lanes' batches sent together: the second's round trip includes the first's time at
+    the verifier, which is not counted against it."""
+    pace = budget()
+    pace.timed("v1", 100, 0.2, answered_at=10.2)  # sent at 10.0, answered at 10.2
+    pace.timed("v1", 100, 0.4, answered_at=10.4)  # sent at 10.0 too: queued until 10.2
+    assert pace.paces["v1"].fit() == (0.0, pytest.approx(0.002))  # 0.2 s each, not 0.2 and 0.4
