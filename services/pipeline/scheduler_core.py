@@ -26,11 +26,9 @@ from collections.abc import Callable
 
 import structlog
 
-from text.tokenizer import Tokenizer
 from schemas.config import SchedulerConfig
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.control import Heartbeat
 from schemas.generation import GenerateRequest
 from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse, VerifyResult
 from schemas.streams import Admitted
@@ -45,6 +43,7 @@ from services.pipeline.scheduler_types import Outbox, PlannedRow, Request, StepP
 from services.pipeline.slot_release import SlotReleases
 from services.pipeline.step_planner import StepPlanner
 from services.runtime.metrics import SchedulerMetrics
+from text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ def python(code: str) -> list[str]:
 
 
 async def test_a_process_logs_to_its_file_with_the_stack_env_and_its_own(tmp_path):
-    code = "import os; print(os.environ['SPECBUS_PARENT_PID'], os.environ['EXTRA'], os.environ['PYTHONUNBUFFERED'])"
+    code = f"import os; print(os.environ[{PARENT_PID_ENV!r}], os.environ['EXTRA'], os.environ['PYTHONUNBUFFERED'])"
     proc = await start_service_process("drafter", "drafter-0", python(code), {"EXTRA": "yes"}, tmp_path / "d.log")
     assert await asyncio.wait_for(proc.process.wait(), 60) == 0 and not proc.running
     assert proc.log_tail().split() == [str(os.getpid()), "yes", "1"] and proc.started_at <= time.monotonic()

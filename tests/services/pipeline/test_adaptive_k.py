@@ -16,7 +16,7 @@ from services.pipeline.adaptive_k import (
     RowState,
     expected_tokens,
 )
-from tests.services.pipeline.test_scheduler_core import new_state, submit
+from tests.services.pipeline.scheduler_harness import new_state, submit
 
 # ------------------------------------------------------------------ the pieces
 

@@ -9,14 +9,13 @@ import pytest
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import GenerateRequest, seed_from_request_id
 from services.pipeline.admission import prompt_token_ids
-from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
+from tests.services.pipeline.scheduler_harness import (
     EOS,
     beat,
     beat_verifier,
     new_state,
     step,
     submit,
-    tokenizer,
 )
 
 

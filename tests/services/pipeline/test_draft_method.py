@@ -7,7 +7,7 @@ import time
 from schemas.control import Heartbeat
 from schemas.protocol import ANY_TOKENIZER
 from services.pipeline.draft_method import TRIAL_STEPS
-from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, step, submit
+from tests.services.pipeline.scheduler_harness import TOKENIZER_HASH, new_state, step, submit
 
 BASE = (("v1", "verifier"), ("p1", "postprocessor"))
 

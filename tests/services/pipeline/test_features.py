@@ -10,7 +10,7 @@ import pytest
 from schemas.control import Heartbeat
 from schemas.steps import DraftResponse, DraftResult, FeatureBlock, VerifyResponse, VerifyResult
 from services.pipeline import features
-from tests.services.pipeline.test_scheduler_core import TOKENIZER_HASH, new_state, submit
+from tests.services.pipeline.scheduler_harness import TOKENIZER_HASH, new_state, submit
 
 E = 4  # features per position in these tests: 8 bytes
 

@@ -10,14 +10,11 @@ import time
 import msgpack
 import pytest
 
-from text.tokenizer import tokenizer_id
 from schemas.codec import decode, encode
 from schemas.commits import Commit
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.commits import Commit
-from schemas.control import Heartbeat
 from schemas.generation import CancelRequest, GenerateRequest
 from schemas.steps import VerifyRequest, VerifyResponse, VerifyResult
 from schemas.streams import Admitted, StreamChunk
@@ -27,6 +24,7 @@ from services.pipeline.scheduler import run_scheduler
 from services.pipeline.verifier import run_verifier
 from services.runtime.bus import heartbeat_loop, request
 from tests.conftest import wait_for_heartbeats
+from text.tokenizer import tokenizer_id
 
 POSTPROCESSOR = "pp-test"
 PROMPTS = [[3, 14, 15, 9, 26], [5, 35, 8], [9, 7, 9, 3, 2, 38, 4, 6, 26, 4, 33, 8, 3, 27]]

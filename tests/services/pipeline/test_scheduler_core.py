@@ -1,8 +1,6 @@
 """The scheduler's core without NATS (services/pipeline/scheduler_core.py): instances heard,
-pins, lanes and the in-flight rule; and the helpers its collaborators' tests share (a state
-with instances, a request submitted, one whole step). Verifier and drafter answers are built
-here as the real message types they send; a real tokenizer (trained on the spot) gives EOS and
-text. Each collaborator has its own test module: test_admission.py, test_step_planner.py,
+pins, lanes and the in-flight rule; a real tokenizer (trained on the spot) gives EOS and text; the helpers the
+scheduler's tests share are in scheduler_harness.py. Each collaborator has its own test module: test_admission.py, test_step_planner.py,
 test_batch_builder.py, test_commits.py, test_recovery.py."""
 
 import time
@@ -10,88 +8,16 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from schemas.codec import decode, encode
-from schemas.commits import Commit
-from text.tokenizer import load_tokenizer
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import SpecbusError
-from schemas.control import Heartbeat
-from schemas.generation import GenerateRequest
-from schemas.steps import DraftResponse, DraftResult, VerifyResponse, VerifyResult
-from services.pipeline.scheduler_core import SchedulerState
-
-TOKENIZER_HASH = "0123456789abcdef"
-EOS = 0
-class Clock:
-    """A monotonic clock the test moves by hand (heartbeat liveness)."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-def beat(state, instance_id, role, capacity=8, free_slots=None, tokenizer_hash=TOKENIZER_HASH):
-    state.observe(Heartbeat(instance_id=instance_id, role=role, capacity=capacity, load=0, free_slots=free_slots,
-                            model_ids={"tokenizer": tokenizer_hash}, sent_at=time.time(), interval_s=0.5))
-
-
-def new_state(tokenizer, roles=(("v1", "verifier"), ("d1", "drafter"), ("p1", "postprocessor")), **overrides):
-    config = load_config(SchedulerConfig, env={}, instance_id="sched-1", **overrides)
-    clock = Clock()
-    state = SchedulerState(config, tokenizer, TOKENIZER_HASH, monotonic=clock)
-    state.clock = clock
-    for instance_id, role in roles:
-        beat(state, instance_id, role)
-    return state
-
-
-def submit(state, request_id="r1", prompt_ids=(5, 6, 7), now=None, **fields):
-    sampling = {"temperature": 0.0, "max_tokens": 8, **fields.pop("sampling", {})}
-    generate = GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=sampling, **fields)
-    return state.admit(generate, f"_INBOX.{request_id}", list(prompt_ids), time.time() if now is None else now)
-
-
-def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, verify_reply=True):
-    """One step. drafts / tokens / num_accepted: request_id -> what the drafter proposes / the
-    verifier emits / accepts (defaults: no drafts; each emitting row emits [9]; accepted 0)."""
-    drafts, tokens, num_accepted = drafts or {}, tokens or {}, num_accepted or {}
-    outbox = state.boundary(time.time())
-    plan = state.plan_step(time.time())
-    for drafter_id, message in state.draft_batches(plan, time.time()).items():
-        reply = DraftResponse(batch_id=message.batch_id, drafter_id=drafter_id, rows=[
-            DraftResult(request_id=r.request_id, draft_token_ids=drafts.get(r.request_id, [])[:r.num_draft])
-            for r in message.rows]) if draft_reply else None
-        state.apply_draft(plan, drafter_id, message, reply)
-    verify_requests = state.verify_batches(plan, time.time())
-    for verifier_id, message in verify_requests.items():
-        reply = VerifyResponse(batch_id=message.batch_id, verifier_id=verifier_id, rows=[
-            VerifyResult(request_id=r.request_id, step=r.step, num_draft=len(r.draft_token_ids),
-                         num_accepted=num_accepted.get(r.request_id, 0) if r.emit else 0,
-                         token_ids=tokens.get(r.request_id, [9]) if r.emit else [])
-            for r in message.rows]) if verify_reply else None
-        outbox.extend(state.apply_verify(plan, verifier_id, reply, time.time()))
-    state.end_step(plan)
-    return plan, verify_requests, outbox
-
-
-def commits_of(outbox, request_id="r1"):
-    return [c for _, c in outbox.commits if c.request_id == request_id]
-
-
-def verified(message, verifier_id="v1"):
-    """The verifier's answer to a VerifyRequest: each emitting row emits [9], no draft accepted."""
-    return VerifyResponse(batch_id=message.batch_id, verifier_id=verifier_id, rows=[
-        VerifyResult(request_id=r.request_id, step=r.step, num_draft=len(r.draft_token_ids), num_accepted=0,
-                     token_ids=[9] if r.emit else []) for r in message.rows])
-
-
-def beat_verifier(state, instance_id="v1", max_seq_len=None):
-    model_ids = {"tokenizer": TOKENIZER_HASH, **({"max_seq_len": str(max_seq_len)} if max_seq_len else {})}
-    state.observe(Heartbeat(instance_id=instance_id, role="verifier", capacity=8, load=0, model_ids=model_ids,
-                            sent_at=time.time(), interval_s=0.5))
-
+from tests.services.pipeline.scheduler_harness import (
+    TOKENIZER_HASH,
+    beat,
+    commits_of,
+    new_state,
+    submit,
+    verified,
+)
 
 # ------------------------------------------------------------------ instances and pins
 
