@@ -23,7 +23,7 @@ from nats.aio.client import Client
 
 from gpu_worker.roles.slots import SlotOwner, evict_idle, instance_heartbeat
 from schemas.codec import decode, encode, error_reply
-from schemas.config import ModelServiceConfig
+from schemas.config import ModelServiceConfig, service_version
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import Subjects
 from services.runtime.bus import (
@@ -42,7 +42,6 @@ from services.runtime.tasks import run_until_stopped
 
 log = structlog.get_logger(__name__)
 
-SERVICE_VERSION = "0.1.0"
 MAX_CONCURRENT_MESSAGES = 4  # decoding, refusals and error replies overlap; batches take the lock
 MAX_PENDING_MESSAGES = 64
 
@@ -139,7 +138,7 @@ async def run_slot_service(owner: SlotOwner, config: ModelServiceConfig, service
         metrics.watch_counts(lambda: slot_counts(owner, handler), MODEL_SERVICE_GAUGES)
         stack.enter_context(serve_metrics(metrics.registry, config.metrics_port))
         micro = await add_micro_service(
-            nc, service.role, SERVICE_VERSION, service.description,
+            nc, service.role, service_version(), service.description,
             endpoints={service.endpoint: Endpoint(subject=service.subject, handler=handler.dispatch)},
             metadata={"instance_id": config.instance_id, **owner.model_ids}, stats_data=lambda _: metrics.stats())
         stack.push_async_callback(micro.stop)
