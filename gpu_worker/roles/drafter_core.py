@@ -121,8 +121,8 @@ def load_drafter(config: DrafterConfig) -> Drafter:
     """Load the draft model, its d2t map (identity when the directory has none) and a KV cache.
 
     dtype "auto" is bfloat16 for a draft on every device: a draft step reads every weight for a
-    few rows, so half the bytes is what it costs (the shipped draft: 5.5 ms a step in emulated
-    bf16 against 7.5 in float32 on an Intel Xeon without native bf16, one thread), and the draft's rounding never
+    few rows, so half the bytes is what it costs, even where bf16 arithmetic is emulated (see
+    ops/bench/RESULTS.md, Figures behind gpu_worker's choices), and the draft's rounding never
     reaches the output, which the target decides (the shipped draft's weights are bf16 anyway)."""
     if config.dtype == "auto":
         config = dataclasses.replace(config, dtype="bfloat16")
