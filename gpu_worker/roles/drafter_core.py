@@ -224,7 +224,7 @@ def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], b
         state = allocate(drafter, key, batch_keys, now)
         if state is None:
             return DraftResult(request_id=row.request_id, need_resync=True)
-    # The verifier holds history + drafts (the same receiver_rule's room): offering more would fail the row there.
+    # The verifier holds history + drafts (the same receiver_rule room): offering more would fail the row there.
     num_draft = max(0, min(row.num_draft, verdict.room))
     try:  # storage for the history and the drafts fed after it; short memory: no drafts this step
         drafter.cache.reserve(state.slot, len(history) + num_draft)
