@@ -4,7 +4,8 @@ position."""
 
 import pytest
 import torch
-from tests.gpu_worker.roles.verifier_steps import PENALTIES, PROMPT, V, generate, new_verifier, one, penalised_reference, vrow
+from tests.gpu_worker.roles.verifier_steps import (PENALTIES, PROMPT, V, generate, new_verifier, one,
+                                                   penalised_reference, vrow)
 from tests.gpu_worker.roles.verifier_steps import greedy_tokens, penalised_tokens, target  # noqa: F401 (fixtures)
 
 

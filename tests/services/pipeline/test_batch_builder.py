@@ -9,13 +9,7 @@ from schemas.codec import encode
 from schemas.errors import ErrorCode
 from schemas.protocol import MAX_DRAFT_SUPPORT
 from services.pipeline.step_budget import VERIFY_SLACK
-from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
-    commits_of,
-    new_state,
-    step,
-    submit,
-    tokenizer,
-)
+from tests.services.pipeline.test_scheduler_core import commits_of, new_state, step, submit
 
 
 def test_drafter_late_runs_k0_and_flags_draft_timeout(tokenizer):
