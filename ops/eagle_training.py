@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from gpu_worker.runtime.checkpoint import D2T, save_d2t
-from gpu_worker.runtime.eagle import CONFIG_FILE, LAYER_NAMES, WEIGHTS_FILE, EagleConfig, rope_tables, weight_names
+from gpu_worker.runtime.eagle import CONFIG_FILE, LAYER_NAMES, WEIGHTS_FILE, EagleConfig, weight_names
+from gpu_worker.runtime.model import rope_tables
 
 
 def init_weights(config: EagleConfig, target_weights: dict[str, torch.Tensor] | None = None,

@@ -163,6 +163,15 @@ class RowSampling(WireModel):
         return () if self.logit_bias is None else (self.logit_bias.token_ids, self.logit_bias.bias)
 
 
+def draft_is_sampled(sampling: RowSampling, draft_mode: str) -> bool:
+    """Whether a draft row's drafts are drawn from a distribution and answered with a sparse
+    proposal (up to MAX_DRAFT_SUPPORT ids per draft) rather than a point mass: every row that
+    is not greedy (temperature 0) and either drafts in mode "sample" or is Gumbel-coupled (a
+    coupled row proposes with the target's noise whatever its draft_mode). The drafter draws
+    by it (gpu_worker/roles/drafter_core.py) and the scheduler sizes draft answers by it."""
+    return not sampling.greedy and (draft_mode == "sample" or sampling.gumbel)
+
+
 class SamplingParams(RowSampling):
     max_tokens: int = Field(64, ge=0)  # 0 with prompt_logprobs scores a sequence
     stop_token_ids: TokenIds = Field(default_factory=empty_ids)

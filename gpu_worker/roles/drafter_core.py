@@ -48,11 +48,15 @@ from gpu_worker.sampling.coupling import gumbel_argmax
 from gpu_worker.runtime.kv_cache import CacheMemoryError
 from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
-                                 row_seed, sample)
+                                         row_seed, sample)
+from gpu_worker.roles.receiver_rule import receiver_rule
+from gpu_worker.roles.row_sampling import batch_params, logit_bias_tensors, row_params, row_penalties
 from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
 from text.tokenizer import check_in_vocabulary, tokenizer_id
+from schemas.arrays import PAD_TOKEN_ID
 from schemas.config import DrafterConfig
 from schemas.control import Heartbeat
+from schemas.generation import draft_is_sampled
 from schemas.protocol import MAX_DRAFT_SUPPORT
 from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow, Proposal
 
@@ -121,8 +125,8 @@ def load_drafter(config: DrafterConfig) -> Drafter:
     """Load the draft model, its d2t map (identity when the directory has none) and a KV cache.
 
     dtype "auto" is bfloat16 for a draft on every device: a draft step reads every weight for a
-    few rows, so half the bytes is what it costs (the shipped draft: 5.5 ms a step in emulated
-    bf16 against 7.5 in float32 on an Intel Xeon without native bf16, one thread), and the draft's rounding never
+    few rows, so half the bytes is what it costs, even where bf16 arithmetic is emulated (see
+    ops/bench/RESULTS.md, Figures behind gpu_worker's choices), and the draft's rounding never
     reaches the output, which the target decides (the shipped draft's weights are bf16 anyway)."""
     if config.dtype == "auto":
         config = dataclasses.replace(config, dtype="bfloat16")
@@ -203,12 +207,13 @@ def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], b
     kept; the caller rolls its cache back to match (a Drafter's holds one position a token)."""
     key = (scheduler_id, row.request_id)
     state = drafter.requests.get(key)
-    held = 0 if state is None else state.committed_len
-    if row.cached_len > held:
+    verdict = receiver_rule(0 if state is None else state.committed_len, row.cached_len, len(new_ids),
+                            drafter.cache.max_seq_len)
+    if verdict.need_resync:
         drafter.counters["need_resync"] += 1
         return DraftResult(request_id=row.request_id, need_resync=True)
     history = ([] if state is None else state.token_ids[:row.cached_len]) + new_ids
-    if len(history) > drafter.cache.max_seq_len:
+    if verdict.room < 0:
         free_request(drafter, key, "too_long")
         log.warning("history_too_long", request_id=row.request_id, length=len(history),
                     max_seq_len=drafter.cache.max_seq_len)
@@ -219,8 +224,8 @@ def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], b
         state = allocate(drafter, key, batch_keys, now)
         if state is None:
             return DraftResult(request_id=row.request_id, need_resync=True)
-    # The verifier holds history + drafts (verifier_core.check_row): offering more would fail the row there.
-    num_draft = max(0, min(row.num_draft, drafter.cache.max_seq_len - len(history)))
+    # The verifier holds history + drafts (the same receiver_rule room): offering more would fail the row there.
+    num_draft = max(0, min(row.num_draft, verdict.room))
     try:  # storage for the history and the drafts fed after it; short memory: no drafts this step
         drafter.cache.reserve(state.slot, len(history) + num_draft)
     except CacheMemoryError as exc:
@@ -234,9 +239,8 @@ def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], b
     del state.token_ids[keep:]
     state.committed_len = len(history)
     state.last_used = now
-    # a Gumbel-coupled row always proposes with the target's noise (draft_mode aside)
-    greedy = row.sampling.greedy or (row.draft_mode == "greedy" and not row.sampling.gumbel)
-    return DraftRowWork(row=row, state=state, feed=history[keep:], num_draft=num_draft, start=len(history), greedy=greedy)
+    return DraftRowWork(row=row, state=state, feed=history[keep:], num_draft=num_draft, start=len(history),
+                        greedy=not draft_is_sampled(row.sampling, row.draft_mode))
 
 
 def forward_last(drafter: Drafter, slots: torch.Tensor, token_ids: torch.Tensor,
@@ -300,21 +304,16 @@ def draft_penalties(drafter, work: DraftRowWork) -> Penalties:
     field; failing the draft batch would cost every other row its drafts), and so are ids the
     draft has no id of its own for (other_id). drafter: a Drafter or an EagleDrafter (its
     slot_to_draft maps the ids its slots hold to draft ids)."""
-    s = work.row.sampling
-    bias_ids = bias_values = None
-    if s.logit_bias is not None:
-        target_ids = torch.from_numpy(s.logit_bias.token_ids.astype("int64"))
-        values = torch.from_numpy(s.logit_bias.bias)
-        keep = target_ids < drafter.target_vocab_size
-        draft_ids = drafter.t2d[target_ids[keep]]
-        values = values[keep]
+    bias_ids, bias_values = logit_bias_tensors(work.row.sampling)
+    if bias_ids is not None:
+        keep = bias_ids < drafter.target_vocab_size
+        bias_ids, bias_values = drafter.t2d[bias_ids[keep]], bias_values[keep]
         if drafter.other_id is not None:
-            values, draft_ids = values[draft_ids != drafter.other_id], draft_ids[draft_ids != drafter.other_id]
-        bias_ids, bias_values = draft_ids, values
+            drafted = bias_ids != drafter.other_id
+            bias_ids, bias_values = bias_ids[drafted], bias_values[drafted]
     history = drafter.slot_to_draft[torch.tensor(work.state.token_ids[:work.start], dtype=torch.int64)]
-    return Penalties.build(drafter.draft_vocab_size, history, work.row.prompt_len, bias_ids=bias_ids,
-                           bias_values=bias_values, repetition=s.repetition_penalty, frequency=s.frequency_penalty,
-                           presence=s.presence_penalty)
+    return row_penalties(work.row.sampling, drafter.draft_vocab_size, history, work.row.prompt_len, bias_ids,
+                         bias_values)
 
 
 @dataclass
@@ -353,16 +352,13 @@ def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
     B, K = len(works), max(work.num_draft for work in works)
     penalised = [b for b, work in enumerate(works) if work.row.sampling.penalised]
     choice = DraftChoice(num_draft=torch.tensor([work.num_draft for work in works]),
-                         draft_ids=torch.full((B, K), -1, dtype=torch.int64), penalised=penalised,
+                         draft_ids=torch.full((B, K), PAD_TOKEN_ID, dtype=torch.int64), penalised=penalised,
                          penalties=Penalties.cat([draft_penalties(drafter, works[b]) for b in penalised])
                          if penalised else None)
     if all(work.greedy for work in works):
         return choice
-    choice.params = SamplingTensors.build(
-        temperature=[0.0 if work.greedy else work.row.sampling.temperature for work in works],
-        top_k=[min(work.row.sampling.top_k or MAX_DRAFT_SUPPORT, MAX_DRAFT_SUPPORT) for work in works],
-        top_p=[work.row.sampling.top_p for work in works],
-        min_p=[work.row.sampling.min_p for work in works])
+    choice.params = batch_params([row_params(work.row.sampling, greedy=work.greedy, top_k_cap=MAX_DRAFT_SUPPORT)
+                                  for work in works])
     choice.seeds = torch.tensor([0 if work.greedy else row_seed(work.row.sampling) for work in works],
                                 dtype=torch.int64)
     choice.starts = torch.tensor([work.start for work in works], dtype=torch.int64)
@@ -396,7 +392,7 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
             ids[gumbel] = gumbel_argmax(processed.probs[gumbel], choice.seeds[gumbel],
                                         choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
         choice.step_probs.append(processed.probs[:, 0])
-    choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, -1)
+    choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, PAD_TOKEN_ID)
     if choice.penalties is not None:
         choice.penalties = add_tokens(choice.penalties, choice.draft_ids[penalised, j])
     return ids
@@ -438,7 +434,7 @@ def sparse_supports(drafter, probs: torch.Tensor):
     sizes = positive.sum(1)
     rows, cols = positive.nonzero(as_tuple=True)  # row-major: ids ascending within a row
     slot = torch.arange(rows.numel()) - (sizes.cumsum(0) - sizes)[rows]  # index within the row's support
-    ids = torch.full((N, int(sizes.max())), -1, dtype=torch.int64)
+    ids = torch.full((N, int(sizes.max())), PAD_TOKEN_ID, dtype=torch.int64)
     ids[rows, slot] = cols
     values = probs.new_zeros(ids.shape)
     values[rows, slot] = target[rows, cols]

@@ -140,8 +140,8 @@ def release_free_heap() -> None:
 
     Loading copies each weight a few times (file -> fused -> packed). After the first large
     free, glibc raises its mmap threshold, so later copies come from the heap, and freed heap
-    memory stays resident: measured on SmolLM2-135M fp32, a verifier loaded after a drafter
-    holds 1315 MiB, 875 MiB after the trim.
+    memory stays resident until trimmed (see ops/bench/RESULTS.md, Figures behind gpu_worker's
+    choices).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 
 from gpu_worker.runtime.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, save_d2t, weight_files
 from gpu_worker.runtime.kv_cache import KVCache
-from gpu_worker.runtime.model import (ConfigError, Layer, Model, ModelConfig, decoder_layer, linear, pack_weight, plan_step,
-                              rope_tables)
+from gpu_worker.runtime.model import (ConfigError, DecoderShape, Layer, Model, ModelConfig, decoder_layer, linear,
+                                     pack_weight, plan_step, rope_tables)
 
 CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
 WEIGHTS_FILE = "model.safetensors"
@@ -46,38 +46,24 @@ LAYER_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up"
 
 
 @dataclass(frozen=True)
-class EagleConfig:
-    """The head's shape; the layer's fields mirror the target's ModelConfig (num_layers is 1, so
-    a KVCache can be built from it)."""
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
+class EagleConfig(DecoderShape):
+    """The head's shape: its one layer's fields are the target's (`model.DecoderShape`);
+    num_layers is 1, so a KVCache can be built from it."""
     target_vocab_size: int
     num_layers: int = 1
 
     def __post_init__(self):
-        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                     "max_position_embeddings", "target_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        super().__post_init__()
+        if self.target_vocab_size <= 0:
+            raise ConfigError(f"target_vocab_size must be positive, got {self.target_vocab_size}")
         if self.num_layers != 1:
             raise ConfigError(f"num_layers must be 1, got {self.num_layers}")
-        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
-            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                              f"({self.num_kv_heads}) and head_dim ({self.head_dim}) even")
 
     @classmethod
-    def from_target(cls, target_config, intermediate_size: int | None = None) -> "EagleConfig":
-        c = target_config
-        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-                   num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                   max_position_embeddings=c.max_position_embeddings, target_vocab_size=c.vocab_size)
+    def from_target(cls, target_config: ModelConfig, intermediate_size: int | None = None) -> "EagleConfig":
+        shape = target_config.shape_fields()
+        shape["intermediate_size"] = intermediate_size or target_config.intermediate_size
+        return cls(**shape, target_vocab_size=target_config.vocab_size)
 
     @classmethod
     def from_json(cls, path) -> "EagleConfig":
@@ -185,13 +171,13 @@ def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T,
                   wo=pack_weight(get("layer.wo")), bo=None, mlp_norm=get("layer.mlp_norm"),
                   w_gate_up=pack_weight(torch.cat([get("layer.w_gate"), get("layer.w_up")])),
                   w_down=pack_weight(get("layer.w_down")))
-    cos, sin = rope_tables(config, max_seq_len or config.max_position_embeddings)
+    cos, sin = rope_tables(config, max_seq_len or config.max_position_embeddings, device, dtype)
     return EagleHead(config=config, fc=pack_weight(get("fc.weight")), fc_bias=get("fc.bias"),
                      feature_norm=get("feature_norm"), embed_norm=get("embed_norm"), layer=layer,
                      out_norm=get("out_norm"), embed=target.embed,
                      lm_rows=pack_weight(target.embed[maps.d2t.to(device)].contiguous()),
                      d2t=maps.d2t.to(device), other_id=maps.other_id,
-                     rope_cos=cos.to(device=device, dtype=dtype), rope_sin=sin.to(device=device, dtype=dtype))
+                     rope_cos=cos, rope_sin=sin)
 
 
 def head_misfit(config: EagleConfig, target_config: ModelConfig) -> str | None:

@@ -4,11 +4,11 @@ model.safetensors, tokenizer.json, tokenizer_config.json (with the chat template
 
 Torch-free (numpy, the `gguf` package, safetensors, tokenizers), so `specbus models pull` does not
 load torch. Why our own converter rather than transformers' GGUF reader: it needs no transformers
-or accelerate at run time (both dev-only here), it takes half the time (7 s against 15 s for
-SmolLM2), and its pre-tokenizer is the one llama.cpp uses for the file (transformers' GGUF
-tokenizer has no digit split; SmolLM2's vocabulary has no multi-digit tokens, so both encode the
-same). tests/system/test_models.py checks weights, tokenizer and logits against transformers' own GGUF
-loading.
+or accelerate at run time (both dev-only here), it is faster (see ops/bench/RESULTS.md, Figures
+behind gpu_worker's choices), and its pre-tokenizer is the one llama.cpp uses for the file
+(transformers' GGUF tokenizer has no digit split; SmolLM2's vocabulary has no multi-digit
+tokens, so both encode the same). tests/system/test_models.py checks weights, tokenizer and
+logits against transformers' own GGUF loading.
 
 Weights are dequantized with gguf's own `quants.dequantize` and stored as float32: a Q4_1 weight
 is d * q + m with fp16 d and m, which needs more mantissa than bf16's 8 bits, so fp32 is the only

@@ -34,7 +34,7 @@ import torch
 # one shape wherever a row's keys end and combines the blocks in a fixed order. Much less than the
 # 512 of torch's CPU flash kernel's own split, so a short context reads fewer padding keys; not
 # 64 or 128, because at one token a step costs more per block combined (a few small ops per
-# layer) than per padding key read (ops/bench/RESULTS.md, "Session 7").
+# layer) than per padding key read (ops/bench/RESULTS.md, Batch-invariant forward: the key block).
 KEY_BLOCK = 256
 # Slots grow by SLOT_BLOCK positions at a time: a multiple of KEY_BLOCK, so a window of whole key
 # blocks is always within the storage of the slot that reaches furthest. Larger than KEY_BLOCK so

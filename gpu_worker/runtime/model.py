@@ -24,7 +24,7 @@ checks it with torch.equal.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -41,32 +41,51 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
+class DecoderShape:
+    """The shape of a Llama decoder layer and its RoPE: what `decoder_layer` and `rope_tables`
+    read. The target's ModelConfig is one, and so is an EAGLE head's EagleConfig
+    (gpu_worker/runtime/eagle.py), whose one layer is the target's layer shape."""
     hidden_size: int
     intermediate_size: int
-    num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads / num_attention_heads ({self.num_heads}) is not a multiple of "
+                              f"num_kv_heads / num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    def shape_fields(self) -> dict:
+        """The DecoderShape fields of this config, by name (to build another config of the same shape)."""
+        return {f.name: getattr(self, f.name) for f in fields(DecoderShape)}
+
+
+@dataclass(frozen=True)
+class ModelConfig(DecoderShape):
+    """A checkpoint's config.json (`from_hf`): the decoder shape, then the vocabulary, the
+    number of layers and which projections have a bias."""
+    architecture: str
+    vocab_size: int
+    num_layers: int
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in ("vocab_size", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
-                              f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        super().__post_init__()
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -156,12 +175,16 @@ def weight_names(config: ModelConfig) -> list[str]:
     return names + [f"layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
 
 
-def rope_tables(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed_sin), each (P, D) float32, computed as HF Llama's default rotary embedding."""
-    d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+def rope_tables(shape: DecoderShape, num_positions: int, device=None,
+                dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin), each (P, D), computed in float32 as HF Llama's default rotary
+    embedding, then moved to device and dtype: the tables `plan_step` reads (a Model's, an
+    EAGLE head's)."""
+    d = shape.head_dim
+    inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
     freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
-    return torch.cat([freqs, freqs], -1).cos(), torch.cat([-freqs, freqs], -1).sin()
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([-freqs, freqs], -1).sin()
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
@@ -209,12 +232,11 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
             w_down=projection(p + "w_down"),
         ))
     embed = get("embed")
-    cos, sin = rope_tables(config, num_positions)
+    cos, sin = rope_tables(config, num_positions, device, dtype)
     return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
                  lm_head=blocks.get("embed") or pack_weight(embed, shared=True) if config.tie_word_embeddings
                  else projection("lm_head"),
-                 rope_cos=cos.to(device=device, dtype=dtype),
-                 rope_sin=sin.to(device=device, dtype=dtype))
+                 rope_cos=cos, rope_sin=sin)
 
 
 def fixed_kernel(t: torch.Tensor):
@@ -434,10 +456,10 @@ def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, sl
                 attention=attention_plan(plan.rope_pos, num_kv_heads, num_heads // num_kv_heads, plan.window))
 
 
-def decoder_layer(cfg, layer: Layer, index: int, x: torch.Tensor, cache: KVCache, step: Step) -> torch.Tensor:
+def decoder_layer(cfg: DecoderShape, layer: Layer, index: int, x: torch.Tensor, cache: KVCache,
+                  step: Step) -> torch.Tensor:
     """One Llama decoder layer (layer `index` of cache) over x (B*T, E); returns (B*T, E). cfg:
-    anything with the ModelConfig fields hidden_size, num_heads, num_kv_heads, head_dim and
-    rms_norm_eps (the target's config, or an EAGLE head's)."""
+    the target's config, or an EAGLE head's."""
     B, T = step.plan.rope_pos.shape
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.sampling.sampler import ProcessedLogits, SamplingTensors, check, check_shape, scale_logits, select_candidates
+from schemas.arrays import PAD_TOKEN_ID
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -84,25 +85,9 @@ def token_logprobs(
     `ProcessedLogits` gives them at those positions; requested_ids [N, R] int64, -1 padded;
     raw_logits [N, V]: the model's logits before logit_bias and penalties, for the raw
     logprobs (None: they are `logits`)."""
-    check(mode in LOGPROBS_MODES, "mode", f"unknown logprobs mode {mode!r}, expected one of {LOGPROBS_MODES}")
-    check(logits.dim() == 2, "logits", f"expected [N, V], got {tuple(logits.shape)}")
+    _check_inputs(logits, token_ids, temperature, candidate_ids, num_candidates, mode=mode, top_n=top_n,
+                  requested_ids=requested_ids, mask_cap=mask_cap, raw_logits=raw_logits)
     N, V = logits.shape
-    check_shape(token_ids, (N,), "token_ids")
-    check_shape(temperature, (N,), "temperature")
-    check_shape(num_candidates, (N,), "num_candidates")
-    check(candidate_ids.dim() == 2 and candidate_ids.shape[0] == N, "candidate_ids",
-          f"expected [{N}, C], got {tuple(candidate_ids.shape)}")
-    check(bool(((token_ids >= 0) & (token_ids < V)).all()), "token_ids", f"ids out of range [0, {V})")
-    check(0 <= top_n <= V, "top_n", f"must be in 0..{V}")
-    check(mask_cap >= 1, "mask_cap", "must be >= 1")
-    if requested_ids is not None:
-        check(requested_ids.dim() == 2 and requested_ids.shape[0] == N, "requested_ids",
-              f"expected [{N}, R], got {tuple(requested_ids.shape)}")
-        check(bool(((requested_ids >= -1) & (requested_ids < V)).all()), "requested_ids",
-              f"ids out of range [0, {V}) (-1 pads)")
-
-    if raw_logits is not None:
-        check_shape(raw_logits, (N, V), "raw_logits")
     logits = logits.float()
     # (N, V); the fused kernel is the cheapest logsumexp on CPU
     raw = (logits if raw_logits is None else raw_logits.float()).log_softmax(-1)
@@ -128,13 +113,7 @@ def token_logprobs(
         in_k_vocab = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, listed_ids, listed)
         in_k_vocab |= everything[:, None]
         values, norm = scaled.masked_fill(~in_k_vocab, float("-inf")), logz_k
-    top_values, top_ids = values.topk(top_n, dim=-1)
-    top_logprobs = top_values - norm[:, None]
-    top_ids = top_ids.masked_fill(top_values == float("-inf"), -1)
-    requested_logprobs = None
-    if requested_ids is not None:
-        requested_logprobs = values.gather(1, requested_ids.clamp_min(0)) - norm[:, None]
-        requested_logprobs = requested_logprobs.masked_fill(requested_ids < 0, float("-inf"))
+    top_ids, top_logprobs, requested_logprobs = _top_and_requested(values, norm, top_n, requested_ids)
 
     shown = min(width, mask_cap)
     mask_ids = listed_ids[:, :shown].masked_fill(~listed[:, :shown], V).sort(-1).values
@@ -145,11 +124,50 @@ def token_logprobs(
         top_logprobs=top_logprobs,
         requested_logprobs=requested_logprobs,
         logz_k=logz_k,
-        candidate_ids=mask_ids.masked_fill(mask_ids == V, -1),
+        candidate_ids=mask_ids.masked_fill(mask_ids == V, PAD_TOKEN_ID),
         num_candidates=num_candidates,
         candidates_truncated=~everything & (num_candidates > mask_cap),
         candidates_all=everything,
     )
+
+
+def _check_inputs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: torch.Tensor,
+                  candidate_ids: torch.Tensor, num_candidates: torch.Tensor, *, mode: str, top_n: int,
+                  requested_ids: torch.Tensor | None, mask_cap: int, raw_logits: torch.Tensor | None) -> None:
+    """`token_logprobs`' argument checks: shapes, id ranges and options, each error naming its
+    argument."""
+    check(mode in LOGPROBS_MODES, "mode", f"unknown logprobs mode {mode!r}, expected one of {LOGPROBS_MODES}")
+    check(logits.dim() == 2, "logits", f"expected [N, V], got {tuple(logits.shape)}")
+    N, V = logits.shape
+    check_shape(token_ids, (N,), "token_ids")
+    check_shape(temperature, (N,), "temperature")
+    check_shape(num_candidates, (N,), "num_candidates")
+    check(candidate_ids.dim() == 2 and candidate_ids.shape[0] == N, "candidate_ids",
+          f"expected [{N}, C], got {tuple(candidate_ids.shape)}")
+    check(bool(((token_ids >= 0) & (token_ids < V)).all()), "token_ids", f"ids out of range [0, {V})")
+    check(0 <= top_n <= V, "top_n", f"must be in 0..{V}")
+    check(mask_cap >= 1, "mask_cap", "must be >= 1")
+    if requested_ids is not None:
+        check(requested_ids.dim() == 2 and requested_ids.shape[0] == N, "requested_ids",
+              f"expected [{N}, R], got {tuple(requested_ids.shape)}")
+        check(bool(((requested_ids >= PAD_TOKEN_ID) & (requested_ids < V)).all()), "requested_ids",
+              f"ids out of range [0, {V}) ({PAD_TOKEN_ID} pads)")
+    if raw_logits is not None:
+        check_shape(raw_logits, (N, V), "raw_logits")
+
+
+def _top_and_requested(values: torch.Tensor, norm: torch.Tensor, top_n: int, requested_ids: torch.Tensor | None):
+    """From values (N, V), logprobs in the chosen mode before subtracting norm (N,): top_ids
+    (N, top_n) (-1 where the value is -inf), top_logprobs (N, top_n) and the logprobs of
+    requested_ids (N, R) (-inf at -1 padding; None without requested_ids)."""
+    top_values, top_ids = values.topk(top_n, dim=-1)
+    top_logprobs = top_values - norm[:, None]
+    top_ids = top_ids.masked_fill(top_values == float("-inf"), PAD_TOKEN_ID)
+    requested_logprobs = None
+    if requested_ids is not None:
+        requested_logprobs = values.gather(1, requested_ids.clamp_min(0)) - norm[:, None]
+        requested_logprobs = requested_logprobs.masked_fill(requested_ids < 0, float("-inf"))
+    return top_ids, top_logprobs, requested_logprobs
 
 
 def gather_logprobs(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.sampling.sampler import check, check_shape, sample_from_probs
+from schemas.arrays import PAD_TOKEN_ID
 
 PROPOSAL_KINDS = ("point_mass", "sparse", "dense")
 
@@ -51,7 +52,7 @@ def _check_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, name: st
     check(ids.dtype == torch.int64, name, f"expected int64, got {ids.dtype}")
     in_range = (ids >= 0) & (ids < vocab_size)
     check(bool((in_range | ~valid).all()), name, f"ids out of range [0, {vocab_size})")
-    check(bool(((ids == -1) | in_range).all()), name, "padding must be -1")
+    check(bool(((ids == PAD_TOKEN_ID) | in_range).all()), name, f"padding must be {PAD_TOKEN_ID}")
 
 
 def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
@@ -95,18 +96,8 @@ def rejection_sample(
     check_values: scan draft_probs and target_probs once each for NaN / negative values.
     Contiguous draft_probs / target_probs avoid a full copy when rows are rejected.
     """
-    check(draft_token_ids.dim() == 2, "draft_token_ids", f"expected [B, K], got {tuple(draft_token_ids.shape)}")
-    B, K = draft_token_ids.shape
-    check(target_probs.dim() == 3, "target_probs", f"expected [B, K+1, V], got {tuple(target_probs.shape)}")
-    V = target_probs.shape[-1]
+    B, K, V = _check_shapes(draft_token_ids, num_draft, target_probs, target_token_ids, greedy)
     device = target_probs.device
-    check_shape(target_probs, (B, K + 1, V), "target_probs")
-    check_shape(num_draft, (B,), "num_draft")
-    check_shape(target_token_ids, (B, K + 1), "target_token_ids")
-    check_shape(greedy, (B,), "greedy")
-    check(greedy.dtype == torch.bool, "greedy", f"expected bool, got {greedy.dtype}")
-    check(num_draft.dtype == torch.int64, "num_draft", f"expected int64, got {num_draft.dtype}")
-    check(bool(((num_draft >= 0) & (num_draft <= K)).all()), "num_draft", f"must be in 0..{K}")
     slot = torch.arange(K + 1, device=device)
     valid = slot < num_draft[:, None]  # (B, K+1): draft slots in use
     _check_ids(draft_token_ids, valid[:, :K], V, "draft_token_ids")
@@ -117,17 +108,7 @@ def rejection_sample(
         _check_probs(target_probs, "target_probs")
         if draft_probs is not None:
             _check_probs(draft_probs, "draft_probs")
-    if generator is None and (uniforms is None or residual_uniforms is None):
-        generator = torch.Generator(device=device)
-        generator.seed()
-    for name, u in (("uniforms", uniforms), ("residual_uniforms", residual_uniforms)):
-        if u is not None:
-            check_shape(u, (B, K), name)
-            check(u.dtype == torch.float64, name, f"expected float64, got {u.dtype}")
-    if uniforms is None:
-        uniforms = torch.rand(B, K, generator=generator, dtype=torch.float64, device=device)
-    if residual_uniforms is None:
-        residual_uniforms = torch.rand(B, K, generator=generator, dtype=torch.float64, device=device)
+    uniforms, residual_uniforms = _draw_uniforms(B, K, device, generator, uniforms, residual_uniforms)
 
     draft_ids = draft_token_ids.clamp_min(0)  # -1 padding gathers id 0, masked out by `valid`
     target_at_draft = target_probs[:, :K].gather(-1, draft_ids[..., None]).squeeze(-1)  # (B, K)
@@ -145,23 +126,67 @@ def rejection_sample(
     residual_fallback = torch.zeros(B, dtype=torch.bool, device=device)
     rows = ((num_accepted < num_draft) & ~greedy).nonzero().squeeze(1)  # rejected sampled rows
     if rows.numel() > 0:
-        at = num_accepted[rows]
-        # index_select on the flattened positions copies whole rows (advanced indexing does not)
-        residual = target_probs.flatten(0, 1).index_select(0, rows * (K + 1) + at).float()  # (R, V)
-        if draft_probs is None:
-            # max(q - onehot(d), 0) is q with d zeroed, since q(d) <= 1
-            residual.scatter_(-1, draft_ids[rows, at][:, None], 0.0)
-        else:
-            residual.sub_(draft_probs.flatten(0, 1).index_select(0, rows * K + at)).clamp_min_(0.0)
-        recovered = sample_from_probs(residual, residual_uniforms[rows, at])
+        recovered = _recover(rows, num_accepted[rows], draft_ids, draft_probs, target_probs, residual_uniforms)
         empty = recovered < 0
         residual_fallback[rows] = empty
         last_token[rows] = torch.where(empty, last_token[rows], recovered)
 
-    token_ids = torch.where(slot[:K] < num_accepted[:, None], draft_token_ids, -1)
-    token_ids = torch.cat([token_ids, torch.full((B, 1), -1, dtype=torch.int64, device=device)], 1)
+    token_ids = torch.where(slot[:K] < num_accepted[:, None], draft_token_ids, PAD_TOKEN_ID)
+    token_ids = torch.cat([token_ids, torch.full((B, 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)], 1)
     token_ids.scatter_(1, num_accepted[:, None], last_token[:, None])
     return RejectionResult(token_ids, num_accepted, residual_fallback)
+
+
+def _check_shapes(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_probs: torch.Tensor,
+                  target_token_ids: torch.Tensor, greedy: torch.Tensor) -> tuple[int, int, int]:
+    """`rejection_sample`'s shape and dtype checks of everything but draft_probs; returns (B, K, V)."""
+    check(draft_token_ids.dim() == 2, "draft_token_ids", f"expected [B, K], got {tuple(draft_token_ids.shape)}")
+    B, K = draft_token_ids.shape
+    check(target_probs.dim() == 3, "target_probs", f"expected [B, K+1, V], got {tuple(target_probs.shape)}")
+    V = target_probs.shape[-1]
+    check_shape(target_probs, (B, K + 1, V), "target_probs")
+    check_shape(num_draft, (B,), "num_draft")
+    check_shape(target_token_ids, (B, K + 1), "target_token_ids")
+    check_shape(greedy, (B,), "greedy")
+    check(greedy.dtype == torch.bool, "greedy", f"expected bool, got {greedy.dtype}")
+    check(num_draft.dtype == torch.int64, "num_draft", f"expected int64, got {num_draft.dtype}")
+    check(bool(((num_draft >= 0) & (num_draft <= K)).all()), "num_draft", f"must be in 0..{K}")
+    return B, K, V
+
+
+def _draw_uniforms(B: int, K: int, device, generator: torch.Generator | None, uniforms: torch.Tensor | None,
+                   residual_uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance and residual uniforms (B, K) float64: those given (checked), the others
+    drawn from generator (a fresh unseeded one when it is None), acceptance first."""
+    if generator is None and (uniforms is None or residual_uniforms is None):
+        generator = torch.Generator(device=device)
+        generator.seed()
+    for name, u in (("uniforms", uniforms), ("residual_uniforms", residual_uniforms)):
+        if u is not None:
+            check_shape(u, (B, K), name)
+            check(u.dtype == torch.float64, name, f"expected float64, got {u.dtype}")
+    if uniforms is None:
+        uniforms = torch.rand(B, K, generator=generator, dtype=torch.float64, device=device)
+    if residual_uniforms is None:
+        residual_uniforms = torch.rand(B, K, generator=generator, dtype=torch.float64, device=device)
+    return uniforms, residual_uniforms
+
+
+def _recover(rows: torch.Tensor, at: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+             target_probs: torch.Tensor, residual_uniforms: torch.Tensor) -> torch.Tensor:
+    """The recovered tokens of the rejected rows (R,) at their rejection slots at (R,): drawn
+    from normalize(max(q - p, 0)) with the residual uniform there; -1 where that has no mass.
+    draft_ids (B, K) with padding clamped to 0; draft_probs (B, K, V) or None (point masses);
+    target_probs (B, K+1, V)."""
+    K = draft_ids.shape[1]
+    # index_select on the flattened positions copies whole rows (advanced indexing does not)
+    residual = target_probs.flatten(0, 1).index_select(0, rows * (K + 1) + at).float()  # (R, V)
+    if draft_probs is None:
+        # max(q - onehot(d), 0) is q with d zeroed, since q(d) <= 1
+        residual.scatter_(-1, draft_ids[rows, at][:, None], 0.0)
+    else:
+        residual.sub_(draft_probs.flatten(0, 1).index_select(0, rows * K + at)).clamp_min_(0.0)
+    return sample_from_probs(residual, residual_uniforms[rows, at])
 
 
 def map_draft_probs_to_target(draft_probs: torch.Tensor, d2t: torch.Tensor, target_vocab_size: int) -> torch.Tensor:

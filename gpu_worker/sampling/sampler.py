@@ -84,6 +84,12 @@ def check_shape(x: torch.Tensor, shape: tuple, name: str) -> None:
     check(tuple(x.shape) == tuple(shape), name, f"expected shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
+def check_finite_logits(logits: torch.Tensor) -> None:
+    """Every row of logits (..., V) has a finite maximum: no NaN, no +inf, not all -inf (one
+    pass, since amax propagates NaN). SamplingInputError naming "logits" otherwise."""
+    check(bool(torch.isfinite(logits.amax(-1)).all()), "logits", "a row has NaN, +inf or no finite value")
+
+
 def _int64(c: int) -> int:
     """An unsigned 64-bit constant as the int64 with the same bits."""
     return c - (1 << 64) if c >= 1 << 63 else c
@@ -322,8 +328,7 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> ProcessedLo
     check(logits.dim() == 3, "logits", f"expected [B, T, V], got {tuple(logits.shape)}")
     B, T, V = logits.shape
     check(params.temperature.shape[0] == B, "params", f"{params.temperature.shape[0]} rows for {B} logits rows")
-    # amax propagates NaN, so one pass catches NaN, +inf and rows that are all -inf
-    check(bool(torch.isfinite(logits.amax(-1)).all()), "logits", "a row has NaN, +inf or no finite value")
+    check_finite_logits(logits)
     scaled = scale_logits(logits, params.temperature)
     candidate_ids, num_candidates, in_k = select_candidates(scaled, params)
     if in_k is not None:

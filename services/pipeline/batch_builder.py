@@ -24,6 +24,7 @@ import structlog
 
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode
+from schemas.generation import draft_is_sampled
 from schemas.protocol import MAX_FEATURE_BLOCK_BYTES
 from schemas.steps import DraftRequest, DraftResponse, DraftRow, DraftTokens, VerifyRequest, VerifyRow
 from schemas.wire import Error
@@ -31,7 +32,6 @@ from services.pipeline import features
 from services.pipeline.payload import (
     PayloadRoom,
     draft_answer_bytes,
-    draft_is_sampled,
     draft_row_bytes,
     verify_answer_bytes,
     verify_row_bytes,

@@ -46,22 +46,14 @@ class PayloadRoom:
             self.answer -= answer
 
 
-def draft_is_sampled(sampling: RowSampling, draft_mode: str) -> bool:
-    """Whether a draft row's drafts are drawn from a distribution and answered with a sparse
-    proposal (up to MAX_DRAFT_SUPPORT ids per draft) rather than a point mass: every row that
-    is not greedy (temperature 0) and either drafts in mode "sample" or is Gumbel-coupled (a
-    coupled row proposes with the target's noise whatever its draft_mode), the rule
-    gpu_worker/roles/drafter_core.py applies."""
-    return not sampling.greedy and (draft_mode == "sample" or sampling.gumbel)
-
-
 def draft_row_bytes(num_new: int, sampling: RowSampling) -> int:
     """An upper estimate of a DraftRow's encoded size, its target features left out."""
     return ROW_OVERHEAD_BYTES + TOKEN_BYTES * num_new + sum(a.nbytes for a in sampling.arrays())
 
 
 def draft_answer_bytes(num_draft: int, sampled: bool) -> int:
-    """An upper estimate of a DraftResult's encoded size (draft_is_sampled: with a proposal)."""
+    """An upper estimate of a DraftResult's encoded size (schemas.generation.draft_is_sampled:
+    with a proposal)."""
     return ROW_OVERHEAD_BYTES + num_draft * (TOKEN_BYTES + PROPOSAL_ENTRY_BYTES * MAX_DRAFT_SUPPORT * sampled)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from schemas import (CodecError, ErrorCode, GenerateRequest, SamplingParams, SpecbusError, check_limits, decode, encode,
                      new_request_id, validate)
+from schemas.generation import RowSampling, draft_is_sampled
 
 
 def generate_payload(**overrides) -> bytes:
@@ -123,3 +124,13 @@ def test_new_request_ids_are_valid_and_distinct():
     first, second = new_request_id(), new_request_id()
     assert first != second
     assert GenerateRequest(request_id=first, prompt="x").request_id == first
+
+
+def test_a_draft_is_sampled_unless_greedy_and_gumbel_rows_always_are():
+    """The drafter's rule (gpu_worker/roles/drafter_core.py), which the scheduler sizes draft
+    answers by: a Gumbel-coupled row proposes a distribution whatever its draft_mode, a
+    temperature-0 row never does."""
+    greedy, sampled = RowSampling(temperature=0.0), RowSampling(temperature=0.8)
+    coupled = RowSampling(temperature=0.8, coupling="gumbel")
+    assert not draft_is_sampled(greedy, "sample") and not draft_is_sampled(sampled, "greedy")
+    assert draft_is_sampled(sampled, "sample") and draft_is_sampled(coupled, "greedy")

@@ -141,7 +141,7 @@ async def test_concurrent_requests_each_get_their_output_alone(stack, client, pr
     for index, (one, many) in enumerate(zip(alone, together)):
         assert many.token_ids == one.token_ids, f"request {index}, degraded {one.degraded} / {many.degraded}"
     # Rows shared batches. The verifier runs each batch's rows sorted by chunk length (prefill,
-    # then k+1 tokens for each k), not in row order (gpu_worker/verifier_core.pack_chunks); no
+    # then k+1 tokens for each k), not in row order (gpu_worker/roles/verifier_forwards.py pack_chunks); no
     # counter exposes that order, so what is asserted is that batches held many rows.
     assert after["rows"] - before["rows"] > 2 * (after["batches"] - before["batches"])
 

@@ -1,8 +1,8 @@
-"""The EAGLE drafter (gpu_worker/roles/eagle_drafter.py) and the verifier's feature buffer
-(gpu_worker/roles/verifier_core.py) without NATS, on the tiny target with a random-but-seeded head:
-the features a verifier returns are the target's own hidden states whatever the split, change
-no token or logprob, the drafter drafts what the head drafts on them, and the receiver rule's
-need_resync, short-of-features and repeated-step paths."""
+"""The EAGLE drafter (gpu_worker/roles/eagle_drafter.py) without NATS, on the tiny target with a
+random-but-seeded head and the features a verifier (gpu_worker/roles/verifier_core.py) returns:
+the drafter drafts what the head drafts on them, and the receiver rule's need_resync,
+short-of-features and repeated-step paths. The helpers serve
+tests/gpu_worker/roles/test_verifier_features.py too."""
 
 import time
 
@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import gpu_worker.roles.verifier_core as verifier_core
 from gpu_worker.runtime.checkpoint import load_d2t, load_model, read_config
 from gpu_worker.runtime.eagle import EagleConfig, draft_chain, load_head, new_cache, unpack_features
 from ops.eagle_training import init_weights, save_head
@@ -20,7 +19,7 @@ from gpu_worker.runtime.model import forward
 from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import TINY_DRAFT, TINY_TARGET, DrafterConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.generation import LogprobOptions, RowSampling
+from schemas.generation import RowSampling
 from schemas.steps import DraftRequest, DraftRow, FeatureBlock, VerifyRequest, VerifyRow
 
 PROMPT = [(i * 37 + 11) % 4000 + 3 for i in range(40)]  # 40 tokens: a feed longer than SHORT_FEED
@@ -103,47 +102,6 @@ def prefill(verifier, request_id, prompt):
     """Prefill prompt asking every feature; (history after the first token, its features block)."""
     result, _ = verify(verifier, request_id, prompt, 0, features_from=0)
     return prompt + result.token_ids.tolist(), result.features
-
-
-def test_features_are_the_targets_hidden_states_whatever_the_split(target):
-    verifier = new_verifier()
-    history, block = prefill(verifier, "r", PROMPT)  # three prefill chunks of 16
-    assert (block.start, block.shape) == (0, [len(PROMPT), 192])
-    drafts = [7, 8, 9]
-    result, _ = verify(verifier, "r", history, len(PROMPT), drafts, features_from=len(PROMPT) - 2, step=1)
-    n = result.num_accepted
-    full = history + result.token_ids.tolist()
-    assert result.features.start == len(PROMPT) - 2 and result.features.end == len(history) + n
-    reference = hidden_states(target, full)
-    assert torch.equal(rows_of(block), reference[:len(PROMPT)])
-    assert torch.equal(rows_of(result.features), reference[len(PROMPT) - 2:len(history) + n])
-    assert verifier.model_ids["hidden_size"] == "192"
-
-
-def test_asking_for_features_changes_no_token_or_logprob():
-    options = dict(logprobs=LogprobOptions(logprobs=3, prompt_logprobs=2), postprocessor_id="post-test")
-    runs = []
-    for features_from in (None, 0):
-        verifier = new_verifier()
-        first, first_records = verify(verifier, "r", PROMPT, 0, features_from=features_from, **options)
-        history = PROMPT + first.token_ids.tolist()
-        second, second_records = verify(verifier, "r", history, len(PROMPT), [5, 6], features_from=features_from,
-                                        step=1, **options)
-        runs.append((first, second, first_records + second_records))
-    (a1, a2, a_records), (b1, b2, b_records) = runs
-    assert a1.features is None and b1.features is not None
-    assert a1.model_copy(update={"features": None}) == b1.model_copy(update={"features": None})
-    assert a2.model_copy(update={"features": None}) == b2.model_copy(update={"features": None})
-    assert a_records == b_records
-
-
-def test_a_block_is_capped_and_the_rest_asked_next(monkeypatch):
-    monkeypatch.setattr(verifier_core, "MAX_FEATURE_BLOCK_BYTES", 2 * 192 * 10)
-    verifier = new_verifier()
-    _, block = prefill(verifier, "r", SHORT_PROMPT + SHORT_PROMPT)
-    assert (block.start, block.shape[0]) == (0, 10)
-    result, _ = verify(verifier, "r", SHORT_PROMPT + SHORT_PROMPT, 18, features_from=10, step=1, emit=False)
-    assert (result.features.start, result.features.end) == (10, 18)
 
 
 def test_the_drafter_drafts_what_the_head_drafts_on_the_targets_features(head_dir, target):

@@ -7,9 +7,7 @@ import pytest
 
 from schemas.codec import encode
 from schemas.errors import ErrorCode
-from schemas.generation import RowSampling
 from schemas.protocol import MAX_DRAFT_SUPPORT
-from services.pipeline.payload import draft_is_sampled
 from services.pipeline.step_budget import VERIFY_SLACK
 from tests.services.pipeline.scheduler_harness import (
     commits_of,
@@ -73,15 +71,6 @@ def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer
     undrafted = {p.request.request_id: p for p in plan.rows["v1"]}["c"]
     assert undrafted.num_draft == 0 and undrafted.degraded == ["draft_timeout"]
     assert state.counters["rows_undrafted_payload"] == 1 and state.placement.avoid_until == {}
-
-
-def test_a_draft_is_sampled_unless_greedy_and_gumbel_rows_always_are():
-    """The drafter's rule (gpu_worker/roles/drafter_core.py): a Gumbel-coupled row proposes a
-    distribution whatever its draft_mode, a temperature-0 row never does."""
-    greedy, sampled = RowSampling(temperature=0.0), RowSampling(temperature=0.8)
-    coupled = RowSampling(temperature=0.8, coupling="gumbel")
-    assert not draft_is_sampled(greedy, "sample") and not draft_is_sampled(sampled, "greedy")
-    assert draft_is_sampled(sampled, "sample") and draft_is_sampled(coupled, "greedy")
 
 
 def test_a_verify_deadline_is_the_step_budgets_wait_for_the_batch_for_every_try(tokenizer):

@@ -1,0 +1,151 @@
+"""The verifier's drafts (step 4 of gpu_worker/roles/verifier_core.py), for the emitting rows
+of a step, batched: logit_bias and penalties (`penalised_logits`), the target's distributions
+and draws, and the rejection sampler (`verify_sampled`), or for a batch of greedy rows the
+argmaxes alone (`verify_greedy`); a batch that fails goes again row by row (`verify_each`).
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from gpu_worker.roles.row_sampling import batch_params
+from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
+from gpu_worker.sampling.coupling import gumbel_argmax
+from gpu_worker.sampling.rejection import RejectionResult, greedy_accepted, rejection_sample
+from gpu_worker.sampling.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, Penalties, ProcessedLogits,
+                                         SamplingInputError, check_finite_logits, make_uniforms, penalise, row_seed,
+                                         sample)
+from schemas.arrays import PAD_TOKEN_ID
+from schemas.errors import ErrorCode
+from schemas.generation import RowSampling
+from schemas.steps import VerifyRow
+from schemas.wire import Error
+
+log = structlog.get_logger(__name__)
+
+
+def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified]:
+    """Steps 4 for emitting rows, batched: target samples, rejection sampler, in works' order."""
+    V = verifier.vocab_size
+    device = verifier.model.embed.device
+    K = max(w.num_draft for w in works)
+    logits = []
+    for w in works:
+        row_logits = torch.cat(w.verify_logits)  # (k+1, V)
+        logits.append(torch.cat([row_logits, row_logits[-1:].expand(K - w.num_draft, V)]))
+    logits = torch.stack(logits)  # (B, K+1, V); slots past a row's drafts repeat its last logits
+    draft_ids = torch.full((len(works), K), PAD_TOKEN_ID, dtype=torch.long)
+    for b, w in enumerate(works):
+        draft_ids[b, :w.num_draft] = w.tokens[w.num_new:]
+    draft_ids = draft_ids.to(device)
+    raw_logits, logits = logits, penalised_logits(works, logits, draft_ids)
+    if all(w.row.sampling.greedy for w in works):
+        token_ids, num_accepted = verify_greedy(logits, draft_ids)
+        residual_fallback, processed = [False] * len(works), None
+    else:
+        result, processed = verify_sampled(works, logits, draft_ids)
+        token_ids, num_accepted = result.token_ids, result.num_accepted.tolist()
+        residual_fallback = result.residual_fallback.tolist()
+    token_ids = token_ids.cpu()
+    verified = []
+    for b in range(len(works)):
+        n = num_accepted[b] + 1
+        rows = slice(b, b + 1)
+        verified.append(Verified(
+            token_ids=token_ids[b, :n], num_accepted=n - 1, residual_fallback=residual_fallback[b],
+            logits=logits[b, :n], raw_logits=None if works[b].penalties is None else raw_logits[b, :n],
+            processed=None if processed is None else
+            ProcessedLogits(processed.probs[rows, :n], processed.candidate_ids[rows, :n],
+                            processed.num_candidates[rows, :n])))
+    return verified
+
+
+def penalised_logits(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """logits (B, K+1, V) with each penalised row's logit_bias and penalties applied (float32),
+    verify position t counting drafts 0..t-1; the same tensor when no row has any.
+    draft_ids (B, K), -1 padded."""
+    rows = [b for b, w in enumerate(works) if w.penalties is not None]
+    if not rows:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = penalise(logits[index], Penalties.cat([works[b].penalties for b in rows]), draft_ids[index])
+    return out
+
+
+def verify_greedy(logits: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """rejection_sample's greedy path without the distributions, uniforms and checks it does not
+    need (see ops/bench/RESULTS.md, Figures behind gpu_worker's choices): a draft is accepted
+    while it equals the target's argmax (lowest id on ties, as process_logits), so the emitted
+    tokens are the argmaxes at positions 0..num_accepted.
+
+    logits (B, K+1, V); draft_ids (B, K) int64, -1 past a row's drafts (never an argmax).
+    Returns the argmaxes (B, K+1) int64 and num_accepted per row.
+    """
+    B, K = draft_ids.shape
+    assert logits.shape[:2] == (B, K + 1), (logits.shape, draft_ids.shape)
+    check_finite_logits(logits)  # the same check (and error) as process_logits
+    target_ids = logits.argmax(-1)
+    return target_ids, greedy_accepted(draft_ids, target_ids).tolist()
+
+
+def verify_sampled(works: list[VerifyRowWork], logits: torch.Tensor,
+                   draft_ids: torch.Tensor) -> tuple[RejectionResult, ProcessedLogits]:
+    """Target samples and the rejection sampler for a batch with sampled rows (greedy rows in it
+    take the sampler's argmax path). logits (B, K+1, V); draft_ids (B, K), -1 padded."""
+    (B, K), V, device = draft_ids.shape, logits.shape[-1], logits.device
+    params = batch_params([w.params for w in works])
+    seeds = torch.tensor([row_seed(w.row.sampling) for w in works], dtype=torch.long,
+                         device=device)
+    first = torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)
+    positions = first[:, None] + torch.arange(K + 1, device=device)  # (B, K+1): where each sample lands
+    processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))
+    # Gumbel-coupled rows: the target's draw is the Gumbel-max one and a draft is accepted iff it
+    # equals it, which is the greedy rule over these draws (gpu_worker/sampling/coupling.py)
+    gumbel = torch.tensor([w.row.sampling.gumbel for w in works], device=device)
+    if bool(gumbel.any()):
+        target_ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel])
+    num_draft = torch.tensor([w.num_draft for w in works], dtype=torch.long, device=device)
+    draft_probs = None
+    if any(w.draft_probs is not None for w in works):
+        one_hot = torch.zeros(B, K, V, device=device)
+        one_hot.scatter_(-1, draft_ids.clamp_min(0)[..., None], 1.0)
+        draft_probs = torch.stack([one_hot[b] if w.draft_probs is None else
+                                   torch.cat([w.draft_probs, one_hot[b, w.num_draft:]])
+                                   for b, w in enumerate(works)])  # (B, K, V)
+    result = rejection_sample(draft_ids, num_draft, draft_probs, processed.probs, target_ids, params.greedy | gumbel,
+                              uniforms=make_uniforms(seeds, positions[:, :K], STREAM_ACCEPT),
+                              residual_uniforms=make_uniforms(seeds, positions[:, :K], STREAM_RESIDUAL))
+    return result, processed
+
+
+def verify_each(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified | None]:
+    """verify_drafts for all rows at once; if that fails, row by row, so one bad row (e.g.
+    non-finite logits) fails alone."""
+    try:
+        return verify_drafts(verifier, works)
+    except Exception:
+        log.exception("verify_batch_sampling_failed", rows=len(works))
+    verified: list[Verified | None] = []
+    for work in works:
+        try:
+            verified.append(verify_drafts(verifier, [work])[0])
+        except Exception as exc:
+            log.exception("verify_row_failed", request_id=work.row.request_id)
+            work.error = row_failure(exc, work.row)
+            verified.append(None)
+    return verified
+
+
+def row_failure(exc: Exception, row: VerifyRow) -> Error:
+    """The error of one row the sampler failed on: a sampling value names its field in the
+    batch ("rows[i].sampling.top_p"); any other kernel input (e.g. non-finite logits from the
+    model) is `internal`, with the kernel's message."""
+    if isinstance(exc, SamplingInputError) and exc.field in RowSampling.model_fields:
+        return Error(code=exc.code, message=exc.message, field=f"rows[{row.row}].sampling.{exc.field}",
+                     request_id=row.request_id)
+    if isinstance(exc, SamplingInputError):
+        return Error(code=ErrorCode.internal, message=f"{exc.field}: {exc.message}", request_id=row.request_id)
+    return Error.from_exception(exc, row.request_id)
+

@@ -1,0 +1,168 @@
+"""The verifier's rows before the model (steps 1-2 of gpu_worker/roles/verifier_core.py): every
+row checked before any state changes (`check_row`: token ids inside the vocabulary, proposal,
+room in the slot), its sampling tensors, penalties and draft distributions built, then the
+receiver rule (gpu_worker/roles/receiver_rule.py) and KV admission (`prepare_row`).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import torch
+
+from gpu_worker.roles.receiver_rule import ReceiverVerdict, receiver_rule
+from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
+from gpu_worker.roles.slots import free_request
+from gpu_worker.roles.verifier_side_channel import continue_prompt
+from gpu_worker.roles.verifier_state import Verifier, VerifierSlot, VerifyRowWork
+from gpu_worker.runtime.kv_cache import CacheFullError, CacheMemoryError
+from gpu_worker.sampling.rejection import proposal_to_draft_probs
+from gpu_worker.sampling.sampler import Penalties, SamplingInputError, SamplingTensors
+from text.tokenizer import check_in_vocabulary
+from schemas.errors import ErrorCode, SpecbusError
+from schemas.steps import VerifyResult, VerifyRow
+
+# |sum - 1| allowed of a draft distribution: float16 probs round each value by at most 2**-11
+# relative (4.9e-4 in the sum), float32 softmax sums are off by ~1e-6.
+PROBS_SUM_TOLERANCE = 1e-3
+
+
+def invalid(message: str, field_name: str) -> SpecbusError:
+    return SpecbusError(ErrorCode.invalid_field, message, field_name)
+
+
+def check_row(verifier: Verifier, row: VerifyRow, verdict: ReceiverVerdict, prefix: str) -> None:
+    """Everything about a row that can be wrong before touching any state; SpecbusError naming
+    the field (prefix is "rows[i]"). verdict: the receiver rule's on the row (its room)."""
+    V = verifier.vocab_size
+    num_new, num_draft = len(row.new_token_ids), len(row.draft_token_ids)
+    check_in_vocabulary(row.new_token_ids, V, f"{prefix}.new_token_ids")
+    check_in_vocabulary(row.draft_token_ids, V, f"{prefix}.draft_token_ids")
+    check_in_vocabulary(row.logprobs.logprob_token_ids, V, f"{prefix}.logprobs.logprob_token_ids")
+    if row.sampling.logit_bias is not None:
+        check_in_vocabulary(row.sampling.logit_bias.token_ids, V, f"{prefix}.sampling.logit_bias")
+    if row.emit and num_new == 0:
+        raise invalid("an emitting row needs at least one new token (the last one emitted)",
+                      f"{prefix}.new_token_ids")
+    if not row.emit and num_draft:
+        raise invalid("a row with emit=False carries no drafts", f"{prefix}.draft_token_ids")
+    if num_draft > verdict.room:
+        raise invalid(f"cached_len {row.cached_len} + {num_new} new + {num_draft} draft tokens exceed "
+                      f"max_seq_len {verifier.cache.max_seq_len}", f"{prefix}.new_token_ids")
+    proposal = row.proposal
+    if proposal.kind == "sparse":
+        check_in_vocabulary(proposal.ids.reshape(-1), V, f"{prefix}.proposal.ids")
+    if proposal.kind == "dense" and proposal.draft_vocab_size != V:
+        raise invalid(f"a dense proposal over {proposal.draft_vocab_size} draft ids needs a d2t map; this "
+                      f"verifier takes dense proposals over the target vocabulary ({V}) only",
+                      f"{prefix}.proposal.draft_vocab_size")
+
+
+def sampling_params(verifier: Verifier, row: VerifyRow, prefix: str) -> SamplingTensors:
+    """The row's sampling tensors; a value the kernels refuse fails this row, naming the field."""
+    try:
+        return row_params(row.sampling, verifier.model.embed.device)
+    except SamplingInputError as exc:
+        raise invalid(exc.message, f"{prefix}.sampling.{exc.field}") from None
+
+
+def history_penalties(verifier: Verifier, row: VerifyRow, state: VerifierSlot | None, prefix: str) -> Penalties:
+    """The row's logit_bias and penalties over its history before the first verify position:
+    the first cached_len ids the slot holds, then new_token_ids. A value the kernels refuse
+    fails this row, naming its field."""
+    held = array("i") if state is None else state.token_ids[:row.cached_len]  # a copy: the slot's stays resizable
+    history = torch.from_numpy(np.concatenate([np.frombuffer(held, dtype=np.int32), row.new_token_ids])
+                               .astype(np.int64))
+    bias_ids, bias_values = logit_bias_tensors(row.sampling)
+    try:
+        return row_penalties(row.sampling, verifier.vocab_size, history, row.prompt_len, bias_ids, bias_values,
+                             device=verifier.model.embed.device)
+    except SamplingInputError as exc:
+        raise invalid(exc.message, f"{prefix}.sampling.{exc.field}") from None
+
+
+def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Tensor | None:
+    """The row's draft_probs (k, V) in target space; None for a point mass or a greedy row.
+    Each draft distribution must sum to 1 within PROBS_SUM_TOLERANCE: the rejection sampler's
+    output has the target's law only if p_i is the law d_i was drawn from."""
+    proposal = row.proposal
+    if row.sampling.greedy or proposal.kind == "point_mass" or not len(row.draft_token_ids):
+        return None
+    sums = proposal.probs.sum(axis=1, dtype=np.float64)
+    off = np.abs(sums - 1.0) > PROBS_SUM_TOLERANCE
+    if off.any():
+        position = int(np.argmax(off))
+        raise invalid(f"the draft distribution at position {position} sums to {sums[position]:.6g}, not 1 "
+                      f"(tolerance {PROBS_SUM_TOLERANCE})", f"{prefix}.proposal.probs")
+    device = verifier.model.embed.device
+    draft_ids = torch.from_numpy(row.draft_token_ids).long().to(device)[None]  # (1, k)
+    if proposal.kind == "sparse":
+        arrays = dict(sparse_ids=torch.from_numpy(proposal.ids).long().to(device)[None],
+                      sparse_probs=torch.from_numpy(proposal.probs).float().to(device)[None])
+    else:
+        arrays = dict(dense_probs=torch.from_numpy(proposal.probs).float().to(device)[None])
+    try:
+        return proposal_to_draft_probs(proposal.kind, draft_ids, verifier.vocab_size, **arrays)[0]
+    except SamplingInputError as exc:
+        raise invalid(f"{exc.field}: {exc.message}", f"{prefix}.proposal") from None
+
+
+def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow,
+                now: float) -> VerifyRowWork | VerifyResult:
+    """A VerifyRowWork for a row that goes through the model, else its final VerifyResult."""
+    prefix = f"rows[{index}]"
+    key = (scheduler_id, row.request_id)
+    state = verifier.requests.get(key)
+    held = 0 if state is None else int(verifier.cache.lengths[state.slot])
+    verdict = receiver_rule(held, row.cached_len, len(row.new_token_ids), verifier.cache.max_seq_len)
+    check_row(verifier, row, verdict, prefix)
+    draft_probs = decode_proposal(verifier, row, prefix)
+    params = sampling_params(verifier, row, prefix)
+    # before any state changes, so a value the kernels refuse leaves none behind (a row that
+    # then answers need_resync just wastes it)
+    penalties = history_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
+    length = row.cached_len + len(row.new_token_ids) + len(row.draft_token_ids)
+    if state is not None:
+        state.last_used = now
+    if verdict.need_resync:
+        verifier.counters["need_resync"] += 1
+        return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
+    if state is None:
+        state = admit(verifier, key, row, length, now)
+    try:  # growth: the request ends `overloaded` (its slot freed) when the budget is spent
+        verifier.cache.reserve(state.slot, length)
+    except CacheMemoryError as exc:
+        free_request(verifier, key, "memory")
+        raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
+    verifier.cache.truncate(state.slot, row.cached_len)
+    # the same for the ids: the drafts are dropped again in finish_row unless accepted
+    tokens_np = np.concatenate([row.new_token_ids, row.draft_token_ids]).astype(np.int32)
+    del state.token_ids[row.cached_len:]
+    state.token_ids.frombytes(tokens_np.tobytes())
+    tokens = torch.from_numpy(tokens_np).long()
+    num_new = len(row.new_token_ids)
+    wants_prompt = row.logprobs.prompt_logprobs is not None and row.postprocessor_id is not None
+    num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
+    work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
+                         num_draft=len(row.draft_token_ids), num_prompt=num_prompt,
+                         params=params, draft_probs=draft_probs, penalties=penalties)
+    if wants_prompt and row.cached_len < row.prompt_len:
+        continue_prompt(verifier, work)
+    return work
+
+
+def admit(verifier: Verifier, key: tuple[str, str], row: VerifyRow, length: int, now: float) -> VerifierSlot:
+    """A slot for a new request (key: (scheduler_id, request_id)) with room for its whole
+    prompt, which the next steps feed: `no_capacity` with every slot taken, `overloaded` when
+    the KV memory budget cannot hold it."""
+    try:
+        slot = verifier.cache.allocate(min(max(length, row.prompt_len), verifier.cache.max_seq_len))
+    except CacheFullError as exc:
+        raise SpecbusError(ErrorCode.no_capacity, str(exc)) from None
+    except CacheMemoryError as exc:
+        verifier.counters["refused_memory"] += 1
+        raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
+    state = VerifierSlot(slot=slot, last_used=now)
+    verifier.requests[key] = state
+    return state
