@@ -27,15 +27,14 @@ Vd draft vocabulary, E hidden size, H heads, Hkv key/value heads, D head dim.
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from gpu_worker.runtime.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, save_d2t, weight_files
+from gpu_worker.runtime.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, weight_files
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import (ConfigError, DecoderShape, Layer, Model, ModelConfig, decoder_layer, linear,
                                      pack_weight, plan_step, rope_tables)

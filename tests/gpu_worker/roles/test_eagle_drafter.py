@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.runtime.checkpoint import load_d2t, load_model, read_config
+from gpu_worker.runtime.checkpoint import load_d2t, read_config
 from gpu_worker.runtime.eagle import EagleConfig, draft_chain, load_head, new_cache, unpack_features
 from ops.eagle_training import init_weights, save_head
 from gpu_worker.roles.eagle_drafter import eagle_draft_batch, load_eagle_drafter
@@ -33,12 +33,6 @@ def head_dir(tmp_path_factory):
     config = EagleConfig.from_target(read_config(TINY_TARGET))
     save_head(path, config, init_weights(config, seed=1), load_d2t(TINY_DRAFT))
     return path
-
-
-@pytest.fixture(scope="module")
-def target():
-    model, _ = load_model(TINY_TARGET, max_seq_len=MAX_SEQ_LEN)
-    return model
 
 
 def new_verifier(**overrides):
@@ -104,14 +98,14 @@ def prefill(verifier, request_id, prompt):
     return prompt + result.token_ids.tolist(), result.features
 
 
-def test_the_drafter_drafts_what_the_head_drafts_on_the_targets_features(head_dir, target):
+def test_the_drafter_drafts_what_the_head_drafts_on_the_targets_features(head_dir, tiny_target_model):
     verifier, drafter = new_verifier(), new_drafter(head_dir)
     long_history, long_block = prefill(verifier, "long", PROMPT)
     short_history, short_block = prefill(verifier, "short", SHORT_PROMPT)
     results = draft(drafter, drow("long", long_history, features=long_block),
                     drow("short", short_history, features=short_block, num_draft=2))
-    assert results["long"].draft_token_ids.tolist() == head_drafts(head_dir, target, long_history)
-    assert results["short"].draft_token_ids.tolist() == head_drafts(head_dir, target, short_history, k=2)
+    assert results["long"].draft_token_ids.tolist() == head_drafts(head_dir, tiny_target_model, long_history)
+    assert results["short"].draft_token_ids.tolist() == head_drafts(head_dir, tiny_target_model, short_history, k=2)
     assert results["long"].proposal.kind == "point_mass" and not results["long"].need_resync
     slot = drafter.requests[("sched-test", "long")].slot
     assert int(drafter.cache.lengths[slot]) == len(long_history) - 1  # the drafted pairs rolled back
@@ -120,7 +114,7 @@ def test_the_drafter_drafts_what_the_head_drafts_on_the_targets_features(head_di
     assert again["long"].draft_token_ids.tolist() == results["long"].draft_token_ids.tolist()
 
 
-def test_short_of_features_it_feeds_and_drafts_nothing_until_they_come(head_dir, target):
+def test_short_of_features_it_feeds_and_drafts_nothing_until_they_come(head_dir, tiny_target_model):
     verifier, drafter = new_verifier(), new_drafter(head_dir)
     history, block = prefill(verifier, "r", PROMPT)
     first = FeatureBlock(start=0, shape=[20, 192], data=block.data[:20 * 192 * 2])
@@ -128,7 +122,7 @@ def test_short_of_features_it_feeds_and_drafts_nothing_until_they_come(head_dir,
     assert len(draft(drafter, drow("r", history, features=first))["r"].draft_token_ids) == 0
     assert drafter.counters["rows_short_of_features"] == 1
     later = draft(drafter, drow("r", history, cached_len=len(history), features=rest))
-    assert later["r"].draft_token_ids.tolist() == head_drafts(head_dir, target, history)
+    assert later["r"].draft_token_ids.tolist() == head_drafts(head_dir, tiny_target_model, history)
 
 
 def test_missing_features_answer_need_resync(head_dir):

@@ -9,7 +9,6 @@ from gpu_worker.roles.verifier_core import verify_batch
 from schemas.generation import LogprobOptions
 from schemas.steps import VerifyRequest
 from tests.gpu_worker.roles.verifier_steps import MAX_SLOTS, PROMPT, SAMPLED, new_verifier, one, run, vrow
-from tests.gpu_worker.roles.verifier_steps import greedy_tokens, target  # noqa: F401 (fixtures)
 
 
 def test_a_retried_step_returns_the_stored_answer_and_appends_nothing(target):

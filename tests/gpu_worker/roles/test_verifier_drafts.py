@@ -6,7 +6,6 @@ import pytest
 import torch
 from tests.gpu_worker.roles.verifier_steps import (PENALTIES, PROMPT, V, generate, new_verifier, one,
                                                    penalised_reference, vrow)
-from tests.gpu_worker.roles.verifier_steps import greedy_tokens, penalised_tokens, target  # noqa: F401 (fixtures)
 
 
 def test_drafts_equal_to_the_greedy_continuation_are_all_accepted_plus_bonus(target, greedy_tokens):

@@ -8,10 +8,9 @@ import gpu_worker.roles.verifier_features as verifier_features
 from schemas.generation import LogprobOptions
 from tests.gpu_worker.roles.test_eagle_drafter import (PROMPT, SHORT_PROMPT, hidden_states, new_verifier, prefill,
                                                        rows_of, verify)
-from tests.gpu_worker.roles.test_eagle_drafter import target  # noqa: F401 (a fixture)
 
 
-def test_features_are_the_targets_hidden_states_whatever_the_split(target):
+def test_features_are_the_targets_hidden_states_whatever_the_split(tiny_target_model):
     verifier = new_verifier()
     history, block = prefill(verifier, "r", PROMPT)  # three prefill chunks of 16
     assert (block.start, block.shape) == (0, [len(PROMPT), 192])
@@ -20,7 +19,7 @@ def test_features_are_the_targets_hidden_states_whatever_the_split(target):
     n = result.num_accepted
     full = history + result.token_ids.tolist()
     assert result.features.start == len(PROMPT) - 2 and result.features.end == len(history) + n
-    reference = hidden_states(target, full)
+    reference = hidden_states(tiny_target_model, full)
     assert torch.equal(rows_of(block), reference[:len(PROMPT)])
     assert torch.equal(rows_of(result.features), reference[len(PROMPT) - 2:len(history) + n])
     assert verifier.model_ids["hidden_size"] == "192"

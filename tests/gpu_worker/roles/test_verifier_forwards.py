@@ -6,7 +6,6 @@ import torch
 
 from schemas.generation import LogprobOptions
 from tests.gpu_worker.roles.verifier_steps import PROMPT, SAMPLED, hf_logprobs, new_verifier, one, run, vrow
-from tests.gpu_worker.roles.verifier_steps import greedy_tokens, target  # noqa: F401 (fixtures)
 
 
 def test_a_row_gives_the_same_tokens_and_logprobs_alone_and_in_a_mixed_batch(target, greedy_tokens):

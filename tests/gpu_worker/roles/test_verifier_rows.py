@@ -9,7 +9,6 @@ from schemas.errors import ErrorCode
 from schemas.generation import LogprobOptions, RowSampling
 from schemas.steps import Proposal, VerifyRow
 from tests.gpu_worker.roles.verifier_steps import MAX_SLOTS, PROMPT, V, new_verifier, one, run, vrow
-from tests.gpu_worker.roles.verifier_steps import greedy_tokens, target  # noqa: F401 (fixtures)
 
 
 def test_cached_len_mismatch_answers_need_resync_and_changes_nothing(target):

@@ -8,7 +8,6 @@ import torch
 from schemas.generation import LogprobOptions
 from tests.gpu_worker.roles.verifier_steps import (PENALTIES, PROMPT, SAMPLED, generate, hf_logprobs, new_verifier,
                                                    one, penalised_reference, vrow)
-from tests.gpu_worker.roles.verifier_steps import greedy_tokens, target  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])

@@ -2,29 +2,18 @@
 (gpu_worker/roles/verifier_core.py), shared by tests/gpu_worker/roles/test_verifier_*.py."""
 
 import time
-from types import SimpleNamespace
 
-import pytest
 import torch
 from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.generation import LogprobOptions, RowSampling
 from schemas.steps import Proposal, VerifyRequest, VerifyRow
-from tests.tiny_checkpoints import TINY, write_hf_model
-from tokenizers import Tokenizer, models
+from tests.tiny_checkpoints import TINY
 
 V = TINY["vocab_size"]
 PROMPT = [5, 17, 42, 8, 90, 23, 61, 3, 77, 12, 50, 31, 6]
 MAX_SLOTS = 4
 SAMPLED = dict(temperature=0.9, top_p=0.8, seed=1234)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    hf = write_hf_model(path, "llama", seed=5)
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0")).save(str(path / "tokenizer.json"))
-    return SimpleNamespace(path=path, hf=hf)
 
 
 def new_verifier(target, **overrides):
@@ -73,14 +62,6 @@ def generate(verifier, request_id, prompt, num_tokens, drafts_for=lambda history
     return history[len(prompt):len(prompt) + num_tokens], records, steps
 
 
-@pytest.fixture(scope="module")
-def greedy_tokens(target):
-    """The target's plain greedy continuation of PROMPT, one token per step (k = 0)."""
-    tokens, _, steps = generate(new_verifier(target), "plain", PROMPT, 16)
-    assert steps == 16
-    return tokens
-
-
 def hf_logprobs(target, ids):
     """Raw log-softmax [T, V] of a full forward in transformers."""
     with torch.no_grad():
@@ -88,14 +69,6 @@ def hf_logprobs(target, ids):
 
 
 PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3, logit_bias={11: 2.0, 40: -3.0})
-
-
-@pytest.fixture(scope="module")
-def penalised_tokens(target):
-    """The target's greedy continuation of PROMPT with PENALTIES, one token per step (k = 0)."""
-    tokens, _, steps = generate(new_verifier(target), "plain", PROMPT, 16, **PENALTIES)
-    assert steps == 16
-    return tokens
 
 
 def penalised_reference(logits, prompt, output, penalties=PENALTIES):
