@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import http
 import json
 import os
 import socket
@@ -72,7 +73,7 @@ from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
-from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, ChoicePlan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
+from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, ChoicePlan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, headers_too_large, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
 from services.runtime.bus import connect_service
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
@@ -496,7 +497,8 @@ class HeaderDeadlineH11(H11Protocol):
     within header_timeout_s, or the connection is closed (uvicorn only times out idle keep-alive
     connections). Malformed or oversized headers get an OpenAI error instead of uvicorn's text."""
 
-    header_timeout_s: float = 10.0  # set per server by `protocol_class`
+    header_timeout_s: float = 10.0  # both set per server by `protocol_class`
+    max_header_bytes: int = 16 * 1024
     header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -530,18 +532,24 @@ class HeaderDeadlineH11(H11Protocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        error = ApiError(400, f"not a valid HTTP request, or its headers are over the limit: {msg}",
-                         code="bad_request")
+        """uvicorn's answer to what h11 refuses: a head that grew past max_header_bytes before it
+        was complete is the front door's 431 (however TCP split it), anything else a 400."""
+        if len(self.conn.trailing_data[0]) > self.max_header_bytes:
+            error = headers_too_large(self.max_header_bytes)
+        else:
+            error = ApiError(400, f"not a valid HTTP request: {msg}", code="bad_request")
         payload = json.dumps(error.to_json()).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload),
-                      h11.EndOfMessage()):
+        response = h11.Response(status_code=error.status, headers=headers,
+                                reason=http.HTTPStatus(error.status).phrase.encode())
+        for event in (response, h11.Data(data=payload), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 
 
-def protocol_class(header_timeout_s: float) -> type[H11Protocol]:
-    return type("GatewayH11Protocol", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s})
+def protocol_class(header_timeout_s: float, max_header_bytes: int) -> type[H11Protocol]:
+    return type("GatewayH11Protocol", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s,
+                                                             "max_header_bytes": max_header_bytes})
 
 
 class GatewayServer(uvicorn.Server):
@@ -591,7 +599,7 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         app = counted(front_door(api, gateway), gateway.metrics, {route.path for route in api.routes})
         server = GatewayServer(uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
-            http=protocol_class(config.header_timeout_s), timeout_keep_alive=config.keep_alive_timeout_s,
+            http=protocol_class(config.header_timeout_s, config.max_header_bytes), timeout_keep_alive=config.keep_alive_timeout_s,
             h11_max_incomplete_event_size=config.max_header_bytes))
         with serve_metrics(gateway.metrics.registry, config.metrics_port):
             serving = asyncio.create_task(server.serve(sockets=[listener]))

@@ -184,8 +184,12 @@ def check_header_size(headers: Sequence[tuple[bytes, bytes]], max_header_bytes: 
     """A 431 for headers over max_header_bytes (h11 bounds only a head that arrives in pieces)."""
     size = sum(len(name) + len(value) + 4 for name, value in headers)
     if size > max_header_bytes:
-        raise ApiError(431, f"the request headers are over {max_header_bytes} bytes (max_header_bytes)",
-                       code="headers_too_large")
+        raise headers_too_large(max_header_bytes)
+
+
+def headers_too_large(max_header_bytes: int) -> ApiError:
+    return ApiError(431, f"the request headers are over {max_header_bytes} bytes (max_header_bytes)",
+                    code="headers_too_large")
 
 
 def declared_length(headers: Sequence[tuple[bytes, bytes]], max_body_bytes: int) -> int | None:

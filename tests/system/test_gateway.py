@@ -46,7 +46,10 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_e
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(start_stack, chatml_pair):
-    scheduler = ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5"]
+    # adaptive k off: every step drafts the k it names, so the tests that count predicted tokens
+    # do not depend on the timings adaptive k decides from (with this random pair's low acceptance
+    # it may choose k=0 for a whole request; its own tests: tests/system/test_adaptive_k_stack.py)
+    scheduler = ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5", "--adaptive-k", "false"]
     async with start_stack(*chatml_pair, gateways=1, client_users=("alice", "bob"),
                            nats=NatsServerConfig(http_port=0),  # /connz: who published what
                            role_args={"scheduler": scheduler}) as running:
