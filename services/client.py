@@ -245,8 +245,11 @@ def extend_per_token(existing: list | None, new: list | None, num_before: int, n
     return existing + (list(new) if new is not None else [None] * num_new)
 
 
-def json_logprob(value: float) -> float | None:
-    return None if math.isinf(value) else value
+def json_logprob(value: float, infinite: float | None = None) -> float | None:
+    """A logprob for JSON, which has no infinity: -inf (a token outside the candidate set in
+    logprobs_mode "processed") becomes `infinite`, null in `specbus generate --json`; the gateway
+    passes vLLM's -9999.0 (services/gateway/responses.py). The one owner of that rule."""
+    return infinite if math.isinf(value) else value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,9 +47,9 @@ Checks, one row each in the report (services/commands/selfcheck_core.py holds th
 
 --quick sends about 500 requests, 400 of them distribution samples (M = 100 per cell, where the
 power row passes on both shipped pairs); the full run draws M = 800 over two contexts and checks
-more prompts. Both show a progress bar on a terminal. Measured on a shared 2-core CPU: the quick
-run takes about 20 s on the tiny pair and about 3 minutes on the default pair (SmolLM2-135M on
-one torch thread serves about 2.6 distribution samples per second).
+more prompts. Both say on stderr, one line each, when a check starts and how it ended, and show
+a progress bar on a terminal. How long a run takes depends on the pair and the machine
+(ops/bench/RESULTS.md has measured runs).
 
 --local runs its scheduler with a 5 s draft timeout (unless SPECBUS_DRAFT_TIMEOUT_S is set): on a
 busy small machine the default 0.5 s turns steps into k = 0, and a check of speculation would then
