@@ -11,12 +11,11 @@ from schemas.generation import RowSampling
 from schemas.protocol import MAX_DRAFT_SUPPORT
 from services.pipeline.payload import draft_is_sampled
 from services.pipeline.step_budget import VERIFY_SLACK
-from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
+from tests.services.pipeline.test_scheduler_core import (
     commits_of,
     new_state,
     step,
     submit,
-    tokenizer,
 )
 
 

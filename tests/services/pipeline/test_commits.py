@@ -8,14 +8,13 @@ from schemas.errors import ErrorCode
 from schemas.steps import VerifyResponse, VerifyResult
 from schemas.wire import Error
 from services.pipeline.commits import cut_tokens
-from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
+from tests.services.pipeline.test_scheduler_core import (
     EOS,
     beat_verifier,
     commits_of,
     new_state,
     step,
     submit,
-    tokenizer,
 )
 
 

@@ -7,13 +7,12 @@ import time
 from schemas.codec import decode, encode
 from schemas.commits import Commit
 from schemas.steps import VerifyResponse, VerifyResult
-from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
+from tests.services.pipeline.test_scheduler_core import (
     beat,
     commits_of,
     new_state,
     step,
     submit,
-    tokenizer,
 )
 
 

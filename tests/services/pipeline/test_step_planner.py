@@ -3,13 +3,12 @@ NATS: decode rows first, prefill chunks in the token budget, max_batch_rows, dra
 max_tokens, a resumed request's prefill one token short."""
 
 from services.pipeline.step_budget import MIN_STEP_TOKENS
-from tests.services.pipeline.test_scheduler_core import (  # noqa: F401 (tokenizer: a fixture)
+from tests.services.pipeline.test_scheduler_core import (
     beat,
     commits_of,
     new_state,
     step,
     submit,
-    tokenizer,
 )
 
 
