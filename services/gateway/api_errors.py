@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from schemas.errors import ErrorCode, SpecbusError
+from services.client import GROUPS
 
 # An input echoed in an error message is cut to this many characters (an 8 MB model name must not
 # come back whole); a whole message and its param are cut too, whatever they hold.
@@ -61,22 +62,33 @@ class ApiError(Exception):
 
     @classmethod
     def from_specbus(cls, exc: SpecbusError, param_names: Mapping[str, str] = {}) -> ApiError:
-        """The OpenAI error for a specbus error; its field ("sampling.top_p") becomes the body's
-        name for it (param_names: specbus option -> body field, e.g. logprobs -> top_logprobs)."""
+        """The OpenAI error for a specbus error; its field becomes the body's full path to it
+        (`body_path`: "sampling.stop[1]" -> "stop[1]", "messages[0].content" as it is)."""
         status, kind = STATUS_OF_CODE.get(exc.code, (500, "server_error"))  # a code newer than this table
-        param = None
-        if exc.field:
-            name = exc.field.rsplit(".", 1)[-1]
-            param = param_names.get(name, name)
+        param = body_path(exc.field, param_names) if exc.field else None
         return cls(status, f"{param}: {exc.message}" if param else exc.message, type=kind, param=param,
                    code=exc.code.value)
+
+
+def body_path(field: str, param_names: Mapping[str, str] = {}) -> str:
+    """A GenerateRequest field path as the body spells it: the option group (sampling, logprobs,
+    speculative: the body's fields are flat) left out, the first name renamed by param_names
+    (specbus option -> body field, e.g. logprobs -> top_logprobs), indexes and subfields kept."""
+    group, _, rest = field.partition(".")
+    if group in GROUPS and rest:
+        field = rest
+    name = re.match(r"[^.\[]*", field).group()
+    return param_names.get(name, name) + field[len(name):]
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """A 400 for pydantic's (FastAPI's) validation errors: the first, its location as param
     ("messages[0].role"; "body" and pydantic's union-member tags left out). A body that is not
-    JSON is FastAPI's `json_invalid` error, located at a character position, not a field."""
+    JSON is FastAPI's `json_invalid` error, located at a character position, not a field; an
+    empty body is `invalid_json` too."""
     first = errors[0]
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return ApiError(400, "the body is empty: send a JSON object", code="invalid_json")
     if first.get("type") == "json_invalid":
         where = first.get("loc", ())[1:]
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
@@ -99,17 +111,43 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
 FRAMEWORK_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
 
 
-def framework_error(status: int, method: str, path: str, allowed: str | None = None) -> ApiError:
+def framework_error(status: int, method: str, path: str, allowed: str | None = None,
+                    cause: BaseException | None = None) -> ApiError:
     """The OpenAI error for what Starlette refuses before a handler runs: an unknown route (404),
-    a method the route does not take (405), a body it cannot parse (400: not UTF-8 JSON)."""
+    a method the route does not take (405), a body it cannot parse (400 invalid_json, saying why:
+    `unreadable_json`; cause: the exception the parser raised)."""
     route = f"{method} {clip(path)}"
     if status == 404:
         message = f"no such route: {route}"
     elif status == 405:
         message = f"method not allowed: {route}" + (f" (allowed: {allowed})" if allowed else "")
     elif status == 400:
-        message = "the body is not valid JSON (it must be UTF-8 encoded)"
+        message = unreadable_json(cause)
     else:
         message = f"{route}: HTTP {status}"
     kind = "server_error" if status >= 500 else ("not_found_error" if status == 404 else "invalid_request_error")
     return ApiError(status, message, type=kind, code=FRAMEWORK_CODES.get(status, f"http_{status}"))
+
+
+def unreadable_json(cause: BaseException | None) -> str:
+    """Why a body that is not a JSON syntax error could not be parsed: not UTF-8, nested deeper
+    than the parser goes, or a number longer than Python converts."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid JSON: it must be UTF-8 encoded ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the body cannot be read as JSON: it is nested too deeply"
+    if isinstance(cause, ValueError):
+        return f"the body cannot be read as JSON: {str(cause).split(';')[0]}"
+    return "the body is not valid JSON"
+
+
+def content_type_error(content_type: str | None) -> ApiError | None:
+    """A 415 for a body sent as something other than JSON (None: no Content-Type, read as JSON,
+    or application/json, or a +json type)."""
+    if content_type is None:
+        return None
+    media = content_type.split(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return None
+    return ApiError(415, f"the body must be JSON, sent with Content-Type: application/json (got {clip(media)!r})",
+                    code="unsupported_media_type")

@@ -71,7 +71,7 @@ from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
-from services.gateway.api_errors import ApiError, clip, framework_error, validation_error
+from services.gateway.api_errors import ApiError, clip, content_type_error, framework_error, validation_error
 from services.gateway.api_keys import Login, gateway_logins, user_for_key
 from services.gateway.front_door import check_gateway_limits, front_door, protocol_class
 from services.gateway.request_bodies import ChatBody, ChoicePlan, CompletionBody, chat_plans, completion_plans
@@ -335,14 +335,16 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = validation_error(exc.errors())
+        # a body of another content type is never read as JSON: that, not its fields, is the error
+        error = content_type_error(request.headers.get("content-type")) or validation_error(exc.errors())
         return JSONResponse(error.to_json(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def framework(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own refusals (unknown route, method, a body it cannot parse), which it would
         # answer as {"detail": ...}
-        error = framework_error(exc.status_code, request.method, request.url.path, (exc.headers or {}).get("Allow"))
+        error = framework_error(exc.status_code, request.method, request.url.path, (exc.headers or {}).get("Allow"),
+                                exc.__cause__)
         return JSONResponse(error.to_json(), status_code=error.status, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -38,14 +38,14 @@ CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class Body(BaseModel):
     """What /v1/completions and /v1/chat/completions share, OpenAI's fields then specbus's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None  # None: the one model served (as vLLM and SGLang take it)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -135,7 +135,7 @@ class CompletionBody(Body):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -146,7 +146,7 @@ class OpenAIChatMessage(BaseModel):
     messages carry role and content, which is all the template is given (README.md, deliberate
     differences). content null (an assistant turn of tool calls) is empty text."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
     content: str | list[ContentPart] | None = None
 

@@ -5,7 +5,8 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.errors import ErrorCode, SpecbusError
-from services.gateway.api_errors import MAX_MESSAGE_CHARS, ApiError, clip, framework_error, validation_error
+from services.gateway.api_errors import (MAX_MESSAGE_CHARS, ApiError, clip, content_type_error, framework_error,
+                                         validation_error)
 from services.gateway.request_bodies import ChatBody, CompletionBody
 
 
@@ -64,3 +65,37 @@ def test_framework_errors_and_unparsable_bodies_are_openai_errors():
     error = validation_error([{"type": "json_invalid", "loc": ("body", 12), "msg": "JSON decode error",
                                "ctx": {"error": "Expecting value"}}])
     assert (error.status, error.param, error.code) == (400, None, "invalid_json") and "character 12" in error.message
+
+
+@pytest.mark.parametrize("field, names, param", [
+    ("messages[0].content", {}, "messages[0].content"),  # a lone surrogate in a chat message
+    ("sampling.stop[1]", {}, "stop[1]"),
+    ("sampling.top_p", {}, "top_p"),
+    ("prompt_token_ids[3]", {"prompt_token_ids": "prompt"}, "prompt[3]"),
+    ("logprobs.logprobs", {"logprobs": "top_logprobs"}, "top_logprobs"),
+    ("sampling.max_tokens", {"max_tokens": "max_completion_tokens"}, "max_completion_tokens"),
+])
+def test_a_specbus_error_names_the_full_path_as_the_body_spells_it(field, names, param):
+    error = ApiError.from_specbus(SpecbusError(ErrorCode.invalid_field, "bad", field), names)
+    assert (error.param, error.message) == (param, f"{param}: bad")
+
+
+@pytest.mark.parametrize("cause, words", [
+    (RecursionError("maximum recursion depth exceeded"), "nested too deeply"),
+    (ValueError("Exceeds the limit (4300 digits) for integer string conversion"), "4300 digits"),
+    (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "UTF-8"),
+])
+def test_a_body_json_cannot_read_is_invalid_json_saying_why(cause, words):
+    error = framework_error(400, "POST", "/v1/completions", cause=cause)
+    assert (error.status, error.code) == (400, "invalid_json") and words in error.message
+    if not isinstance(cause, UnicodeDecodeError):
+        assert "UTF-8" not in error.message
+
+
+def test_an_empty_body_is_invalid_json_and_a_body_of_another_content_type_a_415():
+    error = validation_error([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    assert (error.status, error.code, error.param) == (400, "invalid_json", None) and "empty" in error.message
+    refused = content_type_error("text/plain; charset=utf-8")
+    assert (refused.status, refused.code) == (415, "unsupported_media_type") and "application/json" in refused.message
+    assert content_type_error("application/json") is None and content_type_error(None) is None
+    assert content_type_error("application/vnd.api+json") is None

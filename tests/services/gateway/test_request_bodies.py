@@ -2,6 +2,7 @@
 what specbus cannot do refused naming the field."""
 
 import pytest
+from pydantic import ValidationError
 
 from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
@@ -66,3 +67,17 @@ def test_custom_roles_and_extra_message_fields_are_taken_and_the_template_gets_r
     plans = chat_plans(ChatBody(messages=messages), 99, 30.0)
     assert [(m.role, m.content) for m in plans[0].request.messages] == [("tool", "42"), ("assistant", ""),
                                                                         ("user", "x")]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "8"), ("n", "2"), ("stream", 1), ("temperature", "0.5"), ("echo", "true"), ("seed", 1.0),
+    ("stop_token_ids", ["7"]),
+])
+def test_types_are_strict_as_openais_server_takes_them(field, value):
+    """A value of the wrong JSON type is refused naming the field, never coerced."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionBody.model_validate({"prompt": "x", field: value})
+    assert caught.value.errors()[0]["loc"][0] == field
+    assert CompletionBody.model_validate({"prompt": "x", "temperature": 1, "max_tokens": 8}).temperature == 1.0
+    with pytest.raises(ValidationError):
+        ChatBody.model_validate({"messages": [{"role": "user", "content": 5}]})
