@@ -534,7 +534,8 @@ def check_degradation(audits: Sequence[Audit]) -> CheckResult:
 
 async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, checks: Sequence[str],
                      alpha: float = ALPHA, concurrency: int = 32) -> list[CheckResult]:
-    """The selected checks in order; a check that raises (a request failed) is a failed row."""
+    """The selected checks in order; a check that raises (a request failed) is a failed row.
+    Each check says on stderr, one line each, when it starts and how it ended (`announce`)."""
     with tqdm(total=0, unit="req", desc="selfcheck", disable=None, leave=False) as progress:
         runner = Runner(client, concurrency, progress)
         greedy_prompts = [*BUILTIN_PROMPTS[:plan.greedy_prompts], *prompts]
@@ -551,6 +552,7 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, ch
             if name not in steps:
                 continue
             title, start = steps[name]
+            announce(progress, f"{title}: started")
             started = time.perf_counter()
             try:
                 outcome = await start()
@@ -559,10 +561,25 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, ch
             outcome = outcome if isinstance(outcome, list) else [outcome]
             for row in outcome:
                 row.seconds = time.perf_counter() - started
+            announce(progress, ended(title, outcome))
             results += outcome
         if "degradation" in checks:
+            announce(progress, "degradation honesty: started")
             results.append(check_degradation(runner.audits))
+            announce(progress, ended("degradation honesty", results[-1:]))
     return results
+
+
+def announce(progress: tqdm, what: str) -> None:
+    """`selfcheck: <what>` as a line on stderr, above the progress bar when there is one."""
+    progress.write(f"selfcheck: {what}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def ended(title: str, rows: Sequence[CheckResult]) -> str:
+    """How a check ended: passed when all its rows did, else FAILED; its rows and wall time."""
+    verdict = "passed" if all(row.passed for row in rows) else "FAILED"
+    return f"{title}: {verdict} ({len(rows)} row{'s' if len(rows) != 1 else ''}, {rows[0].seconds:.1f} s)"
 
 
 def read_prompts(path: str) -> list[str]:
