@@ -42,8 +42,8 @@ class LogitBias(WireModel):
 
     token_ids / bias [n]: bias[i] is added to the logit of token_ids[i], before the penalties
     and the temperature. At most MAX_LOGIT_BIAS ids, each once; every bias finite and within
-    +-MAX_LOGIT_BIAS_VALUE. The verifier checks the ids against its vocabulary (a row with an id
-    outside it fails naming `sampling.logit_bias`).
+    +-MAX_LOGIT_BIAS_VALUE. The scheduler checks the ids against the vocabulary at admission,
+    and the verifier again (a row with an id outside it fails naming `sampling.logit_bias`).
     """
 
     token_ids: TokenIds

@@ -28,6 +28,7 @@ import pytest_asyncio
 from openai.types import CompletionUsage
 from openai.types.completion_usage import CompletionTokensDetails
 
+from text.token_bytes import TokenBytes
 from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.control import Heartbeat
@@ -431,6 +432,23 @@ async def test_max_tokens_over_max_model_len_is_refused_stating_the_effective_ca
                                           max_completion_tokens=max_model_len + 1)
     assert caught.value.body["param"] == "max_completion_tokens"
     assert f"above the cap {max_model_len} (max_model_len {max_model_len}" in caught.value.body["message"]
+
+
+async def test_a_completion_that_ends_inside_a_character_has_whole_text_and_exact_logprob_bytes(stack, api, model):
+    """The issue's case made certain: logit_bias forces a token that begins a 3-byte character,
+    and max_tokens 1 ends the request there. The text, whole or streamed, leaves the unfinished
+    bytes out (no U+FFFD); the logprobs still list the token with its exact bytes."""
+    vocabulary = TokenBytes(load_tokenizer(stack.config.target_model))
+    start = next(i for i in range(vocabulary.tokenizer.vocab_size) if vocabulary.get(i) == "\u20ac".encode()[:1])
+    asked = {"model": model, "messages": [{"role": "tool", "content": "x"}], "max_tokens": 1, "temperature": 0.0,
+             "logprobs": True, "logit_bias": {str(start): 100.0}, "extra_body": {"ignore_eos": True}}
+    whole = await api.chat.completions.create(**asked)
+    assert whole.choices[0].message.content == "" and whole.choices[0].finish_reason == "length"
+    assert [entry.bytes for entry in whole.choices[0].logprobs.content] == [list(vocabulary.get(start))]
+    chunks = [chunk async for chunk in await api.chat.completions.create(**asked, stream=True)]
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(choice.delta.content or "" for choice in streamed) == ""
+    assert [e.bytes for choice in streamed if choice.logprobs for e in choice.logprobs.content] == [[0xE2]]
 
 
 def vllm_scores(result) -> list:
