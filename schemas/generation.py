@@ -42,8 +42,8 @@ class LogitBias(WireModel):
 
     token_ids / bias [n]: bias[i] is added to the logit of token_ids[i], before the penalties
     and the temperature. At most MAX_LOGIT_BIAS ids, each once; every bias finite and within
-    +-MAX_LOGIT_BIAS_VALUE. The verifier checks the ids against its vocabulary (a row with an id
-    outside it fails naming `sampling.logit_bias`).
+    +-MAX_LOGIT_BIAS_VALUE. The scheduler checks the ids against the vocabulary at admission,
+    and the verifier again (a row with an id outside it fails naming `sampling.logit_bias`).
     """
 
     token_ids: TokenIds
@@ -181,8 +181,8 @@ class SamplingParams(RowSampling):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens_cap(cls, value: int, info: ValidationInfo) -> int:
-        cap = (info.context or {}).get("max_tokens_cap", MAX_TOKENS_CAP)
-        if value > cap:
+        cap = (info.context or {}).get("max_tokens_cap", MAX_TOKENS_CAP)  # None: checked elsewhere
+        if cap is not None and value > cap:
             raise PydanticCustomError("too_many_tokens", "max_tokens {value} is above the cap {cap}",
                                       {"value": value, "cap": cap})
         return value
@@ -295,12 +295,17 @@ class GenerateRequest(Message):
         return self
 
 
-def check_limits(request: GenerateRequest, *, max_tokens_cap: int = MAX_TOKENS_CAP) -> None:
-    """A scheduler's own limits on an already valid request; raises SpecbusError naming the field."""
-    if request.sampling.max_tokens > max_tokens_cap:
-        raise SpecbusError(ErrorCode.invalid_field,
-                           f"max_tokens {request.sampling.max_tokens} is above the cap {max_tokens_cap}",
-                           "sampling.max_tokens")
+def check_limits(request: GenerateRequest, *, max_tokens_cap: int = MAX_TOKENS_CAP,
+                 max_model_len: int | None = None) -> None:
+    """A scheduler's own limits on an already valid request; raises SpecbusError naming the field.
+    The max_tokens cap is the least of max_tokens_cap and max_model_len (the verifiers'
+    max_seq_len, None while none is known), and the message states that cap and, when
+    max_model_len is the lower, both."""
+    cap = max_tokens_cap if max_model_len is None else min(max_tokens_cap, max_model_len)
+    if request.sampling.max_tokens > cap:
+        why = f" (max_model_len {max_model_len}; max_tokens_cap {max_tokens_cap})" if cap < max_tokens_cap else ""
+        raise SpecbusError(ErrorCode.invalid_field, f"max_tokens {request.sampling.max_tokens} is above the cap {cap}"
+                                                    f"{why}", "sampling.max_tokens")
 
 
 class CancelRequest(Message):

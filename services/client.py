@@ -53,7 +53,7 @@ import numpy as np
 import structlog
 
 from schemas.codec import decode, decode_any, encode, validate
-from schemas.config import BusConfig
+from schemas.config import BusConfig, load_config
 from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, SamplingParams, SpeculativeOptions,
@@ -144,7 +144,8 @@ def make_request(prompt: str | Sequence[int] | np.ndarray | None = None, *,
             raw[name] = value
         else:
             raise CodecError(ErrorCode.invalid_field, f"unknown request option {name!r}", name)
-    return validate(GenerateRequest, raw)
+    # no max_tokens cap here: the scheduler's (its max_tokens_cap and the verifiers' max_seq_len) decides
+    return validate(GenerateRequest, raw, context={"max_tokens_cap": None})
 
 
 def score_request(prompt: str | Sequence[int] | np.ndarray, prompt_logprobs: int = 0,
@@ -245,8 +246,11 @@ def extend_per_token(existing: list | None, new: list | None, num_before: int, n
     return existing + (list(new) if new is not None else [None] * num_new)
 
 
-def json_logprob(value: float) -> float | None:
-    return None if math.isinf(value) else value
+def json_logprob(value: float, infinite: float | None = None) -> float | None:
+    """A logprob for JSON, which has no infinity: -inf (a token outside the candidate set in
+    logprobs_mode "processed") becomes `infinite`, null in `specbus generate --json`; the gateway
+    passes vLLM's -9999.0 (services/gateway/responses.py). The one owner of that rule."""
+    return infinite if math.isinf(value) else value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,6 +582,13 @@ class Client:
         return cls(config.nats_url, prefix=config.prefix, user=config.nats_user, password=config.nats_password,
                    tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key,
                    connect_timeout_s=config.connect_timeout_s, **options)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **options: Any) -> Client:
+        """A client for the deployment the SPECBUS_* variables name (env, default os.environ):
+        SPECBUS_NATS_URL (every node's URL, comma separated), SPECBUS_NATS_USER / _PASSWORD, the
+        TLS files, as `specbus up --log-dir DIR` writes them to DIR/client.env."""
+        return cls.from_config(load_config(BusConfig, env), **options)
 
     async def __aenter__(self) -> Client:
         self.nc = await connect(self.url, self.name, connect_timeout_s=self.connect_timeout_s,

@@ -76,7 +76,7 @@ MEASURED_FIGURE = {
     "a speed-up": rf"{NUMBER}\s*[x\u00d7]\s+(?:faster|slower|speed-?up)",
 }
 HISTORY = {"an issue number": r"\bissues?\s+#?\d+", "a session number": r"\bsessions?\s+#?\d+"}
-TORCH_FREE = ("schemas", "text.tokenizer", "text.chat_template", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
+TORCH_FREE = ("schemas", "text.tokenizer", "text.token_bytes", "text.chat_template", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
               "services.gateway.gateway", "services.commands.models")
 
 

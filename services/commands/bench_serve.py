@@ -17,6 +17,10 @@ for token counts, and --extra-body's fields (specbus: e.g. {"num_speculative_tok
 
 Every request runs under --request-timeout: one that errors, is refused (429, 503) or times out
 is counted as failed with its reason (HTTP status, OpenAI error type/code) and the run goes on.
+As each request completes, a line on stderr gives its output tokens and tokens/s, the run's output
+rate so far and an ETA for the rest at that rate (--quiet: none). ShareGPT's own reply lengths,
+the default, are long for a CPU-served model: README.md ("Load-testing the API") says what they
+cost.
 Statistics: services/commands/bench_serve_core.py.
 """
 
@@ -43,7 +47,7 @@ from tqdm import tqdm
 from services.commands.bench_serve_core import (DONE, BenchError, Failure, Goodput, RequestResult, SampleRequest,
                                                 arrival_delays, default_plot_path, delta_text, failure_from_body,
                                                 find_client_env, format_sweep, format_table, load_sharegpt,
-                                                parse_goodput, parse_rates, plot_sweep, rate_json, read_env_file,
+                                                parse_goodput, parse_rates, plot_sweep, progress_line, rate_json, read_env_file,
                                                 result_json, sample_random, sample_sharegpt, sharegpt_path, sse_data,
                                                 summarize)
 
@@ -71,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "random tokens of --random-input-len (default sharegpt)")
     data.add_argument("--dataset-path", type=Path, help="another ShareGPT JSON file (default: the package's)")
     data.add_argument("--sharegpt-output-len", type=int, metavar="N",
-                      help="ask every ShareGPT request for N tokens (default: its reply's length)")
+                      help="ask every ShareGPT request for N tokens (default: its reply's length, often hundreds "
+                           "of tokens: on a CPU each such request takes minutes with the default pair, so a quick "
+                           "run passes e.g. 64; README.md, 'Load-testing the API')")
     data.add_argument("--random-input-len", type=int, default=1024, metavar="N", help="prompt tokens (default 1024)")
     data.add_argument("--random-output-len", type=int, default=128, metavar="N", help="output tokens (default 128)")
     data.add_argument("--tokenizer", metavar="DIR",
@@ -103,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", type=Path, metavar="PATH",
                      help="a PNG of throughput and latency against rate (default for a sweep: the result file "
                           "with .png)")
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar (the per-request lines stay)")
+    out.add_argument("--quiet", action="store_true", help="no progress at all: neither bar nor per-request lines")
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -263,13 +270,29 @@ async def timed_stream(client: httpx.AsyncClient, target: Target, sample: Sample
 
 async def run_load(client: httpx.AsyncClient, target: Target, samples: Sequence[SampleRequest],
                    options: RequestOptions, rate: float, max_concurrency: int | None, seed: int,
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
+                   progress: bool = True, show_bar: bool = True) -> tuple[list[RequestResult], float]:
     """Send samples in order at Poisson arrival times of rate (inf: at once), at most
     max_concurrency in flight; returns the results in sample order and the wall time from the
-    first send to the last answer."""
+    first send to the last answer. progress: a line on stderr as each request completes
+    (bench_serve_core.progress_line: its tokens/s, the run's, an ETA) and, with show_bar, a bar
+    on a terminal."""
     delays = arrival_delays(len(samples), rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(samples), file=sys.stderr, disable=not progress, unit="req", leave=False)
+    bar = tqdm(total=len(samples), file=sys.stderr, disable=None if progress and show_bar else True, unit="req", leave=False)
+    finished = {"requests": 0, "tokens": 0, "planned": 0}
+
+    def report(result: RequestResult) -> None:
+        finished["requests"] += 1
+        finished["tokens"] += result.output_len if result.ok else 0
+        finished["planned"] += result.sample.output_len
+        left = sum(s.output_len for s in samples) - finished["planned"]
+        line = progress_line(finished["requests"], len(samples), result, time.perf_counter() - started,
+                             finished["tokens"], left)
+        if bar.disable:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            bar.write(line, file=sys.stderr)
+        bar.update(1)
 
     async def one(sample: SampleRequest) -> RequestResult:
         if limit is None:
@@ -277,7 +300,8 @@ async def run_load(client: httpx.AsyncClient, target: Target, samples: Sequence[
         else:
             async with limit:  # the wait for a slot is not part of the request's TTFT, as in vLLM
                 result = await stream_one(client, target, sample, options)
-        bar.update(1)
+        if progress:
+            report(result)
         return result
 
     tasks = []
@@ -365,7 +389,7 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         entries = []
         for rate in rates:
             results, duration = await run_load(client, target, samples, options, rate, args.max_concurrency,
-                                               args.seed, progress=not args.disable_tqdm)
+                                               args.seed, progress=not args.quiet, show_bar=not args.disable_tqdm)
             metrics = summarize(results, duration, goodput)
             print(format_table(metrics, "Serving Benchmark Result", args.max_concurrency, rate), flush=True)
             entries.append(result_json(metrics, results, run_info(args, target, model, tokenizer_dir, rate, goodput),

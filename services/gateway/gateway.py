@@ -11,7 +11,9 @@ It is just another NATS client (services/client.py's Client): each API key maps 
 user, and the gateway holds one NATS connection per user, so the isolation NATS gives client
 users (own subjects, own inbox) holds through HTTP too; a "monitor" connection pings the
 schedulers for /health. Any number of gateways can run behind a load balancer: they share no
-state. services/gateway/gateway_core.py holds everything that is not I/O (bodies, mapping, shapes).
+state. What is not I/O has its own modules: request_bodies.py (bodies and their mapping to
+GenerateRequests), responses.py (the OpenAI shapes), api_errors.py, api_keys.py, token_texts.py;
+front_door.py holds the limits checked before any work.
 
 FastAPI on uvicorn, as vLLM and SGLang serve their OpenAI APIs: request bodies are typed models
 (validated before a handler runs, and published as the OpenAPI schema at /docs), Starlette's
@@ -41,7 +43,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import socket
 import sys
@@ -53,7 +54,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
-import h11
 import nats.errors
 import structlog
 import uvicorn
@@ -63,7 +63,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from text.tokenizer import Tokenizer, load_tokenizer
 from schemas.codec import CodecError, decode
@@ -72,7 +71,12 @@ from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
-from services.gateway.gateway_core import ApiError, ChatBody, Choice, CompletionBody, Envelope, Login, ChoicePlan, TokenTexts, VerifierLimits, body_too_large, body_too_slow, chat_plans, check_gateway_limits, check_header_size, clip, completion_plans, declared_length, framework_error, gateway_logins, merge_pieces, model_card, needs_api_key, speculation_json, sse, usage_json, user_for_key, validation_error
+from services.gateway.api_errors import ApiError, clip, content_type_error, framework_error, validation_error
+from services.gateway.api_keys import Login, gateway_logins, user_for_key
+from services.gateway.front_door import check_gateway_limits, front_door, protocol_class
+from services.gateway.request_bodies import ChatBody, ChoicePlan, CompletionBody, chat_plans, completion_plans
+from services.gateway.responses import Choice, Envelope, VerifierLimits, merge_pieces, model_card, speculation_json, sse, usage_json
+from services.gateway.token_texts import TokenTexts
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
 from services.runtime.bus import connect_service
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
@@ -84,7 +88,6 @@ log = structlog.get_logger(__name__)
 STOP_GRACE_S = 5.0
 RETRY_AFTER_S = 1
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": logged and counted, read by nobody
-DRAIN_FACTOR = 2  # a body up to this many times max_body_bytes is read out before its 413 (front_door)
 T = TypeVar("T")
 
 
@@ -332,14 +335,16 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = validation_error(exc.errors())
+        # a body of another content type is never read as JSON: that, not its fields, is the error
+        error = content_type_error(request.headers.get("content-type")) or validation_error(exc.errors())
         return JSONResponse(error.to_json(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def framework(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own refusals (unknown route, method, a body it cannot parse), which it would
         # answer as {"detail": ...}
-        error = framework_error(exc.status_code, request.method, request.url.path, (exc.headers or {}).get("Allow"))
+        error = framework_error(exc.status_code, request.method, request.url.path, (exc.headers or {}).get("Allow"),
+                                exc.__cause__)
         return JSONResponse(error.to_json(), status_code=error.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -409,141 +414,6 @@ def counted(app: Any, metrics: GatewayMetrics, routes: set[str]) -> Any:
     return asgi
 
 
-def front_door(app: Any, gateway: Gateway) -> Any:
-    """app behind the limits checked before any work (module docstring): the key (under /v1),
-    then the body's declared size, then the body itself, read whole within body_timeout_s and
-    max_body_bytes and handed to app as one message. A refusal closes the connection, and what is
-    left of the body is not read, with one exception: a body over the cap by at most as much again
-    (DRAIN_FACTOR) is read out and dropped before its 413, so that a client which writes its whole
-    body before it reads (the SDKs do) gets the answer, not a reset connection."""
-    config = gateway.config
-
-    async def asgi(scope, receive, send):
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        headers = scope["headers"]
-        drain = False  # a 413 reads the rest first: the key is good and the body not far over
-        try:
-            check_header_size(headers, config.max_header_bytes)
-            if needs_api_key(scope["path"]):
-                authorization = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), None)
-                gateway.user_for(authorization)
-            declared_length(headers, DRAIN_FACTOR * config.max_body_bytes)
-            drain = True
-            body = await read_body(receive, config.max_body_bytes, config.body_timeout_s)
-        except ApiError as error:
-            if error.status == 413 and drain:
-                await read_body(receive, DRAIN_FACTOR * config.max_body_bytes, config.body_timeout_s, keep=False)
-            return await send_error(send, error, close=True)
-        if body is None:  # the client went away while sending it
-            return
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # next: the disconnect, which handlers watch for
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await app(scope, replay, send)
-
-    return asgi
-
-
-async def read_body(receive: Callable[[], Awaitable[dict]], max_body_bytes: int, timeout_s: float, *,
-                    keep: bool = True) -> bytes | None:
-    """The whole request body (None: the client disconnected first); ApiError 413 past
-    max_body_bytes, 408 past timeout_s. keep=False: read what is left of a body and drop it
-    (errors swallowed: the caller is refusing it anyway)."""
-    parts, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                part = message.get("body", b"")
-                size += len(part)
-                if size > max_body_bytes:
-                    raise body_too_large(max_body_bytes)
-                if keep:
-                    parts.append(part)
-                if not message.get("more_body", False):
-                    return b"".join(parts)
-    except TimeoutError:
-        if keep:
-            raise body_too_slow(timeout_s) from None
-    except ApiError:
-        if keep:
-            raise
-    return None
-
-
-async def send_error(send: Callable[[dict], Awaitable[None]], error: ApiError, *, close: bool = False) -> None:
-    """An OpenAI error as a whole ASGI response; close: with `Connection: close`."""
-    payload = json.dumps(error.to_json()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
-class HeaderDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on request headers: from a connection's start, and
-    from the first byte of each later request, its request line and headers must be complete
-    within header_timeout_s, or the connection is closed (uvicorn only times out idle keep-alive
-    connections). Malformed or oversized headers get an OpenAI error instead of uvicorn's text."""
-
-    header_timeout_s: float = 10.0  # set per server by `protocol_class`
-    header_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.arm_header_timer()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE:  # (part of) the next request's head, or nothing yet
-            if self.header_timer is None and not self.transport.is_closing():
-                self.arm_header_timer()
-        else:
-            self.cancel_header_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.cancel_header_timer()
-        super().connection_lost(exc)
-
-    def arm_header_timer(self) -> None:
-        self.header_timer = self.loop.call_later(self.header_timeout_s, self.headers_too_slow)
-
-    def cancel_header_timer(self) -> None:
-        if self.header_timer is not None:
-            self.header_timer.cancel()
-            self.header_timer = None
-
-    def headers_too_slow(self) -> None:
-        self.header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.info("gateway_header_timeout", client=self.client)
-            self.transport.close()
-
-    def send_400_response(self, msg: str) -> None:
-        error = ApiError(400, f"not a valid HTTP request, or its headers are over the limit: {msg}",
-                         code="bad_request")
-        payload = json.dumps(error.to_json()).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload),
-                      h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
-
-
-def protocol_class(header_timeout_s: float) -> type[H11Protocol]:
-    return type("GatewayH11Protocol", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s})
-
-
 class GatewayServer(uvicorn.Server):
     """uvicorn without its own signal handlers: the CLI's stop event ends it (module docstring)."""
 
@@ -588,10 +458,10 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         await health_nc.subscribe(Subjects(config.prefix).heartbeat, cb=gateway.on_heartbeat)
         listener = exit_stack.enter_context(http_socket(config.http_host, config.http_port))
         api = build_app(gateway)
-        app = counted(front_door(api, gateway), gateway.metrics, {route.path for route in api.routes})
+        app = counted(front_door(api, config, gateway.user_for), gateway.metrics, {route.path for route in api.routes})
         server = GatewayServer(uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
-            http=protocol_class(config.header_timeout_s), timeout_keep_alive=config.keep_alive_timeout_s,
+            http=protocol_class(config.header_timeout_s, config.max_header_bytes), timeout_keep_alive=config.keep_alive_timeout_s,
             h11_max_incomplete_event_size=config.max_header_bytes))
         with serve_metrics(gateway.metrics.registry, config.metrics_port):
             serving = asyncio.create_task(server.serve(sockets=[listener]))

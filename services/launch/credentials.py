@@ -3,13 +3,15 @@
 `StackCredentials.generate` makes fresh random passwords for every role and client user and an
 API key per client user, and writes, owner-only, in the log dir: CREDENTIALS_FILE (every
 password and key), CLIENT_ENV_FILE (the first client user's login as `specbus generate` reads
-it) and, with several client users, `client-<user>.env` for each. `add_openai_env` appends the
-gateways' OPENAI_BASE_URL and OPENAI_API_KEY to those files. Without auth, `values` stays empty:
+it) and, with several client users, `client-<user>.env` for each. `add_nats_env` appends the
+server's SPECBUS_NATS_URL (every node's) to those files, `add_openai_env` the gateways'
+OPENAI_BASE_URL and OPENAI_API_KEY. Without auth, `values` stays empty:
 `login` is {} and `api_key` the placeholder NO_AUTH_API_KEY.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,12 +75,22 @@ class StackCredentials:
     def add_openai_env(self, log_dir: Path, base_url: str) -> None:
         """OPENAI_BASE_URL and OPENAI_API_KEY appended to CLIENT_ENV_FILE (the first client user's
         key) and to each client-<user>.env (that user's), so `set -a; . file; set +a` sets up the
-        openai SDK too; without auth, CLIENT_ENV_FILE holds only these two."""
+        openai SDK too."""
+        self.append_client_env(log_dir, lambda user: {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self.api_key(user)})
+
+    def add_nats_env(self, log_dir: Path, nats_url: str) -> None:
+        """SPECBUS_NATS_URL (nats_url: every node's URL, comma separated) appended to every client
+        env file, so that `. file` is all `specbus generate` and Client.from_env need."""
+        self.append_client_env(log_dir, lambda user: {ENV_PREFIX + "NATS_URL": nats_url})
+
+    def append_client_env(self, log_dir: Path, values: Callable[[str | None], dict[str, str]]) -> None:
+        """values(user) appended to CLIENT_ENV_FILE (user None: the first client user) and, with
+        auth and several client users, to each client-<user>.env; without auth CLIENT_ENV_FILE is
+        made if missing and holds only what is appended."""
         files = {CLIENT_ENV_FILE: None}
         if self.values and len(self.client_users) > 1:
             files |= {f"client-{user}.env": user for user in self.client_users}
         for name, user in files.items():
             path = log_dir / name
             text = path.read_text() if path.exists() else ""
-            openai = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self.api_key(user)}
-            write_secret(path, text + env_file_text(openai))
+            write_secret(path, text + env_file_text(values(user)))

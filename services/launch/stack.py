@@ -12,8 +12,9 @@ NATS auth is on by default (services/runtime/auth.py): fresh random passwords pe
 role with its subject permissions, each process given only its own role's login
 (SPECBUS_NATS_USER/_PASSWORD), the stack's heartbeat watcher connected as "monitor", and the
 clients' logins from `client_login()` / `client()`. `log_dir/credentials.env` (mode 0600) holds
-every password, `log_dir/client.env` the first client user's login as `specbus generate` reads
-it (with several client users, also `client-<user>.env` for each). Each client user may read and
+every password, `log_dir/client.env` the server's URL (SPECBUS_NATS_URL, every node's) and the
+first client user's login as `specbus generate` and Client.from_env read them (with several
+client users, also `client-<user>.env` for each). Each client user may read and
 cancel only its own requests (services/runtime/auth.py).
 
 Gateways (StackConfig.gateways, the OpenAI-compatible API of services/gateway/gateway.py) are clients,
@@ -260,11 +261,9 @@ class Stack:
 
     @property
     def client_env_path(self) -> Path | None:
-        """The first client user's SPECBUS_NATS_USER/_PASSWORD (with auth) and, with gateways,
-        OPENAI_BASE_URL and OPENAI_API_KEY (None when it holds neither)."""
-        if (self.credentials.values or self.gateway_ports) and self.log_dir:
-            return self.log_dir / CLIENT_ENV_FILE
-        return None
+        """SPECBUS_NATS_URL, the first client user's SPECBUS_NATS_USER/_PASSWORD (with auth) and,
+        with gateways, OPENAI_BASE_URL and OPENAI_API_KEY (None before the server started)."""
+        return self.log_dir / CLIENT_ENV_FILE if self.log_dir and self.server is not None else None
 
     @property
     def openai_base_url(self) -> str:
@@ -310,7 +309,8 @@ class Stack:
 
     async def start_server(self) -> str:
         """The nats-server and the stack's heartbeat watcher; returns the url. With auth, fresh
-        credentials for every user first (credentials.env and client.env in the log dir)."""
+        credentials for every user first (credentials.env and client.env in the log dir); client.env
+        then gets the server's URL."""
         try:
             self.log_dir, self.owns_log_dir = make_log_dir(self.config.log_dir)
             nats = self.config.nats
@@ -319,6 +319,7 @@ class Stack:
             server = NatsServer(nats) if self.config.nats_cluster == 1 else \
                 NatsCluster(nats, size=self.config.nats_cluster)
             self.server = await self.exit_stack.enter_async_context(server)
+            self.credentials.add_nats_env(self.log_dir, self.server.url)
             own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
             self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0, **own)
             self.exit_stack.push_async_callback(self.nc.close)

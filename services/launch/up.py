@@ -135,7 +135,8 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
     print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
     if stack.credentials_path:
         print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
-              f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`; every user's password "
+              f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`, which then finds the "
+              f"server too (SPECBUS_NATS_URL); every user's password "
               f"in {stack.credentials_path})", flush=True)
     if stack.gateway_ports:
         print(f"openai: {config.gateways} gateway(s), the first on {stack.openai_base_url} (OPENAI_BASE_URL and "

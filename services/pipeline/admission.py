@@ -7,8 +7,10 @@ asks it on every GenerateRequest and at every step boundary.
   place of the newest queued request of the user most over it), `duplicate_request_id` for an
   id running, queued or finished in the last FINISHED_ID_TTL_S (a postprocessor drops commits
   for an id it finished that long, so a reused id would wait out its timeout), `invalid_field`
-  for a reply subject over MAX_INBOX_LEN, a prompt that leaves no room in the verifiers'
-  max_seq_len, or a resume that leaves nothing of max_tokens, `too_large` for a first commit
+  for a reply subject over MAX_INBOX_LEN, max_tokens over the cap (the least of max_tokens_cap and
+  the verifiers' max_seq_len), a token id outside the vocabulary wherever the request names one,
+  a prompt that leaves no room in the verifiers' max_seq_len, or a resume that leaves nothing of
+  max_tokens, `too_large` for a first commit
   over max_payload.
 - The queue is in arrival order; at a boundary its cancelled, refused and expired requests
   leave it (`sweep`), and the others start fairest first (`start_order`) while fewer than
@@ -24,7 +26,7 @@ from schemas.codec import encode
 from schemas.config import FINISHED_ID_TTL_S, SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.commits import Commit
-from schemas.generation import GenerateRequest
+from schemas.generation import GenerateRequest, check_limits
 from schemas.protocol import MAX_INBOX_LEN
 from schemas.streams import Usage
 from schemas.wire import Error, FinishReason
@@ -188,6 +190,20 @@ class Admission:
         room = "" if max_tokens == 0 else " and at least one generated token"
         return SpecbusError(ErrorCode.invalid_field, f"the prompt is {prompt_len} tokens; max_seq_len {limit} "
                                                      f"holds the prompt{room}", field_name)
+
+    def check_request(self, request: GenerateRequest) -> None:
+        """The checks a decoded request passes before its prompt is tokenized: max_tokens within
+        the cap (the least of max_tokens_cap and max_seq_len, schemas.generation.check_limits),
+        every token id it names in the vocabulary, as prompt ids are (stop_token_ids, logit_bias,
+        logprob_token_ids: refused here, not first by a verifier mid-request), and a text prompt
+        that can fit (check_prompt_text)."""
+        check_limits(request, max_tokens_cap=self.config.max_tokens_cap, max_model_len=self.placement.max_seq_len())
+        vocab_size = self.tokenizer.vocab_size
+        check_in_vocabulary(request.sampling.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+        if request.sampling.logit_bias is not None:
+            check_in_vocabulary(request.sampling.logit_bias.token_ids, vocab_size, "sampling.logit_bias")
+        check_in_vocabulary(request.logprobs.logprob_token_ids, vocab_size, "logprobs.logprob_token_ids")
+        self.check_prompt_text(request)
 
     def check_prompt_text(self, request: GenerateRequest) -> None:
         """Refuse a text prompt or chat that cannot fit in max_seq_len before tokenizing it

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import structlog
 
+from text.token_bytes import TokenBytes
+from text.tokenizer import Tokenizer
 from schemas.commits import Commit, SideChannelRecord, StopNotice
 from schemas.config import FINISHED_ID_TTL_S
 from schemas.errors import ErrorCode
@@ -47,7 +49,6 @@ from schemas.wire import Error
 from services.pipeline.logprob_format import prompt_logprobs, token_extras
 from services.pipeline.side_channel_join import DroppedRecord, EarlyRecords, RequestRecords, record_fits
 from services.pipeline.text_stream import TextStream
-from text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -132,6 +133,7 @@ class Postprocessor:
                  max_requests: int = 1024, gap_timeout_s: float | None = None, record_ttl_s: float = 30.0,
                  finished_ttl_s: float = FINISHED_ID_TTL_S, idle_ttl_s: float = MAX_TIMEOUT_S):
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)  # the text stream's view of each token's bytes
         self.instance_id = instance_id
         self.side_channel_timeout_s = side_channel_timeout_s
         self.max_requests = max_requests
@@ -248,7 +250,7 @@ class Postprocessor:
     def _resume(self, state: StreamState, resume_token_ids: np.ndarray) -> None:
         """Replay the tokens the old postprocessor streamed: same text, same held-back tail, so
         the client sees no gap and no repeat."""
-        sent = state.text.replay(self.tokenizer, resume_token_ids)
+        sent = state.text.replay(self.token_bytes, resume_token_ids)
         state.num_tokens = len(resume_token_ids)
         if not state.stream and len(resume_token_ids):
             state.pieces.append(StreamChunk(request_id=state.request_id, seq=0, token_ids=resume_token_ids, text=sent,
@@ -357,7 +359,7 @@ class Postprocessor:
             degraded.append("logprobs_invalid")
 
         final = commit.finish_reason is not None
-        num_kept, match = state.text.feed(self.tokenizer, commit.token_ids, final)
+        num_kept, match = state.text.feed(self.token_bytes, commit.token_ids, final)
         self._tally(state, commit, num_kept, degraded)
         finish_reason = "stop" if match is not None else commit.finish_reason
         done = finish_reason is not None

@@ -33,7 +33,7 @@ from schemas.commits import StopNotice
 from schemas.config import SchedulerConfig, service_version
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.generation import CancelRequest, GenerateRequest, check_limits
+from schemas.generation import CancelRequest, GenerateRequest
 from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse
 from schemas.streams import StreamChunk
 from schemas.subjects import SCHEDULER_QUEUE_GROUP, Subjects
@@ -190,10 +190,10 @@ class Scheduler:
             return
         request_id = None
         try:
-            generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": self.config.max_tokens_cap})
+            # the max_tokens cap depends on the verifiers' max_seq_len too: admission checks it
+            generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": None})
             request_id = generate.request_id
-            check_limits(generate, max_tokens_cap=self.config.max_tokens_cap)
-            self.state.admission.check_prompt_text(generate)
+            self.state.admission.check_request(generate)
             # in a thread: a long prompt takes the tokenizer a while, and the step loops must go on
             prompt_ids = await asyncio.to_thread(prompt_token_ids, generate, self.state.tokenizer)
             self.state.admit(generate, msg.reply, prompt_ids, time.time())

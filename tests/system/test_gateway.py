@@ -28,11 +28,12 @@ import pytest_asyncio
 from openai.types import CompletionUsage
 from openai.types.completion_usage import CompletionTokensDetails
 
+from text.token_bytes import TokenBytes
 from text.tokenizer import load_tokenizer
 from schemas.codec import decode, encode
 from schemas.control import Heartbeat
 from schemas.protocol import MAX_PROMPT_CHARS
-from services.client import make_request, score_request
+from services.client import Client, make_request, score_request
 from services.launch.natsserver import NatsServerConfig
 from services.runtime.auth import CLIENT_MAX_PAYLOAD
 from services.runtime.bus import connect
@@ -46,7 +47,10 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_e
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(start_stack, chatml_pair):
-    scheduler = ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5"]
+    # adaptive k off: every step drafts the k it names, so the tests that count predicted tokens
+    # do not depend on the timings adaptive k decides from (with this random pair's low acceptance
+    # it may choose k=0 for a whole request; its own tests: tests/system/test_adaptive_k_stack.py)
+    scheduler = ["--max-running", "2", "--max-queue", "2", "--draft-timeout-s", "5", "--adaptive-k", "false"]
     async with start_stack(*chatml_pair, gateways=1, client_users=("alice", "bob"),
                            nats=NatsServerConfig(http_port=0),  # /connz: who published what
                            role_args={"scheduler": scheduler}) as running:
@@ -76,6 +80,20 @@ def http_get(url: str) -> tuple[int, str]:
 async def scheduler_stats(stack) -> dict:
     reply = await stack.nc.request("$SRV.STATS.scheduler", b"", timeout=5)
     return json.loads(reply.data)["endpoints"][0]["data"]
+
+
+async def test_client_env_is_all_the_cli_and_the_client_need(stack):
+    """The stack's NATS port is not the default one: `. client.env` must say where it is."""
+    env = dict(line.split("=", 1) for line in stack.client_env_path.read_text().splitlines())
+    assert env["SPECBUS_NATS_URL"] == stack.url and not stack.url.endswith(":4222")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECBUS_NATS", "OPENAI_"))}
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "services.cli", "generate", "--prompt", "hi", "--max-tokens", "2"],
+        capture_output=True, text=True, timeout=120, env=clean | env)
+    assert done.returncode == 0, done.stderr
+    async with Client.from_env(env) as client:
+        result = await client.generate(make_request("hi", max_tokens=2, temperature=0.0))
+    assert result.usage.completion_tokens == 2
 
 
 async def test_client_env_sets_up_the_sdk_and_models_lists_the_target(stack, chatml_pair, model):
@@ -391,6 +409,48 @@ async def test_usage_holds_only_openai_fields_with_drafts_as_predicted_tokens(ap
                                                                      "rejected_prediction_tokens"}).values())
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"logit_bias": {str(10**6): 1.0}}, "logit_bias"),
+], ids=["stop_token_ids", "logit_bias"])
+async def test_token_ids_outside_the_vocabulary_are_refused_at_admission_naming_the_field(stack, api, model, extra,
+                                                                                          param):
+    """As a prompt id is: refused by the scheduler before the request is queued (counted as a
+    refusal), not first by a verifier."""
+    refused_before = (await scheduler_stats(stack)).get("refused_invalid_field", 0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=extra)
+    assert caught.value.body["param"] == param and "outside the vocabulary" in caught.value.body["message"]
+    assert (await scheduler_stats(stack)).get("refused_invalid_field", 0) == refused_before + 1
+
+
+async def test_max_tokens_over_max_model_len_is_refused_stating_the_effective_cap(api, model):
+    max_model_len = (await api.models.retrieve(model)).model_extra["max_model_len"]
+    assert max_model_len < 4096  # the scheduler's default max_tokens_cap: max_model_len is the cap
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=max_model_len + 1)
+    assert caught.value.body["param"] == "max_completion_tokens"
+    assert f"above the cap {max_model_len} (max_model_len {max_model_len}" in caught.value.body["message"]
+
+
+async def test_a_completion_that_ends_inside_a_character_has_whole_text_and_exact_logprob_bytes(stack, api, model):
+    """The issue's case made certain: logit_bias forces a token that begins a 3-byte character,
+    and max_tokens 1 ends the request there. The text, whole or streamed, leaves the unfinished
+    bytes out (no U+FFFD); the logprobs still list the token with its exact bytes."""
+    vocabulary = TokenBytes(load_tokenizer(stack.config.target_model))
+    start = next(i for i in range(vocabulary.tokenizer.vocab_size) if vocabulary.get(i) == "\u20ac".encode()[:1])
+    asked = {"model": model, "messages": [{"role": "tool", "content": "x"}], "max_tokens": 1, "temperature": 0.0,
+             "logprobs": True, "logit_bias": {str(start): 100.0}, "extra_body": {"ignore_eos": True}}
+    whole = await api.chat.completions.create(**asked)
+    assert whole.choices[0].message.content == "" and whole.choices[0].finish_reason == "length"
+    assert [entry.bytes for entry in whole.choices[0].logprobs.content] == [list(vocabulary.get(start))]
+    chunks = [chunk async for chunk in await api.chat.completions.create(**asked, stream=True)]
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(choice.delta.content or "" for choice in streamed) == ""
+    assert [e.bytes for choice in streamed if choice.logprobs for e in choice.logprobs.content] == [[0xE2]]
+
+
 def vllm_scores(result) -> list:
     """A NATS client's prompt logprobs (top 2) as vLLM's prompt_logprobs."""
     return [None if entry is None else {str(i): v for i, v in entry.top[:2]} | {str(entry.token_id): entry.logprob}
@@ -572,7 +632,8 @@ async def test_without_auth_any_key_is_accepted_and_no_scheduler_is_a_503(start_
     async with start_stack(*chatml_pair, schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1,
                            auth=False) as bare:
         env = dict(line.split("=", 1) for line in bare.client_env_path.read_text().splitlines())
-        assert env == {"OPENAI_BASE_URL": bare.openai_base_url, "OPENAI_API_KEY": bare.api_key()}
+        assert env == {"SPECBUS_NATS_URL": bare.url, "OPENAI_BASE_URL": bare.openai_base_url,
+                       "OPENAI_API_KEY": bare.api_key()}
         anyone = openai.AsyncOpenAI(base_url=bare.openai_base_url, api_key="anything", max_retries=0)
         assert [m.id for m in (await anyone.models.list()).data] == [chatml_pair[0].name]
         with pytest.raises(openai.InternalServerError) as caught:

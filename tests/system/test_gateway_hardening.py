@@ -212,8 +212,9 @@ async def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(stack
 
 @pytest.mark.parametrize("pieces", [1, 2], ids=["at once", "in pieces"])
 async def test_oversized_headers_get_an_openai_error(stack, port, pieces):
-    """Over max_header_bytes (16 KiB): a 431 from the gateway when they come at once, h11's refusal
-    (a 400) when they come in pieces and the part received is already too long."""
+    """Over max_header_bytes (16 KiB): a 431 however they arrive: read at once (the front door
+    measures them) or in pieces that h11 refuses once the part received is already too long (TCP
+    may split even a head sent at once, so both paths must give the same answer)."""
     request_head = head("/v1/models", None, method="GET", extra=f"X-Big: {'a' * 40_000}\r\n")
 
     def big() -> tuple[int, dict, bytes]:
@@ -228,7 +229,8 @@ async def test_oversized_headers_get_an_openai_error(stack, port, pieces):
             sock.close()
 
     status, _, body = await asyncio.to_thread(big)
-    assert status == (431 if pieces == 1 else 400) and is_openai_error(json.loads(body))
+    error = json.loads(body)
+    assert status == 431 and is_openai_error(error) and error["error"]["code"] == "headers_too_large"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,3 +283,50 @@ async def test_a_body_over_the_cap_through_the_sdk_is_a_413(api):
     with pytest.raises(openai.APIStatusError) as caught:
         await api.completions.create(model=openai.omit, prompt="x" * (MAX_BODY_BYTES + 1), max_tokens=1)
     assert caught.value.status_code == 413 and caught.value.body["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # valid UTF-8, deeper than the parser goes
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "4300 digits"),  # a number too long to convert
+    (b"", "the body is empty"),
+], ids=["deep", "huge integer", "empty"])
+async def test_a_body_json_cannot_read_is_invalid_json_saying_why(stack, port, body, words):
+    status, _, error = await asyncio.to_thread(raw_request, port, "POST", "/v1/completions", body,
+                                               stack.api_key("alice"))
+    assert (status, error["error"]["code"]) == (400, "invalid_json") and is_openai_error(error)
+    assert words in error["error"]["message"] and "UTF-8" not in error["error"]["message"]
+
+
+async def test_a_body_sent_as_plain_text_is_a_415_naming_the_content_type(stack, port):
+    body = b'{"prompt": "x"}'
+    request = head("/v1/completions", len(body), stack.api_key("alice")).replace(b"application/json", b"text/plain")
+
+    def send() -> tuple[int, dict, bytes]:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        try:
+            sock.sendall(request + body)
+            return read_response(sock)
+        finally:
+            sock.close()
+
+    status, _, payload = await asyncio.to_thread(send)
+    error = json.loads(payload)
+    assert (status, error["error"]["code"]) == (415, "unsupported_media_type") and is_openai_error(error)
+    assert "application/json" in error["error"]["message"] and "text/plain" in error["error"]["message"]
+
+
+async def test_values_of_the_wrong_json_type_are_refused_naming_the_field(api):
+    """Strict types for the whole API, as OpenAI's server takes them: "8" is not a number."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.completions.create(model=openai.omit, prompt="x", max_tokens="8")
+    assert caught.value.body["param"] == "max_tokens" and caught.value.body["code"] == "invalid_field"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.completions.create(model=openai.omit, prompt="x", extra_body={"ignore_eos": 1})
+    assert caught.value.body["param"] == "ignore_eos"
+
+
+async def test_a_lone_surrogate_in_chat_content_names_the_messages_full_path(stack, port):
+    body = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "a\\ud800"}]}'
+    status, _, error = await asyncio.to_thread(raw_request, port, "POST", "/v1/chat/completions", body,
+                                               stack.api_key("alice"))
+    assert (status, error["error"]["param"]) == (400, "messages[1].content") and is_openai_error(error)

@@ -98,11 +98,16 @@ async def test_a_prompt_over_max_seq_len_is_refused_at_once(stack, client):
 
 
 async def test_generation_stops_at_max_seq_len_with_length(stack, client):
-    """Item 4: reaching max_seq_len ended in an "error" without a reason."""
+    """Item 4: reaching max_seq_len ended in an "error" without a reason. max_tokens up to the cap
+    (the least of max_tokens_cap and max_seq_len) runs into max_seq_len and ends with "length";
+    above the cap it is refused at once, stating the cap."""
     for k in (0, 4):
-        result = await client.generate(greedy(max_tokens=1000, num_speculative_tokens=k))
+        result = await client.generate(greedy(max_tokens=MAX_SEQ_LEN, num_speculative_tokens=k))
         assert result.finish_reason == "length"
         assert len(result.token_ids) == MAX_SEQ_LEN - len(PROMPT)
+    with pytest.raises(RequestError, match=f"above the cap {MAX_SEQ_LEN} \\(max_model_len {MAX_SEQ_LEN}") as refused:
+        await client.generate(greedy(max_tokens=1000))
+    assert refused.value.field == "sampling.max_tokens"
     await still_serving(stack, client)
 
 

@@ -145,8 +145,8 @@ def stack_settings(bad_rule: bool = False, dtype: str | None = None) -> dict:
     return dict(dtype=dtype, role_args={"scheduler": ["--draft-timeout-s", "5"]}, role_env=role_env)
 
 
-async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict]:
-    """`specbus selfcheck --url <stack> --json ...` as a user runs it; (exit code, report)."""
+async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict, str]:
+    """`specbus selfcheck --url <stack> --json ...` as a user runs it; (exit code, report, stderr)."""
     login = stack.client_login()
     env = {**os.environ, "SPECBUS_NATS_USER": login["user"], "SPECBUS_NATS_PASSWORD": login["password"]}
     process = await asyncio.create_subprocess_exec(
@@ -154,15 +154,21 @@ async def selfcheck(stack: Stack, *args: str) -> tuple[int, dict]:
         *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=600)
     assert stdout, f"exit {process.returncode}, no report; stderr ends:\n{stderr.decode()[-3000:]}"
-    return process.returncode, json.loads(stdout)
+    return process.returncode, json.loads(stdout), stderr.decode()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_quick_selfcheck_passes_on_a_healthy_stack(start_stack, tiny_pair, dtype):
     async with start_stack(*tiny_pair, **stack_settings(dtype=dtype)) as stack:
-        code, report = await selfcheck(stack, "--quick")
+        code, report, progress = await selfcheck(stack, "--quick")
     rows = {row["name"]: row for row in report["checks"]}
     assert code == 0 and report["passed"], json.dumps(report)[:3000]
+    # each check says on stderr when it starts and how it ended, one line each, in order
+    lines = [line for line in progress.splitlines() if line.startswith("selfcheck: ")]
+    titles = ["greedy identity", "distribution", "logprob identity", "seed reproducibility", "coupling invariance",
+              "degradation honesty"]
+    assert lines[0::2] == [f"selfcheck: {title}: started" for title in titles], progress[-3000:]
+    assert [line.rsplit(" (", 1)[0] for line in lines[1::2]] == [f"selfcheck: {title}: passed" for title in titles]
     assert list(rows) == ["greedy identity", "distribution", "power: same-token bypass (simulated)",
                           "logprob identity", "seed reproducibility", "coupling invariance", "degradation honesty"]
     cells = rows["distribution"]["details"]
@@ -174,10 +180,12 @@ async def test_quick_selfcheck_passes_on_a_healthy_stack(start_stack, tiny_pair,
 
 async def test_selfcheck_fails_when_the_verifier_accepts_drafts_equal_to_its_own_sample(start_stack, tiny_pair):
     async with start_stack(*tiny_pair, **stack_settings(bad_rule=True)) as stack:
-        code, report = await selfcheck(stack, "--quick", "--checks", "distribution", "--samples", str(BAD_RULE_SAMPLES))
+        code, report, progress = await selfcheck(stack, "--quick", "--checks", "distribution", "--samples",
+                                                 str(BAD_RULE_SAMPLES))
     rows = {row["name"]: row for row in report["checks"]}
     shown = json.dumps(report)[:4000]
     assert code == 1 and not report["passed"] and not rows["distribution"]["passed"], shown
+    assert "selfcheck: distribution: FAILED (" in progress
     assert rows["power: same-token bypass (simulated)"]["passed"], shown
     # where the bypass shows: a speculative position of the greedy-draft cells (point-mass drafts)
     worst = min(rows["distribution"]["details"], key=lambda d: d["p"] if d["p"] is not None else 1.0)

@@ -49,6 +49,11 @@ async def test_a_sharegpt_run_completes_every_request_and_writes_vllms_fields(st
                                  "--result-file", str(result_file))
     assert code == 0, err
     assert "Serving Benchmark Result" in out and "Successful requests:" in out
+    # one progress line per request on stderr, as each completes, with its rate and an ETA
+    progress = [line for line in err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == [f"[{i}/6" for i in range(1, 7)]
+    assert all("8 tokens in" in line and "tokens/s" in line and "ETA" in line for line in progress)
+    assert progress[-1].endswith("ETA 0 s")
     data = json.loads(result_file.read_text())
     assert (data["completed"], data["failed"], data["failures"]) == (6, 0, {})
     assert data["total_output_tokens"] == 6 * 8  # ignore_eos: every request runs to max_tokens

@@ -16,7 +16,7 @@ from services.commands.bench_serve_core import (DONE, MAX_PROMPT_LEN, MAX_TOTAL_
                                                 find_client_env, first_exchange, format_sweep, format_table,
                                                 is_held_out, is_valid_sequence, load_sharegpt, meets, parse_goodput,
                                                 parse_rates, plot_sweep, read_env_file, result_json, sample_random,
-                                                sample_sharegpt, sharegpt_path, sse_data, summarize)
+                                                progress_line, sample_sharegpt, sharegpt_path, sse_data, summarize)
 
 VLLM_FIELDS = ["completed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
                "output_throughput", "total_token_throughput", "duration"] + [
@@ -264,3 +264,16 @@ def test_a_sweep_prints_a_row_per_rate_and_plots_a_png(tmp_path):
     path = plot_sweep(entries, tmp_path / "sub" / "sweep.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert default_plot_path(Path("out/r.json")) == Path("out/r.png") and default_plot_path(None) is None
+
+
+def test_a_progress_line_gives_the_requests_rate_and_an_eta_from_the_rate_so_far():
+    sample = SampleRequest("hi", 3, 100)
+    done = RequestResult(sample, ttft_s=1.0, e2el_s=4.0, output_tokens=100)
+    line = progress_line(2, 10, done, elapsed_s=10.0, tokens_done=200, tokens_left=800)
+    assert line == "[2/10] 100 tokens in 4.0 s (25.0 tokens/s); 20.0 tokens/s over the run; ETA 40 s"
+    assert progress_line(10, 10, done, 50.0, 1000, 0).endswith("ETA 0 s")
+    long = progress_line(1, 10, done, 84.0, 100, 900)
+    assert long.endswith("ETA 12 min 36 s")
+    failed = RequestResult(sample, failure=Failure(429, "overloaded", "rate_limit_error", "full"))
+    assert progress_line(3, 10, failed, 10.0, 0, 700) == \
+        "[3/10] failed: 429 rate_limit_error/overloaded; ETA unknown (no tokens yet)"

@@ -63,3 +63,20 @@ def test_openai_settings_go_to_every_client_file_with_that_users_key(tmp_path):
     assert env_lines(tmp_path / CLIENT_ENV_FILE)["OPENAI_API_KEY"] == credentials.api_key("alice")
     bob = env_lines(tmp_path / "client-bob.env")
     assert bob["SPECBUS_NATS_USER"] == "bob" and bob["OPENAI_API_KEY"] == credentials.api_key("bob")
+
+
+@pytest.mark.parametrize("auth", [True, False])
+def test_every_client_file_names_every_nats_node(tmp_path, auth):
+    """`. client.env` is all a client needs: the URL of every node too, comma separated, as
+    SPECBUS_NATS_URL (what the CLI and Client.from_env read)."""
+    credentials = StackCredentials(("alice", "bob"))
+    if auth:
+        credentials.generate(tmp_path, "specbus")
+    urls = "nats://127.0.0.1:14222,nats://127.0.0.1:14223"
+    credentials.add_nats_env(tmp_path, urls)
+    files = [CLIENT_ENV_FILE, "client-alice.env", "client-bob.env"] if auth else [CLIENT_ENV_FILE]
+    for name in files:
+        assert env_lines(tmp_path / name)["SPECBUS_NATS_URL"] == urls
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
+    if auth:  # the login is still there
+        assert env_lines(tmp_path / "client-bob.env")["SPECBUS_NATS_USER"] == "bob"

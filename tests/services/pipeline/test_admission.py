@@ -184,3 +184,36 @@ def test_a_text_prompt_far_over_max_seq_len_is_refused_before_tokenizing(tokeniz
     with pytest.raises(SpecbusError, match="characters; max_seq_len 8") as info:
         state.admission.check_prompt_text(GenerateRequest(request_id="big-chat", messages=chat))
     assert info.value.field == "messages"
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"sampling": {"stop_token_ids": [10**9]}}, "sampling.stop_token_ids"),
+    ({"sampling": {"logit_bias": {"1000000": 5.0}}}, "sampling.logit_bias"),
+    ({"logprobs": {"logprob_token_ids": [1, 10**6]}}, "logprobs.logprob_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_at_admission_wherever_they_are(tokenizer, fields, field):
+    """Like a prompt id: the stop ids, logit_bias ids and requested logprob ids are checked at
+    admission, not first by a verifier mid-request."""
+    state = new_state(tokenizer)
+    request = GenerateRequest(request_id="oov", prompt_token_ids=[5, 6], **fields)
+    with pytest.raises(SpecbusError, match="outside the vocabulary") as info:
+        state.admission.check_request(request)
+    assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, field)
+    state.admission.check_request(GenerateRequest(request_id="fine", prompt_token_ids=[5, 6],
+                                                  sampling={"stop_token_ids": [7], "logit_bias": {"7": 1.0}}))
+
+
+def test_max_tokens_over_the_effective_cap_is_refused_stating_that_cap(tokenizer):
+    """The cap is the least of max_tokens_cap and the verifiers' max_seq_len (max_model_len), and
+    the message states the one that holds."""
+    state = new_state(tokenizer, roles=(("p1", "postprocessor"),), max_tokens_cap=64)
+    over = GenerateRequest(request_id="long", prompt_token_ids=[5, 6], sampling={"max_tokens": 100})
+    with pytest.raises(SpecbusError, match="max_tokens 100 is above the cap 64") as info:
+        state.admission.check_request(over)
+    assert info.value.field == "sampling.max_tokens"
+    beat_verifier(state, "v1", max_seq_len=32)
+    with pytest.raises(SpecbusError, match=r"above the cap 32 \(max_model_len 32") as info:
+        state.admission.check_request(over)
+    assert info.value.field == "sampling.max_tokens"
+    state.admission.check_request(GenerateRequest(request_id="fits", prompt_token_ids=[5, 6],
+                                                  sampling={"max_tokens": 32}))

@@ -1,0 +1,235 @@
+"""The request bodies of /v1/completions and /v1/chat/completions and their mapping to
+GenerateRequests, NATS-free.
+
+Bodies are pydantic models (FastAPI validates them): an unknown field is refused, naming it,
+rather than silently ignored, and types are strict, as OpenAI's own server takes them: a number
+given as a string (`"max_tokens": "8"`), a bool as 0/1 or a string for a number is refused naming
+the field, never coerced (an integer is taken where a float is asked). Besides the OpenAI fields,
+every body takes specbus's own (documented in README.md, "OpenAI-compatible API"): top_k, min_p,
+ignore_eos, stop_token_ids, num_speculative_tokens, draft_mode, draft_method, logprobs_mode,
+sampling_mask, timeout_s, and vLLM's prompt_logprobs.
+
+One OpenAI request becomes one GenerateRequest per choice: `n` choices per prompt (seed + i when
+a seed is given, else each request id's own seed), choice index prompt_index * n + i, as OpenAI
+numbers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.errors import SpecbusError
+from schemas.generation import GenerateRequest
+from schemas.protocol import MAX_TOP_LOGPROBS
+from services.client import make_request
+from services.gateway.api_errors import ApiError
+from services.gateway.token_texts import TokenTexts
+
+MAX_CHOICES = 16  # n times the number of prompts
+MAX_ROLE_CHARS = 64  # as schemas.generation.ChatMessage takes it
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# specbus field name -> the body's name for it, where they differ
+COMPLETION_PARAMS = {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
+CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class Body(BaseModel):
+    """What /v1/completions and /v1/chat/completions share, OpenAI's fields then specbus's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None  # None: the one model served (as vLLM and SGLang take it)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias}; ranges and ids checked by the schema
+    repetition_penalty: float | None = None  # vLLM's extra
+    user: str | None = None  # accepted for the SDKs; unused
+    # specbus's own
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    num_speculative_tokens: int | None = None
+    draft_mode: Literal["greedy", "sample"] | None = None
+    draft_method: Literal["auto", "model", "ngram", "eagle"] | None = None
+    coupling: Literal["rejection", "gumbel"] | None = None
+    logprobs_mode: Literal["raw", "processed"] | None = None
+    sampling_mask: bool | None = None
+    timeout_s: float | None = None
+    # vLLM's: the prompt's logprobs (top-N per token), module docstring
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def check_stream_rules(self) -> None:
+        """OpenAI's rule: stream_options only with stream. vLLM's: the prompt's logprobs only in
+        a whole response."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options",
+                           code="invalid_field")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs: not available with stream=true", param="prompt_logprobs",
+                           code="invalid_field")
+
+    def common_options(self) -> dict[str, Any]:
+        """make_request options from the shared fields (None: the schema's default)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "stop": [self.stop] if isinstance(self.stop, str)
+                else self.stop, "top_k": self.top_k, "min_p": self.min_p, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": self.stop_token_ids, "num_speculative_tokens": self.num_speculative_tokens,
+                "draft_mode": self.draft_mode, "draft_method": self.draft_method, "logprobs_mode": self.logprobs_mode,
+                "sampling_mask": self.sampling_mask, "stream": self.stream,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                "coupling": self.coupling}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def param_names(self) -> dict[str, str]:
+        """specbus option -> the body's name for it, for the errors of this body's requests."""
+        return {}
+
+
+class CompletionBody(Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    def param_names(self) -> dict[str, str]:
+        # the request's prompt_logprobs come from `prompt_logprobs` when given, else from echo + logprobs
+        names = dict(COMPLETION_PARAMS)
+        if self.prompt_logprobs is not None:
+            del names["prompt_logprobs"]
+        return names
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIChatMessage(BaseModel):
+    """A turn as vLLM takes it: any role the chat template knows (tool, ipython, ...), and fields
+    beyond role and content accepted (name, tool_calls, ...) but not passed on: a GenerateRequest's
+    messages carry role and content, which is all the template is given (README.md, deliberate
+    differences). content null (an assistant turn of tool calls) is empty text."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatBody(Body):
+    messages: list[OpenAIChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def param_names(self) -> dict[str, str]:
+        return CHAT_PARAMS | {"max_tokens": "max_tokens" if self.max_completion_tokens is None
+                              else "max_completion_tokens"}
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI request -> GenerateRequests
+
+
+@dataclass(frozen=True)
+class ChoicePlan:
+    """One choice: its index in the response, its GenerateRequest, and for `echo` the prompt text."""
+
+    index: int
+    request: GenerateRequest
+    echo_text: str | None = None
+
+
+def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, options: dict[str, Any],
+                  param_names: Mapping[str, str], echo_texts: Sequence[str] | None = None) -> list[ChoicePlan]:
+    """A GenerateRequest per choice (module docstring) from each input ({"prompt": ...} or
+    {"messages": ...}); a bad value is a 400 naming the body's field."""
+    if not inputs:
+        raise ApiError(400, "prompt: give at least one prompt", param="prompt", code="invalid_field")
+    if len(inputs) * n > MAX_CHOICES:
+        raise ApiError(400, f"n: {len(inputs)} prompts x n={n} choices is above {MAX_CHOICES}", param="n",
+                       code="invalid_field")
+    plans = []
+    for prompt_index, given in enumerate(inputs):
+        for i in range(n):
+            choice_seed = None if seed is None else (seed + i) % 2**63
+            try:
+                request = make_request(**given, seed=choice_seed, **options)
+            except SpecbusError as exc:
+                raise ApiError.from_specbus(exc, param_names) from None
+            plans.append(ChoicePlan(prompt_index * n + i, request, None if echo_texts is None else echo_texts[prompt_index]))
+    return plans
+
+
+def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) -> list[ChoicePlan]:
+    """A prompt of token ids is echoed as its tokens' texts, special tokens included (module
+    docstring: the offsets must agree with it); a text prompt as it was given."""
+    body.check_stream_rules()
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of: only best_of == n is supported", param="best_of", code="invalid_field")
+    # echo + logprobs scores the prompt too (max_tokens=0: only the prompt); with prompt_logprobs,
+    # one request gives both, each cut to its own top-N
+    wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+    options = body.common_options() | {
+        "max_tokens": COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+        "logprobs": body.logprobs, "timeout_s": body.timeout_s or timeout_s,
+        "prompt_logprobs": max(wanted) if wanted else None,
+    }
+    prompts = body.prompts()
+    echo_texts = [p if isinstance(p, str) else texts.join(p) for p in prompts] if body.echo else None
+    return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, body.param_names(), echo_texts)
+
+
+def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> list[ChoicePlan]:
+    """The messages go as they are: the scheduler renders them with the target's chat template
+    (a model without one: a 400 naming messages)."""
+    body.check_stream_rules()
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_field")
+    max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), default_max_tokens)
+    options = body.common_options() | {
+        "max_tokens": max_tokens, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+        "timeout_s": body.timeout_s or timeout_s, "prompt_logprobs": body.prompt_logprobs,
+    }
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return plan_requests([{"messages": messages}], body.n, body.seed, options, body.param_names())
