@@ -22,7 +22,8 @@ import structlog
 
 from text.tokenizer import load_tokenizer
 from schemas.codec import validate
-from schemas.config import ENV_PREFIX, MAX_MESSAGE_BYTES, ROLES, BusConfig, default_target_model, load_config
+from schemas.config import (DEFAULT_NATS_URL, ENV_PREFIX, MAX_MESSAGE_BYTES, NATS_PORT, ROLES, BusConfig,
+                            default_target_model, load_config)
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.generation import ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, new_request_id
 from schemas.streams import StreamChunk
@@ -50,7 +51,7 @@ log = structlog.get_logger(__name__)
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=4222, help="client port; 0 picks a free one (default 4222)")
+    parser.add_argument("--port", type=int, default=NATS_PORT, help=f"client port; 0 picks a free one (default {NATS_PORT})")
     parser.add_argument("--max-payload", type=int, default=MAX_MESSAGE_BYTES, help="bytes per message")
     parser.add_argument("--jetstream-dir", default=None, help="enable JetStream, storing under this dir")
     parser.add_argument("--auth", action="store_true",
@@ -157,7 +158,8 @@ async def run_serve(args: argparse.Namespace) -> int:
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=4222, help="NATS port on loopback; 0 picks a free one (default 4222)")
+    parser.add_argument("--port", type=int, default=NATS_PORT,
+                        help=f"NATS port on loopback; 0 picks a free one (default {NATS_PORT})")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the OpenAI API on loopback; gateway i on PORT+i; 0 picks free ones (default 8000)")
     add_stack_arguments(parser)
@@ -188,7 +190,7 @@ ANSI_RESET = "\x1b[0m"
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None, help="NATS url (env SPECBUS_NATS_URL; default nats://127.0.0.1:4222)")
+    parser.add_argument("--url", default=None, help=f"NATS url (env SPECBUS_NATS_URL; default {DEFAULT_NATS_URL})")
     parser.add_argument("--prefix", default=None, help=f"subject prefix (env SPECBUS_PREFIX; default {DEFAULT_PREFIX!r})")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (with --chat: the user's message)")

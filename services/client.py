@@ -53,7 +53,7 @@ import numpy as np
 import structlog
 
 from schemas.codec import decode, decode_any, encode, validate
-from schemas.config import BusConfig, load_config
+from schemas.config import DEFAULT_NATS_URL, HEARTBEAT_TIMEOUT_S, BusConfig, load_config
 from schemas.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, SamplingParams, SpeculativeOptions,
@@ -551,12 +551,12 @@ class Stream:
 class Client:
     """A connection to a specbus deployment: `async with Client(url) as client: ...`."""
 
-    def __init__(self, url: str | list[str] = "nats://127.0.0.1:4222", *, prefix: str = DEFAULT_PREFIX,
+    def __init__(self, url: str | list[str] = DEFAULT_NATS_URL, *, prefix: str = DEFAULT_PREFIX,
                  user: str | None = None, password: str | None = None, tls: ssl.SSLContext | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  name: str = "specbus-client", connect_timeout_s: float = 5.0, timeout_margin_s: float = 5.0,
                  idle_timeout_s: float = 30.0, gap_grace_s: float = 1.0, failover: bool = True,
-                 heartbeat_timeout_s: float = 2.0, admission_timeout_s: float = 5.0):
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, admission_timeout_s: float = 5.0):
         self.url = url
         self.subjects = Subjects(prefix)
         self.user, self.password = user, password
