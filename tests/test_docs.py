@@ -324,7 +324,8 @@ def test_modules_classes_and_functions_stay_small():
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
                     problems.append(f"{name}:{node.lineno}: {node.name}() is {lines} lines (at most {MAX_FUNCTION_LINES})")
-    assert not problems, "too large (split along the jobs it does, STYLE.md 20):\n" + "\n".join(problems)
+    assert not problems, (
+        "too large (split along the jobs it does, docs/ARCHITECTURE.md#naming):\n" + "\n".join(problems))
 
 
 def offences(rules: dict[str, str]) -> list[str]:
@@ -351,7 +352,7 @@ def offences(rules: dict[str, str]) -> list[str]:
 def test_docstrings_and_comments_carry_no_measured_figures():
     problems = offences(MEASURED_FIGURE)
     assert not problems, ("measured figures in docstrings or comments (state the contract; figures go to "
-                          "ops/bench/RESULTS.md, STYLE.md 21):\n" + "\n".join(problems))
+                          "ops/bench/RESULTS.md, docs/ARCHITECTURE.md#naming):\n" + "\n".join(problems))
 
 
 def test_docstrings_and_comments_carry_no_issue_or_session_numbers():
