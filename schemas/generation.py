@@ -36,7 +36,6 @@ def seed_from_request_id(request_id: str) -> int:
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-
 class LogitBias(WireModel):
     """OpenAI's logit_bias in packed form.
 
@@ -167,8 +166,7 @@ def draft_is_sampled(sampling: RowSampling, draft_mode: str) -> bool:
     """Whether a draft row's drafts are drawn from a distribution and answered with a sparse
     proposal (up to MAX_DRAFT_SUPPORT ids per draft) rather than a point mass: every row that
     is not greedy (temperature 0) and either drafts in mode "sample" or is Gumbel-coupled (a
-    coupled row proposes with the target's noise whatever its draft_mode). The drafter draws
-    by it (gpu_worker/roles/drafter_core.py) and the scheduler sizes draft answers by it."""
+    coupled row proposes with the target's noise whatever its draft_mode)."""
     return not sampling.greedy and (draft_mode == "sample" or sampling.gumbel)
 
 

@@ -50,7 +50,7 @@ from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
                                          row_seed, sample)
 from gpu_worker.roles.receiver_rule import receiver_rule
-from gpu_worker.roles.row_sampling import batch_params, logit_bias_tensors, row_params, row_penalties
+from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
 from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
 from text.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.arrays import PAD_TOKEN_ID
@@ -357,8 +357,8 @@ def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
                          if penalised else None)
     if all(work.greedy for work in works):
         return choice
-    choice.params = batch_params([row_params(work.row.sampling, greedy=work.greedy, top_k_cap=MAX_DRAFT_SUPPORT)
-                                  for work in works])
+    choice.params = SamplingTensors.cat([row_params(work.row.sampling, greedy=work.greedy, top_k_cap=MAX_DRAFT_SUPPORT)
+                                         for work in works])
     choice.seeds = torch.tensor([0 if work.greedy else row_seed(work.row.sampling) for work in works],
                                 dtype=torch.int64)
     choice.starts = torch.tensor([work.start for work in works], dtype=torch.int64)

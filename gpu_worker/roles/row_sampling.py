@@ -1,6 +1,6 @@
 """A row's RowSampling as the sampler's tensors, for the verifier (the target's distributions)
 and the drafter (its proposal), which apply the same steps (gpu_worker/sampling/sampler.py):
-SamplingTensors of one row (`row_params`) joined into a batch's (`batch_params`), and a row's
+SamplingTensors of one row (`row_params`; SamplingTensors.cat joins a batch's), and a row's
 logit_bias and penalties over its history (`row_penalties`).
 """
 
@@ -11,9 +11,6 @@ import torch
 
 from gpu_worker.sampling.sampler import Penalties, SamplingTensors
 from schemas.generation import RowSampling
-
-SAMPLING_TENSOR_FIELDS = ("temperature", "top_k", "top_p", "min_p")
-
 
 @functools.lru_cache(maxsize=1024)
 def params_of(temperature: float, top_k: int, top_p: float, min_p: float, device) -> SamplingTensors:
@@ -30,11 +27,6 @@ def row_params(sampling: RowSampling, device=None, *, greedy: bool = False,
     becoming the cap. SamplingInputError naming the field for a value the kernels refuse."""
     top_k = sampling.top_k if top_k_cap is None else min(sampling.top_k or top_k_cap, top_k_cap)
     return params_of(0.0 if greedy else sampling.temperature, top_k, sampling.top_p, sampling.min_p, device)
-
-
-def batch_params(params: list[SamplingTensors]) -> SamplingTensors:
-    """Rows' SamplingTensors -> the batch's, rows in order."""
-    return SamplingTensors(*(torch.cat([getattr(p, name) for p in params]) for name in SAMPLING_TENSOR_FIELDS))
 
 
 def logit_bias_tensors(sampling: RowSampling) -> tuple[torch.Tensor | None, torch.Tensor | None]:

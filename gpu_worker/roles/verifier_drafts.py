@@ -9,13 +9,12 @@ from __future__ import annotations
 import structlog
 import torch
 
-from gpu_worker.roles.row_sampling import batch_params
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
 from gpu_worker.sampling.coupling import gumbel_argmax
 from gpu_worker.sampling.rejection import RejectionResult, greedy_accepted, rejection_sample
 from gpu_worker.sampling.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, Penalties, ProcessedLogits,
-                                         SamplingInputError, check_finite_logits, make_uniforms, penalise, row_seed,
-                                         sample)
+                                         SamplingInputError, SamplingTensors, check_finite_logits, make_uniforms,
+                                         penalise, row_seed, sample)
 from schemas.arrays import PAD_TOKEN_ID
 from schemas.errors import ErrorCode
 from schemas.generation import RowSampling
@@ -95,7 +94,7 @@ def verify_sampled(works: list[VerifyRowWork], logits: torch.Tensor,
     """Target samples and the rejection sampler for a batch with sampled rows (greedy rows in it
     take the sampler's argmax path). logits (B, K+1, V); draft_ids (B, K), -1 padded."""
     (B, K), V, device = draft_ids.shape, logits.shape[-1], logits.device
-    params = batch_params([w.params for w in works])
+    params = SamplingTensors.cat([w.params for w in works])
     seeds = torch.tensor([row_seed(w.row.sampling) for w in works], dtype=torch.long,
                          device=device)
     first = torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)

@@ -66,7 +66,6 @@ def forward_group(verifier: Verifier, group: list[tuple[VerifyRowWork, int, int]
         work.fed = end
 
 
-
 def take_logits(verifier: Verifier, work: VerifyRowWork, offsets: list[int], logits: torch.Tensor) -> None:
     """Split a chunk's logits (m, V) at offsets into prompt logprobs (computed now, so a long
     prompt never holds all its logits) and verify logits (kept for sampling)."""

@@ -1,7 +1,8 @@
-"""The verifier's rows before the model (steps 1-2 of gpu_worker/roles/verifier_core.py): every
-row checked before any state changes (`check_row`: token ids inside the vocabulary, proposal,
-room in the slot), its sampling tensors, penalties and draft distributions built, then the
-receiver rule (gpu_worker/roles/receiver_rule.py) and KV admission (`prepare_row`).
+"""The verifier's rows before the model (step 2 of gpu_worker/roles/verifier_core.py, whose
+verify_batch answers a retry itself): every row checked before any state changes (`check_row`:
+token ids inside the vocabulary, proposal, room in the slot), its sampling tensors, penalties
+and draft distributions built, then the receiver rule (gpu_worker/roles/receiver_rule.py) and
+KV admission (`prepare_row`).
 """
 
 from __future__ import annotations

@@ -103,7 +103,6 @@ def side_record(verifier: Verifier, work: VerifyRowWork, batch_id: int, verified
                              logprobs=logprobs, masks=masks, prompt_logprobs=prompt, prompt_offset=prompt_offset)
 
 
-
 def continue_prompt(verifier: Verifier, work: VerifyRowWork) -> None:
     """Start this step's prompt logprobs from what the request's state holds: positions
     1..start-1 and the logits that give position `start` (the chunk went on where the last

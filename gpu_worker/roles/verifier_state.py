@@ -50,7 +50,6 @@ class VerifierSlot:
         return self.prompt_offset + (0 if self.prompt_logprobs is None else self.prompt_logprobs.n)
 
 
-
 @dataclass(kw_only=True)
 class Verifier(SlotOwner):
     model: Model
@@ -96,7 +95,6 @@ class VerifyRowWork:
     @property
     def completes_prompt(self) -> bool:
         return self.start < self.row.prompt_len <= self.start + self.num_new
-
 
 
 @dataclass

@@ -171,6 +171,11 @@ class SamplingTensors:
         """The parameters of the given rows (e.g. one entry per emitted token)."""
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
 
+    @classmethod
+    def cat(cls, parts: list["SamplingTensors"]) -> "SamplingTensors":
+        """Rows' tensors joined into a batch's, rows in order."""
+        return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in cls.__dataclass_fields__))
+
 
 @dataclass(frozen=True)
 class Penalties:

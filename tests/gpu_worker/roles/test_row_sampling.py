@@ -4,14 +4,14 @@ and the drafter both build from a RowSampling."""
 import pytest
 import torch
 
-from gpu_worker.roles.row_sampling import batch_params, logit_bias_tensors, row_params, row_penalties
+from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
 from gpu_worker.sampling.sampler import Penalties, SamplingInputError, SamplingTensors
 from schemas.generation import RowSampling
 
 
 def test_a_batch_of_rows_is_the_tensors_built_from_the_lists():
     rows = [RowSampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1), RowSampling(temperature=0)]
-    joined = batch_params([row_params(s) for s in rows])
+    joined = SamplingTensors.cat([row_params(s) for s in rows])
     built = SamplingTensors.build([0.7, 0.0], [5, 0], [0.9, 1.0], [0.1, 0.0])
     for name in ("temperature", "top_k", "top_p", "min_p"):
         assert torch.equal(getattr(joined, name), getattr(built, name))
