@@ -10,9 +10,10 @@ string begin a character that is not finished: the bytes a cut left over.
 from __future__ import annotations
 
 import codecs
-import json
 import re
 from functools import lru_cache
+
+from tokenizers import decoders
 
 from text.tokenizer import Tokenizer
 
@@ -42,11 +43,10 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        described = json.loads(tokenizer.hf.to_str())
-        self.byte_level = (described.get("decoder") or {}).get("type") == "ByteLevel"
-        added = described.get("added_tokens", [])
-        self.special = {t["id"] for t in added}
-        self.skipped = {t["id"] for t in added if t.get("special")}
+        self.byte_level = isinstance(tokenizer.hf.decoder, decoders.ByteLevel)
+        added = tokenizer.hf.get_added_tokens_decoder()  # id -> AddedToken
+        self.special = set(added)
+        self.skipped = {token_id for token_id, token in added.items() if token.special}
         self.cache: dict[int, bytes] = {}
 
     def get(self, token_id: int) -> bytes:

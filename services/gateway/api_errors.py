@@ -6,10 +6,12 @@ become. Every error names the body's full path to the field it is about (`messag
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from schemas.codec import field_path
 from schemas.errors import ErrorCode, SpecbusError
 from services.client import GROUPS
 
@@ -81,6 +83,13 @@ def body_path(field: str, param_names: Mapping[str, str] = {}) -> str:
     return param_names.get(name, name) + field[len(name):]
 
 
+def is_body_field(part: str | int) -> bool:
+    """Whether a part of pydantic's error location names a body field or a list index (its
+    union-member tags, "str", "int", ..., and function names do not)."""
+    return isinstance(part, int) or (re.fullmatch(r"[a-z_][a-z0-9_]*", str(part)) is not None
+                                     and part not in ("str", "int", "float", "bool"))
+
+
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """A 400 for pydantic's (FastAPI's) validation errors: the first, its location as param
     ("messages[0].role"; "body" and pydantic's union-member tags left out). A body that is not
@@ -94,14 +103,7 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
         at = f" at character {where[0]}" if where and isinstance(where[0], int) else ""
         return ApiError(400, f"the body is not valid JSON: {detail}{at}", code="invalid_json")
-    path = ""
-    for part in first.get("loc", ())[1:]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif re.fullmatch(r"[a-z_][a-z0-9_]*", str(part)) and part not in ("str", "int", "float", "bool"):
-            path += f".{part}" if path else str(part)
-        else:
-            break
+    path = field_path(tuple(itertools.takewhile(is_body_field, first.get("loc", ())[1:])))
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return ApiError(400, f"{clip(path)}: {message}" if path else message, param=path or None,
                     code="invalid_field" if path else "bad_request")

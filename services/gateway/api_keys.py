@@ -11,7 +11,6 @@ from services.gateway.api_errors import ApiError
 from services.runtime.auth import AuthConfigError, api_key_env, client_user_names, password_env
 
 
-
 @dataclass(frozen=True)
 class Login:
     user: str

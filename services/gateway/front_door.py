@@ -167,8 +167,7 @@ class HeaderDeadlineH11(H11Protocol):
     within header_timeout_s, or the connection is closed (uvicorn only times out idle keep-alive
     connections). Malformed or oversized headers get an OpenAI error instead of uvicorn's text."""
 
-    header_timeout_s: float = 10.0  # both set per server by `protocol_class`
-    max_header_bytes: int = 16 * 1024
+    header_timeout_s: float = 10.0  # set per server by `protocol_class`
     header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -202,10 +201,12 @@ class HeaderDeadlineH11(H11Protocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to what h11 refuses: a head that grew past max_header_bytes before it
-        was complete is the front door's 431 (however TCP split it), anything else a 400."""
-        if len(self.conn.trailing_data[0]) > self.max_header_bytes:
-            error = headers_too_large(self.max_header_bytes)
+        """uvicorn's answer to what h11 refuses: a head that grew past h11's bound (the server's
+        h11_max_incomplete_event_size: max_header_bytes) before it was complete is the front
+        door's 431 (however TCP split it), anything else a 400."""
+        max_header_bytes = self.config.h11_max_incomplete_event_size
+        if len(self.conn.trailing_data[0]) > max_header_bytes:
+            error = headers_too_large(max_header_bytes)
         else:
             error = ApiError(400, f"not a valid HTTP request: {msg}", code="bad_request")
         payload = json.dumps(error.to_json()).encode()
@@ -217,6 +218,5 @@ class HeaderDeadlineH11(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(header_timeout_s: float, max_header_bytes: int) -> type[H11Protocol]:
-    return type("GatewayH11Protocol", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s,
-                                                             "max_header_bytes": max_header_bytes})
+def protocol_class(header_timeout_s: float) -> type[H11Protocol]:
+    return type("GatewayH11Protocol", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s})

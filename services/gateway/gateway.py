@@ -461,7 +461,7 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         app = counted(front_door(api, config, gateway.user_for), gateway.metrics, {route.path for route in api.routes})
         server = GatewayServer(uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
-            http=protocol_class(config.header_timeout_s, config.max_header_bytes), timeout_keep_alive=config.keep_alive_timeout_s,
+            http=protocol_class(config.header_timeout_s), timeout_keep_alive=config.keep_alive_timeout_s,
             h11_max_incomplete_event_size=config.max_header_bytes))
         with serve_metrics(gateway.metrics.registry, config.metrics_port):
             serving = asyncio.create_task(server.serve(sockets=[listener]))

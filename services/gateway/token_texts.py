@@ -10,13 +10,12 @@ from collections.abc import Sequence
 from text.token_bytes import TokenBytes
 from text.tokenizer import Tokenizer
 
+
 class TokenTexts:
     """Per-token bytes and text for the logprob shapes (module docstring), cached by id."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
         self.token_bytes = TokenBytes(tokenizer)
-        self.byte_level = self.token_bytes.byte_level
         self.skipped = self.token_bytes.skipped  # left out of generated text
         self.cache: dict[int, tuple[bytes, str]] = {}
 
@@ -32,13 +31,9 @@ class TokenTexts:
     def join(self, ids: Sequence[int]) -> str:
         """The text of tokens in a row, special tokens included: the bytes joined, then decoded
         (a character split across tokens comes out whole)."""
-        if self.byte_level:
-            return b"".join(self.get(i)[0] for i in ids).decode("utf-8", errors="replace")
-        return "".join(self.text(i) for i in ids)
+        return b"".join(self.get(i)[0] for i in ids).decode("utf-8", errors="replace")
 
     def width(self, token_id: int) -> int:
         """Characters a token adds to a text (join's): the characters that begin in its bytes (a
         UTF-8 continuation byte begins none)."""
-        if self.byte_level:
-            return sum(1 for b in self.get(token_id)[0] if b & 0xC0 != 0x80)
-        return len(self.text(token_id))
+        return sum(1 for b in self.get(token_id)[0] if b & 0xC0 != 0x80)
