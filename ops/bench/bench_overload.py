@@ -25,7 +25,8 @@ from pathlib import Path
 
 import openai
 
-from services.commands.bench_serve_core import Distribution, find_client_env, read_env_file
+from services.commands.bench_serve_core import Distribution, find_client_env
+from services.runtime.auth import read_env_file
 
 PROMPT = "Write a short story about a robot who learns to paint, in three sentences."
 

@@ -44,12 +44,14 @@ except ImportError:
     import httpx
 from tqdm import tqdm
 
+from schemas.config import default_target_model
 from services.commands.bench_serve_core import (DONE, BenchError, Failure, Goodput, RequestResult, SampleRequest,
                                                 arrival_delays, default_plot_path, delta_text, failure_from_body,
                                                 find_client_env, format_sweep, format_table, load_sharegpt,
-                                                parse_goodput, parse_rates, plot_sweep, progress_line, rate_json, read_env_file,
+                                                parse_goodput, parse_rates, plot_sweep, progress_line, rate_json,
                                                 result_json, sample_random, sample_sharegpt, sharegpt_path, sse_data,
                                                 summarize)
+from services.runtime.auth import read_env_file
 
 HELP = "load-benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, throughput) on ShareGPT or random prompts"
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
@@ -279,15 +281,14 @@ async def run_load(client: httpx.AsyncClient, target: Target, samples: Sequence[
     delays = arrival_delays(len(samples), rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(samples), file=sys.stderr, disable=None if progress and show_bar else True, unit="req", leave=False)
-    finished = {"requests": 0, "tokens": 0, "planned": 0}
+    finished = {"requests": 0, "tokens": 0, "tokens_left": sum(s.output_len for s in samples)}
 
     def report(result: RequestResult) -> None:
         finished["requests"] += 1
         finished["tokens"] += result.output_len if result.ok else 0
-        finished["planned"] += result.sample.output_len
-        left = sum(s.output_len for s in samples) - finished["planned"]
+        finished["tokens_left"] -= result.sample.output_len  # planned lengths of the requests not done
         line = progress_line(finished["requests"], len(samples), result, time.perf_counter() - started,
-                             finished["tokens"], left)
+                             finished["tokens"], finished["tokens_left"])
         if bar.disable:
             print(line, file=sys.stderr, flush=True)
         else:
@@ -326,8 +327,7 @@ def load_samples(args: argparse.Namespace) -> tuple[list[SampleRequest], str]:
         raise BenchError("--num-prompts must be at least 1")
     if args.tokenizer:
         tokenizer_dir = args.tokenizer
-    else:  # imported here: the schemas package takes a second to import, and --tokenizer needs none of it
-        from schemas.config import default_target_model
+    else:
         tokenizer_dir = default_target_model()
     try:
         tokenizer = load_tokenizer(tokenizer_dir)

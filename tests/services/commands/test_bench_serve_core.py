@@ -15,8 +15,9 @@ from services.commands.bench_serve_core import (DONE, MAX_PROMPT_LEN, MAX_TOTAL_
                                                 decode_json_array, default_plot_path, delta_text, failure_from_body,
                                                 find_client_env, first_exchange, format_sweep, format_table,
                                                 is_held_out, is_valid_sequence, load_sharegpt, meets, parse_goodput,
-                                                parse_rates, plot_sweep, read_env_file, result_json, sample_random,
+                                                parse_rates, plot_sweep, result_json, sample_random,
                                                 progress_line, sample_sharegpt, sharegpt_path, sse_data, summarize)
+from services.runtime.auth import read_env_file
 
 VLLM_FIELDS = ["completed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
                "output_throughput", "total_token_throughput", "duration"] + [

@@ -56,6 +56,16 @@ def test_without_auth_nothing_is_secret(tmp_path):
                                                      "OPENAI_API_KEY": NO_AUTH_API_KEY}
 
 
+def test_a_stack_started_again_in_the_same_log_dir_replaces_the_client_settings(tmp_path):
+    credentials = StackCredentials(("client",))
+    for port in (9, 10):
+        credentials.add_nats_env(tmp_path, f"nats://127.0.0.1:{port}")
+        credentials.add_openai_env(tmp_path, f"http://127.0.0.1:{port}/v1")
+    lines = (tmp_path / CLIENT_ENV_FILE).read_text().splitlines()
+    assert lines == ["SPECBUS_NATS_URL=nats://127.0.0.1:10", "OPENAI_BASE_URL=http://127.0.0.1:10/v1",
+                     f"OPENAI_API_KEY={NO_AUTH_API_KEY}"]
+
+
 def test_openai_settings_go_to_every_client_file_with_that_users_key(tmp_path):
     credentials = StackCredentials(("alice", "bob"))
     credentials.generate(tmp_path, "specbus")

@@ -26,12 +26,14 @@ from services.runtime.auth import (
     NatsUser,
     PermissionDenied,
     PermissionWatch,
+    env_file_text,
     env_password_users,
     generate_credentials,
     inbox_prefix,
     main,
     nats_user,
     password_env,
+    read_env_file,
     render_server_config,
     users_from_env,
     write_secret,
@@ -172,6 +174,14 @@ def test_generated_credentials_are_random_and_complete(credentials):
 def test_empty_password_is_refused_by_the_embedded_server():
     with pytest.raises(ValueError, match="'alice' has an empty password"):
         NatsServerConfig(users=(NatsUser("alice", ""),))
+
+
+def test_an_env_file_reads_back_as_written_and_as_people_write_it(tmp_path):
+    values = {"SPECBUS_NATS_URL": "nats://a:1,nats://b:2", "OPENAI_API_KEY": "sk-x=y"}
+    (tmp_path / "written.env").write_text(env_file_text(values))
+    assert read_env_file(tmp_path / "written.env") == values
+    (tmp_path / "hand.env").write_text("# a comment\n\nexport A='1'\nB=\"two words\"\nnot a line\n")
+    assert read_env_file(tmp_path / "hand.env") == {"A": "1", "B": "two words"}
 
 
 def test_secret_files_are_owner_only(tmp_path):
