@@ -43,15 +43,14 @@ from services.runtime.tasks import shutdown_event, until_stopped
 log = structlog.get_logger(__name__)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # specbus nats
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=NATS_PORT, help=f"client port; 0 picks a free one (default {NATS_PORT})")
+    parser.add_argument("--port", type=int, default=NATS_PORT,
+                        help=f"client port; 0 picks a free one (default {NATS_PORT})")
     parser.add_argument("--max-payload", type=int, default=MAX_MESSAGE_BYTES, help="bytes per message")
     parser.add_argument("--jetstream-dir", default=None, help="enable JetStream, storing under this dir")
     parser.add_argument("--auth", action="store_true",
@@ -190,7 +189,8 @@ ANSI_RESET = "\x1b[0m"
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None, help=f"NATS url (env SPECBUS_NATS_URL; default {DEFAULT_NATS_URL})")
+    parser.add_argument("--url", default=None,
+                        help=f"NATS url (env SPECBUS_NATS_URL; default {DEFAULT_NATS_URL})")
     parser.add_argument("--prefix", default=None, help=f"subject prefix (env SPECBUS_PREFIX; default {DEFAULT_PREFIX!r})")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (with --chat: the user's message)")

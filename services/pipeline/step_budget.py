@@ -24,8 +24,9 @@ charges every token its share of the overhead, so it never overstates the tokens
 - Verify deadline: a batch of T tokens may take max(verify_timeout_s, VERIFY_SLACK * lanes *
   seconds(max(T, step budget))) per try, as if every lane's batch were as large and queued
   before it (verify_timeout_s for a verifier never timed), and VerifyRequest.deadline is that
-  times (verify_retries + 1), so the same message may be sent again. The scheduler's shell waits on past a try's time while the verifier heartbeats
-  (services/pipeline/scheduler.py `Scheduler.verify`).
+  times (verify_retries + 1), so the same message may be sent again. The scheduler's shell
+  waits on past a try's time while the verifier heartbeats (services/pipeline/scheduler.py
+  `Scheduler.verify`).
 """
 
 from collections import deque

@@ -29,11 +29,9 @@ def test_queue_bound_refuses_with_overloaded(tokenizer):
     assert state.counters["admitted"] == 2
 
 
-
 def submit_as(state, user, request_id):
     generate = GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], sampling={"temperature": 0.0})
     return state.admit(generate, f"_INBOX.{user}.{request_id}", [5, 6, 7], time.time())
-
 
 
 def test_a_user_under_its_share_is_admitted_in_place_of_the_newest_queued_request_over_share(tokenizer):
@@ -58,7 +56,6 @@ def test_a_user_under_its_share_is_admitted_in_place_of_the_newest_queued_reques
     assert sample("specbus_scheduler_user_requests_total", {"user": "bob", "outcome": "overloaded"}) == 1
 
 
-
 def test_user_weights_set_the_shares(tokenizer):
     state = new_state(tokenizer, max_running=2, max_queue=4, user_weights="alice=2,bob=1")
     for i in range(6):
@@ -71,7 +68,6 @@ def test_user_weights_set_the_shares(tokenizer):
         new_state(tokenizer, user_weights="alice=0")
 
 
-
 def test_sampled_request_without_seed_gets_one_from_its_id(tokenizer):
     state = new_state(tokenizer)
     sampled = submit(state, "s1", sampling={"temperature": 0.8})
@@ -82,7 +78,6 @@ def test_sampled_request_without_seed_gets_one_from_its_id(tokenizer):
     assert greedy.sampling.seed is None
 
 
-
 def test_prompt_text_is_tokenized_and_out_of_vocabulary_ids_are_refused(tokenizer):
     text = GenerateRequest(request_id="t", prompt="the quick brown fox")
     assert prompt_token_ids(text, tokenizer) == tokenizer.encode("the quick brown fox")
@@ -90,7 +85,6 @@ def test_prompt_text_is_tokenized_and_out_of_vocabulary_ids_are_refused(tokenize
     with pytest.raises(SpecbusError, match="outside the vocabulary") as info:
         prompt_token_ids(bad, tokenizer)
     assert info.value.field == "prompt_token_ids"
-
 
 
 def test_request_waits_for_a_compatible_verifier_then_times_out(tokenizer):
@@ -105,7 +99,6 @@ def test_request_waits_for_a_compatible_verifier_then_times_out(tokenizer):
     assert not state.waiting and state.counters["finished_timeout"] == 1
 
 
-
 def test_a_reply_subject_too_long_for_a_commit_is_refused_at_admission(tokenizer):
     """A reply subject longer than a Commit's client_inbox may be (MAX_INBOX_LEN) is refused at
     admission, before any work."""
@@ -115,7 +108,6 @@ def test_a_reply_subject_too_long_for_a_commit_is_refused_at_admission(tokenizer
         state.admit(generate, "_INBOX.client." + "x" * 300, [5, 6], time.time())
     assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "reply_subject")
     assert "at most 256" in info.value.message and not state.waiting
-
 
 
 def test_a_prompt_longer_than_the_verifiers_max_seq_len_is_refused_before_any_work(tokenizer):
@@ -131,7 +123,6 @@ def test_a_prompt_longer_than_the_verifiers_max_seq_len_is_refused_before_any_wo
     assert submit(state, "scoring", prompt_ids=range(1, 9), sampling={"max_tokens": 0}).prompt_len == 8
 
 
-
 def test_a_prompt_whose_first_commit_exceeds_max_payload_is_refused_too_large(tokenizer):
     """A prompt whose first Commit (it carries prompt_token_ids) would exceed max_payload is
     refused `too_large` at admission."""
@@ -141,7 +132,6 @@ def test_a_prompt_whose_first_commit_exceeds_max_payload_is_refused_too_large(to
         submit(state, prompt_ids=[5] * 20_000)
     assert (info.value.code, info.value.field) == (ErrorCode.too_large, "prompt_token_ids")
     assert submit(state, "small", prompt_ids=[5] * 1000).prompt_len == 1000
-
 
 
 def test_a_request_id_in_use_or_just_finished_is_refused_as_duplicate(tokenizer):
@@ -161,14 +151,12 @@ def test_a_request_id_in_use_or_just_finished_is_refused_as_duplicate(tokenizer)
     assert submit(state, "same").request_id == "same"
 
 
-
 @pytest.mark.parametrize("resume, message", [([11, 12, 13], "leave nothing"), ([11, 999], "outside the vocabulary")])
 def test_a_resume_that_cannot_continue_is_refused_naming_the_field(tokenizer, resume, message):
     state = new_state(tokenizer)
     with pytest.raises(SpecbusError, match=message) as refused:
         submit(state, resume_token_ids=resume, sampling={"max_tokens": 3})
     assert refused.value.field == "resume_token_ids"
-
 
 
 def test_a_text_prompt_far_over_max_seq_len_is_refused_before_tokenizing(tokenizer):

@@ -28,7 +28,6 @@ def test_drafter_late_runs_k0_and_flags_draft_timeout(tokenizer):
     assert request.drafter_len == 0 and request.degraded_steps == {"draft_timeout": 1}
 
 
-
 def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alone(tokenizer):
     """A VerifyRequest that would exceed max_payload leaves its last rows for the next step; a
     row too large alone ends its request `too_large`; the verifier is not blamed."""
@@ -51,7 +50,6 @@ def test_a_batch_over_max_payload_defers_rows_and_a_row_too_large_alone_ends_alo
     ended = {chunk_or_commit.request_id: chunk_or_commit for _, chunk_or_commit in plan.outbox.commits}
     assert set(ended) == {"a", "b", "c"} and all(c.error.code == ErrorCode.too_large for c in ended.values())
     assert state.placement.avoid_until == {}  # the verifier is not blamed
-
 
 
 def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer):

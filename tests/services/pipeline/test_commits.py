@@ -29,7 +29,6 @@ def test_cut_at_max_tokens_eos_and_stop_token(tokenizer):
     assert cut_tokens([3, EOS, 5], 0, ignoring, (EOS,)) == ([3, EOS, 5], None)
 
 
-
 def test_commits_are_numbered_and_the_final_one_has_usage(tokenizer):
     state = new_state(tokenizer)
     request = submit(state, sampling={"max_tokens": 6}, speculative={"num_speculative_tokens": 2})
@@ -50,7 +49,6 @@ def test_commits_are_numbered_and_the_final_one_has_usage(tokenizer):
     assert request.request_id not in state.running and state.releases.pending == {"v1": ["r1"], "d1": ["r1"]}
 
 
-
 def test_a_stopping_scheduler_hands_every_request_over_with_shutting_down(tokenizer):
     """drain(): running and queued requests end with code `shutting_down`, which the client
     library takes as "send it to another scheduler", not as the request's end."""
@@ -67,7 +65,6 @@ def test_a_stopping_scheduler_hands_every_request_over_with_shutting_down(tokeni
     assert not state.running and not state.waiting
 
 
-
 def test_eos_ends_the_request_and_slots_are_released_on_the_next_batch(tokenizer):
     state = new_state(tokenizer)
     submit(state, "a")
@@ -76,7 +73,6 @@ def test_eos_ends_the_request_and_slots_are_released_on_the_next_batch(tokenizer
     assert commits_of(outbox, "a")[0].finish_reason == "eos"
     _, requests, _ = step(state)
     assert requests["v1"].release == ["a"] and [r.request_id for r in requests["v1"].rows] == ["b"]
-
 
 
 def test_cancel_ends_at_the_next_boundary_with_a_final_commit(tokenizer):
@@ -90,7 +86,6 @@ def test_cancel_ends_at_the_next_boundary_with_a_final_commit(tokenizer):
     assert requests["v1"].rows == [] and requests["v1"].release == ["r1"]  # a release-only batch
 
 
-
 def test_stop_notice_ends_without_a_commit(tokenizer):
     state = new_state(tokenizer)
     submit(state)
@@ -98,7 +93,6 @@ def test_stop_notice_ends_without_a_commit(tokenizer):
     assert state.stop_notice("r1")
     _, requests, outbox = step(state)
     assert outbox.commits == [] and requests["v1"].release == ["r1"]
-
 
 
 def test_scoring_request_prefills_and_ends_with_an_empty_final_commit(tokenizer):
@@ -115,7 +109,6 @@ def test_scoring_request_prefills_and_ends_with_an_empty_final_commit(tokenizer)
     assert commit.batch_id == second["v1"].batch_id
 
 
-
 def test_a_final_commit_that_cannot_be_built_still_ends_the_request_with_an_error_chunk(tokenizer):
     """A final commit that cannot be built still ends the request: its client gets a final
     error chunk, and nothing raises into the lane."""
@@ -128,7 +121,6 @@ def test_a_final_commit_that_cannot_be_built_still_ends_the_request_with_an_erro
     assert inbox == request.client_inbox and chunk.finish_reason == "error"
     assert chunk.error.code == ErrorCode.internal and chunk.error.message
     assert "r1" not in state.running
-
 
 
 def test_max_tokens_is_capped_by_max_seq_len_and_the_request_ends_with_length(tokenizer):
@@ -149,7 +141,6 @@ def test_max_tokens_is_capped_by_max_seq_len_and_the_request_ends_with_length(to
     assert final.finish_reason == "length" and final.error is None and final.usage.completion_tokens == 5
 
 
-
 def test_an_error_after_the_first_commit_always_carries_its_reason(tokenizer):
     """A verifier's row error after the first commit ends the request with that error, its
     field in the client's terms."""
@@ -165,7 +156,6 @@ def test_an_error_after_the_first_commit_always_carries_its_reason(tokenizer):
     [commit] = commits_of(state.apply_verify(plan, "v1", reply, time.time()))
     assert commit.finish_reason == "error" and commit.error.message == "exceeds max_seq_len 8"
     assert commit.error.field == "new_token_ids"
-
 
 
 def test_error_reply_ends_the_batch_with_error(tokenizer):

@@ -32,7 +32,6 @@ def test_dead_drafter_is_replaced_and_the_new_one_gets_the_whole_history(tokeniz
     assert message.rows[0].new_token_ids.tolist() == request.history
 
 
-
 def re_prefill(state, verifier_id: str, history: list[int]):
     """The two steps of a re-prefill from scratch (resync, migration): history but its last token
     without emitting, then that token as a decode row (so a seeded sampled request draws the
@@ -45,7 +44,6 @@ def re_prefill(state, verifier_id: str, history: list[int]):
     row = requests[verifier_id].rows[0]
     assert row.cached_len == len(history) - 1 and row.new_token_ids.tolist() == history[-1:] and row.emit
     return outbox
-
 
 
 def test_need_resync_resends_the_whole_history_and_flags_the_next_commit(tokenizer):
@@ -64,7 +62,6 @@ def test_need_resync_resends_the_whole_history_and_flags_the_next_commit(tokeniz
     assert commit.degraded == ["resync"] and request.degraded_steps["resync"] == 1
 
 
-
 def test_verifier_silent_after_retry_moves_requests_to_another_verifier(tokenizer):
     state = new_state(tokenizer)
     request = submit(state)
@@ -76,7 +73,6 @@ def test_verifier_silent_after_retry_moves_requests_to_another_verifier(tokenize
     assert state.releases.pending["v1"] == ["r1"]
     [commit] = commits_of(re_prefill(state, "v2", history))
     assert commit.degraded == ["migrated"] and commit.seq == 1
-
 
 
 def test_no_verifier_left_the_request_waits_then_ends_at_its_deadline(tokenizer):
@@ -92,7 +88,6 @@ def test_no_verifier_left_the_request_waits_then_ends_at_its_deadline(tokenizer)
     assert commit.finish_reason == "timeout" and state.counters["finished_timeout"] == 1
 
 
-
 def test_a_verifier_that_misses_a_batch_but_heartbeats_gets_the_request_again_from_scratch(tokenizer):
     """No other verifier, and the one that did not answer (try and retry) still heartbeats: its
     replies were lost on the way (a dead NATS node), so the request is re-prefilled there."""
@@ -105,7 +100,6 @@ def test_a_verifier_that_misses_a_batch_but_heartbeats_gets_the_request_again_fr
     assert state.counters["finished_error"] == 0
     [commit] = commits_of(re_prefill(state, "v1", history))
     assert commit.degraded == ["migrated"] and commit.seq == 1
-
 
 
 def test_lost_postprocessor_gets_replaced_and_commits_replayed_with_resume_ids(tokenizer):
@@ -126,7 +120,6 @@ def test_lost_postprocessor_gets_replaced_and_commits_replayed_with_resume_ids(t
     assert all(decode(encode(c), Commit) == c for c in to_new)  # replays are valid on the wire
 
 
-
 def test_a_request_whose_only_verifier_died_waits_for_another_and_moves_there(tokenizer):
     """No verifier to move to is not the end: the request waits (up to its deadline) for one,
     e.g. the supervisor's restart, and is re-prefilled there from its history."""
@@ -144,7 +137,6 @@ def test_a_request_whose_only_verifier_died_waits_for_another_and_moves_there(to
     plan = state.plan_step(time.time())
     [row] = plan.rows["v2"]
     assert row.request.request_id == "r2" and row.cached_len == 0 and state.counters["migrated"] == 1
-
 
 
 def test_a_request_whose_verifier_comes_back_never_reuses_the_failed_step(tokenizer):

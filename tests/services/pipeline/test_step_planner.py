@@ -40,7 +40,6 @@ def test_decode_rows_first_then_prefill_chunks_fill_the_token_budget(tokenizer):
     assert decoding.verifier_len == len(decoding.history) - 1
 
 
-
 def test_max_batch_rows_leaves_the_rest_for_the_next_step(tokenizer):
     state = new_state(tokenizer, max_batch_rows=2)
     for name in "abc":
@@ -51,7 +50,6 @@ def test_max_batch_rows_leaves_the_rest_for_the_next_step(tokenizer):
     assert [r.request_id for r in requests["v1"].rows][-1] == "c"
 
 
-
 def test_drafts_never_reach_past_max_tokens(tokenizer):
     state = new_state(tokenizer)
     request = submit(state, sampling={"max_tokens": 3}, speculative={"num_speculative_tokens": 8})
@@ -59,7 +57,6 @@ def test_drafts_never_reach_past_max_tokens(tokenizer):
     plan, requests, _ = step(state, drafts={"r1": [4] * 8})
     assert len(requests["v1"].rows[0].draft_token_ids) == 1  # 2 tokens left: 1 draft + 1 bonus
     assert request.request_id not in state.running or len(request.completion) <= 3
-
 
 
 def test_a_resumed_request_prefills_one_token_short_then_decodes_with_drafts(tokenizer):
