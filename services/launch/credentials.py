@@ -4,7 +4,7 @@
 API key per client user, and writes, owner-only, in the log dir: CREDENTIALS_FILE (every
 password and key), CLIENT_ENV_FILE (the first client user's login as `specbus generate` reads
 it) and, with several client users, `client-<user>.env` for each. `add_nats_env` adds the
-server's SPECBUS_NATS_URL (every node's) to those files, `add_openai_env` the gateways'
+server's SPECBUS_NATS_URL (every node's) and the subject prefix to those files, `add_openai_env` the gateways'
 OPENAI_BASE_URL and OPENAI_API_KEY. Without auth, `values` stays empty:
 `login` is {} and `api_key` the placeholder NO_AUTH_API_KEY.
 """
@@ -78,10 +78,11 @@ class StackCredentials:
         openai SDK too."""
         self.add_client_env(log_dir, lambda user: {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self.api_key(user)})
 
-    def add_nats_env(self, log_dir: Path, nats_url: str) -> None:
-        """SPECBUS_NATS_URL (nats_url: every node's URL, comma separated) added to every client
-        env file, so that `. file` is all `specbus generate` and Client.from_env need."""
-        self.add_client_env(log_dir, lambda user: {ENV_PREFIX + "NATS_URL": nats_url})
+    def add_nats_env(self, log_dir: Path, nats_url: str, prefix: str) -> None:
+        """SPECBUS_NATS_URL (nats_url: every node's URL, comma separated) and SPECBUS_PREFIX (the
+        subject prefix) added to every client env file, so that `. file` is all `specbus
+        generate` and Client.from_env need."""
+        self.add_client_env(log_dir, lambda user: {ENV_PREFIX + "NATS_URL": nats_url, ENV_PREFIX + "PREFIX": prefix})
 
     def add_client_env(self, log_dir: Path, values: Callable[[str | None], dict[str, str]]) -> None:
         """values(user) added to CLIENT_ENV_FILE (user None: the first client user) and, with auth

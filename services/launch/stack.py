@@ -319,7 +319,7 @@ class Stack:
             server = NatsServer(nats) if self.config.nats_cluster == 1 else \
                 NatsCluster(nats, size=self.config.nats_cluster)
             self.server = await self.exit_stack.enter_async_context(server)
-            self.credentials.add_nats_env(self.log_dir, self.server.url)
+            self.credentials.add_nats_env(self.log_dir, self.server.url, self.config.prefix)
             own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
             self.nc = await connect(self.server.url, "specbus-stack", initial_connect_timeout_s=10.0, **own)
             self.exit_stack.push_async_callback(self.nc.close)

@@ -59,11 +59,11 @@ def test_without_auth_nothing_is_secret(tmp_path):
 def test_a_stack_started_again_in_the_same_log_dir_replaces_the_client_settings(tmp_path):
     credentials = StackCredentials(("client",))
     for port in (9, 10):
-        credentials.add_nats_env(tmp_path, f"nats://127.0.0.1:{port}")
+        credentials.add_nats_env(tmp_path, f"nats://127.0.0.1:{port}", "specbus")
         credentials.add_openai_env(tmp_path, f"http://127.0.0.1:{port}/v1")
     lines = (tmp_path / CLIENT_ENV_FILE).read_text().splitlines()
-    assert lines == ["SPECBUS_NATS_URL=nats://127.0.0.1:10", "OPENAI_BASE_URL=http://127.0.0.1:10/v1",
-                     f"OPENAI_API_KEY={NO_AUTH_API_KEY}"]
+    assert lines == ["SPECBUS_NATS_URL=nats://127.0.0.1:10", "SPECBUS_PREFIX=specbus",
+                     "OPENAI_BASE_URL=http://127.0.0.1:10/v1", f"OPENAI_API_KEY={NO_AUTH_API_KEY}"]
 
 
 def test_openai_settings_go_to_every_client_file_with_that_users_key(tmp_path):
@@ -83,10 +83,11 @@ def test_every_client_file_names_every_nats_node(tmp_path, auth):
     if auth:
         credentials.generate(tmp_path, "specbus")
     urls = "nats://127.0.0.1:14222,nats://127.0.0.1:14223"
-    credentials.add_nats_env(tmp_path, urls)
+    credentials.add_nats_env(tmp_path, urls, "tenant-a")
     files = [CLIENT_ENV_FILE, "client-alice.env", "client-bob.env"] if auth else [CLIENT_ENV_FILE]
     for name in files:
         assert env_lines(tmp_path / name)["SPECBUS_NATS_URL"] == urls
+        assert env_lines(tmp_path / name)["SPECBUS_PREFIX"] == "tenant-a"
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
     if auth:  # the login is still there
         assert env_lines(tmp_path / "client-bob.env")["SPECBUS_NATS_USER"] == "bob"
