@@ -632,8 +632,8 @@ async def test_without_auth_any_key_is_accepted_and_no_scheduler_is_a_503(start_
     async with start_stack(*chatml_pair, schedulers=0, verifiers=0, drafters=0, postprocessors=0, gateways=1,
                            auth=False) as bare:
         env = dict(line.split("=", 1) for line in bare.client_env_path.read_text().splitlines())
-        assert env == {"SPECBUS_NATS_URL": bare.url, "OPENAI_BASE_URL": bare.openai_base_url,
-                       "OPENAI_API_KEY": bare.api_key()}
+        assert env == {"SPECBUS_NATS_URL": bare.url, "SPECBUS_PREFIX": bare.config.prefix,
+                       "OPENAI_BASE_URL": bare.openai_base_url, "OPENAI_API_KEY": bare.api_key()}
         anyone = openai.AsyncOpenAI(base_url=bare.openai_base_url, api_key="anything", max_retries=0)
         assert [m.id for m in (await anyone.models.list()).data] == [chatml_pair[0].name]
         with pytest.raises(openai.InternalServerError) as caught:
