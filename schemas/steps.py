@@ -219,6 +219,9 @@ class VerifyRow(DraftTokens):
     prompt_len: Count
     is_retry: bool = False
     emit: bool = True
+    max_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "for a row with structured_outputs: how many tokens the grammar forces after the drafts the verifier may "
+        "append as point-mass drafts (docs/PROTOCOL.md#structured-outputs); 0 = none"))
     features_from: Count | None = Field(None, description=(
         "the first history position whose target features the result carries, up to the last position the "
         "verifier holds after the step (docs/PROTOCOL.md#feature-level-drafts); None: no features"))
@@ -243,6 +246,8 @@ class VerifyResult(WireModel):
     step: Count
     token_ids: TokenIds = Field(default_factory=empty_ids)
     num_draft: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    num_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "forced tokens the verifier appended after the row's num_draft drafts (VerifyRow.max_forced)"))
     num_accepted: Count = 0
     need_resync: bool = False
     residual_fallback: bool = False  # the residual had zero mass; the target's own sample was emitted
@@ -253,11 +258,17 @@ class VerifyResult(WireModel):
 
     @model_validator(mode="after")
     def _counts(self) -> "VerifyResult":
-        check_accepted(self.num_draft, self.num_accepted)
+        check_accepted(self.num_draft + self.num_forced, self.num_accepted)
         num_emitted = len(self.token_ids)
         if num_emitted != self.num_accepted + 1 and not (num_emitted == 0 and self.num_accepted == 0):
             raise field_error("token_ids", f"{num_emitted} tokens emitted for {self.num_accepted} accepted drafts")
         return self
+
+    @property
+    def drafts_accepted(self) -> int:
+        """Of num_accepted, the drafter's drafts (the forced tokens come after them): what
+        adaptive k and draft-method trials judge a drafter by."""
+        return min(self.num_accepted, self.num_draft)
 
 
 class VerifyResponse(Batch):

@@ -83,7 +83,8 @@ def load_verifier(config: VerifierConfig) -> Verifier:
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),
                  "max_seq_len": str(config.max_seq_len), "hidden_size": str(model.config.hidden_size)}
     return Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
-                    prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
+                    prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s,
+                    tokenizer_dir=config.target_model)
 
 
 def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
@@ -111,7 +112,8 @@ def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
     verifier.counters["drafts_accepted"] += verified.num_accepted
     verifier.counters["residual_fallbacks"] += verified.residual_fallback
     return VerifyResult(request_id=row.request_id, step=row.step, token_ids=verified.token_ids.numpy(),
-                        num_draft=work.num_draft, num_accepted=verified.num_accepted,
+                        num_draft=work.num_draft - work.num_forced, num_forced=work.num_forced,
+                        num_accepted=verified.num_accepted,
                         residual_fallback=verified.residual_fallback, features=features), record
 
 

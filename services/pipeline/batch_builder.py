@@ -44,6 +44,17 @@ from services.pipeline.step_budget import StepBudget
 log = structlog.get_logger(__name__)
 
 
+
+def forced_room(planned: PlannedRow) -> int:
+    """How many grammar-forced tokens the verifier may add after an emitting row's drafts
+    (docs/PROTOCOL.md#structured-outputs): a speculative request's drafted positions stay at most
+    num_speculative_tokens, and its emitted tokens within max_tokens. 0 for plain decoding."""
+    request = planned.request
+    if not planned.emit or request.sampling.structured_outputs is None:
+        return 0
+    left = request.sampling.max_tokens - len(request.completion) - 1
+    return max(0, min(request.speculative.num_speculative_tokens, left) - planned.num_draft)
+
 class BatchBuilder:
     """Builds a plan's batches (module docstring). end(request, reason, now, error=...) ends a
     request (commits.Committer.end); max_payload() is the bus's, None while unknown; budget: the
@@ -177,7 +188,8 @@ class BatchBuilder:
         has no room for them left: then it asks next step (features.py)."""
         request = planned.request
         features_from = request.features_end if features.drafted_by_eagle(self.placement, request) else None
-        answer = verify_answer_bytes(planned.num_draft)
+        max_forced = forced_room(planned)
+        answer = verify_answer_bytes(planned.num_draft + max_forced)
         if features_from is not None:
             feature_bytes = features.answer_bytes(features_from, planned.end, planned.num_draft, per_position)
             if room.fits(answer=answer + feature_bytes):
@@ -191,7 +203,8 @@ class BatchBuilder:
                         draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
                         sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
                         postprocessor_id=request.postprocessor_id if wants_side else None,
-                        prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from)
+                        prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from,
+                        max_forced=max_forced)
         return row, answer
 
     def defer_oversized_row(self, planned: PlannedRow, size: int, room: int, now: float, alone: bool) -> Outbox:

@@ -135,7 +135,7 @@ class StepPlanner:
         """A row's verified drafts, for adaptive_k."""
         request = planned.request
         if planned.num_draft and self.adaptive_row(request):
-            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
+            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.drafts_accepted)
 
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
                     seconds: float) -> None:
