@@ -247,7 +247,10 @@ class VerifyResult(WireModel):
     token_ids: TokenIds = Field(default_factory=empty_ids)
     num_draft: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
     num_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
-        "forced tokens the verifier appended after the row's num_draft drafts (VerifyRow.max_forced)"))
+        "forced tokens the verifier appended after the row's drafts it kept (VerifyRow.max_forced)"))
+    num_replaced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "the row's last drafts the verifier did not verify: from the first one its grammar refuses, for a row whose "
+        "drafts may give way to forced tokens (docs/PROTOCOL.md#structured-outputs)"))
     num_accepted: Count = 0
     need_resync: bool = False
     residual_fallback: bool = False  # the residual had zero mass; the target's own sample was emitted
@@ -258,7 +261,9 @@ class VerifyResult(WireModel):
 
     @model_validator(mode="after")
     def _counts(self) -> "VerifyResult":
-        check_accepted(self.num_draft + self.num_forced, self.num_accepted)
+        if self.num_replaced > self.num_draft:
+            raise field_error("num_replaced", f"{self.num_replaced} replaced of {self.num_draft} drafts")
+        check_accepted(self.num_draft - self.num_replaced + self.num_forced, self.num_accepted)
         num_emitted = len(self.token_ids)
         if num_emitted != self.num_accepted + 1 and not (num_emitted == 0 and self.num_accepted == 0):
             raise field_error("token_ids", f"{num_emitted} tokens emitted for {self.num_accepted} accepted drafts")
@@ -266,9 +271,9 @@ class VerifyResult(WireModel):
 
     @property
     def drafts_accepted(self) -> int:
-        """Of num_accepted, the drafter's drafts (the forced tokens come after them): what
+        """Of num_accepted, the drafter's drafts (the forced tokens come after those kept): what
         adaptive k and draft-method trials judge a drafter by."""
-        return min(self.num_accepted, self.num_draft)
+        return min(self.num_accepted, self.num_draft - self.num_replaced)
 
 
 class VerifyResponse(Batch):

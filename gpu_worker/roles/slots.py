@@ -28,6 +28,7 @@ import torch
 
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
+from text.grammar import Grammars
 from gpu_worker.runtime.model import Model
 from gpu_worker.runtime.quantized import WEIGHT_FORMATS, has_blocks, usable
 from schemas.config import ModelServiceConfig, parse_bytes
@@ -96,6 +97,8 @@ class SlotOwner:
     slot_idle_ttl_s: float
     requests: dict[tuple[str, str], SlotState] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    tokenizer_dir: str | None = None  # its model's tokenizer.json, for grammars
+    grammars: Grammars | None = None  # made on first use (gpu_worker/roles/grammar_masks.py)
 
 
 def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:

@@ -112,7 +112,8 @@ def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
     verifier.counters["drafts_accepted"] += verified.num_accepted
     verifier.counters["residual_fallbacks"] += verified.residual_fallback
     return VerifyResult(request_id=row.request_id, step=row.step, token_ids=verified.token_ids.numpy(),
-                        num_draft=work.num_draft - work.num_forced, num_forced=work.num_forced,
+                        num_draft=work.num_draft - work.num_forced + work.num_replaced, num_forced=work.num_forced,
+                        num_replaced=work.num_replaced,
                         num_accepted=verified.num_accepted,
                         residual_fallback=verified.residual_fallback, features=features), record
 

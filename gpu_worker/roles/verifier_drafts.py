@@ -9,7 +9,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from gpu_worker.roles.verifier_grammar import mask_logits
+from gpu_worker.roles.grammar_masks import mask_logits
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
 from gpu_worker.sampling.coupling import gumbel_argmax
 from gpu_worker.sampling.rejection import RejectionResult, greedy_accepted, rejection_sample

@@ -17,41 +17,43 @@ afterwards; the next step's `follow` takes whatever was accepted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from gpu_worker.roles.grammar_masks import grammars_of, unpack
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.steps import VerifyRow
-from text.grammar import FIELD, Grammars, OutputMatcher, llg_tokenizer
-from text.tokenizer import load_tokenizer
+from text.grammar import FIELD, OutputMatcher
 
-BITS = torch.arange(32, dtype=torch.int32)
+@dataclass
+class GrammarStep:
+    """A row's step under its grammar: its matcher (at the output, after the step too), how many
+    of its drafts it keeps (`kept`: all, or for a row that may replace drafts those before the
+    first the grammar refuses), the forced tokens that follow them and allowed (kept + #forced
+    + 1, V) bool, or (k + 1, V) when all drafts are kept and none is forced."""
 
-
-def grammars_of(verifier) -> Grammars:
-    """The verifier's compiled grammars, made on first use (a verifier without grammars loads no tokenizer)."""
-    if verifier.grammars is None:
-        verifier.grammars = Grammars(llg_tokenizer(load_tokenizer(verifier.tokenizer_dir), verifier.vocab_size))
-    return verifier.grammars
-
-
-def unpack(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """llguidance's bitmask (n, ceil(V/32)) int32, bit j of word w = token 32w + j -> (n, V) bool."""
-    words = torch.from_numpy(bitmask)
-    return ((words[..., None] >> BITS) & 1).view(words.shape[0], -1)[:, :vocab_size].bool()
+    matcher: OutputMatcher
+    kept: int
+    forced: list[int]
+    allowed: torch.Tensor
 
 
 def row_grammar(verifier, row: VerifyRow, matcher: OutputMatcher | None, output: list[int], prefix: str,
-                max_forced: int) -> tuple[OutputMatcher, list[int], torch.Tensor]:
-    """The row's matcher (matcher, or a fresh one), the forced tokens to append after its drafts
-    (at most max_forced) and allowed (k + 1 + #forced, V) bool. output: the row's output tokens
-    before its first verified position. SpecbusError naming the field when the grammar does not
-    compile, the output breaks it or it allows nothing."""
+                max_forced: int, replace: bool) -> GrammarStep:
+    """The row's step under its grammar (GrammarStep): its matcher is matcher or a fresh one;
+    output: the row's output tokens before its first verified position; at most max_forced
+    forced tokens after all its drafts. replace: the row's proposal is a point mass or it is
+    Gumbel-coupled, so its drafts from the first one the grammar refuses may give way to the
+    forced tokens after the ones before (a proposal decided from the history alone keeps any
+    acceptance rule exact; a sampled draft's law would not survive that choice). SpecbusError
+    naming the field when the grammar does not compile, the output breaks it or it allows nothing."""
     field = f"{prefix}.{FIELD}"
     spec = row.sampling.structured_outputs
     try:
-        matcher = matcher or OutputMatcher(grammars_of(verifier).matcher(spec))
+        matcher = matcher or OutputMatcher(grammars_of(verifier, verifier.vocab_size).matcher(spec))
     except SpecbusError as exc:
         raise SpecbusError(exc.code, exc.message, field) from None
     if not matcher.follow(output):
@@ -64,6 +66,9 @@ def row_grammar(verifier, row: VerifyRow, matcher: OutputMatcher | None, output:
         fill_next_token_bitmask(matcher.matcher, bitmask, filled)
         filled += 1
     forced: list[int] = []
+    kept = filled - 1
+    if kept < len(drafts) and replace:  # the refused drafts' positions go to forced tokens
+        max_forced, drafts = max_forced + len(drafts) - kept, drafts[:kept]
     if filled == len(drafts) + 1 and max_forced:
         for token in matcher.forced()[:max_forced]:
             if not matcher.advance([token]):
@@ -76,9 +81,4 @@ def row_grammar(verifier, row: VerifyRow, matcher: OutputMatcher | None, output:
     allowed = unpack(bitmask[:len(drafts) + 1 + len(forced)], verifier.vocab_size)
     if not bool(allowed[:filled].any(-1).all()):
         raise SpecbusError(ErrorCode.invalid_field, "the grammar allows no token here", field)
-    return matcher, forced, allowed
-
-
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits (T, V) with the tokens outside allowed (T, V) bool at -inf."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return GrammarStep(matcher, len(drafts), forced, allowed)

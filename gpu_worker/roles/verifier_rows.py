@@ -141,12 +141,14 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     # before any state changes, so a value the kernels refuse leaves none behind (a row that
     # then answers need_resync just wastes it)
     penalties = history_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
-    matcher, forced, allowed = None, [], None
+    grammar = None
     if row.emit and row.sampling.structured_outputs is not None and not verdict.need_resync:
-        matcher, forced, allowed = row_grammar(verifier, row, None if state is None else state.grammar,
-                                               output_before(row, state), prefix,
-                                               max(0, min(row.max_forced, verdict.room - len(row.draft_token_ids))))
-    length = row.cached_len + len(row.new_token_ids) + len(row.draft_token_ids) + len(forced)
+        grammar = row_grammar(verifier, row, None if state is None else state.grammar, output_before(row, state),
+                              prefix, max(0, min(row.max_forced, verdict.room - len(row.draft_token_ids))),
+                              replace=draft_probs is None or row.sampling.gumbel)
+    drafts = row.draft_token_ids if grammar is None else row.draft_token_ids[:grammar.kept]
+    forced = [] if grammar is None else grammar.forced
+    length = row.cached_len + len(row.new_token_ids) + len(drafts) + len(forced)
     if state is not None:
         state.last_used = now
     if verdict.need_resync:
@@ -154,7 +156,7 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
         return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
     if state is None:
         state = admit(verifier, key, row, length, now)
-    state.grammar = matcher
+    state.grammar = None if grammar is None else grammar.matcher
     try:  # growth: the request ends `overloaded` (its slot freed) when the budget is spent
         verifier.cache.reserve(state.slot, length)
     except CacheMemoryError as exc:
@@ -162,8 +164,7 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
         raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
     verifier.cache.truncate(state.slot, row.cached_len)
     # the same for the ids: the drafts are dropped again in finish_row unless accepted
-    tokens_np = np.concatenate([row.new_token_ids, row.draft_token_ids, np.array(forced, dtype=np.int32)]
-                               ).astype(np.int32)
+    tokens_np = np.concatenate([row.new_token_ids, drafts, np.array(forced, dtype=np.int32)]).astype(np.int32)
     del state.token_ids[row.cached_len:]
     state.token_ids.frombytes(tokens_np.tobytes())
     tokens = torch.from_numpy(tokens_np).long()
@@ -171,9 +172,10 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     wants_prompt = row.logprobs.prompt_logprobs is not None and row.postprocessor_id is not None
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
     work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
-                         num_draft=len(row.draft_token_ids) + len(forced), num_prompt=num_prompt,
+                         num_draft=len(drafts) + len(forced), num_prompt=num_prompt,
                          params=params, draft_probs=point_mass_after(draft_probs, forced, verifier.vocab_size),
-                         penalties=penalties, allowed=allowed, num_forced=len(forced))
+                         penalties=penalties, allowed=None if grammar is None else grammar.allowed,
+                         num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts))
     if wants_prompt and row.cached_len < row.prompt_len:
         continue_prompt(verifier, work)
     return work

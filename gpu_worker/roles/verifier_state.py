@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.roles.slots import SlotOwner
 from gpu_worker.runtime.model import Model
-from text.grammar import Grammars, OutputMatcher
+from text.grammar import OutputMatcher
 from gpu_worker.sampling.sampler import Penalties, ProcessedLogits, SamplingTensors
 from schemas.commits import LogprobArrays, SideChannelRecord
 from schemas.steps import VerifyResult, VerifyRow
@@ -56,8 +56,6 @@ class VerifierSlot:
 class Verifier(SlotOwner):
     model: Model
     prefill_chunk: int
-    tokenizer_dir: str | None = None  # the target's tokenizer.json, for grammars
-    grammars: Grammars | None = None  # made on first use (gpu_worker/roles/verifier_grammar.py)
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +83,7 @@ class VerifyRowWork:
     penalties: Penalties | None = None  # one row, over the history before the first verify position
     allowed: torch.Tensor | None = None  # (k+1, V) bool: a grammar's tokens at each verify position
     num_forced: int = 0  # the last num_forced of the k drafts are the grammar's forced tokens
+    num_replaced: int = 0  # the row's drafts the grammar refused (and those after), not fed
     fed: int = 0
     verify_logits: list[torch.Tensor] = field(default_factory=list)  # pieces of (m, V)
     prompt_pieces: list[LogprobArrays] = field(default_factory=list)  # consecutive prompt positions

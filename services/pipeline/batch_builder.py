@@ -25,7 +25,7 @@ import structlog
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode
 from schemas.generation import draft_is_sampled
-from schemas.protocol import MAX_FEATURE_BLOCK_BYTES
+from schemas.protocol import MAX_FEATURE_BLOCK_BYTES, MAX_SPECULATIVE_TOKENS
 from schemas.steps import DraftRequest, DraftResponse, DraftRow, DraftTokens, VerifyRequest, VerifyRow
 from schemas.wire import Error
 from services.pipeline import features
@@ -47,13 +47,14 @@ log = structlog.get_logger(__name__)
 
 def forced_room(planned: PlannedRow) -> int:
     """How many grammar-forced tokens the verifier may add after an emitting row's drafts
-    (docs/PROTOCOL.md#structured-outputs): a speculative request's drafted positions stay at most
-    num_speculative_tokens, and its emitted tokens within max_tokens. 0 for plain decoding."""
+    (docs/PROTOCOL.md#structured-outputs): for a speculative request (num_speculative_tokens > 0)
+    up to MAX_SPECULATIVE_TOKENS verified positions in all, its emitted tokens within max_tokens;
+    0 for plain decoding. Forced tokens are not the drafter's guesses, so k does not bound them."""
     request = planned.request
-    if not planned.emit or request.sampling.structured_outputs is None:
+    if not planned.emit or request.sampling.structured_outputs is None or not request.speculative.num_speculative_tokens:
         return 0
     left = request.sampling.max_tokens - len(request.completion) - 1
-    return max(0, min(request.speculative.num_speculative_tokens, left) - planned.num_draft)
+    return max(0, min(MAX_SPECULATIVE_TOKENS, left) - planned.num_draft)
 
 class BatchBuilder:
     """Builds a plan's batches (module docstring). end(request, reason, now, error=...) ends a

@@ -6,13 +6,14 @@ row alone, naming the field."""
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.generation import LogprobOptions, RowSampling
-from schemas.steps import VerifyRequest, VerifyRow
+from schemas.steps import Proposal, VerifyRequest, VerifyRow
 from text.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -56,7 +57,7 @@ def decode(verifier, request_id, prompt, spec, eos, max_tokens=40, k=0, drafts_f
         emitted = result.token_ids.tolist()
         emitted = emitted[:emitted.index(eos) + 1] if eos in emitted else emitted  # the scheduler cuts at EOS
         history += emitted[:max_tokens - (len(history) - len(prompt))]
-        forced += max(0, result.num_accepted - result.num_draft)
+        forced += max(0, result.num_accepted - (result.num_draft - result.num_replaced))
         steps += 1
     return history[len(prompt):], steps, forced
 
@@ -113,9 +114,29 @@ def test_a_grammar_that_does_not_compile_fails_its_row_naming_the_field(target):
 
 def test_masked_logits_keep_raw_and_processed_apart(target):
     """The mask is -inf outside the grammar's tokens and leaves the allowed logits' bits alone."""
-    from gpu_worker.roles.verifier_grammar import mask_logits
+    from gpu_worker.roles.grammar_masks import mask_logits
     logits = torch.randn(2, 10)
     allowed = torch.zeros(2, 10, dtype=torch.bool)
     allowed[0, 3] = allowed[1, [1, 4]] = True
     out = mask_logits(logits, allowed)
     assert torch.equal(out[allowed], logits[allowed]) and bool((out[~allowed] == float("-inf")).all())
+
+
+def test_refused_drafts_give_way_to_forced_tokens_only_where_the_proposal_allows(target):
+    """A greedy row's draft the grammar refuses is replaced by the forced token (accepted: it is
+    the only one allowed); a sampled row's drafted law must stay whole, so it keeps its drafts."""
+    tokenizer = load_tokenizer(target)
+    verifier = verifier_of(target)
+    spec = {"choice": ["abcdef"]}
+    refused = tokenizer.encode("zzz")[0]
+    greedy = step(verifier, "g", [5, 6, 7], 0, 3, drafts=[refused], structured_outputs=spec)
+    assert (greedy.num_draft, greedy.num_replaced, greedy.num_forced, greedy.num_accepted) == (1, 1, 1, 1)
+    assert tokenizer.decode(greedy.token_ids.tolist()).startswith("ab")
+    proposal = Proposal(kind="sparse", ids=np.array([[refused]], dtype=np.int32), probs=np.array([[1.0]], np.float32))
+    row = VerifyRow(request_id="s", row=0, step=0, cached_len=0, new_token_ids=[5, 6, 7], draft_token_ids=[refused],
+                    proposal=proposal, sampling=RowSampling(temperature=1.0, seed=3, structured_outputs=spec),
+                    prompt_len=3, max_forced=2)
+    sampled = verify_batch(verifier, VerifyRequest(batch_id=9, scheduler_id="s", deadline=time.time() + 60,
+                                                   rows=[row]))[0].rows[0]
+    assert (sampled.num_replaced, sampled.num_forced, sampled.num_accepted) == (0, 0, 0)
+    assert tokenizer.decode(sampled.token_ids.tolist()).startswith("a")
