@@ -116,7 +116,7 @@ async def bench(args: argparse.Namespace) -> dict:
     samples = sample_sharegpt(load_sharegpt(), tokenizer.encode, args.prompts, args.seed)
     prompts = [s.prompt + "\n\nAnswer in JSON." for s in samples]
     config = StackConfig(target_model=str(args.target_model), draft_model=str(args.draft_model), gateways=1,
-                         log_dir=args.log_dir)
+                         drafters=args.drafters, log_dir=args.log_dir)
     runs = {"free_k0": [], "schema_k0": [], "schema_k": [], "object_k": []}
     async with Stack(config) as stack:
         api = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key(), max_retries=0, timeout=600)
@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-model", default=default_target_model())
     parser.add_argument("--draft-model", default=str(DEFAULT_DRAFT))
+    parser.add_argument("--drafters", type=int, default=1, help="0: speculation by forced tokens alone")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--out", default=None)
     summary = asyncio.run(bench(parser.parse_args()))

@@ -140,3 +140,29 @@ def test_refused_drafts_give_way_to_forced_tokens_only_where_the_proposal_allows
                                                    rows=[row]))[0].rows[0]
     assert (sampled.num_replaced, sampled.num_forced, sampled.num_accepted) == (0, 0, 0)
     assert tokenizer.decode(sampled.token_ids.tolist()).startswith("a")
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_report_the_raw_law_or_the_masked_one(target, mode):
+    """raw: the model's log_softmax, the same bits as without a grammar; processed: the masked
+    law the token was drawn from, nothing outside the grammar's tokens."""
+    verifier = verifier_of(target)
+    spec = {"regex": "[0-9]+"}
+
+    def record(request_id, **sampling):
+        row = VerifyRow(request_id=request_id, row=0, step=0, cached_len=0, new_token_ids=[5, 6, 7],
+                        sampling=RowSampling(temperature=1.0, seed=9, **sampling), prompt_len=3,
+                        logprobs=LogprobOptions(logprobs=8, logprobs_mode=mode), postprocessor_id="post")
+        _, records = verify_batch(verifier, VerifyRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 60,
+                                                          rows=[row]))
+        return records[0][1].logprobs
+
+    free, masked = record("free"), record("masked", structured_outputs=spec)
+    tokenizer = load_tokenizer(target)
+    digits = {i for i in range(verifier.vocab_size) if tokenizer.decode([i]).isdigit()}
+    if mode == "raw":
+        assert np.array_equal(free.top_ids, masked.top_ids) and np.array_equal(free.top_logprobs, masked.top_logprobs)
+    else:
+        finite = np.isfinite(masked.top_logprobs[0])
+        assert set(masked.top_ids[0][finite].tolist()) <= digits and finite.any()
+        assert not set(free.top_ids[0].tolist()) <= digits
