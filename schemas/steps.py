@@ -225,6 +225,9 @@ class VerifyRow(DraftTokens):
     features_from: Count | None = Field(None, description=(
         "the first history position whose target features the result carries, up to the last position the "
         "verifier holds after the step (docs/PROTOCOL.md#feature-level-drafts); None: no features"))
+    cache_salt: str | None = Field(None, max_length=256, description=(
+        "whose prefix cache the request's history may be found in and kept for (the client user, or a group "
+        "the operator lets share one, docs/PROTOCOL.md#prefix-caching); None: none, every token is computed"))
 
 
 class VerifyRequest(Batch):
@@ -258,6 +261,8 @@ class VerifyResult(WireModel):
     features: FeatureBlock | None = Field(None, description=(
         "the target's features of positions features_from up to the verifier's length after the step, at most "
         "MAX_FEATURE_BLOCK_BYTES of them; None when the row asked none or there are none"))
+    cached_tokens: Count = Field(0, description=(
+        "of the row's new tokens, how many the verifier copied from its prefix cache instead of computing"))
 
     @model_validator(mode="after")
     def _counts(self) -> "VerifyResult":

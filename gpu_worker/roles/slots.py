@@ -11,6 +11,8 @@ schedulers stop pinning requests to an instance whose memory is short.
 `load_model_and_cache` loads the model with its cache from the settings both configs share
 (schemas/config.py ModelServiceConfig), dtype "auto" resolved by `resolve_dtype`.
 Counters: `slots_<reason>` per freed slot, `release_unknown` per released id without a slot.
+An owner with a prefix cache (the verifier's, gpu_worker/roles/prefix_cache.py) keeps the storage
+of a slot released or idle-evicted as a cache entry instead of freeing it (KEEP_REASONS).
 The NATS service around a slot owner is services/pipeline/model_service.py.
 """
 
@@ -78,6 +80,11 @@ def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) 
     return "gguf" if name == "gguf" or (name == "auto" and servable) else "dense"
 
 
+# Why a slot is freed with storage worth keeping for a prefix cache: what it holds was verified
+# (not a slot dropped for an error or a memory shortage).
+KEEP_REASONS = {"released", "evicted"}
+
+
 class SlotState(Protocol):
     slot: int
     last_used: float
@@ -99,6 +106,10 @@ class SlotOwner:
     counters: Counter = field(default_factory=Counter)
     tokenizer_dir: str | None = None  # its model's tokenizer.json, for grammars
     grammars: Grammars | None = None  # made on first use (gpu_worker/roles/grammar_masks.py)
+
+    def free_state(self, state: SlotState, reason: str) -> None:
+        """Free a request's slot (an owner with a prefix cache keeps what it may)."""
+        self.cache.free(state.slot)
 
 
 def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:
@@ -159,7 +170,7 @@ def free_request(owner: SlotOwner, key: tuple[str, str], reason: str) -> bool:
     state = owner.requests.pop(key, None)
     if state is None:
         return False
-    owner.cache.free(state.slot)
+    owner.free_state(state, reason)
     owner.counters[f"slots_{reason}"] += 1
     return True
 

@@ -12,9 +12,11 @@ from array import array
 import numpy as np
 import torch
 
+from gpu_worker.roles.prefix_cache import PREFIX_BLOCK, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import ReceiverVerdict, receiver_rule
 from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
 from gpu_worker.roles.slots import free_request
+from gpu_worker.roles.verifier_features import store_features
 from gpu_worker.roles.verifier_grammar import row_grammar
 from gpu_worker.roles.verifier_side_channel import continue_prompt
 from gpu_worker.roles.verifier_state import Verifier, VerifierSlot, VerifyRowWork
@@ -178,7 +180,32 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
                          num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts))
     if wants_prompt and row.cached_len < row.prompt_len:
         continue_prompt(verifier, work)
+    take_hit(verifier, work)
     return work
+
+
+def take_hit(verifier: Verifier, work: VerifyRowWork) -> None:
+    """Copy into the row's slot the longest cached prefix of its history that ends inside its
+    new tokens, up to its first position whose logits it wants (gpu_worker/roles/prefix_cache.py);
+    the forwards then start after it (work.fed)."""
+    state = work.state
+    if verifier.prefix is None or state.prefix_root is None:
+        return
+    del state.block_keys[work.start // PREFIX_BLOCK:]  # blocks from here on may hold other tokens now
+    limit = work.start + min(work.wanted, default=work.num_new)
+    extend_keys(state.block_keys, state.prefix_root, state.token_ids, work.start + work.num_new)
+    if limit <= work.start:  # a decode row, or one that wants its logits from the start
+        return
+    verifier.counters["prefix_tokens_looked_up"] += limit - work.start
+    found = verifier.prefix.find(state.block_keys, state.token_ids, work.start, limit)
+    if found is None:
+        return
+    entry, end = found
+    verifier.cache.copy_prefix(state.slot, entry.keys, entry.values, end)
+    if entry.features is not None:
+        store_features(state, work.start, entry.features[work.start:end], verifier.cache)
+    work.cached = work.fed = end - work.start
+    verifier.counters["prefix_tokens_hit"] += work.cached
 
 
 def admit(verifier: Verifier, key: tuple[str, str], row: VerifyRow, length: int, now: float) -> VerifierSlot:
@@ -193,5 +220,8 @@ def admit(verifier: Verifier, key: tuple[str, str], row: VerifyRow, length: int,
         verifier.counters["refused_memory"] += 1
         raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
     state = VerifierSlot(slot=slot, last_used=now)
+    if verifier.prefix is not None and row.cache_salt is not None:
+        state.prefix_root = root_key(verifier.model_ids["target"], verifier.cache.dtype, verifier.weights,
+                                     row.cache_salt)
     verifier.requests[key] = state
     return state

@@ -13,6 +13,8 @@ NATS, no awaits: services/pipeline/scheduler_core.py owns one `BatchBuilder`.
 - A verify batch's deadline follows its tokens and its verifier's measured pace
   (step_budget.py): each try is waited for StepBudget.attempt_s, and VerifyRequest.deadline is
   that times (verify_retries + 1), so a retry can re-send the same message.
+- Each verify row names its prefix cache (`cache_salt`: the client user's own, or the shared one
+  for users the operator lists; docs/PROTOCOL.md#prefix-caching).
 - Drafts late, missing or refused: the rows run with k=0, flagged `draft_timeout`; a draft row
   answered need_resync runs k=0 flagged `resync`, and its whole history goes again next step.
 """
@@ -44,6 +46,14 @@ from services.pipeline.step_budget import StepBudget
 log = structlog.get_logger(__name__)
 
 
+# The cache_salt of the users that share one prefix cache (SchedulerConfig.prefix_cache_shared_users).
+SHARED_SALT = "*"
+
+
+def cache_salt(config: SchedulerConfig, user: str) -> str:
+    """Whose prefix cache a user's rows use: its own, or the shared one where the operator says so."""
+    shared = {name.strip() for name in config.prefix_cache_shared_users.split(",")}
+    return SHARED_SALT if SHARED_SALT in shared or user in shared else f"user:{user}"
 
 def forced_room(planned: PlannedRow) -> int:
     """How many grammar-forced tokens the verifier may add after an emitting row's drafts
@@ -55,6 +65,7 @@ def forced_room(planned: PlannedRow) -> int:
         return 0
     left = request.sampling.max_tokens - len(request.completion) - 1
     return max(0, min(MAX_SPECULATIVE_TOKENS, left) - planned.num_draft)
+
 
 class BatchBuilder:
     """Builds a plan's batches (module docstring). end(request, reason, now, error=...) ends a
@@ -205,7 +216,7 @@ class BatchBuilder:
                         sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
                         postprocessor_id=request.postprocessor_id if wants_side else None,
                         prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from,
-                        max_forced=max_forced)
+                        max_forced=max_forced, cache_salt=cache_salt(self.config, request.user))
         return row, answer
 
     def defer_oversized_row(self, planned: PlannedRow, size: int, room: int, now: float, alone: bool) -> Outbox:

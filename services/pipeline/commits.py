@@ -229,6 +229,7 @@ class Committer:
         request.verifier_len = planned.end + result.num_accepted
         request.num_draft_proposed += planned.num_draft + result.num_forced
         request.num_draft_accepted += result.num_accepted
+        request.cached_tokens += result.cached_tokens
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
         self.on_verified(planned, result)
