@@ -32,6 +32,7 @@ MAX_CACHED_GRAMMARS = 64
 # items ~ 20k per ms): a schema past them is refused at admission, never a stalled step.
 LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, step_max_items=100_000,
               max_lexer_states=100_000, max_grammar_size=200_000, verbose_errors=False)
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}  # compact JSON
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -53,9 +54,6 @@ def grammar_of(spec: StructuredOutputs) -> str:
     if spec.choice is not None:  # one literal per choice; json.dumps quotes as Lark reads strings
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
-
-
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 def spec_key(spec: StructuredOutputs) -> str:

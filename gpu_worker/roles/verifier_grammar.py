@@ -8,10 +8,12 @@ verified positions t = 0..k: allowed[t] = the tokens the grammar permits after t
 drafts 0..t-1, the mask the target's law at t is restricted to (`mask_logits`, before
 logit_bias and penalties, as vLLM applies its grammar bitmask). A draft the grammar refuses has
 target probability 0, so it is rejected whatever the sampling; positions after it are never
-emitted and repeat its mask. When every draft is allowed, the tokens the grammar then forces
-(`OutputMatcher.forced`, up to the row's max_forced) are appended as point-mass drafts: the
-target computes their KV and logprobs like any draft, and under the masked law a token that is
-the only one allowed is accepted with probability 1. The matcher is rolled back to the output
+emitted and repeat its mask. A row whose proposal is a point mass, or that is Gumbel-coupled,
+drops its drafts from the first refused one instead (`row_grammar`'s replace). When every draft
+kept is allowed, the tokens the grammar then forces (`OutputMatcher.forced`, up to the row's
+max_forced plus the dropped drafts' positions) are appended as point-mass drafts: the target
+computes their KV and logprobs like any draft, and under the masked law a token that is the
+only one allowed is accepted with probability 1. The matcher is rolled back to the output
 afterwards; the next step's `follow` takes whatever was accepted.
 """
 
@@ -27,6 +29,7 @@ from gpu_worker.roles.grammar_masks import grammars_of, unpack
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.steps import VerifyRow
 from text.grammar import FIELD, OutputMatcher
+
 
 @dataclass
 class GrammarStep:
