@@ -379,8 +379,15 @@ def draft_grammars(drafter, works: list[DraftRowWork]) -> dict[int, OutputMatche
 def mask_by_grammar(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> None:
     """Draft position j's logits (B, V_draft) of the rows with a matcher at -inf where the
     grammar refuses the target id (in place); a row whose allowed ids are all outside the draft's
-    vocabulary is left as it is, and drafts on unmasked."""
+    vocabulary is left as it is, and drafts on unmasked. A row whose grammar forces position j
+    stops drafting there (its num_draft becomes j): the verifier appends the forced tokens itself
+    (gpu_worker/roles/verifier_grammar.py), so a draft there would cost a forward for nothing and
+    count as a guess of the drafter's in adaptive k's acceptance (docs/PROTOCOL.md#structured-outputs)."""
     for b, matcher in list(choice.grammars.items()):
+        if matcher.forced():
+            choice.num_draft[b] = min(int(choice.num_draft[b]), j)
+            del choice.grammars[b]
+            continue
         allowed = allowed_now(matcher, drafter.target_vocab_size)[drafter.d2t]  # (V_draft,)
         if drafter.other_id is not None:
             allowed[drafter.other_id] = False
@@ -493,9 +500,12 @@ def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
                   probs: torch.Tensor | None) -> dict[str, DraftResult]:
     """request_id -> DraftResult for rows that drafted: draft_ids (B, K) in draft ids (-1 past a
     row's num_draft) mapped to target ids with d2t; greedy rows send a point mass, sampled rows
-    the sparse support (target ids) of the probs (B, K, V_draft) they were drawn from."""
+    the sparse support (target ids) of the probs (B, K, V_draft) they were drawn from. A row that
+    stopped early (mask_by_grammar) delivers the drafts it has: its work's num_draft is set to them."""
+    for work, row_ids in zip(works, draft_ids):
+        work.num_draft = int((row_ids[:work.num_draft] != PAD_TOKEN_ID).sum())
     target_ids = drafter.d2t[draft_ids.clamp_min(0)].to(torch.int32).numpy()  # (B, K)
-    sampled = [b for b, work in enumerate(works) if not work.greedy]
+    sampled = [b for b, work in enumerate(works) if not work.greedy and work.num_draft]
     proposals = {}
     if sampled:
         B, K, V = probs[sampled].shape

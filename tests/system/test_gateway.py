@@ -26,7 +26,7 @@ import openai
 import pytest
 import pytest_asyncio
 from openai.types import CompletionUsage
-from openai.types.completion_usage import CompletionTokensDetails
+from openai.types.completion_usage import CompletionTokensDetails, PromptTokensDetails
 
 from text.token_bytes import TokenBytes
 from text.tokenizer import load_tokenizer
@@ -390,16 +390,21 @@ async def test_models_retrieve_gives_the_entry_with_max_model_len(stack, api, mo
 
 
 async def test_usage_holds_only_openai_fields_with_drafts_as_predicted_tokens(api, model):
+    await api.completions.create(model=model, prompt=PROMPT, max_tokens=1)  # puts the prompt in the prefix cache
     completion = await api.completions.create(model=model, prompt=PROMPT, **GREEDY)
     speculation = completion.model_extra["speculation"]
     proposed, accepted = speculation["draft_tokens_proposed"], speculation["draft_tokens_accepted"]
     assert proposed > 0 and speculation["acceptance_rate"] == accepted / proposed and speculation["steps"] > 0
     prompt_tokens = completion.usage.prompt_tokens
+    # the prefix cache served part of the prompt, never all of it: the last token is computed
+    cached = completion.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < prompt_tokens
     assert completion.usage == CompletionUsage(  # the SDK's equality, as a peer's suite checks it
         prompt_tokens=prompt_tokens, completion_tokens=MAX_TOKENS, total_tokens=prompt_tokens + MAX_TOKENS,
         completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=accepted, audio_tokens=0,
                                                           reasoning_tokens=0,
-                                                          rejected_prediction_tokens=proposed - accepted))
+                                                          rejected_prediction_tokens=proposed - accepted),
+        prompt_tokens_details=PromptTokensDetails(audio_tokens=0, cached_tokens=cached))
     stream = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                stream=True, stream_options={"include_usage": True}, **GREEDY)
     last = [chunk async for chunk in stream][-1]

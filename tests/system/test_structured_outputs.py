@@ -4,6 +4,7 @@ vLLM's structured_outputs (choice, regex), the `llm` CLI's json_object option an
 with_structured_output; greedy k=4 equals k=0 bit for bit under a grammar; bad grammars are 400s
 naming the field; a grammar that cannot finish in max_tokens ends with finish_reason "length"."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -14,6 +15,10 @@ import openai
 import pydantic
 import pytest
 import pytest_asyncio
+
+from schemas.generation import StructuredOutputs
+from text.grammar import Grammars, llg_tokenizer
+from text.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.asyncio(loop_scope="module")]
 
@@ -65,11 +70,11 @@ async def test_sdk_parse_with_a_pydantic_model_is_exact_under_speculation(api):
     assert answers[4] == answers[0]
 
 
-async def test_json_object_and_nested_schemas_parse(api):
+async def test_json_object_and_nested_schemas_parse(api, smollm2_target):
     model = await served_model(api)
     reply = await api.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
                                               temperature=0, max_tokens=80)
-    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    assert_json_mode(reply.choices[0].message.content, reply.choices[0].finish_reason, smollm2_target)
     nested = await api.beta.chat.completions.parse(
         model=model, messages=[{"role": "user", "content": "List three colours."}], response_format=Colours,
         temperature=0.8, seed=-12345, max_tokens=160)  # a negative seed, as OpenAI takes it
@@ -115,26 +120,40 @@ async def test_bad_grammars_are_400s_naming_the_field(api, body, param):
     assert reply.choices[0].message.content
 
 
-def test_llm_cli_json_object_and_langchain_structured_output(stack, tmp_path):
-    model = stack_model(stack)
+async def test_llm_cli_json_object_and_langchain_structured_output(stack, api, smollm2_target, tmp_path):
+    model = await served_model(api)
     (tmp_path / "extra-openai-models.yaml").write_text(
         f"- model_id: specbus\n  model_name: {model}\n  api_base: {stack.openai_base_url}\n  api_key_name: specbus\n")
     (tmp_path / "keys.json").write_text(json.dumps({"specbus": stack.api_key("alice")}))
-    llm = Path(sys.executable).with_name("llm")
-    # sampled, seeded: greedy, this small model lists numbers until max_tokens in JSON mode
-    done = subprocess.run([str(llm), "-m", "specbus", "-o", "json_object", "1", "-o", "temperature", "0.7",
-                           "-o", "seed", "1", "-o", "max_tokens", "200", "list three colours as JSON"],
-                          capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=os.environ | {"LLM_USER_PATH": str(tmp_path)})
+    llm, env = Path(sys.executable).with_name("llm"), os.environ | {"LLM_USER_PATH": str(tmp_path)}
+    done = await asyncio.to_thread(
+        subprocess.run, [str(llm), "-m", "specbus", "-o", "json_object", "1", "-o", "temperature", "0",
+                         "-o", "max_tokens", "200", "list three colours as JSON"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr
-    assert isinstance(json.loads(done.stdout), dict), done.stdout
+    logged = await asyncio.to_thread(subprocess.run, [str(llm), "logs", "-n", "1", "--json"], capture_output=True,
+                                     text=True, timeout=TIMEOUT_S, env=env)
+    response = json.loads(logged.stdout)[0]["response_json"]
+    assert_json_mode(response["content"], response["finish_reason"], smollm2_target)
+    assert done.stdout.rstrip("\n") == response["content"]
 
     from langchain_openai import ChatOpenAI
     chat = ChatOpenAI(model=model, base_url=stack.openai_base_url, api_key=stack.api_key("alice"), temperature=0,
                       max_tokens=60, max_retries=0, timeout=TIMEOUT_S)
-    answer = chat.with_structured_output(Colour).invoke(ASK[0]["content"])
+    answer = await chat.with_structured_output(Colour).ainvoke(ASK[0]["content"])
     assert isinstance(answer, Colour)
 
 
-def stack_model(stack) -> str:
-    return openai.OpenAI(base_url=stack.openai_base_url, api_key=stack.api_key("alice")).models.list().data[0].id
+def assert_json_mode(text: str, finish_reason: str, target: Path) -> None:
+    """JSON mode's contract, as OpenAI documents it: an answer that stops is a JSON object; one cut
+    by max_tokens ("length", which this small model reaches when it loops inside a string) is a
+    prefix of one, every byte of it allowed by the json_object grammar."""
+    if finish_reason == "stop":
+        assert isinstance(json.loads(text), dict), text
+        return
+    assert finish_reason == "length", finish_reason
+    tokenizer = load_tokenizer(target)
+    vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
+    matcher = Grammars(llg_tokenizer(tokenizer, vocab_size)).matcher(StructuredOutputs(json_object=True))
+    ids = tokenizer.encode(text)
+    assert text.startswith("{") and matcher.validate_tokens(ids) == len(ids), text

@@ -90,3 +90,19 @@ def test_drafts_follow_the_rows_grammar(pair, mode, sampling):
     tokenizer = load_tokenizer(drafter.tokenizer_dir)
     matcher = Grammars(llg_tokenizer(tokenizer, VT)).matcher(RowSampling(structured_outputs=spec).structured_outputs)
     assert matcher.validate_tokens(result.draft_token_ids.tolist()) == 4, tokenizer.decode(result.draft_token_ids)
+
+
+@pytest.mark.parametrize("mode,sampling", [("greedy", {"temperature": 0}), ("sample", {"temperature": 1.0, "seed": 5})])
+@pytest.mark.parametrize("regex,num_drafts", [("[0-9]-abcdefgh[0-9]", 1), ("abcdefgh[0-9]+", 0)])
+def test_a_row_stops_drafting_where_its_grammar_forces_the_next_token(pair, mode, sampling, regex, num_drafts):
+    """The forced tokens are the verifier's to append: the drafter drafts the free positions
+    before them and no further."""
+    _, drafter = pair
+    row = DraftRow(request_id="forced", row=0, step=0, cached_len=0, new_token_ids=PROMPT, num_draft=4,
+                   draft_mode=mode, sampling=RowSampling(structured_outputs={"regex": regex}, **sampling),
+                   prompt_len=len(PROMPT))
+    request = DraftRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 30, rows=[row], release=["forced"])
+    result = draft_batch(drafter, request).rows[0]
+    assert len(result.draft_token_ids) == num_drafts
+    if num_drafts:
+        assert load_tokenizer(drafter.tokenizer_dir).decode(result.draft_token_ids).isdigit()
