@@ -257,6 +257,13 @@ def json_logprob(value: float, infinite: float | None = None) -> float | None:
 # the stream of one request
 
 
+def lost_on_the_way(chunk: StreamChunk) -> bool:
+    """Whether an error chunk is not the request's verdict but a loss on the bus: `unavailable`
+    naming no scheduler (the postprocessor giving up on a commit lost in a dead NATS node, or the
+    scheduler finding no postprocessor); a new run resuming after the tokens read recovers it."""
+    return chunk.error.code == ErrorCode.unavailable and chunk.scheduler_id is None
+
+
 class Stream:
     """The chunks of one request, in seq order: `async for chunk in stream`. Made by
     Client.open_stream (subscribed and request sent); `close()` unsubscribes and, if the
@@ -323,7 +330,7 @@ class Stream:
             return False
         if error.code == ErrorCode.shutting_down:
             await self._until_a_scheduler_lives({chunk.scheduler_id or self.owner})
-        elif error.code != ErrorCode.unavailable or chunk.scheduler_id is not None:
+        elif not lost_on_the_way(chunk):
             return False
         return await self._failover(f"{error.code.value}: {error.message}")
 
@@ -356,7 +363,7 @@ class Stream:
                 raise StreamBroken(f"request {self.request.request_id}: its scheduler died after "
                                    f"{MAX_FAILOVERS} failovers") from None
             final = self.buffered.get(self.final_seq) if bound == "gap" else None
-            if final is not None and final.error is None and await self._failover(
+            if final is not None and (final.error is None or lost_on_the_way(final)) and await self._failover(
                     f"seqs before the final {self.final_seq} never arrived"):
                 return  # chunks lost in a dead NATS node: a new run sends those tokens again
             if bound == "idle" and await self._failover(f"no chunk for {self.client.idle_timeout_s} s"):

@@ -161,6 +161,22 @@ async def test_a_lost_commit_fails_over_but_a_schedulers_verdict_does_not(nc, se
     assert ended.value.partial.token_ids == [5, 6] and ended.value.partial.degraded == ["failover"]
 
 
+async def test_a_lost_commit_after_a_lost_chunk_fails_over_too(nc, service, client):
+    """A NATS node dies: seq 1 (a chunk) is lost on the way to the client and a commit on the way
+    to the postprocessor, whose `unavailable` error (no scheduler named) becomes the stream's last
+    seq 2. That gap is a loss too, not the request's verdict: the client runs the rest again."""
+    generate, _ = service
+    lost = Error(code=ErrorCode.unavailable, message="commit 2 of the stream never reached the postprocessor")
+    generation = asyncio.create_task(client.generate(make_request("hi", request_id="req-1")))
+    await answer(nc, generate, chunk(0, "a", token_ids=[5], from_draft=[False], scheduler_id="s1"),
+                 chunk(2, finish_reason="error", error=lost))
+    resumed = await answer(nc, generate, chunk(0, "b", request_id="req-1.failover1", token_ids=[6], from_draft=[False],
+                                               scheduler_id="s1", finish_reason="length"))
+    assert resumed.resume_token_ids.tolist() == [5]
+    result = await asyncio.wait_for(generation, timeout=5)
+    assert (result.token_ids, result.finish_reason, result.degraded) == ([5, 6], "length", ["failover"])
+
+
 async def test_a_stopping_scheduler_hands_the_request_to_another_resuming_after_what_was_read(
         nc, service, nats_server):
     """`shutting_down` (the scheduler got SIGTERM) is a hand-over: the client waits until another
