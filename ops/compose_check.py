@@ -48,6 +48,7 @@ from services.client import Client, make_request  # noqa: E402
 from services.commands.models import PACKAGE, PACKAGE_VERSION  # noqa: E402
 from services.runtime.auth import password_env, read_env_file  # noqa: E402
 from services.runtime.bus import BusUnavailable, connect  # noqa: E402
+from services.runtime.logs import configure_logging  # noqa: E402
 from schemas.codec import decode  # noqa: E402
 from schemas.control import Heartbeat  # noqa: E402
 
@@ -175,7 +176,7 @@ def ensure_base_image() -> None:
         run(["nice", "-n", "10", "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE,
              str(rootfs), debian_mirror()], timeout=1800)
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/locale"):
-            shutil.rmtree(rootfs / cache, ignore_errors=True)  # the .debs and indexes: 200 MB the image needs not
+            shutil.rmtree(rootfs / cache, ignore_errors=True)  # the .debs, indexes and docs: no image needs them
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout)
         if tar.wait() != 0:
@@ -568,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", help="the image's base (e.g. python:3.11-slim); default: a debootstrap "
                                        f"{SUITE} base ({BASE_IMAGE}), built once")
     args = parser.parse_args(argv)
+    configure_logging(level="warning")  # the client's, on stderr: stdout holds the summary line only
     if os.geteuid() != 0:
         print("compose-check: FAILED: run as root (apt-get, dockerd, debootstrap)")
         return 1
