@@ -147,19 +147,19 @@ def ensure_dockerd() -> None:
         time.sleep(1)
 
 
-def debian_mirror() -> str:
-    """The host's Debian mirror (deb822 .sources or a sources.list line), for debootstrap."""
-    for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
+def debian_mirror(apt: Path = Path("/etc/apt")) -> str:
+    """The host's Debian mirror of SUITE (a deb822 .sources stanza or a sources.list line), for debootstrap."""
+    for path in sorted((apt / "sources.list.d").glob("*.sources")):
         for stanza in path.read_text().split("\n\n"):
             fields = dict(line.split(":", 1) for line in stanza.splitlines() if ":" in line and not line.startswith("#"))
             if SUITE in fields.get("Suites", "").split():
                 return fields["URIs"].split()[0]
-    for path in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*.list")]:
+    for path in [apt / "sources.list", *sorted((apt / "sources.list.d").glob("*.list"))]:
         for line in path.read_text().splitlines() if path.exists() else []:
             words = [w for w in line.split() if not w.startswith("[")]
             if len(words) >= 3 and words[0] == "deb" and words[2] == SUITE:
                 return words[1]
-    raise Failed(f"no Debian {SUITE} mirror in /etc/apt/sources.list*; pass --base IMAGE")
+    raise Failed(f"no Debian {SUITE} mirror in {apt}/sources.list*; pass --base IMAGE")
 
 
 def image_exists(name: str) -> bool:
