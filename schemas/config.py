@@ -111,6 +111,10 @@ class SchedulerConfig(InstanceConfig):
     # Shares of max_running + max_queue between client users, "alice=2,bob=1" (a user not listed
     # weighs 1); services/pipeline/fair_share.py says how they are applied.
     user_weights: str = ""
+    # Client users whose requests share one prefix cache on the verifiers, "alice,bob", or "*" for
+    # every user; the others each have their own (a hit's timing would tell one what another
+    # sent). docs/PROTOCOL.md#prefix-caching.
+    prefix_cache_shared_users: str = ""
     max_batch_rows: int = 64  # rows in one step's batch per verifier
     max_step_tokens: int = 1024  # new tokens per verifier per step at most (prefill is chunked to fit)
     # The time a step's verify batch aims at, at the verifier: every decoding row first, then
@@ -177,6 +181,9 @@ class ModelServiceConfig(InstanceConfig):
 @dataclasses.dataclass
 class VerifierConfig(ModelServiceConfig):
     target_model: str = dataclasses.field(default_factory=default_target_model)
+    # Keep released slots' keys and values within kv_cache_memory and copy them into requests whose
+    # history starts the same (gpu_worker/roles/prefix_cache.py); a hit computes the same bits.
+    prefix_caching: bool = True
 
 
 @dataclasses.dataclass

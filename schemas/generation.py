@@ -7,6 +7,7 @@ so every hop after it only reads the seed.
 """
 
 import hashlib
+import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from schemas.arrays import TokenIds, empty_ids
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.protocol import (MAX_CHAT_MESSAGES, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROB_TOKEN_IDS,
+from schemas.protocol import (MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROB_TOKEN_IDS,
                               MAX_MASK_SIZE, MAX_PENALTY, MAX_PROMPT_CHARS, MAX_REPETITION_PENALTY,
                               MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
                               MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY,
@@ -82,6 +83,48 @@ def logit_bias_from_mapping(value: Mapping) -> dict[str, list] | None:
     return {"token_ids": token_ids, "bias": bias} if token_ids else None
 
 
+class StructuredOutputs(WireModel):
+    """A grammar the output must follow (docs/PROTOCOL.md#structured-outputs), vLLM's
+    `structured_outputs` fields: exactly one of json (a JSON schema, an object or its text),
+    regex, choice (the output is one of these strings), grammar (a Lark grammar, llguidance's
+    dialect) and json_object (any JSON object). At most MAX_GRAMMAR_CHARS characters in all.
+    Whether the grammar compiles is the scheduler's check at admission (text/grammar.py)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool = False
+
+    model_config = WireModel.model_config | {"populate_by_name": True, "serialize_by_alias": True}
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name in ("json", "regex", "choice", "grammar") if self.value(name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar and json_object; got "
+                             f"{', '.join(given) or 'none'}")
+        if isinstance(self.json_, str):
+            try:
+                self.json_ = json.loads(self.json_)
+            except ValueError as exc:
+                raise field_error("json", f"the schema is not valid JSON: {exc}") from None
+            if not isinstance(self.json_, dict):
+                raise field_error("json", "a JSON schema is an object")
+        size = len(json.dumps(self.model_dump(mode="json", exclude_none=True)))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the grammar is {size} characters, over the {MAX_GRAMMAR_CHARS} allowed")
+        return self
+
+    def value(self, name: str):
+        return self.json_ if name == "json" else getattr(self, name)
+
+    @property
+    def json(self) -> dict[str, Any] | None:
+        return self.json_
+
+
 class RowSampling(WireModel):
     """What a drafter and a verifier need to draw one row's tokens.
 
@@ -122,6 +165,8 @@ class RowSampling(WireModel):
                                                   "it (multiplied when negative); 1 = off")
     logit_bias: LogitBias | None = Field(None, description="added to the logits of its ids; None = none. A client may "
                                                            "give OpenAI's {token id: bias} map")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="a grammar the output follows (docs/PROTOCOL.md#structured-outputs); None = free text")
     coupling: Literal["rejection", "gumbel"] = Field(
         "rejection", description="how a sampled row's drafts are accepted: rejection sampling, or Gumbel-max "
                                  "coupling, whose output depends on (seed, prompt, sampling) only, not on k or the "
@@ -153,8 +198,8 @@ class RowSampling(WireModel):
 
     @property
     def penalised(self) -> bool:
-        """logit_bias or a penalty is on: a position's logits are more than the model's."""
-        return (self.logit_bias is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
+        """logit_bias, a penalty or a grammar is on: a position's logits are more than the model's."""
+        return (self.logit_bias is not None or self.structured_outputs is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
     def arrays(self) -> tuple[np.ndarray, ...]:

@@ -28,6 +28,10 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| at most, as OpenAI: -100 bans a token in 
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| at most, as OpenAI
 MIN_REPETITION_PENALTY = 0.01  # logits / 0.01 stay finite in float32, as for MIN_TEMPERATURE
 MAX_REPETITION_PENALTY = 100.0  # logits * 100 stay finite in float32 for any finite bf16/fp32 logit below ~3e36
+# a structured output's grammar (its JSON schema serialised, regex, Lark text or choices together),
+# characters at most: it travels with every row of every step
+MAX_GRAMMAR_CHARS = 1 << 16
+MAX_CHOICES = 256  # alternatives of a `choice` structured output
 MAX_INBOX_LEN = 256  # characters of a client's reply subject (Commit.client_inbox)
 # Ids of a sampled draft's sparse proposal, at most, per draft position: a drafter samples from
 # its top MAX_DRAFT_SUPPORT ids (renormalised), and schedulers size draft batches by it.

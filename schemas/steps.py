@@ -219,9 +219,15 @@ class VerifyRow(DraftTokens):
     prompt_len: Count
     is_retry: bool = False
     emit: bool = True
+    max_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "for a row with structured_outputs: how many tokens the grammar forces after the drafts the verifier may "
+        "append as point-mass drafts (docs/PROTOCOL.md#structured-outputs); 0 = none"))
     features_from: Count | None = Field(None, description=(
         "the first history position whose target features the result carries, up to the last position the "
         "verifier holds after the step (docs/PROTOCOL.md#feature-level-drafts); None: no features"))
+    cache_salt: str | None = Field(None, max_length=256, description=(
+        "whose prefix cache the request's history may be found in and kept for (the client user, or a group "
+        "the operator lets share one, docs/PROTOCOL.md#prefix-caching); None: none, every token is computed"))
 
 
 class VerifyRequest(Batch):
@@ -243,6 +249,11 @@ class VerifyResult(WireModel):
     step: Count
     token_ids: TokenIds = Field(default_factory=empty_ids)
     num_draft: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    num_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "forced tokens the verifier appended after the row's drafts it kept (VerifyRow.max_forced)"))
+    num_replaced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "the row's last drafts the verifier did not verify: from the first one its grammar refuses, for a row whose "
+        "drafts may give way to forced tokens (docs/PROTOCOL.md#structured-outputs)"))
     num_accepted: Count = 0
     need_resync: bool = False
     residual_fallback: bool = False  # the residual had zero mass; the target's own sample was emitted
@@ -250,14 +261,24 @@ class VerifyResult(WireModel):
     features: FeatureBlock | None = Field(None, description=(
         "the target's features of positions features_from up to the verifier's length after the step, at most "
         "MAX_FEATURE_BLOCK_BYTES of them; None when the row asked none or there are none"))
+    cached_tokens: Count = Field(0, description=(
+        "of the row's new tokens, how many the verifier copied from its prefix cache instead of computing"))
 
     @model_validator(mode="after")
     def _counts(self) -> "VerifyResult":
-        check_accepted(self.num_draft, self.num_accepted)
+        if self.num_replaced > self.num_draft:
+            raise field_error("num_replaced", f"{self.num_replaced} replaced of {self.num_draft} drafts")
+        check_accepted(self.num_draft - self.num_replaced + self.num_forced, self.num_accepted)
         num_emitted = len(self.token_ids)
         if num_emitted != self.num_accepted + 1 and not (num_emitted == 0 and self.num_accepted == 0):
             raise field_error("token_ids", f"{num_emitted} tokens emitted for {self.num_accepted} accepted drafts")
         return self
+
+    @property
+    def drafts_accepted(self) -> int:
+        """Of num_accepted, the drafter's drafts (the forced tokens come after those kept): what
+        adaptive k and draft-method trials judge a drafter by."""
+        return min(self.num_accepted, self.num_draft - self.num_replaced)
 
 
 class VerifyResponse(Batch):

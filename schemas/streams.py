@@ -68,6 +68,8 @@ class TokenLogprob(WireModel):
 
 class Usage(WireModel):
     prompt_tokens: Count = 0
+    cached_tokens: Count = Field(0, description="prompt tokens the verifiers took from their prefix caches "
+                                                "instead of computing them (OpenAI's prompt_tokens_details)")
     completion_tokens: Count = 0
     draft_tokens_proposed: Count = 0
     draft_tokens_accepted: Count = 0

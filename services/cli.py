@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -209,6 +210,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
     sampling.add_argument("--stop-token-ids", type=int_list, default=None, help="e.g. 0,13 (the stop token is kept)")
     sampling.add_argument("--ignore-eos", action="store_true", default=None)
+    grammar = sampling.add_mutually_exclusive_group()  # docs/PROTOCOL.md#structured-outputs
+    grammar.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                         help="the output is JSON following this schema (its text, or @FILE)")
+    grammar.add_argument("--json-object", action="store_true", default=None, help="the output is a JSON object")
+    grammar.add_argument("--regex", default=None, help="the output matches this regular expression")
+    grammar.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat)")
+    grammar.add_argument("--grammar", default=None, metavar="LARK", help="the output follows this Lark grammar "
+                                                                          "(its text, or @FILE)")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="0 = plain decoding")
     speculative.add_argument("--draft-mode", choices=["greedy", "sample"], default=None)
@@ -238,6 +247,22 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def structured_outputs(args: argparse.Namespace) -> dict | None:
+    """The request's structured_outputs from --json-schema / --json-object / --regex / --choice /
+    --grammar (at most one; a value @FILE is read from FILE)."""
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+    if args.json_schema is not None:
+        return {"json": text(args.json_schema)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return None if args.grammar is None else {"grammar": text(args.grammar)}
+
+
 def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
     """The request from the flags; unset flags keep the schema's defaults. Raises CodecError
     (invalid_field) naming the bad field."""
@@ -245,7 +270,7 @@ def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
         "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                      "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
                      "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos,
-                     "coupling": args.coupling},
+                     "coupling": args.coupling, "structured_outputs": structured_outputs(args)},
         "speculative": {"num_speculative_tokens": args.num_speculative_tokens, "draft_mode": args.draft_mode,
                         "draft_method": args.draft_method},
         "logprobs": {"logprobs": args.logprobs, "logprobs_mode": args.logprobs_mode,

@@ -6,7 +6,7 @@ idle eviction test use it."""
 from collections import Counter
 from dataclasses import dataclass, field
 
-from gpu_worker.roles.slots import load_model_and_cache
+from gpu_worker.roles.slots import SlotOwner, load_model_and_cache
 from gpu_worker.runtime.kv_cache import KVCache
 from schemas.config import VerifierConfig, load_config
 
@@ -29,6 +29,8 @@ class Owner:
     model_ids: dict[str, str] = field(default_factory=lambda: {"target": "tiny"})
     requests: dict[str, Slot] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+
+    free_state = SlotOwner.free_state
 
 
 def config(model_dir, **overrides):

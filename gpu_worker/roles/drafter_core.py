@@ -49,6 +49,7 @@ from gpu_worker.runtime.kv_cache import CacheMemoryError
 from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
                                          row_seed, sample)
+from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.roles.receiver_rule import receiver_rule
 from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
 from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
@@ -58,7 +59,9 @@ from schemas.config import DrafterConfig
 from schemas.control import Heartbeat
 from schemas.generation import draft_is_sampled
 from schemas.protocol import MAX_DRAFT_SUPPORT
+from schemas.errors import SpecbusError
 from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow, Proposal
+from text.grammar import OutputMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +80,7 @@ class DraftSlot:
     token_ids: list[int]
     committed_len: int
     last_used: float  # time.monotonic()
+    grammar: OutputMatcher | None = None  # a row with structured_outputs: its output in target ids
 
 
 @dataclass(kw_only=True)
@@ -143,7 +147,8 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         "target_vocab_size": str(t2d.numel()),
     }
     return Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d, other_id=other_id,
-                   model_ids=model_ids, prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
+                   model_ids=model_ids, prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s,
+                   tokenizer_dir=config.draft_model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,6 +338,7 @@ class DraftChoice:
     draft_ids: torch.Tensor
     penalised: list[int]
     penalties: Penalties | None
+    grammars: dict[int, OutputMatcher] = field(default_factory=dict)  # row -> its matcher (draft_grammars)
     params: SamplingTensors | None = None
     seeds: torch.Tensor | None = None
     starts: torch.Tensor | None = None
@@ -346,6 +352,44 @@ class DraftChoice:
         return torch.stack(self.step_probs, 1) if self.step_probs else None
 
 
+def draft_grammars(drafter, works: list[DraftRowWork]) -> dict[int, OutputMatcher]:
+    """row -> the matcher of each row with structured_outputs, at the state after its output
+    (docs/PROTOCOL.md#structured-outputs: the draft proposes under the mask the target's law
+    has, so it wastes no position on a token the grammar refuses). The slot's matcher holds the
+    output in target ids (the slot's own ids may have lost some to other_id); it takes the
+    committed output from it and new_token_ids. A row whose output it cannot rebuild, or whose
+    grammar fails, drafts without a mask: the verifier's mask keeps the output exact anyway."""
+    matchers = {}
+    for b, work in enumerate(works):
+        spec, row, state = work.row.sampling.structured_outputs, work.row, work.state
+        if spec is None:
+            continue
+        try:
+            matcher = state.grammar or OutputMatcher(grammars_of(drafter, drafter.target_vocab_size).matcher(spec))
+        except SpecbusError:
+            continue
+        held = max(0, row.cached_len - row.prompt_len)
+        output = matcher.consumed[:held] + row.new_token_ids.tolist()[max(0, row.prompt_len - row.cached_len):]
+        state.grammar = matcher
+        if len(matcher.consumed) >= held and len(output) == work.start - row.prompt_len and matcher.follow(output):
+            matchers[b] = matcher
+    return matchers
+
+
+def mask_by_grammar(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> None:
+    """Draft position j's logits (B, V_draft) of the rows with a matcher at -inf where the
+    grammar refuses the target id (in place); a row whose allowed ids are all outside the draft's
+    vocabulary is left as it is, and drafts on unmasked."""
+    for b, matcher in list(choice.grammars.items()):
+        allowed = allowed_now(matcher, drafter.target_vocab_size)[drafter.d2t]  # (V_draft,)
+        if drafter.other_id is not None:
+            allowed[drafter.other_id] = False
+        if not bool(allowed.any()):
+            del choice.grammars[b]
+            continue
+        logits[b] = mask_logits(logits[b:b + 1], allowed[None])[0]
+
+
 def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
     """The choosing state of a batch of rows that draft (num_draft >= 1 each). drafter: a
     Drafter or an EagleDrafter."""
@@ -354,7 +398,7 @@ def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
     choice = DraftChoice(num_draft=torch.tensor([work.num_draft for work in works]),
                          draft_ids=torch.full((B, K), PAD_TOKEN_ID, dtype=torch.int64), penalised=penalised,
                          penalties=Penalties.cat([draft_penalties(drafter, works[b]) for b in penalised])
-                         if penalised else None)
+                         if penalised else None, grammars=draft_grammars(drafter, works))
     if all(work.greedy for work in works):
         return choice
     choice.params = SamplingTensors.cat([row_params(work.row.sampling, greedy=work.greedy, top_k_cap=MAX_DRAFT_SUPPORT)
@@ -379,6 +423,7 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
     assert logits.shape == (B, drafter.draft_vocab_size), logits.shape
     if drafter.other_id is not None:
         logits[:, drafter.other_id] = float("-inf")  # stands for "not in my vocabulary": never proposed
+    mask_by_grammar(drafter, choice, logits, j)
     penalised = choice.penalised
     if choice.penalties is not None:
         logits[penalised] = penalise(logits[penalised][:, None], choice.penalties)[:, 0]
@@ -393,6 +438,9 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
                                         choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
         choice.step_probs.append(processed.probs[:, 0])
     choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, PAD_TOKEN_ID)
+    for b, matcher in list(choice.grammars.items()):  # the next position's mask follows this draft
+        if j + 1 >= int(choice.num_draft[b]) or not matcher.advance([int(drafter.d2t[ids[b]])]):
+            del choice.grammars[b]
     if choice.penalties is not None:
         choice.penalties = add_tokens(choice.penalties, choice.draft_ids[penalised, j])
     return ids

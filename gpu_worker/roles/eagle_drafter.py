@@ -136,7 +136,7 @@ def load_eagle_drafter(config: DrafterConfig) -> EagleDrafter:
     last = torch.zeros(config.max_slots, head_config.hidden_size, dtype=torch.bfloat16, device=head.embed.device)
     return EagleDrafter(instance_id=config.instance_id, head=head, cache=cache, t2d=maps.t2d, last_features=last,
                         model_ids=model_ids, prefill_chunk=config.prefill_chunk,
-                        slot_idle_ttl_s=config.slot_idle_ttl_s)
+                        slot_idle_ttl_s=config.slot_idle_ttl_s, tokenizer_dir=config.target_model)
 
 
 # ---------------------------------------------------------------------------------------------

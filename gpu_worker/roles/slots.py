@@ -11,6 +11,8 @@ schedulers stop pinning requests to an instance whose memory is short.
 `load_model_and_cache` loads the model with its cache from the settings both configs share
 (schemas/config.py ModelServiceConfig), dtype "auto" resolved by `resolve_dtype`.
 Counters: `slots_<reason>` per freed slot, `release_unknown` per released id without a slot.
+An owner with a prefix cache (the verifier's, gpu_worker/roles/prefix_cache.py) keeps the storage
+of a slot released or idle-evicted as a cache entry instead of freeing it (KEEP_REASONS).
 The NATS service around a slot owner is services/pipeline/model_service.py.
 """
 
@@ -28,6 +30,7 @@ import torch
 
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
+from text.grammar import Grammars
 from gpu_worker.runtime.model import Model
 from gpu_worker.runtime.quantized import WEIGHT_FORMATS, has_blocks, usable
 from schemas.config import ModelServiceConfig, parse_bytes
@@ -77,6 +80,11 @@ def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) 
     return "gguf" if name == "gguf" or (name == "auto" and servable) else "dense"
 
 
+# Why a slot is freed with storage worth keeping for a prefix cache: what it holds was verified
+# (not a slot dropped for an error or a memory shortage).
+KEEP_REASONS = {"released", "evicted"}
+
+
 class SlotState(Protocol):
     slot: int
     last_used: float
@@ -96,6 +104,12 @@ class SlotOwner:
     slot_idle_ttl_s: float
     requests: dict[tuple[str, str], SlotState] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    tokenizer_dir: str | None = None  # its model's tokenizer.json, for grammars
+    grammars: Grammars | None = None  # made on first use (gpu_worker/roles/grammar_masks.py)
+
+    def free_state(self, state: SlotState, reason: str) -> None:
+        """Free a request's slot (an owner with a prefix cache keeps what it may)."""
+        self.cache.free(state.slot)
 
 
 def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:
@@ -156,7 +170,7 @@ def free_request(owner: SlotOwner, key: tuple[str, str], reason: str) -> bool:
     state = owner.requests.pop(key, None)
     if state is None:
         return False
-    owner.cache.free(state.slot)
+    owner.free_state(state, reason)
     owner.counters[f"slots_{reason}"] += 1
     return True
 

@@ -15,7 +15,10 @@ each step in the module that does it:
    its prompt, a running one grows as it needs; either failing is an `overloaded` row error (a
    running request's slot is then freed). A row that fails gets its own `error`; the other rows
    go on;
-3. feed new_token_ids then the draft tokens through the target, in chunks of prefill_chunk
+   Then the prefix cache (gpu_worker/roles/prefix_cache.py) gives what it holds of the row's new
+   tokens, copied into its slot (`take_hit`; the result's cached_tokens), and released slots are
+   kept there;
+3. feed new_token_ids (those the prefix cache did not give) then the draft tokens through the target, in chunks of prefill_chunk
    tokens (gpu_worker/roles/verifier_forwards.py `run_forwards`). Chunks of similar length share
    one padded forward; a short decode chunk never pads up to a long prefill chunk: a forward's
    cost is a fixed part per call plus a part per token, so beyond FREE_PADDING_TOKENS the padding
@@ -56,7 +59,8 @@ import time
 
 import structlog
 
-from gpu_worker.roles.slots import load_model_and_cache, release
+from gpu_worker.roles.prefix_cache import PrefixCache
+from gpu_worker.roles.slots import load_model_and_cache, release, resolve_weights
 from gpu_worker.roles.verifier_drafts import verify_each
 from gpu_worker.roles.verifier_features import FEATURE_BYTES, feature_block
 from gpu_worker.roles.verifier_forwards import run_forwards
@@ -78,12 +82,17 @@ log = structlog.get_logger(__name__)
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
     model, cache = load_model_and_cache(config.target_model, config, side_bytes_per_value=FEATURE_BYTES)
+    weights = resolve_weights(config.weights, config.target_model, cache.dtype, config.device)
     # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of;
     # hidden_size: they size the feature blocks they ask for by it (2 bytes a value)
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),
                  "max_seq_len": str(config.max_seq_len), "hidden_size": str(model.config.hidden_size)}
-    return Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
-                    prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s)
+    verifier = Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
+                        prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s, weights=weights,
+                        tokenizer_dir=config.target_model)
+    if config.prefix_caching:
+        verifier.prefix = PrefixCache(cache, verifier.counters)
+    return verifier
 
 
 def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
@@ -105,14 +114,18 @@ def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
         state.prompt_logprobs, state.prompt_logits = None, None
     features = feature_block(verifier, state, row.features_from, committed)
     if verified is None:
-        return VerifyResult(request_id=row.request_id, step=row.step, features=features), record
+        return VerifyResult(request_id=row.request_id, step=row.step, features=features,
+                            cached_tokens=work.cached), record
     verifier.counters["tokens_emitted"] += len(verified.token_ids)
     verifier.counters["drafts_proposed"] += work.num_draft
     verifier.counters["drafts_accepted"] += verified.num_accepted
     verifier.counters["residual_fallbacks"] += verified.residual_fallback
     return VerifyResult(request_id=row.request_id, step=row.step, token_ids=verified.token_ids.numpy(),
-                        num_draft=work.num_draft, num_accepted=verified.num_accepted,
-                        residual_fallback=verified.residual_fallback, features=features), record
+                        num_draft=work.num_draft - work.num_forced + work.num_replaced, num_forced=work.num_forced,
+                        num_replaced=work.num_replaced,
+                        num_accepted=verified.num_accepted,
+                        residual_fallback=verified.residual_fallback, features=features,
+                        cached_tokens=work.cached), record
 
 
 def failed_result(verifier: Verifier, row: VerifyRow, error: Error) -> VerifyResult:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import structlog
 import torch
 
+from gpu_worker.roles.grammar_masks import mask_logits
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
 from gpu_worker.sampling.coupling import gumbel_argmax
 from gpu_worker.sampling.rejection import RejectionResult, greedy_accepted, rejection_sample
@@ -61,15 +62,19 @@ def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verifi
 
 
 def penalised_logits(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """logits (B, K+1, V) with each penalised row's logit_bias and penalties applied (float32),
+    """logits (B, K+1, V) with each penalised row's grammar mask (verifier_grammar.py), logit_bias and
+    penalties applied (float32),
     verify position t counting drafts 0..t-1; the same tensor when no row has any.
     draft_ids (B, K), -1 padded."""
     rows = [b for b, w in enumerate(works) if w.penalties is not None]
     if not rows:
         return logits
     out = logits.to(torch.float32, copy=True)
+    for b, w in enumerate(works):  # the grammar first, as vLLM applies its bitmask before the penalties
+        if w.allowed is not None:
+            out[b, :w.num_draft + 1] = mask_logits(out[b, :w.num_draft + 1], w.allowed)
     index = torch.tensor(rows, device=logits.device)
-    out[index] = penalise(logits[index], Penalties.cat([works[b].penalties for b in rows]), draft_ids[index])
+    out[index] = penalise(out[index], Penalties.cat([works[b].penalties for b in rows]), draft_ids[index])
     return out
 
 

@@ -89,7 +89,7 @@ def take_logits(verifier: Verifier, work: VerifyRowWork, offsets: list[int], log
 
 def run_forwards(verifier: Verifier, works: list[VerifyRowWork]) -> None:
     """Feed every row's tokens, chunk by chunk; a failed forward fails only its rows."""
-    pending = [w for w in works if len(w.tokens)]
+    pending = [w for w in works if w.fed < len(w.tokens)]  # fed: what the prefix cache gave
     while pending:
         chunks = [(w, w.fed, min(len(w.tokens), w.fed + verifier.prefill_chunk)) for w in pending]
         for group in pack_chunks(chunks):

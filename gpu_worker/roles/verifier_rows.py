@@ -12,9 +12,12 @@ from array import array
 import numpy as np
 import torch
 
+from gpu_worker.roles.prefix_cache import PREFIX_BLOCK, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import ReceiverVerdict, receiver_rule
 from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
 from gpu_worker.roles.slots import free_request
+from gpu_worker.roles.verifier_features import store_features
+from gpu_worker.roles.verifier_grammar import row_grammar
 from gpu_worker.roles.verifier_side_channel import continue_prompt
 from gpu_worker.roles.verifier_state import Verifier, VerifierSlot, VerifyRowWork
 from gpu_worker.runtime.kv_cache import CacheFullError, CacheMemoryError
@@ -109,6 +112,23 @@ def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Te
         raise invalid(f"{exc.field}: {exc.message}", f"{prefix}.proposal") from None
 
 
+def output_before(row: VerifyRow, state: VerifierSlot | None) -> list[int]:
+    """The row's output tokens before its first verified position: the slot's first cached_len
+    ids, then new_token_ids, from prompt_len on."""
+    held = [] if state is None else state.token_ids[:row.cached_len].tolist()
+    return (held + row.new_token_ids.tolist())[row.prompt_len:]
+
+
+def point_mass_after(draft_probs: torch.Tensor | None, forced: list[int], vocab_size: int) -> torch.Tensor | None:
+    """draft_probs (k, V) followed by the one-hot laws of the forced tokens (point-mass drafts);
+    None stays None (the sampler then takes every draft as a point mass)."""
+    if draft_probs is None or not forced:
+        return draft_probs
+    one_hot = torch.zeros(len(forced), vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
+    one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
+    return torch.cat([draft_probs, one_hot])
+
+
 def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow,
                 now: float) -> VerifyRowWork | VerifyResult:
     """A VerifyRowWork for a row that goes through the model, else its final VerifyResult."""
@@ -123,7 +143,14 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     # before any state changes, so a value the kernels refuse leaves none behind (a row that
     # then answers need_resync just wastes it)
     penalties = history_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
-    length = row.cached_len + len(row.new_token_ids) + len(row.draft_token_ids)
+    grammar = None
+    if row.emit and row.sampling.structured_outputs is not None and not verdict.need_resync:
+        grammar = row_grammar(verifier, row, None if state is None else state.grammar, output_before(row, state),
+                              prefix, max(0, min(row.max_forced, verdict.room - len(row.draft_token_ids))),
+                              replace=draft_probs is None or row.sampling.gumbel)
+    drafts = row.draft_token_ids if grammar is None else row.draft_token_ids[:grammar.kept]
+    forced = [] if grammar is None else grammar.forced
+    length = row.cached_len + len(row.new_token_ids) + len(drafts) + len(forced)
     if state is not None:
         state.last_used = now
     if verdict.need_resync:
@@ -131,6 +158,7 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
         return VerifyResult(request_id=row.request_id, step=row.step, need_resync=True)
     if state is None:
         state = admit(verifier, key, row, length, now)
+    state.grammar = None if grammar is None else grammar.matcher
     try:  # growth: the request ends `overloaded` (its slot freed) when the budget is spent
         verifier.cache.reserve(state.slot, length)
     except CacheMemoryError as exc:
@@ -138,7 +166,7 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
         raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
     verifier.cache.truncate(state.slot, row.cached_len)
     # the same for the ids: the drafts are dropped again in finish_row unless accepted
-    tokens_np = np.concatenate([row.new_token_ids, row.draft_token_ids]).astype(np.int32)
+    tokens_np = np.concatenate([row.new_token_ids, drafts, np.array(forced, dtype=np.int32)]).astype(np.int32)
     del state.token_ids[row.cached_len:]
     state.token_ids.frombytes(tokens_np.tobytes())
     tokens = torch.from_numpy(tokens_np).long()
@@ -146,11 +174,38 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     wants_prompt = row.logprobs.prompt_logprobs is not None and row.postprocessor_id is not None
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
     work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
-                         num_draft=len(row.draft_token_ids), num_prompt=num_prompt,
-                         params=params, draft_probs=draft_probs, penalties=penalties)
+                         num_draft=len(drafts) + len(forced), num_prompt=num_prompt,
+                         params=params, draft_probs=point_mass_after(draft_probs, forced, verifier.vocab_size),
+                         penalties=penalties, allowed=None if grammar is None else grammar.allowed,
+                         num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts))
     if wants_prompt and row.cached_len < row.prompt_len:
         continue_prompt(verifier, work)
+    take_hit(verifier, work)
     return work
+
+
+def take_hit(verifier: Verifier, work: VerifyRowWork) -> None:
+    """Copy into the row's slot the longest cached prefix of its history that ends inside its
+    new tokens, up to its first position whose logits it wants (gpu_worker/roles/prefix_cache.py);
+    the forwards then start after it (work.fed)."""
+    state = work.state
+    if verifier.prefix is None or state.prefix_root is None:
+        return
+    del state.block_keys[work.start // PREFIX_BLOCK:]  # blocks from here on may hold other tokens now
+    limit = work.start + min(work.wanted, default=work.num_new)
+    extend_keys(state.block_keys, state.prefix_root, state.token_ids, work.start + work.num_new)
+    if limit <= work.start:  # a decode row, or one that wants its logits from the start
+        return
+    verifier.counters["prefix_tokens_looked_up"] += limit - work.start
+    found = verifier.prefix.find(state.block_keys, state.token_ids, work.start, limit)
+    if found is None:
+        return
+    entry, end = found
+    verifier.cache.copy_prefix(state.slot, entry.keys, entry.values, end)
+    if entry.features is not None:
+        store_features(state, work.start, entry.features[work.start:end], verifier.cache)
+    work.cached = work.fed = end - work.start
+    verifier.counters["prefix_tokens_hit"] += work.cached
 
 
 def admit(verifier: Verifier, key: tuple[str, str], row: VerifyRow, length: int, now: float) -> VerifierSlot:
@@ -165,5 +220,8 @@ def admit(verifier: Verifier, key: tuple[str, str], row: VerifyRow, length: int,
         verifier.counters["refused_memory"] += 1
         raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
     state = VerifierSlot(slot=slot, last_used=now)
+    if verifier.prefix is not None and row.cache_salt is not None:
+        state.prefix_root = root_key(verifier.model_ids["target"], verifier.cache.dtype, verifier.weights,
+                                     row.cache_salt)
     verifier.requests[key] = state
     return state

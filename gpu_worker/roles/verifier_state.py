@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.roles.slots import SlotOwner
+from gpu_worker.roles.prefix_cache import PrefixCache
+from gpu_worker.roles.slots import KEEP_REASONS, SlotOwner
 from gpu_worker.runtime.model import Model
+from text.grammar import OutputMatcher
 from gpu_worker.sampling.sampler import Penalties, ProcessedLogits, SamplingTensors
 from schemas.commits import LogprobArrays, SideChannelRecord
 from schemas.steps import VerifyResult, VerifyRow
@@ -30,7 +32,9 @@ class VerifierSlot:
     prompt logprobs and the prompt is not complete yet); prompt_logits (V,) are the logits at
     the last position fed, which give the logprob of the first token of the next chunk
     (position prompt_offset + n). features (capacity, E) bf16: row t is the target's feature at
-    position t, valid below the slot's cache length (`store_features`).
+    position t, valid below the slot's cache length (`store_features`). prefix_root: the key its
+    prefix blocks chain from (None: its row has no cache_salt, or prefix caching is off) and
+    block_keys those of its whole blocks so far (gpu_worker/roles/prefix_cache.py).
     """
 
     slot: int
@@ -43,6 +47,9 @@ class VerifierSlot:
     prompt_offset: int = 1
     prompt_logits: torch.Tensor | None = None
     features: torch.Tensor | None = None
+    grammar: OutputMatcher | None = None  # a row with structured_outputs (verifier_grammar.py)
+    prefix_root: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
 
     @property
     def prompt_end(self) -> int:
@@ -54,10 +61,19 @@ class VerifierSlot:
 class Verifier(SlotOwner):
     model: Model
     prefill_chunk: int
+    prefix: PrefixCache | None = None  # None: prefix caching off
+    weights: str = "dense"  # the projections' format (a prefix key's part)
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def free_state(self, state: VerifierSlot, reason: str) -> None:
+        """Free state's slot; with prefix caching on, a verified one's storage is kept as an entry."""
+        if self.prefix is None or state.prefix_root is None or reason not in KEEP_REASONS:
+            self.cache.free(state.slot)
+            return
+        self.prefix.keep(state.slot, state.token_ids, state.block_keys, state.prefix_root, state.features)
 
 
 @dataclass
@@ -79,11 +95,15 @@ class VerifyRowWork:
     params: SamplingTensors  # one row
     draft_probs: torch.Tensor | None  # (k, V), None for a point mass (or a greedy row)
     penalties: Penalties | None = None  # one row, over the history before the first verify position
+    allowed: torch.Tensor | None = None  # (k+1, V) bool: a grammar's tokens at each verify position
+    num_forced: int = 0  # the last num_forced of the k drafts are the grammar's forced tokens
+    num_replaced: int = 0  # the row's drafts the grammar refused (and those after), not fed
     fed: int = 0
     verify_logits: list[torch.Tensor] = field(default_factory=list)  # pieces of (m, V)
     prompt_pieces: list[LogprobArrays] = field(default_factory=list)  # consecutive prompt positions
     prompt_offset: int = 1  # the prompt position of prompt_pieces' first entry
     next_prompt_logits: torch.Tensor | None = None  # (V,): predict the next step's first token
+    cached: int = 0  # tokens copied from the prefix cache, not computed (the first `fed`)
     error: Error | None = None
 
     @property

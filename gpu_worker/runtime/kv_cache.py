@@ -18,6 +18,11 @@ slot's blocks once per new block (a 2048-token request: 1 + 2 + 3 blocks copied 
 A batch of several slots gathers their windows into one tensor per layer (as the old
 preallocated cache did for non-consecutive slots).
 
+A reclaimer (`KVCache.reclaimer`, gpu_worker/roles/prefix_cache.py) may hold storage that a freed
+slot leaves (`detach`): its bytes stay charged to the budget until it hands them back
+(`release_bytes`), and admission and growth ask it to give up what they lack (`reclaim`) before
+they refuse; heartbeats count what it holds as free (`num_admissible`).
+
 `lengths[slot]` is a slot's committed length; positions at or beyond it hold nothing that
 counts. Writes go to explicit positions (`update`); rollback after rejection is `truncate`,
 which only lowers the length (storage is kept: the next step overwrites the rejected
@@ -27,6 +32,7 @@ tensors a forward needs, copied to the device once per call.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -73,6 +79,16 @@ class ForwardPlan:
     values: list[tuple[torch.Tensor, ...]]
     write_index: list[tuple[torch.Tensor, torch.Tensor]]  # per row, (heads, columns) -> (T, Hkv)
     windows: list[tuple[torch.Tensor, torch.Tensor]] | None  # batch 1: each layer's window
+
+
+class Reclaimer(Protocol):
+    """Holds storage detached from freed slots, charged to the budget, and gives it up on demand."""
+
+    @property
+    def evictable_bytes(self) -> int: ...
+
+    def reclaim(self, nbytes: int) -> None:
+        """Hand back (`release_bytes`) at least nbytes, or all it holds."""
 
 
 class KVCache:
@@ -124,6 +140,7 @@ class KVCache:
         self._layers: list[tuple | None] = [None] * max_slots  # (keys, values), each L per-layer views
         self._capacity = [0] * max_slots
         self._heads = torch.arange(config.num_kv_heads, device=device).view(1, -1)
+        self.reclaimer: Reclaimer | None = None
 
     # ------------------------------------------------------------------ memory
 
@@ -152,7 +169,9 @@ class KVCache:
     @property
     def num_admissible(self) -> int:
         """New requests of one block each that `allocate` would take now (heartbeats' free_slots)."""
-        room = self.memory_bytes - self.memory_used - (self._headroom if self.num_free < self.max_slots else 0)
+        evictable = 0 if self.reclaimer is None else self.reclaimer.evictable_bytes
+        room = self.memory_bytes - self.memory_used + evictable - \
+            (self._headroom if self.num_free < self.max_slots else 0)
         return max(0, min(self.num_free, room // self.slot_bytes(1)))
 
     def _grow_bytes(self, slots: list[int], ends: list[int]) -> int:
@@ -189,6 +208,7 @@ class KVCache:
         """Grow slots to hold ends[i] tokens each (ends >= 1), all or none: CacheMemoryError
         ("<needs> N bytes more<detail>"), changing nothing, when the budget cannot hold them."""
         more = self._grow_bytes(slots, ends)
+        self._make_room(more)
         if self.memory_used + more > self.memory_bytes:
             raise CacheMemoryError(f"KV cache memory budget {self.memory_bytes} bytes is short: {needs} {more} bytes "
                                    f"more{detail}, {self.memory_bytes - self.memory_used} are free")
@@ -219,6 +239,8 @@ class KVCache:
             raise CacheCapacityError(f"{length} tokens exceed max_seq_len {self.max_seq_len}")
         need = self.slot_bytes(length)
         headroom = self._headroom if self.num_free < self.max_slots else 0
+        if need:
+            self._make_room(need + headroom)
         if need and self.memory_used + need + headroom > self.memory_bytes:
             raise CacheMemoryError(
                 f"KV cache memory budget {self.memory_bytes} bytes is short: a new request of {length} tokens "
@@ -243,6 +265,36 @@ class KVCache:
         self.memory_used -= self.slot_bytes(self._capacity[slot])
         self._keys[slot] = self._values[slot] = self._layers[slot] = None
         self._capacity[slot] = 0
+
+    def detach(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """Free slot like `free`, but hand its k, v storage (L, Hkv, C + 1, D) to the caller with
+        its bytes, which stay charged to the budget until `release_bytes`."""
+        keys, values = self.tensors(slot)
+        nbytes = self.slot_bytes(self._capacity[slot])
+        self.free(slot)
+        self.memory_used += nbytes
+        return keys, values, nbytes
+
+    def release_bytes(self, nbytes: int) -> None:
+        """Storage of `detach` given up: its bytes are free again."""
+        self.memory_used -= nbytes
+
+    def _make_room(self, nbytes: int) -> None:
+        """Ask the reclaimer for what nbytes more would exceed of the budget."""
+        short = self.memory_used + nbytes - self.memory_bytes
+        if short > 0 and self.reclaimer is not None:
+            self.reclaimer.reclaim(short)
+
+    def copy_prefix(self, slot: int, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
+        """Positions lengths[slot]..end-1 of keys, values (L, Hkv, >= end, D) into slot's storage,
+        which must hold them (`reserve`), and commit them: the slot then holds end tokens."""
+        start = int(self.lengths[slot])
+        if not start <= end <= self._capacity[slot]:
+            raise SlotError(f"copy into slot {slot} of positions {start}..{end - 1}: its storage holds "
+                            f"{self._capacity[slot]}")
+        self._keys[slot][:, :, start:end] = keys[:, :, start:end]
+        self._values[slot][:, :, start:end] = values[:, :, start:end]
+        self.lengths[slot] = end
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll slot back to `length` committed tokens (never grows it)."""

@@ -21,7 +21,12 @@ As each request completes, a line on stderr gives its output tokens and tokens/s
 rate so far and an ETA for the rest at that rate (--quiet: none). ShareGPT's own reply lengths,
 the default, are long for a CPU-served model: README.md ("Load-testing the API") says what they
 cost.
-Statistics: services/commands/bench_serve_core.py.
+Statistics: services/commands/bench_serve_core.py. `--multi-turn` (conversations turn by turn,
+TTFT by turn) and `--overload N` (N at once: completed / 429 / errors) are
+services/commands/bench_turns.py's.
+
+    specbus bench serve --multi-turn --num-prompts 8 --max-turns 3 --max-concurrency 4 --sharegpt-output-len 32
+    specbus bench serve --overload 200 --sharegpt-output-len 16
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from services.commands.bench_serve_core import (DONE, BenchError, Failure, Goodp
                                                 parse_goodput, parse_rates, plot_sweep, progress_line, rate_json,
                                                 result_json, sample_random, sample_sharegpt, sharegpt_path, sse_data,
                                                 summarize)
+from services.commands.bench_turns import (format_overload, format_turns, overload_counts, run_conversations,
+                                           sample_conversations, turn_summary)
 from services.runtime.auth import read_env_file
 
 HELP = "load-benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, throughput) on ShareGPT or random prompts"
@@ -91,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests per second, Poisson arrivals, or inf: all at once (default); a comma list "
                            "runs a sweep over the same prompts, e.g. 0.5,1,2,4")
     load.add_argument("--max-concurrency", type=int, metavar="N", help="at most N requests in flight (default: no cap)")
+    load.add_argument("--multi-turn", action="store_true",
+                      help="ShareGPT conversations turn by turn, the model's answers as history, --max-concurrency "
+                           "conversations at once, --num-prompts of them; TTFT by turn (chat endpoint)")
+    load.add_argument("--max-turns", type=int, default=4, metavar="N", help="with --multi-turn: turns at most (default 4)")
+    load.add_argument("--overload", type=int, metavar="N",
+                      help="send N requests at once, no cap: counts completed / refused 429 / errors")
     load.add_argument("--seed", type=int, default=0, help="for sampling the prompts and the arrival times (default 0)")
     load.add_argument("--temperature", type=float, default=0.0, help="sent with each request (default 0: greedy)")
     load.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
@@ -200,7 +213,7 @@ def request_body(sample: SampleRequest, options: RequestOptions) -> dict[str, An
                             "temperature": options.temperature, "stream": True,
                             "stream_options": {"include_usage": True}}
     if options.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        body["messages"] = [*sample.history, {"role": "user", "content": sample.prompt}]
     else:
         body["prompt"] = sample.prompt
     if options.ignore_eos:
@@ -386,6 +399,8 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             if failed:
                 print(f"warning: {len(failed)} of {len(warm)} warm-up requests failed: {failed[0].key}: "
                       f"{failed[0].message}", file=sys.stderr, flush=True)
+        if args.multi_turn or args.overload:
+            return [await other_mode(args, client, target, options, model, tokenizer_dir)]
         entries = []
         for rate in rates:
             results, duration = await run_load(client, target, samples, options, rate, args.max_concurrency,
@@ -404,6 +419,41 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     if plot:
         print(f"plot: {plot_sweep(entries, plot)}", flush=True)
     return entries
+
+
+async def other_mode(args: argparse.Namespace, client: httpx.AsyncClient, target: Target, options: RequestOptions,
+                     model: str, tokenizer_dir: str) -> dict[str, Any]:
+    """--multi-turn or --overload (services/commands/bench_turns.py): runs it, prints its table,
+    writes the result file; returns the entry (`completed`: requests that completed)."""
+    info = run_info(args, target, model, tokenizer_dir, float("inf"), Goodput())
+    if args.multi_turn:
+        conversations = await asyncio.to_thread(multi_turn_samples, args)
+        turns = await run_conversations(conversations, args.max_concurrency,
+                                        lambda sample: stream_one(client, target, sample, options))
+        summary = turn_summary(turns)
+        print(format_turns(summary), flush=True)
+        entry = info | {"mode": "multi_turn", "max_turns": args.max_turns, **summary,
+                        "completed": sum(t.result.ok for t in turns)}
+    else:
+        samples, _ = await asyncio.to_thread(load_samples, argparse.Namespace(**{**vars(args),
+                                                                                "num_prompts": args.overload}))
+        results, _ = await run_load(client, target, samples, options, float("inf"), None, args.seed,
+                                    progress=not args.quiet, show_bar=not args.disable_tqdm)
+        counts = overload_counts(results)
+        print(format_overload(counts), flush=True)
+        entry = info | {"mode": "overload", **counts}
+    if args.result_file:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(entry, indent=2) + "\n")
+        print(f"results: {args.result_file}", flush=True)
+    return entry
+
+
+def multi_turn_samples(args: argparse.Namespace) -> list[list[SampleRequest]]:
+    from text.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(args.tokenizer or default_target_model())
+    return sample_conversations(load_sharegpt(args.dataset_path or sharegpt_path()), tokenizer.encode,
+                                args.num_prompts, args.seed, args.max_turns, args.sharegpt_output_len or 64)
 
 
 async def run(args: argparse.Namespace) -> int:

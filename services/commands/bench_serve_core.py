@@ -68,10 +68,12 @@ class BenchError(Exception):
 @dataclass(frozen=True)
 class SampleRequest:
     """One prompt to send. prompt_len: its tokens by the benchmark's tokenizer (no chat template);
-    output_len: the max_tokens sent (with ignore_eos, the tokens expected back)."""
+    output_len: the max_tokens sent (with ignore_eos, the tokens expected back); history: the chat
+    messages before it (a multi-turn conversation's earlier turns, services/commands/bench_turns.py)."""
     prompt: str
     prompt_len: int
     output_len: int
+    history: tuple[dict[str, str], ...] = ()
 
 
 Encode = Callable[[str], Sequence[int]]
@@ -367,6 +369,7 @@ class RequestResult:
     output_tokens: int | None = None
     draft_proposed: int | None = None  # specbus's usage extras
     draft_accepted: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     text: str = ""
     failure: Failure | None = None
 
@@ -392,6 +395,7 @@ class RequestResult:
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
         self.output_tokens = usage.get("completion_tokens", self.output_tokens)
+        self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", self.cached_tokens)
         # OpenAI's own fields for draft tokens (specbus, and OpenAI's predicted outputs): a
         # rejected draft token is proposed and not accepted
         details = usage.get("completion_tokens_details") or {}

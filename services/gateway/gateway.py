@@ -127,8 +127,8 @@ class Gateway:
         return user_for_key(self.logins, authorization)
 
     def check_model(self, model: str | None) -> None:
-        """None (no model in the body) is the one model served."""
-        if model is not None and model != self.model:
+        """None or "" (no model named) is the one model served, as vLLM takes it."""
+        if model and model != self.model:
             raise ApiError(404, f"model {clip(model)!r} does not exist; this server serves {self.model!r}",
                            type="invalid_request_error", param="model", code="model_not_found")
 

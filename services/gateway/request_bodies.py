@@ -7,7 +7,11 @@ given as a string (`"max_tokens": "8"`), a bool as 0/1 or a string for a number 
 the field, never coerced (an integer is taken where a float is asked). Besides the OpenAI fields,
 every body takes specbus's own (documented in README.md, "OpenAI-compatible API"): top_k, min_p,
 ignore_eos, stop_token_ids, num_speculative_tokens, draft_mode, draft_method, logprobs_mode,
-sampling_mask, timeout_s, and vLLM's prompt_logprobs.
+sampling_mask, timeout_s, vLLM's prompt_logprobs and structured_outputs (json, regex, choice,
+grammar, json_object). OpenAI's response_format (json_object, json_schema) is taken on both
+routes, as vLLM does; both become the request's sampling.structured_outputs, and an error in
+them names the body's field (`response_format.json_schema.schema`, `structured_outputs.regex`).
+A seed may be any signed 64-bit integer, as OpenAI and vLLM take it: it is used modulo 2**63.
 
 One OpenAI request becomes one GenerateRequest per choice: `n` choices per prompt (seed + i when
 a seed is given, else each request id's own seed), choice index prompt_index * n + i, as OpenAI
@@ -42,6 +46,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no grammar), json_object, or json_schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is None:
+            raise ApiError(400, "response_format.json_schema: required with type json_schema",
+                           param="response_format.json_schema", code="invalid_field")
+        return {"json": self.json_schema.schema_ if self.json_schema.schema_ is not None else {}}
+
+
 class Body(BaseModel):
     """What /v1/completions and /v1/chat/completions share, OpenAI's fields then specbus's."""
 
@@ -54,12 +84,14 @@ class Body(BaseModel):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # {token id: bias}; ranges and ids checked by the schema
     repetition_penalty: float | None = None  # vLLM's extra
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's; checked by schemas.generation.StructuredOutputs
     user: str | None = None  # accepted for the SDKs; unused
     # specbus's own
     top_k: int | None = None
@@ -95,7 +127,15 @@ class Body(BaseModel):
                 "sampling_mask": self.sampling_mask, "stream": self.stream,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
-                "coupling": self.coupling}
+                "coupling": self.coupling, "structured_outputs": self.grammar()}
+
+    def grammar(self) -> dict[str, Any] | None:
+        """The request's structured_outputs: vLLM's field or OpenAI's response_format, not both."""
+        given = self.response_format.structured_outputs() if self.response_format is not None else None
+        if given is not None and self.structured_outputs is not None:
+            raise ApiError(400, "structured_outputs: give it or response_format, not both", param="structured_outputs",
+                           code="invalid_field")
+        return given if given is not None else self.structured_outputs
 
     @property
     def include_usage(self) -> bool:
@@ -103,7 +143,13 @@ class Body(BaseModel):
 
     def param_names(self) -> dict[str, str]:
         """specbus option -> the body's name for it, for the errors of this body's requests."""
-        return {}
+        return self.grammar_names()
+
+    def grammar_names(self) -> dict[str, str]:
+        if self.response_format is None or self.response_format.type == "text":
+            return {}
+        return {"structured_outputs": "response_format.json_schema.schema" if self.response_format.type == "json_schema"
+                else "response_format"}
 
 
 class CompletionBody(Body):
@@ -128,7 +174,7 @@ class CompletionBody(Body):
 
     def param_names(self) -> dict[str, str]:
         # the request's prompt_logprobs come from `prompt_logprobs` when given, else from echo + logprobs
-        names = dict(COMPLETION_PARAMS)
+        names = dict(COMPLETION_PARAMS) | self.grammar_names()
         if self.prompt_logprobs is not None:
             del names["prompt_logprobs"]
         return names
@@ -163,7 +209,7 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def param_names(self) -> dict[str, str]:
-        return CHAT_PARAMS | {"max_tokens": "max_tokens" if self.max_completion_tokens is None
+        return CHAT_PARAMS | self.grammar_names() | {"max_tokens": "max_tokens" if self.max_completion_tokens is None
                               else "max_completion_tokens"}
 
 
@@ -192,7 +238,7 @@ def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, op
     plans = []
     for prompt_index, given in enumerate(inputs):
         for i in range(n):
-            choice_seed = None if seed is None else (seed + i) % 2**63
+            choice_seed = None if seed is None else (seed + i) % 2**63  # a negative seed too
             try:
                 request = make_request(**given, seed=choice_seed, **options)
             except SpecbusError as exc:

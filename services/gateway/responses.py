@@ -186,7 +186,9 @@ def usage_json(choices: Sequence[Choice], n: int) -> dict:
     completion = sum(u.completion_tokens for _, u in usages)
     proposed = sum(u.draft_tokens_proposed for _, u in usages)
     accepted = sum(u.draft_tokens_accepted for _, u in usages)
+    cached = sum(u.cached_tokens for index, u in usages if index % n == 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": cached},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted, "audio_tokens": 0,
                                           "reasoning_tokens": 0, "rejected_prediction_tokens": proposed - accepted}}
 

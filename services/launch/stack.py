@@ -107,6 +107,8 @@ class StackConfig:
     weights: str | None = None  # the verifiers' and drafters' --weights; None: theirs (SPECBUS_WEIGHTS, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
+    # The verifiers' prefix caching (gpu_worker/roles/prefix_cache.py); None: theirs (SPECBUS_PREFIX_CACHING, on).
+    prefix_caching: bool | None = None
     # torch threads per verifier / drafter process; 0: `role_threads` picks from the machine.
     verifier_threads: int = 0
     drafter_threads: int = 0
@@ -189,7 +191,8 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     settings = {"target_model": config.target_model, "tokenizer": config.target_model,
                 "draft_model": config.draft_model, "draft_method": config.draft_method,
                 "eagle_head": config.eagle_head, "dtype": config.dtype, "weights": config.weights,
-                "kv_cache_memory": config.kv_cache_memory, "torch_threads": role_threads(role, config, usable_cores())}
+                "kv_cache_memory": config.kv_cache_memory, "prefix_caching": config.prefix_caching,
+                "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):
         if settings.get(config_field.name) is not None:
             argv += ["--" + config_field.name.replace("_", "-"), str(settings[config_field.name])]

@@ -49,6 +49,10 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each verifier's and drafter's KV cache budget, e.g. 2GiB, 512MiB (env "
                              "SPECBUS_KV_CACHE_MEMORY; default 2GiB): slots take memory as their tokens need it, "
                              "and a request the budget cannot hold is refused `overloaded`")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="the verifiers compute every prompt token (env SPECBUS_PREFIX_CACHING=false; default: "
+                             "they keep finished requests' keys and values within --kv-cache-memory and reuse them "
+                             "for histories that start the same, per client user, with the same output bits)")
     for role in ("verifier", "drafter"):
         parser.add_argument(f"--{role}-threads", type=int, default=0, metavar="N",
                             help=f"torch threads per {role} (default 0: from the machine's cores, see README "
@@ -82,6 +86,7 @@ def stack_config(args: argparse.Namespace, port: int) -> StackConfig:
         dtype=args.dtype,
         weights=args.weights,
         kv_cache_memory=args.kv_cache_memory,
+        prefix_caching=False if args.no_prefix_caching else None,
         verifier_threads=args.verifier_threads,
         drafter_threads=args.drafter_threads,
         prefix=args.prefix or os.environ.get(ENV_PREFIX + "PREFIX", DEFAULT_PREFIX),

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
 from text.chat_template import ChatTemplateError, render_chat
+from text.grammar import Grammars, llg_tokenizer
 from text.tokenizer import Tokenizer, check_in_vocabulary
 from schemas.codec import encode
 from schemas.config import FINISHED_ID_TTL_S, SchedulerConfig
@@ -102,6 +103,7 @@ class Admission:
         self.waiting: deque[Request] = deque()
         self.recent = RecentIds(monotonic)
         self.max_token_chars: int | None = None  # characters of the vocabulary's longest token, once needed
+        self.grammars: Grammars | None = None  # compiled structured outputs, made on first use
 
     @property
     def capacity(self) -> int:
@@ -195,14 +197,19 @@ class Admission:
         """The checks a decoded request passes before its prompt is tokenized: max_tokens within
         the cap (the least of max_tokens_cap and max_seq_len, schemas.generation.check_limits),
         every token id it names in the vocabulary, as prompt ids are (stop_token_ids, logit_bias,
-        logprob_token_ids: refused here, not first by a verifier mid-request), and a text prompt
-        that can fit (check_prompt_text)."""
+        logprob_token_ids: refused here, not first by a verifier mid-request), a structured output
+        whose grammar compiles within text/grammar.py's LIMITS (a bounded time and size), and a text
+        prompt that can fit (check_prompt_text)."""
         check_limits(request, max_tokens_cap=self.config.max_tokens_cap, max_model_len=self.placement.max_seq_len())
         vocab_size = self.tokenizer.vocab_size
         check_in_vocabulary(request.sampling.stop_token_ids, vocab_size, "sampling.stop_token_ids")
         if request.sampling.logit_bias is not None:
             check_in_vocabulary(request.sampling.logit_bias.token_ids, vocab_size, "sampling.logit_bias")
         check_in_vocabulary(request.logprobs.logprob_token_ids, vocab_size, "logprobs.logprob_token_ids")
+        if request.sampling.structured_outputs is not None:
+            if self.grammars is None:
+                self.grammars = Grammars(llg_tokenizer(self.tokenizer, vocab_size))
+            self.grammars.matcher(request.sampling.structured_outputs)
         self.check_prompt_text(request)
 
     def check_prompt_text(self, request: GenerateRequest) -> None:

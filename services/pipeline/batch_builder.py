@@ -13,6 +13,8 @@ NATS, no awaits: services/pipeline/scheduler_core.py owns one `BatchBuilder`.
 - A verify batch's deadline follows its tokens and its verifier's measured pace
   (step_budget.py): each try is waited for StepBudget.attempt_s, and VerifyRequest.deadline is
   that times (verify_retries + 1), so a retry can re-send the same message.
+- Each verify row names its prefix cache (`cache_salt`: the client user's own, or the shared one
+  for users the operator lists; docs/PROTOCOL.md#prefix-caching).
 - Drafts late, missing or refused: the rows run with k=0, flagged `draft_timeout`; a draft row
   answered need_resync runs k=0 flagged `resync`, and its whole history goes again next step.
 """
@@ -25,7 +27,7 @@ import structlog
 from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode
 from schemas.generation import draft_is_sampled
-from schemas.protocol import MAX_FEATURE_BLOCK_BYTES
+from schemas.protocol import MAX_FEATURE_BLOCK_BYTES, MAX_SPECULATIVE_TOKENS
 from schemas.steps import DraftRequest, DraftResponse, DraftRow, DraftTokens, VerifyRequest, VerifyRow
 from schemas.wire import Error
 from services.pipeline import features
@@ -42,6 +44,27 @@ from services.pipeline.slot_release import SlotReleases
 from services.pipeline.step_budget import StepBudget
 
 log = structlog.get_logger(__name__)
+
+
+# The cache_salt of the users that share one prefix cache (SchedulerConfig.prefix_cache_shared_users).
+SHARED_SALT = "*"
+
+
+def cache_salt(config: SchedulerConfig, user: str) -> str:
+    """Whose prefix cache a user's rows use: its own, or the shared one where the operator says so."""
+    shared = {name.strip() for name in config.prefix_cache_shared_users.split(",")}
+    return SHARED_SALT if SHARED_SALT in shared or user in shared else f"user:{user}"
+
+def forced_room(planned: PlannedRow) -> int:
+    """How many grammar-forced tokens the verifier may add after an emitting row's drafts
+    (docs/PROTOCOL.md#structured-outputs): for a speculative request (num_speculative_tokens > 0)
+    up to MAX_SPECULATIVE_TOKENS verified positions in all, its emitted tokens within max_tokens;
+    0 for plain decoding. Forced tokens are not the drafter's guesses, so k does not bound them."""
+    request = planned.request
+    if not planned.emit or request.sampling.structured_outputs is None or not request.speculative.num_speculative_tokens:
+        return 0
+    left = request.sampling.max_tokens - len(request.completion) - 1
+    return max(0, min(MAX_SPECULATIVE_TOKENS, left) - planned.num_draft)
 
 
 class BatchBuilder:
@@ -177,7 +200,8 @@ class BatchBuilder:
         has no room for them left: then it asks next step (features.py)."""
         request = planned.request
         features_from = request.features_end if features.drafted_by_eagle(self.placement, request) else None
-        answer = verify_answer_bytes(planned.num_draft)
+        max_forced = forced_room(planned)
+        answer = verify_answer_bytes(planned.num_draft + max_forced)
         if features_from is not None:
             feature_bytes = features.answer_bytes(features_from, planned.end, planned.num_draft, per_position)
             if room.fits(answer=answer + feature_bytes):
@@ -191,7 +215,8 @@ class BatchBuilder:
                         draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
                         sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
                         postprocessor_id=request.postprocessor_id if wants_side else None,
-                        prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from)
+                        prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from,
+                        max_forced=max_forced, cache_salt=cache_salt(self.config, request.user))
         return row, answer
 
     def defer_oversized_row(self, planned: PlannedRow, size: int, room: int, now: float, alone: bool) -> Outbox:

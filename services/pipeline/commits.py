@@ -227,13 +227,15 @@ class Committer:
                 request.request_id, f"the verifier's result does not match the step ({len(tokens)} tokens, "
                                     f"{result.num_draft} drafts for {planned.num_draft} planned)"))
         request.verifier_len = planned.end + result.num_accepted
-        request.num_draft_proposed += planned.num_draft
+        drafted = planned.num_draft + result.num_forced  # the drafter's drafts and the grammar's forced tokens
+        request.num_draft_proposed += drafted
         request.num_draft_accepted += result.num_accepted
+        request.cached_tokens += result.cached_tokens
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
         self.on_verified(planned, result)
-        self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode, planned.num_draft,
-                              result.num_accepted)
+        self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode,
+                              drafted, result.num_accepted)
         if result.residual_fallback:
             degraded.append("residual_fallback")
         kept, finish_reason = [], None
@@ -254,7 +256,7 @@ class Committer:
         expect_side = request.logprobs.wants_side_channel and (bool(kept) or request.awaits_prompt_logprobs)
         num_accepted = min(result.num_accepted, len(kept))
         if finish_reason is not None:
-            return self.end(request, finish_reason, now, batch_id=batch_id, tokens=kept, num_draft=planned.num_draft,
+            return self.end(request, finish_reason, now, batch_id=batch_id, tokens=kept, num_draft=drafted,
                             num_accepted=num_accepted, degraded=degraded, expect_side_channel=expect_side)
         return Outbox(commits=[(request.postprocessor_id, self.commit(
-            request, batch_id, kept, planned.num_draft, num_accepted, degraded, None, expect_side))])
+            request, batch_id, kept, drafted, num_accepted, degraded, None, expect_side))])

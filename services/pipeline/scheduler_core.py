@@ -295,7 +295,7 @@ class SchedulerState:
         """A consistent verified row: its acceptance for adaptive k, and for draft_method "auto"."""
         self.planner.verified(planned, result)
         if planned.drafted_by is not None:
-            drafted(self, planned.request, planned.drafted_by, result.num_accepted)
+            drafted(self, planned.request, planned.drafted_by, result.drafts_accepted)
 
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
                     seconds: float) -> None:

@@ -76,6 +76,7 @@ class Request:
     adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
     draft_trial: DraftTrial = field(default_factory=DraftTrial)  # draft_method "auto" (draft_method.py)
+    cached_tokens: int = 0  # history tokens its verifiers copied from their prefix caches
     features_end: int = 0  # the next verify row's features_from (features.py)
     feature_blocks: list[FeatureBlock] = field(default_factory=list)  # received, not yet delivered
 
@@ -114,6 +115,7 @@ class Request:
     def usage(self) -> Usage:
         proposed, accepted = self.num_draft_proposed, self.num_draft_accepted
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.completion),
+                     cached_tokens=min(self.cached_tokens, self.prompt_len),
                      draft_tokens_proposed=proposed, draft_tokens_accepted=accepted,
                      acceptance_rate=accepted / proposed if proposed else 0.0, steps=self.num_steps,
                      degraded_steps=dict(self.degraded_steps),

@@ -135,7 +135,7 @@ class StepPlanner:
         """A row's verified drafts, for adaptive_k."""
         request = planned.request
         if planned.num_draft and self.adaptive_row(request):
-            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.num_accepted)
+            self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.drafts_accepted)
 
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
                     seconds: float) -> None:
@@ -150,11 +150,13 @@ class StepPlanner:
     def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,
                      seconds: float, commit_s: float, retried: bool, answered_at: float | None = None) -> None:
         """A verify batch's round trip (answered at monotonic answered_at), for the verifier's pace
-        (step_budget.py) and adaptive_k (by its new tokens, drafts included), and the commit
+        (step_budget.py) and adaptive_k (by its new tokens computed, drafts included), and the commit
         after it; a batch that needed a retry or got no answer is left out."""
         if not isinstance(response, VerifyResponse) or retried:
             return
-        tokens = sum(len(r.new_token_ids) + len(r.draft_token_ids) for r in message.rows)
+        # what the prefix cache gave was copied, not computed: the pace is of the tokens computed
+        tokens = sum(len(r.new_token_ids) + len(r.draft_token_ids) for r in message.rows) - \
+            sum(r.cached_tokens for r in response.rows)
         self.budget.timed(verifier_id, tokens, seconds, answered_at)
         if self.adaptive is not None and message.rows:
             self.adaptive.verify_timed(verifier_id, tokens, seconds, commit_s)

@@ -129,6 +129,22 @@ def test_generate_request_has_every_flag():
     assert options.logprob_token_ids.tolist() == [4, 5] and request.timeout_s == 12
 
 
+@pytest.mark.parametrize("flags,expected", [
+    (["--json-schema", '{"type": "object"}'], {"json": {"type": "object"}}),
+    (["--json-object"], {"json_object": True}),
+    (["--regex", "[0-9]+"], {"regex": "[0-9]+"}),
+    (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
+    (["--grammar", "@GRAMMAR"], {"grammar": 'start: "x"'}),
+])
+def test_generate_structured_output_flags(flags, expected, tmp_path):
+    (tmp_path / "g.lark").write_text('start: "x"')
+    flags = [str(tmp_path / "g.lark") if flag == "@GRAMMAR" else flag for flag in flags]
+    flags = ["@" + flag if flag.endswith("g.lark") else flag for flag in flags]
+    request = build_generate_request(build_parser().parse_args(["generate", "--prompt", "hi", *flags]))
+    given = request.sampling.structured_outputs.model_dump(exclude_defaults=True)
+    assert given == expected
+
+
 def test_generate_refuses_a_bad_request_naming_the_field():
     done = subprocess.run(specbus("generate", "--url", "nats://127.0.0.1:1", "--prompt", "x", "--top-p", "2"),
                           capture_output=True, text=True, timeout=60)

@@ -13,6 +13,8 @@ from schemas.config import DrafterConfig, load_config
 from schemas.generation import RowSampling
 from schemas.steps import DraftRequest, DraftRow
 from tests.tiny_checkpoints import VD, VT, write_tiny_pair
+from text.grammar import Grammars, llg_tokenizer
+from text.tokenizer import load_tokenizer
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 3, 77, 12, 50, 31, 6]
 OUTPUT = [17, 200, 17]  # a history of PROMPT + OUTPUT, prompt_len = len(PROMPT)
@@ -72,3 +74,19 @@ def test_a_sampled_proposal_is_the_penalised_distribution(pair):
     assert result.draft_token_ids.tolist() == [500] * 4
     ids, probs = result.proposal.ids, result.proposal.probs  # (4, S), the support of each draft
     assert (probs[ids == 500] > 0.999).all() and (probs[ids == 17] < 1e-30).all()
+
+
+@pytest.mark.parametrize("mode,sampling", [("greedy", {"temperature": 0}), ("sample", {"temperature": 1.0, "seed": 5})])
+def test_drafts_follow_the_rows_grammar(pair, mode, sampling):
+    """A row with structured_outputs drafts under the grammar's mask, mapped to draft ids: every
+    draft is a token the grammar allows after the ones before (docs/PROTOCOL.md#structured-outputs)."""
+    _, drafter = pair
+    spec = {"regex": "[0-9]{1,12}"}
+    row = DraftRow(request_id="g", row=0, step=0, cached_len=0, new_token_ids=PROMPT, num_draft=4, draft_mode=mode,
+                   sampling=RowSampling(structured_outputs=spec, **sampling), prompt_len=len(PROMPT))
+    request = DraftRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 30, rows=[row], release=[])
+    result = draft_batch(drafter, request).rows[0]
+    assert len(result.draft_token_ids) == 4
+    tokenizer = load_tokenizer(drafter.tokenizer_dir)
+    matcher = Grammars(llg_tokenizer(tokenizer, VT)).matcher(RowSampling(structured_outputs=spec).structured_outputs)
+    assert matcher.validate_tokens(result.draft_token_ids.tolist()) == 4, tokenizer.decode(result.draft_token_ids)

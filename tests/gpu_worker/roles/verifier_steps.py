@@ -23,12 +23,12 @@ def new_verifier(target, **overrides):
 
 
 def vrow(request_id, new_token_ids, cached_len=0, drafts=(), step=0, prompt_len=len(PROMPT), emit=True,
-         logprobs=None, proposal=None, index=0, **sampling):
+         logprobs=None, proposal=None, index=0, cache_salt=None, **sampling):
     return VerifyRow(request_id=request_id, row=index, step=step, cached_len=cached_len,
                      new_token_ids=list(new_token_ids), draft_token_ids=list(drafts),
                      proposal=proposal or Proposal(), sampling=RowSampling(**{"temperature": 0, **sampling}),
                      logprobs=logprobs or LogprobOptions(), postprocessor_id="post-test", prompt_len=prompt_len,
-                     emit=emit)
+                     emit=emit, cache_salt=cache_salt)
 
 
 def run(verifier, *rows, release=(), batch_id=1):

@@ -155,19 +155,25 @@ def assert_counts_match(tokens, probs, sigmas=4.5):
     assert float(z[expected > 0].abs().max()) < sigmas, (counts, expected)
 
 
-def distributions(seed, filtered=False):
+def distributions(seed, filtered=False, masked=False):
+    """Target and draft laws; masked: the target's logits restricted per position as a grammar
+    does (gpu_worker/roles/verifier_grammar.py, -inf outside the allowed tokens), the draft not."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
+    if masked:
+        allowed = torch.rand(1, K + 1, V, generator=gen) < 0.5
+        allowed[..., 0] = True
+        logits = logits.masked_fill(~allowed, float("-inf"))
     params = SamplingTensors.build([1.0], top_k=[5 if filtered else 0], top_p=[0.85 if filtered else 1.0])
     target_probs = sample(logits, params, torch.zeros(1, K + 1, dtype=torch.float64))[0].probs[0]
     draft_probs = (torch.randn(K, V, generator=gen) * 1.5).softmax(-1)
     return target_probs, draft_probs, gen
 
 
-@pytest.mark.parametrize("filtered", [False, True])
+@pytest.mark.parametrize("filtered,masked", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("proposal", ["dense", "point_mass"])
-def test_emitted_tokens_follow_the_target_distribution(proposal, filtered):
-    target_probs, draft_probs, gen = distributions(21, filtered)
+def test_emitted_tokens_follow_the_target_distribution(proposal, filtered, masked):
+    target_probs, draft_probs, gen = distributions(21, filtered, masked)
     # a point-mass draft on the second most likely target token: accepted sometimes, not always
     point_mass = target_probs[:K].argsort(-1, descending=True)[:, 1].tolist() if proposal == "point_mass" else None
     result = run_speculation(target_probs, draft_probs, gen, point_mass)

@@ -44,6 +44,7 @@ def test_completion_pieces_carry_openai_logprobs_offsets_and_degraded(tokenizer)
     assert merged["logprobs"]["text_offset"] == [sum(len(t) for t in tokens[:k]) for k in range(len(ids))]
     assert merged["logprobs"]["top_logprobs"][0] == {tokens[0]: -0.5}
     assert usage_json([choice], n=1) == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                         "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": 0},
                                          "completion_tokens_details": {"accepted_prediction_tokens": 2,
                                                                        "audio_tokens": 0, "reasoning_tokens": 0,
                                                                        "rejected_prediction_tokens": 2}}

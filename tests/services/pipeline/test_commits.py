@@ -43,7 +43,7 @@ def test_commits_are_numbered_and_the_final_one_has_usage(tokenizer):
     final = commits[-1]
     assert final.finish_reason == "length" and commits[0].usage is None
     # the last step planned one draft, not two: 2 tokens were left (1 draft + the bonus)
-    assert final.usage.model_dump() == {"prompt_tokens": 3, "completion_tokens": 6, "draft_tokens_proposed": 3,
+    assert final.usage.model_dump() == {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 6, "draft_tokens_proposed": 3,
                                         "draft_tokens_accepted": 3, "acceptance_rate": 1.0, "steps": 3,
                                         "degraded_steps": {}, "speculative_lengths": [0, 1, 1]}
     assert request.request_id not in state.running and state.releases.pending == {"v1": ["r1"], "d1": ["r1"]}
