@@ -123,15 +123,37 @@ def install_missing() -> None:
 
 def compose_command() -> list[str] | None:
     """`docker compose` where the plugin exists, else docker-compose v1 (Debian's), else None."""
-    if shutil.which("docker") and run(["docker", "compose", "version"], check=False, quiet=True).returncode == 0:
-        return ["docker", "compose"]
+    if shutil.which(docker_cli()) and run([docker_cli(), "compose", "version"], check=False, quiet=True).returncode == 0:
+        return [docker_cli(), "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     return None
 
 
+def docker_cli() -> str:
+    """The docker client installed beside the dockerd on PATH (Debian's docker.io: /usr/sbin/dockerd,
+    /usr/bin/docker; Docker's own packages: both in /usr/bin), else the first on PATH. A client found
+    first on PATH may belong to no daemon here (e.g. a newer static binary in /usr/local/bin); the
+    daemon's own client speaks its API version and builds with its classic builder."""
+    if dockerd := shutil.which("dockerd"):
+        for directory in (Path(dockerd).parent, Path(dockerd).parent.parent / "bin"):
+            if (directory / "docker").is_file():
+                return str(directory / "docker")
+    return shutil.which("docker") or "docker"
+
+
 def docker_answers() -> bool:
-    return run(["docker", "info"], check=False, quiet=True, timeout=30).returncode == 0
+    return run([docker_cli(), "info"], check=False, quiet=True, timeout=30).returncode == 0
+
+
+def host_figures(compose: list[str]) -> dict:
+    """What ran the check: the docker client and daemon, compose, the CPU's bf16 flag, the load."""
+    version = run([docker_cli(), "version", "-f", "{{.Client.Version}} {{.Server.Version}}"], quiet=True).stdout.split()
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    return {"docker_client": f"{docker_cli()} {version[0]}", "dockerd": version[1],
+            "compose": run([*compose, "version", "--short"], quiet=True).stdout.strip(),
+            "bf16": [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in cpuinfo],
+            "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
 
 
 def ensure_dockerd() -> None:
@@ -163,7 +185,7 @@ def debian_mirror(apt: Path = Path("/etc/apt")) -> str:
 
 
 def image_exists(name: str) -> bool:
-    return run(["docker", "image", "inspect", name], check=False, quiet=True).returncode == 0
+    return run([docker_cli(), "image", "inspect", name], check=False, quiet=True).returncode == 0
 
 
 def ensure_base_image() -> None:
@@ -178,7 +200,7 @@ def ensure_base_image() -> None:
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/locale"):
             shutil.rmtree(rootfs / cache, ignore_errors=True)  # the .debs, indexes and docs: no image needs them
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout)
+        run([docker_cli(), "import", "-", BASE_IMAGE], stdin=tar.stdout)
         if tar.wait() != 0:
             raise Failed("tar of the debootstrap root failed")
 
@@ -232,12 +254,12 @@ def build_image(base: str, wheels_url: str | None, figures: dict) -> None:
     if wheels_url:
         args += ["--build-arg", "PIP_NO_INDEX=1", "--build-arg", f"PIP_FIND_LINKS={wheels_url}"]
     started = time.monotonic()
-    result = run(["nice", "-n", "10", "docker", "build", "--network", "host", "-f", "ops/Dockerfile", "-t", IMAGE,
+    result = run(["nice", "-n", "10", docker_cli(), "build", "--network", "host", "-f", "ops/Dockerfile", "-t", IMAGE,
                   *args, "."], cwd=REPO, timeout=3600, env={**os.environ, "DOCKER_BUILDKIT": "0"})
     (WORK / "build.log").write_text(result.stdout + result.stderr)
     figures["build_s"] = round(time.monotonic() - started, 1)
-    figures["image_bytes"] = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE], quiet=True).stdout)
-    figures["base_image_bytes"] = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", base], quiet=True).stdout)
+    figures["image_bytes"] = int(run([docker_cli(), "image", "inspect", "-f", "{{.Size}}", IMAGE], quiet=True).stdout)
+    figures["base_image_bytes"] = int(run([docker_cli(), "image", "inspect", "-f", "{{.Size}}", base], quiet=True).stdout)
 
 
 def ensure_env_file() -> dict[str, str]:
@@ -261,8 +283,8 @@ def repo_env(**extra: str) -> dict[str, str]:
 
 
 def no_secret_in_image(env: dict[str, str]) -> None:
-    seen = run(["docker", "image", "inspect", IMAGE], quiet=True).stdout + \
-        run(["docker", "history", "--no-trunc", IMAGE], quiet=True).stdout
+    seen = run([docker_cli(), "image", "inspect", IMAGE], quiet=True).stdout + \
+        run([docker_cli(), "history", "--no-trunc", IMAGE], quiet=True).stdout
     leaked = [key for key, value in env.items() if key.endswith(("_PASSWORD", "_API_KEY")) and value in seen]
     if leaked:
         raise Failed(f"the image's config or history holds {leaked}")
@@ -426,10 +448,10 @@ class Stack:
         filters = ["--filter", f"label=com.docker.compose.project={PROJECT}"]
         if service:
             filters += ["--filter", f"label=com.docker.compose.service={service}"]
-        return run(["docker", "ps", "-aq", *filters], quiet=True).stdout.split()
+        return run([docker_cli(), "ps", "-aq", *filters], quiet=True).stdout.split()
 
     def state(self, container: str) -> dict:
-        return json.loads(run(["docker", "inspect", "-f", "{{json .State}}", container], quiet=True).stdout)
+        return json.loads(run([docker_cli(), "inspect", "-f", "{{json .State}}", container], quiet=True).stdout)
 
     def wait_healthy(self, timeout: float = HEALTHY_TIMEOUT_S) -> None:
         """Until every container of the project runs and each with a healthcheck is healthy."""
@@ -457,7 +479,7 @@ class Stack:
                   "urllib.request.urlopen('http://127.0.0.1:8222/connz?limit=1024', timeout=5))['connections'] or []]))")
         for node in NODES:
             [container] = self.containers(node)
-            names = json.loads(run(["docker", "exec", container, "python", "-c", script], quiet=True).stdout)
+            names = json.loads(run([docker_cli(), "exec", container, "python", "-c", script], quiet=True).stdout)
             if any(name.startswith(prefix) for name in names):
                 return node
         raise Failed(f"no node holds a connection named {prefix}*")
@@ -470,11 +492,15 @@ class Stack:
         run([*self.compose, "down", "-v", "--remove-orphans", "-t", "10"], cwd=REPO, check=False, timeout=300)
 
     def leftovers(self) -> list[str]:
-        label = ["--filter", f"label=com.docker.compose.project={PROJECT}"]
-        found = self.containers()
-        for kind in ("network", "volume"):
-            found += [f"{kind} {name}" for name in run(["docker", kind, "ls", "-q", *label], quiet=True).stdout.split()]
-        return found
+        """Containers, networks and volumes of the project, found by compose's label or by the
+        name compose gives them (PROJECT_...), so that an unlabelled one is found too."""
+        found = set(self.containers())
+        for kind in ("container", "network", "volume"):
+            for selector in (f"label=com.docker.compose.project={PROJECT}", f"name={PROJECT}_"):
+                listing = run([docker_cli(), kind, "ls", "-aq" if kind == "container" else "-q", "--filter", selector],
+                              quiet=True).stdout.split()
+                found |= {name if kind == "container" else f"{kind} {name}" for name in listing}
+        return sorted(found)
 
 
 async def every_role_beats(env: dict[str, str]) -> None:
@@ -582,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             install_missing()
         with step("dockerd", figures):
             ensure_dockerd()
+        figures["host"] = host_figures(compose_command())
         stack = Stack(compose_command())
         stack.down()  # what a failed earlier run left
         wait_for_port_free()
@@ -612,8 +639,8 @@ def main(argv: list[str] | None = None) -> int:
             if leftovers := stack.leftovers():
                 raise Failed(f"down left {leftovers}")
             stack = None
-    except (Failed, subprocess.TimeoutExpired, OSError) as exc:
-        figures["error"] = str(exc)
+    except Exception as exc:  # any failure, expected or not, ends in the summary line
+        figures["error"] = str(exc) if isinstance(exc, Failed) else f"{type(exc).__name__}: {exc}"
         print(f"[compose-check] FAILED: {exc}", file=sys.stderr)
         if stack is not None:
             print(stack.logs(), file=sys.stderr)
@@ -621,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         if stack is not None:
             stack.down()
     figures["total_s"] = round(time.monotonic() - started, 1)
+    figures["loadavg_end"] = os.getloadavg()
     (WORK / "results.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(summary(figures))
     return 1 if "error" in figures else 0
