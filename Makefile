@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specbus-installed
 
-.PHONY: install models test demo selfcheck clean distclean
+.PHONY: install models test demo selfcheck compose-check clean distclean
 
 install: $(STAMP)
 
@@ -42,6 +42,13 @@ demo: models
 SELFCHECK ?= --quick
 selfcheck: models
 	$(BIN)/specbus selfcheck --local $(SELFCHECK)
+
+# The docker-compose stack run for real (ops/compose_check.py; not part of `test`): as root on
+# Debian bookworm, it installs Docker, docker-compose and debootstrap through apt when missing,
+# starts dockerd, builds the image without a registry, checks the CPU stack against `specbus up`
+# (faults included) and takes it down. One summary line; non-zero on any failure.
+compose-check: models
+	$(BIN)/python ops/compose_check.py
 
 # Build and test leftovers; the venv stays (distclean removes it too).
 clean:
