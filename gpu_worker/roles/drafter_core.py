@@ -385,7 +385,7 @@ def mask_by_grammar(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) 
     count as a guess of the drafter's in adaptive k's acceptance (docs/PROTOCOL.md#structured-outputs)."""
     for b, matcher in list(choice.grammars.items()):
         if matcher.forced():
-            choice.num_draft[b] = min(int(choice.num_draft[b]), j)
+            choice.num_draft[b] = j  # j < its num_draft: choose drops a matcher at its last draft
             del choice.grammars[b]
             continue
         allowed = allowed_now(matcher, drafter.target_vocab_size)[drafter.d2t]  # (V_draft,)
