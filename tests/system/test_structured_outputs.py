@@ -117,7 +117,8 @@ async def test_bad_grammars_are_400s_naming_the_field(api, body, param):
     assert caught.value.body["param"].startswith(param), caught.value.body
     # the service is fine: the next request is served
     reply = await api.chat.completions.create(model=model, messages=ASK, max_tokens=2)
-    assert reply.choices[0].message.content
+    # two sampled tokens may decode to no text yet (a partial UTF-8 character): count tokens
+    assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) in {("length", 2), ("stop", 1), ("stop", 2)}
 
 
 async def test_llm_cli_json_object_and_langchain_structured_output(stack, api, smollm2_target, tmp_path):
