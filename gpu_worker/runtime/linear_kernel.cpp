@@ -161,10 +161,15 @@ static void run(const Args<T>& a, int64_t M, bool paired) {
 enum QuantKind : int64_t { Q4_1 = 0, Q8_0 = 1 };
 static constexpr int64_t QK = 32;
 static inline int64_t quant_block_bytes(int64_t kind) { return kind == Q4_1 ? 20 : 34; }
-static inline float half_bits(const uint8_t* p) {
+static inline float half_bits(const uint8_t* p) {  // exact, as every fp16 -> fp32 conversion
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-  return float(c10::Half(bits, c10::Half::from_bits()));
+  return _cvtsh_ss(bits);
+}
+static inline int32_t load32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 static inline __m256 widen_q4(__m128i q, __m256 d, __m256 m) {
   return _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m);
@@ -173,7 +178,8 @@ static inline __m256 widen_q4(__m128i q, __m256 d, __m256 m) {
 struct QuantRows {
   static constexpr bool BUFFERED = true;
   const uint8_t* blocks; int64_t K, row_bytes, kind;
-  const float* rows(int64_t n0, int nb, float* out) const {
+  const float* rows(int64_t n0, int nb, float* out) const;
+  const float* rows_avx2(int64_t n0, int nb, float* out) const {
     for (int r = 0; r < nb; ++r) {
       const uint8_t* row = blocks + (n0 + r) * row_bytes;
       float* o = out + r * K;
@@ -200,6 +206,132 @@ struct QuantRows {
     return out;
   }
 };
+
+// AVX-512F where the CPU has it (`use_avx512`): the same operations per output on 16 lanes, rows
+// i and i+1 of w side by side in one register (lanes 0-7 row i, 8-15 row i+1), each lane still
+// its own sequential chain of FMAs over k = 8c + j, then `finish` on each half. So the bits are
+// those of the AVX2 code above (every lane operation is one IEEE rounding in both), only fewer
+// instructions per weight. Widening into the buffer (`QuantRows::rows`) takes 16 weights at once.
+static bool cpu_has_avx512() {
+  __builtin_cpu_init();  // a static initializer may run before libgcc's own
+  return __builtin_cpu_supports("avx512f");
+}
+static bool avx512_on = cpu_has_avx512();
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// 8 floats of p twice: lanes 0-7 and 8-15
+static inline __m512 twice8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+// {a, b, c, d} -> lanes 0-7 a, 8-15 c (lo) or 0-7 b, 8-15 d (odd)
+static inline __m512 halves(__m128 v, bool odd) {
+  const __m512i index = odd ? _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1)
+                            : _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v));
+}
+// the 4 chunks of 8 widened weights of block c of rows (i, i+1), starting at blk0 and blk1
+static inline void widen_pair(const uint8_t* blk0, const uint8_t* blk1, int64_t kind, __m512 v[4]) {
+  if (kind == Q4_1) {
+    __m128 dm = _mm_cvtph_ps(_mm_set_epi32(0, 0, load32(blk1), load32(blk0)));  // d0 m0 d1 m1
+    __m512 d = halves(dm, false), m = halves(dm, true);
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk0 + 4));
+    __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk1 + 4));
+    __m128i lo0 = _mm_and_si128(q0, nib), hi0 = _mm_and_si128(_mm_srli_epi16(q0, 4), nib);
+    __m128i lo1 = _mm_and_si128(q1, nib), hi1 = _mm_and_si128(_mm_srli_epi16(q1, 4), nib);
+    __m128i q[4] = {_mm_unpacklo_epi64(lo0, lo1), _mm_unpackhi_epi64(lo0, lo1),
+                    _mm_unpacklo_epi64(hi0, hi1), _mm_unpackhi_epi64(hi0, hi1)};
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p)
+      v[p] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[p]))), m);
+  } else {
+    uint32_t two = uint32_t(uint16_t(load32(blk0))) | (uint32_t(load32(blk1)) << 16);  // d0 d1
+    __m512 d = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                     _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(two)))));
+    __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk0 + 2));
+    __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk0 + 18));
+    __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk1 + 2));
+    __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk1 + 18));
+    __m128i q[4] = {_mm_unpacklo_epi64(a0, a1), _mm_unpackhi_epi64(a0, a1),
+                    _mm_unpacklo_epi64(b0, b1), _mm_unpackhi_epi64(b0, b1)};
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) v[p] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q[p])), d);
+  }
+}
+
+// quant_block's outputs for NB (even) rows of w from n0 against MB rows of x, a pair a register
+template <int NB, int MB>
+static void quant_block_avx512(const Args<float>& a, const QuantRows& q, int64_t n0) {
+  constexpr int NP = NB / 2;
+  const int64_t K = a.K, bytes = quant_block_bytes(q.kind);
+  __m512 acc[NP][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / QK; ++c) {
+    __m512 u[MB][4];
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j)
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) u[j][p] = twice8(a.x + j * K + c * QK + 8 * p);
+#pragma GCC unroll 16
+    for (int i = 0; i < NP; ++i) {
+      const uint8_t* blk = q.blocks + (n0 + 2 * i) * q.row_bytes + c * bytes;
+      __m512 v[4];
+      widen_pair(blk, blk + q.row_bytes, q.kind, v);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p)
+#pragma GCC unroll 16
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(u[j][p], v[p], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) {
+      __m256 lo = _mm512_castps512_ps256(acc[i][j]);
+      __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1));
+      finish(a, lo, j, n0 + 2 * i, static_cast<const float*>(nullptr));
+      finish(a, hi, j, n0 + 2 * i + 1, static_cast<const float*>(nullptr));
+    }
+}
+
+template <int NB, int MB>
+static void quant_range_avx512(const Args<float>& a, const QuantRows& q, int64_t first, int64_t last) {
+  for (int64_t i = first; i < last; ++i) quant_block_avx512<NB, MB>(a, q, i * NB);
+}
+
+static const float* widen_rows_avx512(const QuantRows& q, int64_t n0, int nb, float* out) {
+  for (int r = 0; r < nb; ++r) {
+    const uint8_t* row = q.blocks + (n0 + r) * q.row_bytes;
+    float* o = out + r * q.K;
+    for (int64_t c = 0; c < q.K / QK; ++c, o += QK) {
+      if (q.kind == Q4_1) {
+        const uint8_t* blk = row + c * 20;
+        __m512 d = _mm512_set1_ps(half_bits(blk)), m = _mm512_set1_ps(half_bits(blk + 2));
+        __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)), nib = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(w, nib), hi = _mm_and_si128(_mm_srli_epi16(w, 4), nib);
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), m));
+        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), m));
+      } else {
+        const uint8_t* blk = row + c * 34;
+        __m512 d = _mm512_set1_ps(half_bits(blk));
+        for (int h = 0; h < 2; ++h) {
+          __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h));
+          _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(w)), d));
+        }
+      }
+    }
+  }
+  return out;
+}
+#pragma GCC pop_options
+
+const float* QuantRows::rows(int64_t n0, int nb, float* out) const {
+  return avx512_on ? widen_rows_avx512(*this, n0, nb, out) : rows_avx2(n0, nb, out);
+}
 
 // A block of NB rows of GGUF blocks against MB rows of x, each 8 widened weights multiplied as
 // they are widened (no buffer): the same operations per output as `block` on the widened rows
@@ -247,10 +379,12 @@ static inline __attribute__((always_inline)) void quant_block(const Args<float>&
 }
 
 // rows of w NB at a time between threads (the last N % NB one at a time) against the M == MB rows of x
-template <int NB, int MB>
+template <int NB, int MB, bool AVX512>
 static void quant_blocks(const Args<float>& a, const QuantRows& q, int64_t M) {
+  static_assert(!AVX512 || NB % 2 == 0, "AVX-512 takes rows of w in pairs");
   at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) quant_block<NB, MB>(a, q, i * NB, 0);
+    if constexpr (AVX512) quant_range_avx512<NB, MB>(a, q, first, last);
+    else for (int64_t i = first; i < last; ++i) quant_block<NB, MB>(a, q, i * NB, 0);
   });
   for (int64_t n = a.N / NB * NB; n < a.N; ++n)
     for (int64_t m = 0; m < M; ++m) quant_block<1, 1>(a, q, n, m);
@@ -279,8 +413,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, 
                 res.defined() ? res.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, K};
   QuantRows q{blocks.data_ptr<uint8_t>(), K, blocks.size(1), kind};
   // one or two rows (decode steps): widened as multiplied; more: widened once per block of rows
-  if (M == 1) quant_blocks<4, 1>(a, q, M);
-  else if (M == 2) quant_blocks<3, 2>(a, q, M);
+  if (M == 1) avx512_on ? quant_blocks<8, 1, true>(a, q, M) : quant_blocks<4, 1, false>(a, q, M);
+  else if (M == 2) avx512_on ? quant_blocks<4, 2, true>(a, q, M) : quant_blocks<3, 2, false>(a, q, M);
   else run<float, false>(a, q, M);
   return y;
 }
@@ -318,7 +452,15 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 }
 
+// Run the AVX-512 code or not (it runs only where the CPU has it); returns whether it now runs.
+// The bits are the same either way: tests compare the two.
+bool use_avx512(bool on) {
+  avx512_on = on && cpu_has_avx512();
+  return avx512_on;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_avx512", &use_avx512, "run the AVX-512 code where the CPU has it; returns whether it runs");
   // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
   m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",
         py::call_guard<py::gil_scoped_release>());

@@ -45,8 +45,19 @@ def test_dequantize_is_ggufs_own():
     assert w.shape == (6, 64)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request, kernel):
+    """The kernel's AVX-512 code, then its AVX2 code (both where the CPU has AVX-512F)."""
+    if request.param == "avx512" and not kernel.use_avx512(True):
+        pytest.skip("no AVX-512F on this CPU: its AVX2 code is the one that runs")
+    kernel.use_avx512(request.param == "avx512")
+    yield request.param
+    kernel.use_avx512(True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_quant_linear_equals_the_kernel_on_the_dequantized_weight(kernel, kind):
+def test_quant_linear_equals_the_kernel_on_the_dequantized_weight(kernel, isa, kind):
+    """The same bits from either instruction set (fixed_linear's AVX2 code is the reference)."""
     N, K = 70, 96  # N off every block height (2, 3, 4, 6, 8), even (paired dense rows)
     w = random_weight(kind, N, K)
     dense = dequantize(w)
@@ -57,7 +68,7 @@ def test_quant_linear_equals_the_kernel_on_the_dequantized_weight(kernel, kind):
         for M in range(1, 17):
             x, r = x_all[:M], r_all[:M]
             got = quant_linear(x, w, b, r)
-            assert torch.equal(got, kernel.fixed_linear(x, pack_weight(dense), b, r)), (kind, threads, M)
+            assert torch.equal(got, kernel.fixed_linear(x, pack_weight(dense), b, r)), (kind, isa, threads, M)
             assert torch.equal(got[:1], quant_linear(x[:1], w, b, r[:1])), "a row depends on its neighbours"
 
 
