@@ -6,13 +6,16 @@
 // ((0+1)+(2+3))+((4+5)+(6+7)), the tail k >= 8*(K/8) added in order, then + b[n], then
 // residual[m][n] + that, rounded once to the output dtype. The blocking (which rows of w and of
 // x are multiplied together, chosen by the number of rows: `run`) only decides which outputs are
-// computed together, never the operations of one, and threads split the rows of w, never k.
+// computed together, never the operations of one, and threads split the rows of w, never k (`shared_for`).
 // bfloat16 inputs are widened to float32 exactly.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <omp.h>
 #include <vector>
 #include <c10/util/Half.h>
 
@@ -41,6 +44,23 @@ static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n, co
   if (a.b) s += widen(a.b[n]);
   if (a.residual) s = widen(a.residual[m * a.N + n]) + s;
   a.y[m * a.N + n] = T(s);
+}
+
+// f(first, last) over [0, n) on torch's threads, in small ranges that each thread takes as it
+// frees up (not one fixed range a thread): on a machine shared with other processes (the stack's
+// own, on few cores) a thread that is descheduled for a while then delays the call by one small
+// range, not by its whole share. Which thread computes an output never changes its operations.
+template <typename F>
+static void shared_for(int64_t n, const F& f) {
+  const int threads = at::get_num_threads();
+  if (threads == 1 || n < 2 || at::in_parallel_region()) return f(0, n);
+  const int64_t step = std::max<int64_t>(1, n / (8 * threads));
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    at::internal::ThreadIdGuard guard(omp_get_thread_num());
+    for (int64_t first; (first = next.fetch_add(step)) < n;) f(first, std::min(n, first + step));
+  }
 }
 
 // Where values k..k+7 of row i of a block starting at w lie: rows one after another (w (N, K)), or
@@ -113,7 +133,7 @@ struct DenseRows {
 // blocks of NB rows of w, split between threads; each against all M rows of x, MB at a time
 template <typename T, bool PAIRED, int NB, int MB, typename Rows>
 static void blocks(const Args<T>& a, const Rows& src, int64_t M) {
-  at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+  shared_for(a.N / NB, [&](int64_t first, int64_t last) {
     std::vector<T> buffer(Rows::BUFFERED ? NB * a.K : 0);
     for (int64_t i = first; i < last; ++i) {
       const T* w = src.rows(i * NB, NB, buffer.data());
@@ -382,7 +402,7 @@ static inline __attribute__((always_inline)) void quant_block(const Args<float>&
 template <int NB, int MB, bool AVX512>
 static void quant_blocks(const Args<float>& a, const QuantRows& q, int64_t M) {
   static_assert(!AVX512 || NB % 2 == 0, "AVX-512 takes rows of w in pairs");
-  at::parallel_for(0, a.N / NB, 16, [&](int64_t first, int64_t last) {
+  shared_for(a.N / NB, [&](int64_t first, int64_t last) {
     if constexpr (AVX512) quant_range_avx512<NB, MB>(a, q, first, last);
     else for (int64_t i = first; i < last; ++i) quant_block<NB, MB>(a, q, i * NB, 0);
   });

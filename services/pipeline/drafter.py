@@ -17,7 +17,7 @@ from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
 from schemas.steps import DraftRequest
 from schemas.subjects import Subjects
-from services.pipeline.model_service import SlotService, run_slot_service
+from services.pipeline.model_service import SlotService, on_model_thread, run_slot_service
 
 log = structlog.get_logger(__name__)
 
@@ -38,13 +38,13 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
         run_batch, description = ngram_draft_batch, "proposes draft tokens by prompt lookup (n-gram, no model)"
         log.info("drafter_loaded", instance_id=config.instance_id, max_slots=config.max_slots, **drafter.model_ids)
     elif config.draft_method == "eagle":
-        drafter = await asyncio.to_thread(load_eagle_drafter, config)
+        drafter = await on_model_thread(load_eagle_drafter, config)
         run_batch = eagle_draft_batch
         description = "proposes draft tokens with an EAGLE head over the target's features"
         log.info("drafter_loaded", instance_id=config.instance_id, head=config.eagle_head,
                  target_model=config.target_model, max_slots=config.max_slots, **drafter.model_ids)
     else:
-        drafter = await asyncio.to_thread(load_drafter, config)
+        drafter = await on_model_thread(load_drafter, config)
         run_batch, description = draft_batch, "proposes draft tokens with the draft model"
         log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
                  max_slots=config.max_slots, **drafter.model_ids)

@@ -5,7 +5,7 @@ gpu_worker/roles/verifier_core.py, and publishes side-channel records to `<prefi
 it with services/pipeline/model_service.py `run_slot_service`: nats.micro service "verifier"
 ($SRV.PING/INFO/STATS.verifier), heartbeats (role verifier, capacity = max_slots, free_slots,
 load = slots in use, model_ids {"target", "tokenizer"}), idle slot eviction, metrics on
-metrics_port, one batch at a time in a worker thread; once a VerifyResponse is sent, the batch's
+metrics_port, one batch at a time on the model thread; once a VerifyResponse is sent, the batch's
 side records are published.
 """
 
@@ -23,7 +23,7 @@ from schemas.config import VerifierConfig
 from schemas.control import Heartbeat
 from schemas.steps import VerifyRequest
 from schemas.subjects import Subjects
-from services.pipeline.model_service import SlotService, run_slot_service
+from services.pipeline.model_service import SlotService, on_model_thread, run_slot_service
 from services.runtime.bus import BusError, publish
 
 log = structlog.get_logger(__name__)
@@ -47,7 +47,7 @@ async def publish_side_records(verifier: Verifier, subjects: Subjects, nc: Clien
 
 async def run_verifier(config: VerifierConfig, stop: asyncio.Event) -> None:
     """Serve `<prefix>.verify.<instance_id>` until `stop` is set, then drain."""
-    verifier = await asyncio.to_thread(load_verifier, config)
+    verifier = await on_model_thread(load_verifier, config)
     subjects = Subjects(config.prefix)
     log.info("verifier_loaded", instance_id=config.instance_id, model=config.target_model, device=config.device,
              dtype=config.dtype, max_slots=config.max_slots, **verifier.model_ids)
