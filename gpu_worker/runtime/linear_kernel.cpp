@@ -237,6 +237,9 @@ static bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f");
 }
 static bool avx512_on = cpu_has_avx512();
+// AVX-512: up to this many rows of x (a decode or verify step) widen each block as multiplied, in
+// one or two groups of rows; more (a prefill) widen a block of rows once into a buffer
+static constexpr int64_t QUANT_DIRECT_ROWS = 12;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -280,22 +283,19 @@ static inline void widen_pair(const uint8_t* blk0, const uint8_t* blk1, int64_t 
   }
 }
 
-// quant_block's outputs for NB (even) rows of w from n0 against MB rows of x, a pair a register
+// quant_block's outputs for NB (even) rows of w from n0 against rows m0..m0+MB-1 of x, a pair of
+// rows of w a register
 template <int NB, int MB>
-static void quant_block_avx512(const Args<float>& a, const QuantRows& q, int64_t n0) {
+static void quant_block_avx512(const Args<float>& a, const QuantRows& q, int64_t n0, int64_t m0) {
   constexpr int NP = NB / 2;
   const int64_t K = a.K, bytes = quant_block_bytes(q.kind);
+  const float* x = a.x + m0 * K;
   __m512 acc[NP][MB];
 #pragma GCC unroll 16
   for (int i = 0; i < NP; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / QK; ++c) {
-    __m512 u[MB][4];
-#pragma GCC unroll 16
-    for (int j = 0; j < MB; ++j)
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) u[j][p] = twice8(a.x + j * K + c * QK + 8 * p);
 #pragma GCC unroll 16
     for (int i = 0; i < NP; ++i) {
       const uint8_t* blk = q.blocks + (n0 + 2 * i) * q.row_bytes + c * bytes;
@@ -304,7 +304,7 @@ static void quant_block_avx512(const Args<float>& a, const QuantRows& q, int64_t
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p)
 #pragma GCC unroll 16
-        for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(u[j][p], v[p], acc[i][j]);
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(twice8(x + j * K + c * QK + 8 * p), v[p], acc[i][j]);
     }
   }
 #pragma GCC unroll 16
@@ -313,14 +313,29 @@ static void quant_block_avx512(const Args<float>& a, const QuantRows& q, int64_t
     for (int j = 0; j < MB; ++j) {
       __m256 lo = _mm512_castps512_ps256(acc[i][j]);
       __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1));
-      finish(a, lo, j, n0 + 2 * i, static_cast<const float*>(nullptr));
-      finish(a, hi, j, n0 + 2 * i + 1, static_cast<const float*>(nullptr));
+      finish(a, lo, m0 + j, n0 + 2 * i, static_cast<const float*>(nullptr));
+      finish(a, hi, m0 + j, n0 + 2 * i + 1, static_cast<const float*>(nullptr));
     }
 }
 
+// the last r < R rows of x from m0, in one block
+template <int NB, int R>
+static inline void quant_last_rows_avx512(const Args<float>& a, const QuantRows& q, int64_t n0, int64_t m0, int64_t r) {
+  if constexpr (R > 0) {
+    if (r == R) quant_block_avx512<NB, R>(a, q, n0, m0);
+    else quant_last_rows_avx512<NB, R - 1>(a, q, n0, m0, r);
+  }
+}
+
+// blocks first..last-1 of NB rows of w against all M rows of x, MB at a time (each block of w is
+// widened once per MB rows of x: for a verify of a few rows that costs less than a buffer)
 template <int NB, int MB>
-static void quant_range_avx512(const Args<float>& a, const QuantRows& q, int64_t first, int64_t last) {
-  for (int64_t i = first; i < last; ++i) quant_block_avx512<NB, MB>(a, q, i * NB);
+static void quant_range_avx512(const Args<float>& a, const QuantRows& q, int64_t M, int64_t first, int64_t last) {
+  for (int64_t i = first; i < last; ++i) {
+    int64_t m0 = 0;
+    for (; m0 + MB <= M; m0 += MB) quant_block_avx512<NB, MB>(a, q, i * NB, m0);
+    quant_last_rows_avx512<NB, MB - 1>(a, q, i * NB, m0, M - m0);
+  }
 }
 
 static const float* widen_rows_avx512(const QuantRows& q, int64_t n0, int nb, float* out) {
@@ -398,12 +413,13 @@ static inline __attribute__((always_inline)) void quant_block(const Args<float>&
     for (int j = 0; j < MB; ++j) finish(a, acc[i][j], m0 + j, n0 + i, static_cast<const float*>(nullptr));
 }
 
-// rows of w NB at a time between threads (the last N % NB one at a time) against the M == MB rows of x
+// rows of w NB at a time between threads (the last N % NB one at a time) against the M rows of x
+// (AVX2: M == MB)
 template <int NB, int MB, bool AVX512>
 static void quant_blocks(const Args<float>& a, const QuantRows& q, int64_t M) {
   static_assert(!AVX512 || NB % 2 == 0, "AVX-512 takes rows of w in pairs");
   shared_for(a.N / NB, [&](int64_t first, int64_t last) {
-    if constexpr (AVX512) quant_range_avx512<NB, MB>(a, q, first, last);
+    if constexpr (AVX512) quant_range_avx512<NB, MB>(a, q, M, first, last);
     else for (int64_t i = first; i < last; ++i) quant_block<NB, MB>(a, q, i * NB, 0);
   });
   for (int64_t n = a.N / NB * NB; n < a.N; ++n)
@@ -432,9 +448,18 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, 
   Args<float> a{x.data_ptr<float>(), nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
                 res.defined() ? res.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, K};
   QuantRows q{blocks.data_ptr<uint8_t>(), K, blocks.size(1), kind};
-  // one or two rows (decode steps): widened as multiplied; more: widened once per block of rows
-  if (M == 1) avx512_on ? quant_blocks<8, 1, true>(a, q, M) : quant_blocks<4, 1, false>(a, q, M);
-  else if (M == 2) avx512_on ? quant_blocks<4, 2, true>(a, q, M) : quant_blocks<3, 2, false>(a, q, M);
+  // AVX2: one or two rows (decode steps) widened as multiplied; more: widened once per block of rows
+  if (avx512_on && M <= QUANT_DIRECT_ROWS) {  // rows of x MB at a time, M <= 12 in one or two groups
+    switch (M <= 6 ? M : (M + 1) / 2) {
+      case 1: quant_blocks<8, 1, true>(a, q, M); break;
+      case 2: quant_blocks<4, 2, true>(a, q, M); break;
+      case 3: quant_blocks<4, 3, true>(a, q, M); break;
+      case 4: quant_blocks<4, 4, true>(a, q, M); break;
+      case 5: quant_blocks<4, 5, true>(a, q, M); break;
+      default: quant_blocks<4, 6, true>(a, q, M); break;
+    }
+  } else if (M == 1) quant_blocks<4, 1, false>(a, q, M);
+  else if (M == 2) quant_blocks<3, 2, false>(a, q, M);
   else run<float, false>(a, q, M);
   return y;
 }

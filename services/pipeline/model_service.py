@@ -47,8 +47,7 @@ log = structlog.get_logger(__name__)
 # on whichever thread of asyncio's pool is free. Each OS thread that enters a parallel torch op
 # becomes the master of an OpenMP team of its own; once a process holds more OpenMP threads than
 # it has cores, libgomp stops spinning at its barriers and sleeps in the kernel instead, and a
-# forward has a few hundred barriers (measured, SmolLM2-135M on 2 cores: 20.3 ms a decode forward
-# on a pool thread after one on another thread, 12.3 ms on one thread).
+# forward has a few hundred barriers (ops/bench/RESULTS.md, "The step around the forward").
 MODEL_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
 
