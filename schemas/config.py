@@ -157,7 +157,10 @@ class ModelServiceConfig(InstanceConfig):
     """What the verifier and the drafter share: a model, its KV cache slots, torch threads."""
 
     device: str = "cpu"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32 (a drafter: bfloat16)
+    # auto: float32 where the model has GGUF blocks the CPU's projection kernel serves (weights auto
+    # or gguf: the published weights as stored), else bfloat16 on CUDA and on CPUs with native
+    # bf16, else float32 (a drafter: bfloat16); gpu_worker/roles/slots.py resolve_dtype
+    dtype: str = "auto"
     # How the projection weights are held: "dense" (the safetensors weights, in dtype); "gguf" (the
     # GGUF blocks `specbus models pull` keeps beside them, the published Q4_1 / Q8_0 weights as
     # stored, with float32 activations: bit for bit the dense float32 model,

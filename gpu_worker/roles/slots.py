@@ -55,10 +55,16 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(NATIVE_BF16_FLAGS & set(flags))
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """The torch dtype for a config's dtype name; "auto": bfloat16 on CUDA and on CPUs with
-    native bf16 (a verify of 5 tokens then costs about one fp32 decode step), else float32."""
+def resolve_dtype(name: str, device: str, blocks_dir: str | None = None) -> torch.dtype:
+    """The torch dtype for a config's dtype name. "auto": float32 where blocks_dir (the model of
+    a service whose weights setting may take its GGUF blocks) has blocks the projection kernel
+    serves on this device: the published weights as stored, bit for bit the float32 model, at a
+    fifth of its bytes (bfloat16 would round them, a changed model); else bfloat16 on CUDA and on
+    CPUs with native bf16 (a verify of 5 tokens then costs about one fp32 decode step), else
+    float32."""
     if name == "auto":
+        if blocks_dir is not None and has_blocks(blocks_dir) and usable(torch.float32, device):
+            return torch.float32
         native = device.startswith("cuda") or (device == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
     if name not in DTYPES:
@@ -112,10 +118,11 @@ class SlotOwner:
         self.cache.free(state.slot)
 
 
-def model_settings(config: ModelServiceConfig) -> tuple[torch.dtype, int]:
-    """The dtype and the KV cache's memory budget in bytes of config, its other settings checked
-    (SpecbusError naming the field for a bad value) and config.torch_threads applied."""
-    dtype = resolve_dtype(config.dtype, config.device)
+def model_settings(config: ModelServiceConfig, blocks_dir: str | None = None) -> tuple[torch.dtype, int]:
+    """The dtype (resolve_dtype, blocks_dir passed on) and the KV cache's memory budget in bytes of
+    config, its other settings checked (SpecbusError naming the field for a bad value) and
+    config.torch_threads applied."""
+    dtype = resolve_dtype(config.dtype, config.device, blocks_dir)
     memory_bytes = parse_bytes(config.kv_cache_memory, "kv_cache_memory")
     if config.prefill_chunk < 1:
         raise SpecbusError(ErrorCode.invalid_field, f"prefill_chunk must be >= 1, got {config.prefill_chunk}",
@@ -136,7 +143,7 @@ def load_model_and_cache(model_dir: str, config: ModelServiceConfig,
     side_bytes_per_value: the budget also pays for a row of hidden_size values of this many bytes
     per position (the verifier's feature rows, `KVCache` side_bytes_per_token).
     SpecbusError naming the field for a bad value."""
-    dtype, memory_bytes = model_settings(config)
+    dtype, memory_bytes = model_settings(config, model_dir if config.weights != "dense" else None)
     weights = resolve_weights(config.weights, model_dir, dtype, config.device)
     log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."),
              weights=weights)

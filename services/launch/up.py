@@ -39,8 +39,9 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE head dir for --draft-method eagle (env SPECBUS_EAGLE_HEAD; default: "
                              "models/smollm2-eagle, for the default target)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
-                        help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: bfloat16 "
-                             "on CUDA and on CPUs with native bf16, else float32)")
+                        help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: float32 "
+                             "for a target with GGUF blocks on a CPU with the projection kernel, its published "
+                             "weights; else bfloat16 on CUDA and on CPUs with native bf16, else float32)")
     parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf"],
                         help="how the verifier holds the target's projections (env SPECBUS_WEIGHTS; default auto: "
                              "the GGUF blocks as published where the model has them and the dtype is float32, "

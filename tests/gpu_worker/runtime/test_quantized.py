@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from gpu_worker.roles.slots import resolve_weights
+from gpu_worker.roles.slots import resolve_dtype, resolve_weights
 from gpu_worker.runtime import linear_kernel
 from gpu_worker.runtime.checkpoint import load_model, read_config
 from gpu_worker.runtime.kv_cache import KVCache
@@ -88,6 +88,7 @@ def test_quant_linear_refuses_a_bad_shape(kernel):
 
 def test_weights_setting_resolves_and_names_the_field(kernel):
     assert resolve_weights("auto", str(TINY_TARGET), torch.float32, "cpu") == "dense"  # no blocks there
+    assert resolve_dtype("auto", "cpu", str(TINY_TARGET)) == resolve_dtype("auto", "cpu")
     assert resolve_weights("dense", str(TINY_TARGET), torch.float32, "cpu") == "dense"
     with pytest.raises(SpecbusError, match="weights gguf needs GGUF blocks") as error:
         resolve_weights("gguf", str(TINY_TARGET), torch.float32, "cpu")
@@ -107,6 +108,8 @@ def test_the_default_target_from_its_blocks_is_the_float32_model(kernel, smollm2
     assert error.value.field == "weights"
     assert resolve_weights("auto", str(path), torch.float32, "cpu") == "gguf"
     assert resolve_weights("auto", str(path), torch.bfloat16, "cpu") == "dense"
+    # dtype auto serves the published blocks wherever the kernel runs, whatever the CPU's bf16
+    assert resolve_dtype("auto", "cpu", str(path)) == torch.float32
     dense, config = load_model(path, max_seq_len=256)
     served, _ = load_model(path, max_seq_len=256, weights_format="gguf")
     assert isinstance(served.layers[0].wqkv, QuantizedWeight) and isinstance(served.lm_head, QuantizedWeight)
