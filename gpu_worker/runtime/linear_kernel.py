@@ -14,8 +14,11 @@ oneDNN. A GPU needs its own batch-invariant matmul instead (fixed tiles, no spli
 shape).
 
 `quant_linear(x, blocks, kind, b, residual)` does the same for a weight held as GGUF blocks
-(gpu_worker/runtime/quantized.py): each block of rows is widened into a float32 buffer of the
-thread's exactly as gguf dequantizes it, then multiplied by the same code as a float32 weight.
+(gpu_worker/runtime/quantized.py): each block is widened in registers exactly as gguf dequantizes
+it and multiplied by x's rows in the float32 path's order: directly for up to 12 rows of x (one
+or two groups of rows), through a float32 tile of the thread's for more. Where the CPU has
+AVX-512F (`use_avx512`) two rows of w share a 512-bit register with the same lane chains, so the
+bits are the AVX2 code's. Threads take rows of w in small ranges as they free up (`shared_for`).
 
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's
@@ -38,8 +41,8 @@ import structlog
 from schemas.config import specbus_home
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
-# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is dropped without
-# it, and the kernel then runs on one thread whatever torch.set_num_threads says.
+# -fopenmp: shared_for's `#pragma omp parallel` is dropped without it, and the kernel then runs
+# on one thread whatever torch.set_num_threads says.
 # -mf16c: fp16 scales widened by one instruction (every AVX2 CPU has F16C).
 # -ffp-contract=off: a multiply and an add stay two roundings (GGUF weights are widened as
 # gguf's float32 dequantization computes them); the dot products use explicit FMAs.
