@@ -55,6 +55,11 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(NATIVE_BF16_FLAGS & set(flags))
 
 
+def serves_blocks(model_dir: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether model_dir has GGUF blocks the projection kernel serves in dtype on device."""
+    return has_blocks(model_dir) and usable(dtype, device)
+
+
 def resolve_dtype(name: str, device: str, blocks_dir: str | None = None) -> torch.dtype:
     """The torch dtype for a config's dtype name. "auto": float32 where blocks_dir (the model of
     a service whose weights setting may take its GGUF blocks) has blocks the projection kernel
@@ -63,7 +68,7 @@ def resolve_dtype(name: str, device: str, blocks_dir: str | None = None) -> torc
     CPUs with native bf16 (a verify of 5 tokens then costs about one fp32 decode step), else
     float32."""
     if name == "auto":
-        if blocks_dir is not None and has_blocks(blocks_dir) and usable(torch.float32, device):
+        if blocks_dir is not None and serves_blocks(blocks_dir, torch.float32, device):
             return torch.float32
         native = device.startswith("cuda") or (device == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
@@ -78,7 +83,7 @@ def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) 
     `weights`); SpecbusError naming the field where "gguf" cannot serve."""
     if name not in WEIGHT_FORMATS:
         raise SpecbusError(ErrorCode.invalid_field, f"weights {name!r} is not one of {list(WEIGHT_FORMATS)}", "weights")
-    servable = has_blocks(model_dir) and usable(dtype, device)
+    servable = serves_blocks(model_dir, dtype, device)
     if name == "gguf" and not servable:
         raise SpecbusError(ErrorCode.invalid_field, f"weights gguf needs GGUF blocks in {model_dir} (`specbus models "
                            f"pull` writes them for the default target) and dtype float32 on a CPU with the "
