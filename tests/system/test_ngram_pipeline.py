@@ -33,9 +33,11 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(start_stack, tiny_pair):
-    # a generous draft timeout: a late answer would make a step run k=0 (still the same output,
-    # but the assertions on accepted drafts would then measure the machine's load)
-    scheduler = ["--draft-timeout-s", "5"]
+    # adaptive k off: every step drafts the k it names (adaptive k picks k from wall-clock costs,
+    # so with it on, whether any draft is accepted in 32 tokens would depend on the machine's
+    # speed). A generous draft timeout: a late answer would make a step run k=0 (still the same
+    # output, but the assertions on accepted drafts would then measure the machine's load)
+    scheduler = ["--draft-timeout-s", "5", "--adaptive-k", "false"]
     async with start_stack(tiny_pair[0], draft_method="ngram", role_args={"scheduler": scheduler}) as running:
         yield running
 
