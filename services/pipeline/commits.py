@@ -231,6 +231,11 @@ class Committer:
         request.num_draft_proposed += drafted
         request.num_draft_accepted += result.num_accepted
         request.cached_tokens += result.cached_tokens
+        if not planned.decode:
+            whole = result.cached_tokens >= planned.end - planned.cached_len
+            request.hit_run = request.hit_run + result.cached_tokens if whole and request.hit_run_end == planned.cached_len \
+                else (result.cached_tokens if whole else 0)
+            request.hit_run_end = planned.end
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
         self.on_verified(planned, result)

@@ -77,6 +77,10 @@ class Request:
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
     draft_trial: DraftTrial = field(default_factory=DraftTrial)  # draft_method "auto" (draft_method.py)
     cached_tokens: int = 0  # history tokens its verifiers copied from their prefix caches
+    # its latest prefill chunks that the verifier's prefix cache gave whole: their tokens, and the
+    # verifier_len they ended at (step_planner.py sizes the next chunk by them)
+    hit_run: int = 0
+    hit_run_end: int = 0
     features_end: int = 0  # the next verify row's features_from (features.py)
     feature_blocks: list[FeatureBlock] = field(default_factory=list)  # received, not yet delivered
 

@@ -17,6 +17,11 @@ already decoding):
    re-prefilled after a migration or resync) stops its prefill one token short, so its next
    token comes from a decode step at the same position as in the interrupted run
    (docs/PROTOCOL.md#scheduler-failover).
+4. a prefill row whose latest chunks its verifier's prefix cache gave whole (VerifyResult.
+   cached_tokens: nothing computed) takes that many tokens more than its share: a history the
+   cache holds (a chat's next turn) is passed in a few steps, not one budget's worth a step,
+   while what a step computes past its budget is bounded by the tokens just found cached (and by
+   max_step_tokens) should the cache end inside the larger chunk.
 A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
 adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k.
 """
@@ -89,14 +94,16 @@ class StepPlanner:
                 draft_rows.setdefault(request.drafter_id, []).append(row)
         room = min(limit - used, max(step_tokens - used, used, MIN_STEP_TOKENS))
         for request in prefill:
-            if room < 1:
+            if room < 1 or used >= limit:
                 break
             pending = request.pending_len - (len(request.completion) > 0)  # one token short: step 3
-            chunk = min(pending, room)
+            hits = request.hit_run if request.hit_run_end == request.verifier_len else 0  # step 4
+            chunk = min(pending, room + hits, limit - used)
             end = request.verifier_len + chunk
             planned.append(PlannedRow(request, request.verifier_len, end,
                                       emit=end == len(request.history) and not request.scoring, num_draft=0))
-            room -= chunk
+            room -= max(chunk - hits, 0)
+            used += chunk
         return planned
 
     def plan_decode_row(self, request: Request, budget: int, base_tokens: int = 0, base_k: int = 0,

@@ -45,10 +45,17 @@ def submit(state, request_id="r1", prompt_ids=(5, 6, 7), now=None, **fields):
     return state.admit(generate, f"_INBOX.{request_id}", list(prompt_ids), time.time() if now is None else now)
 
 
-def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, verify_reply=True):
+def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, verify_reply=True, cached=None):
     """One step. drafts / tokens / num_accepted: request_id -> what the drafter proposes / the
-    verifier emits / accepts (defaults: no drafts; each emitting row emits [9]; accepted 0)."""
-    drafts, tokens, num_accepted = drafts or {}, tokens or {}, num_accepted or {}
+    verifier emits / accepts (defaults: no drafts; each emitting row emits [9]; accepted 0);
+    cached: request_id -> the length of its history's prefix the verifier's prefix cache holds
+    (default 0), of which a row's cached_tokens is what its new tokens cover, bar an emitting
+    row's last one (gpu_worker/roles/prefix_cache.py)."""
+    drafts, tokens, num_accepted, cached = drafts or {}, tokens or {}, num_accepted or {}, cached or {}
+
+    def cached_tokens(row):
+        return max(0, min(cached.get(row.request_id, 0) - row.cached_len, len(row.new_token_ids) - row.emit))
+
     outbox = state.boundary(time.time())
     plan = state.plan_step(time.time())
     for drafter_id, message in state.draft_batches(plan, time.time()).items():
@@ -61,7 +68,7 @@ def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, v
         reply = VerifyResponse(batch_id=message.batch_id, verifier_id=verifier_id, rows=[
             VerifyResult(request_id=r.request_id, step=r.step, num_draft=len(r.draft_token_ids),
                          num_accepted=num_accepted.get(r.request_id, 0) if r.emit else 0,
-                         token_ids=tokens.get(r.request_id, [9]) if r.emit else [])
+                         token_ids=tokens.get(r.request_id, [9]) if r.emit else [], cached_tokens=cached_tokens(r))
             for r in message.rows]) if verify_reply else None
         outbox.extend(state.apply_verify(plan, verifier_id, reply, time.time()))
     state.end_step(plan)

@@ -107,6 +107,32 @@ def test_every_decoding_row_comes_first_and_prefill_chunks_get_the_rest_of_the_s
         prefilled += len(rows[-1].new_token_ids)
 
 
+def prefill_chunks(state, request_id, prompt_len, cached):
+    """(chunk, cached_tokens) of each step's row of request_id until its prompt is prefilled."""
+    chunks = []
+    while sum(c for c, _ in chunks) < prompt_len:
+        plan, _, _ = step(state, cached={request_id: cached})
+        [row] = [r for rows in plan.rows.values() for r in rows if r.request.request_id == request_id]
+        before = row.request.cached_tokens - sum(h for _, h in chunks)
+        chunks.append((row.end - row.cached_len, before))
+    return chunks
+
+
+def test_a_chunk_the_prefix_cache_gave_whole_lets_the_next_one_grow_by_as_much(tokenizer):
+    """A chat's next turn: a history the verifier's cache holds passes in a few steps, and what a
+    step computes stays within its share plus the tokens just found cached."""
+    for held, expected in [(300, [(124, 124), (248, 176), (27, 0)]),  # the cache ends inside chunk 2
+                           (124, [(124, 124), (248, 0), (27, 0)]),   # at its start: 248 computed, 124 + 124
+                           (0, [(124, 0), (124, 0), (124, 0), (27, 0)])]:  # no hit: the budget's chunks
+        state = new_state(tokenizer)
+        assert measured(state, 1 / 256) == 128
+        for i in range(4):
+            submit(state, f"d{i}", sampling={"max_tokens": 100}, speculative={"num_speculative_tokens": 0})
+        step(state)
+        submit(state, "turn", prompt_ids=list(range(1, 400)))
+        assert prefill_chunks(state, "turn", 399, held) == expected, held
+
+
 def test_prefill_takes_as_many_tokens_as_the_decode_rows_when_they_fill_the_budget(tokenizer):
     """Decode rows over the budget leave prompts an equal share: queued requests keep starting."""
     state = new_state(tokenizer, max_running=64)
