@@ -44,7 +44,11 @@ WAIT_S = 120.0  # bound of every wait for a condition
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(start_stack):
     beat = ["--heartbeat-interval-s", HEARTBEAT_S]
+    # a generous draft timeout: the drafter is not what is slowed here, but on two busy cores (the
+    # thawed verifier catching up) a draft batch may pass the default 0.5 s, and its rows would
+    # then be flagged draft_timeout (same tokens): a measure of the machine, not of overload
     role_args = {"scheduler": ["--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE),
+                               "--draft-timeout-s", "10",
                                "--verify-timeout-s", str(VERIFY_TIMEOUT_S), "--verify-retries", "3",
                                "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S), *beat],
                  "verifier": beat, "drafter": beat, "postprocessor": beat}
