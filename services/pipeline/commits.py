@@ -231,13 +231,13 @@ class Committer:
         request.num_draft_proposed += drafted
         request.num_draft_accepted += result.num_accepted
         request.cached_tokens += result.cached_tokens
-        if not planned.decode:
-            whole = result.cached_tokens >= planned.end - planned.cached_len
-            request.hit_run = request.hit_run + result.cached_tokens if whole and request.hit_run_end == planned.cached_len \
-                else (result.cached_tokens if whole else 0)
-            request.hit_run_end = planned.end
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
+        else:  # the run of its chunks the prefix cache gave whole (step_planner.py step 4)
+            run = request.hit_run if request.hit_run_end == planned.cached_len else 0
+            whole = result.cached_tokens >= planned.end - planned.cached_len
+            request.hit_run = run + result.cached_tokens if whole else 0
+            request.hit_run_end = planned.end
         self.on_verified(planned, result)
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode,
                               drafted, result.num_accepted)
