@@ -234,9 +234,8 @@ class Committer:
         if planned.decode:
             request.speculative_lengths[planned.num_draft] += 1
         else:  # the run of its chunks the prefix cache gave whole (step_planner.py step 4)
-            run = request.hit_run if request.hit_run_end == planned.cached_len else 0
             whole = result.cached_tokens >= planned.end - planned.cached_len
-            request.hit_run = run + result.cached_tokens if whole else 0
+            request.hit_run = request.hit_run_at(planned.cached_len) + result.cached_tokens if whole else 0
             request.hit_run_end = planned.end
         self.on_verified(planned, result)
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode,

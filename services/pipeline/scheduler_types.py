@@ -84,6 +84,11 @@ class Request:
     features_end: int = 0  # the next verify row's features_from (features.py)
     feature_blocks: list[FeatureBlock] = field(default_factory=list)  # received, not yet delivered
 
+    def hit_run_at(self, position: int) -> int:
+        """Its hit run's tokens if the run ends at position (its next chunk starts there), else 0:
+        a verifier_len reset (migration, resync) ends the run."""
+        return self.hit_run if self.hit_run_end == position else 0
+
     def restart_drafter(self) -> None:
         """Its drafter holds nothing of it (another drafter, or one that answered need_resync): the
         history and the target features go to it again from position 0."""

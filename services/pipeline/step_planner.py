@@ -97,7 +97,7 @@ class StepPlanner:
             if room < 1 or used >= limit:
                 break
             pending = request.pending_len - (len(request.completion) > 0)  # one token short: step 3
-            hits = request.hit_run if request.hit_run_end == request.verifier_len else 0  # step 4
+            hits = request.hit_run_at(request.verifier_len)  # step 4
             chunk = min(pending, room + hits, limit - used)
             end = request.verifier_len + chunk
             planned.append(PlannedRow(request, request.verifier_len, end,
