@@ -123,8 +123,10 @@ class SchedulerConfig(InstanceConfig):
     target_step_s: float = 0.5
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
     # another's verification (services/pipeline/scheduler_core.py); 1: one step at a time. max_batch_rows and
-    # max_step_tokens hold per lane.
-    lanes: int = 2
+    # max_step_tokens hold per lane. Two pay only where the drafter and the verifier have compute of
+    # their own (a GPU each, a GPU verifier beside a CPU drafter); on shared CPU cores they split the
+    # cores and each lane's batch: 1 (ops/bench/RESULTS.md "Lanes on shared cores").
+    lanes: int = 1
     max_tokens_cap: int = 4096
     draft_timeout_s: float = 0.5
     # The least a verify try is waited for; a batch's own wait follows its tokens and the
@@ -179,14 +181,15 @@ class ModelServiceConfig(InstanceConfig):
     # tokens of SmolLM2-135M in float32 (92k in bfloat16): 64 requests of ~700 tokens, and keeps a
     # few stacks inside a 24 GB machine.
     kv_cache_memory: str = "2GiB"
+    # Keep released slots' keys and values within kv_cache_memory and copy them into requests whose
+    # history starts the same (gpu_worker/roles/prefix_cache.py; a drafter with draft_method "model"
+    # only); a hit computes the same bits.
+    prefix_caching: bool = True
 
 
 @dataclasses.dataclass
 class VerifierConfig(ModelServiceConfig):
     target_model: str = dataclasses.field(default_factory=default_target_model)
-    # Keep released slots' keys and values within kv_cache_memory and copy them into requests whose
-    # history starts the same (gpu_worker/roles/prefix_cache.py); a hit computes the same bits.
-    prefix_caching: bool = True
 
 
 @dataclasses.dataclass

@@ -172,6 +172,9 @@ class DraftRow(WireModel):
     sampling: RowSampling = Field(default_factory=RowSampling)
     prompt_len: Count = 0
     features: FeatureBlock | None = None
+    cache_salt: str | None = Field(None, max_length=256, description=(
+        "whose prefix cache a new slot's history may be found in and kept for, as VerifyRow.cache_salt "
+        "(docs/PROTOCOL.md#prefix-caching); None: none, every token is fed"))
 
 
 class DraftRequest(Batch):

@@ -12,7 +12,9 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
    unknown request with cached_len > 0) -> need_resync, nothing appended. Otherwise the slot
    becomes h[0:cached_len] + new_token_ids (target ids mapped to draft ids with t2d; ids outside
    the draft vocabulary become other_id). Positions whose tokens the slot already holds
-   (drafts fed last step that were accepted) are kept, not recomputed;
+   (drafts fed last step that were accepted) are kept, not recomputed; a slot that holds nothing
+   yet copies what the prefix cache holds of its history (`take_hit`, prefix_cache.py), and a
+   released slot's committed history is kept there;
 4. feed: what each row still lacks goes through the model, in chunks of prefill_chunk tokens,
    short feeds (decode rows) in a forward apart from long ones (resync) to limit padding; the
    logits of each row's last fed token give its first draft;
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import structlog
@@ -50,9 +53,11 @@ from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
                                          row_seed, sample)
 from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
+from gpu_worker.roles.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import receiver_rule
 from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
-from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
+from gpu_worker.roles.slots import (KEEP_REASONS, SlotOwner, evict_idle, free_request, instance_heartbeat,
+                                    load_model_and_cache, release)
 from text.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.arrays import PAD_TOKEN_ID
 from schemas.config import DrafterConfig
@@ -81,6 +86,7 @@ class DraftSlot:
     committed_len: int
     last_used: float  # time.monotonic()
     grammar: OutputMatcher | None = None  # a row with structured_outputs: its output in target ids
+    prefix_root: bytes | None = None  # its prefix cache's root key (take_hit); None: none
 
 
 @dataclass(kw_only=True)
@@ -97,6 +103,15 @@ class Drafter(SlotOwner):
     t2d: torch.Tensor
     other_id: int | None
     prefill_chunk: int
+    prefix: PrefixCache | None = None  # None: prefix caching off
+
+    def free_state(self, state: DraftSlot, reason: str) -> None:
+        """Free state's slot; with prefix caching on, its committed history's storage is kept as an
+        entry (gpu_worker/roles/prefix_cache.py), drafts fed after it left out."""
+        if self.prefix is None or state.prefix_root is None or reason not in KEEP_REASONS:
+            self.cache.free(state.slot)
+            return
+        self.prefix.keep(state.slot, array("i", state.token_ids[:state.committed_len]), [], state.prefix_root, None)
 
     @property
     def target_vocab_size(self) -> int:
@@ -146,9 +161,12 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         "tokenizer": tokenizer_id(config.draft_model),
         "target_vocab_size": str(t2d.numel()),
     }
-    return Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d, other_id=other_id,
-                   model_ids=model_ids, prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s,
-                   tokenizer_dir=config.draft_model)
+    drafter = Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d,
+                      other_id=other_id, model_ids=model_ids, prefill_chunk=config.prefill_chunk,
+                      slot_idle_ttl_s=config.slot_idle_ttl_s, tokenizer_dir=config.draft_model)
+    if config.prefix_caching:
+        drafter.prefix = PrefixCache(cache, drafter.counters)
+    return drafter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +217,35 @@ def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: 
     work = receive_row(drafter, scheduler_id, row, new_ids, batch_keys, now)
     if isinstance(work, DraftRowWork):  # the cache holds exactly the slot's tokens
         drafter.cache.truncate(work.state.slot, len(work.state.token_ids))
+        take_hit(drafter, work)
     return work
+
+
+def take_hit(drafter: Drafter, work: DraftRowWork) -> None:
+    """A slot that holds nothing yet (a new request's first draft row: its whole history) takes
+    from the prefix cache the longest prefix of its feed another request's released slot held,
+    up to the last token it must feed for its first draft's logits; its feed then starts after
+    it. The keys chain from the draft model, its dtype and the row's cache_salt, as the verifier's
+    (gpu_worker/roles/prefix_cache.py); the forward is batch-invariant, so the copy is what feeding
+    the tokens would write."""
+    state, row = work.state, work.row
+    if drafter.prefix is None or row.cache_salt is None or state.token_ids:
+        return
+    # the model, dtype and weights never change inside one process: the salt is what parts caches
+    state.prefix_root = root_key(drafter.model_ids["draft"], drafter.cache.dtype, "draft", row.cache_salt)
+    ids = array("i", work.feed)
+    limit = len(ids) - (work.num_draft > 0)
+    keys: list[bytes] = []
+    extend_keys(keys, state.prefix_root, ids, limit)
+    drafter.counters["prefix_tokens_looked_up"] += limit
+    found = drafter.prefix.find(keys, ids, 0, limit)
+    if found is None:
+        return
+    entry, end = found
+    drafter.cache.copy_prefix(state.slot, entry.keys, entry.values, end)
+    state.token_ids.extend(work.feed[:end])
+    work.feed = work.feed[end:]
+    drafter.counters["prefix_tokens_hit"] += end
 
 
 def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], batch_keys: set[tuple[str, str]],

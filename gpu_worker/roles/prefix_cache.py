@@ -8,9 +8,9 @@ of a history (the scheduler sends each prefill chunk's ids), so it can key and
 find a cached prefix itself: the scheduler plans chunks as before and learns what was skipped
 from `VerifyResult.cached_tokens` (its usage's cached_tokens; its step budget counts only the
 tokens computed). Nothing about a hit crosses the bus, so a migrated or failed-over request
-needs no new protocol: the verifier it lands on hits wherever it holds the prefix. The drafter
-keeps no prefix cache: it sees a request's history first at its first decode step (after the
-first token), its model is a fraction of the target's, and drafts never change an output.
+needs no new protocol: the verifier it lands on hits wherever it holds the prefix. A model
+drafter keeps one the same way (gpu_worker/roles/drafter_core.py `take_hit`: a new request's whole
+history reaches it in its first draft row), without features.
 
 Why a hit changes nothing: the forward is batch-invariant (gpu_worker/runtime/model.py; chunked
 prefill equals a whole-prompt prefill bit for bit, tests/gpu_worker/runtime/

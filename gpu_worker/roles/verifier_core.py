@@ -92,6 +92,8 @@ def load_verifier(config: VerifierConfig) -> Verifier:
                         tokenizer_dir=config.target_model)
     if config.prefix_caching:
         verifier.prefix = PrefixCache(cache, verifier.counters)
+        # schedulers plan a new request's first chunk by what they expect it to hold (prefix_hints.py)
+        model_ids["prefix_caching"] = "on"
     return verifier
 
 

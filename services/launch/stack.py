@@ -107,7 +107,8 @@ class StackConfig:
     weights: str | None = None  # the verifiers' and drafters' --weights; None: theirs (SPECBUS_WEIGHTS, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
-    # The verifiers' prefix caching (gpu_worker/roles/prefix_cache.py); None: theirs (SPECBUS_PREFIX_CACHING, on).
+    # The verifiers' and drafters' prefix caching (gpu_worker/roles/prefix_cache.py); None: theirs
+    # (SPECBUS_PREFIX_CACHING, on).
     prefix_caching: bool | None = None
     # torch threads per verifier / drafter process; 0: `role_threads` picks from the machine.
     verifier_threads: int = 0

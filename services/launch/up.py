@@ -51,7 +51,7 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "SPECBUS_KV_CACHE_MEMORY; default 2GiB): slots take memory as their tokens need it, "
                              "and a request the budget cannot hold is refused `overloaded`")
     parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="the verifiers compute every prompt token (env SPECBUS_PREFIX_CACHING=false; default: "
+                        help="the verifiers and drafters compute every prompt token (env SPECBUS_PREFIX_CACHING=false; default: "
                              "they keep finished requests' keys and values within --kv-cache-memory and reuse them "
                              "for histories that start the same, per client user, with the same output bits)")
     for role in ("verifier", "drafter"):

@@ -13,7 +13,7 @@ NATS, no awaits: services/pipeline/scheduler_core.py owns one `BatchBuilder`.
 - A verify batch's deadline follows its tokens and its verifier's measured pace
   (step_budget.py): each try is waited for StepBudget.attempt_s, and VerifyRequest.deadline is
   that times (verify_retries + 1), so a retry can re-send the same message.
-- Each verify row names its prefix cache (`cache_salt`: the client user's own, or the shared one
+- Each verify row names its prefix cache (`cache_salt`, prefix_hints.py: the client user's own, or the shared one
   for users the operator lists; docs/PROTOCOL.md#prefix-caching).
 - Drafts late, missing or refused: the rows run with k=0, flagged `draft_timeout`; a draft row
   answered need_resync runs k=0 flagged `resync`, and its whole history goes again next step.
@@ -39,21 +39,13 @@ from services.pipeline.payload import (
     verify_row_bytes,
 )
 from services.pipeline.placement import Placement
+from services.pipeline.prefix_hints import cache_salt
 from services.pipeline.scheduler_types import Outbox, PlannedRow, StepPlan
 from services.pipeline.slot_release import SlotReleases
 from services.pipeline.step_budget import StepBudget
 
 log = structlog.get_logger(__name__)
 
-
-# The cache_salt of the users that share one prefix cache (SchedulerConfig.prefix_cache_shared_users).
-SHARED_SALT = "*"
-
-
-def cache_salt(config: SchedulerConfig, user: str) -> str:
-    """Whose prefix cache a user's rows use: its own, or the shared one where the operator says so."""
-    shared = {name.strip() for name in config.prefix_cache_shared_users.split(",")}
-    return SHARED_SALT if SHARED_SALT in shared or user in shared else f"user:{user}"
 
 def forced_room(planned: PlannedRow) -> int:
     """How many grammar-forced tokens the verifier may add after an emitting row's drafts
@@ -131,7 +123,8 @@ class BatchBuilder:
         room.take(request_bytes, answer_bytes)
         return DraftRow(request_id=request.request_id, row=index, step=request.step, cached_len=request.drafter_len,
                         new_token_ids=new_ids, num_draft=planned.num_draft, draft_mode=request.speculative.draft_mode,
-                        sampling=request.sampling.row_sampling(), prompt_len=request.prompt_len, features=block)
+                        sampling=request.sampling.row_sampling(), prompt_len=request.prompt_len, features=block,
+                        cache_salt=cache_salt(self.config, request.user))
 
     def apply_draft(self, plan: StepPlan, drafter_id: str, request: DraftRequest,
                     response: DraftResponse | None) -> None:

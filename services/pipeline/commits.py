@@ -27,6 +27,7 @@ from schemas.wire import Error, FinishReason
 from services.pipeline import features
 from services.pipeline.admission import RecentIds
 from services.pipeline.placement import Placement
+from services.pipeline.prefix_hints import PrefixHints, cache_salt
 from services.pipeline.scheduler_types import Outbox, PlannedRow, Request, StepPlan, client_error, internal_error
 from services.pipeline.slot_release import SlotReleases
 from services.runtime.metrics import SchedulerMetrics
@@ -63,7 +64,7 @@ class Committer:
     def __init__(self, config: SchedulerConfig, placement: Placement, running: dict[str, Request],
                  releases: SlotReleases, recent: RecentIds, counters: Counter, metrics: SchedulerMetrics,
                  monotonic: Callable[[], float], eos_ids: tuple[int, ...],
-                 on_verified: Callable[[PlannedRow, VerifyResult], None]):
+                 on_verified: Callable[[PlannedRow, VerifyResult], None], hints: PrefixHints):
         self.config = config
         self.placement = placement
         self.running = running
@@ -74,6 +75,7 @@ class Committer:
         self.monotonic = monotonic
         self.eos_ids = eos_ids
         self.on_verified = on_verified
+        self.hints = hints
         self.finishing: dict[str, tuple[Request, float]] = {}
 
     def end(self, request: Request, reason: FinishReason | None, now: float, *, batch_id: int | None = None,
@@ -86,6 +88,9 @@ class Committer:
         self.running.pop(request.request_id, None)
         self.releases.release(request.verifier_id, request.request_id)
         self.releases.release(request.drafter_id, request.request_id)
+        if reason != "error" and self.placement.keeps_prefixes(request.verifier_id):  # its slot becomes an entry
+            self.hints.record(request.verifier_id, cache_salt(self.config, request.user),
+                              request.history[:request.verifier_len])
         self.recent.remember(request.request_id)
         self.counters[f"finished_{reason or 'stop_notice'}"] += 1
         if reason is None:

@@ -167,6 +167,12 @@ class Placement:
         instance = self.registry.instances.get(instance_id)
         return instance is not None and instance.role == role
 
+    def keeps_prefixes(self, instance_id: str | None) -> bool:
+        """Whether the instance's last heartbeat says it keeps a prefix cache (a verifier's
+        model_ids["prefix_caching"]: services/pipeline/prefix_hints.py)."""
+        instance = self.registry.instances.get(instance_id)
+        return instance is not None and instance.info.model_ids.get("prefix_caching") == "on"
+
     def max_seq_len(self) -> int | None:
         """The smallest max_seq_len the live compatible verifiers advertise (heartbeat model_ids),
         so a request fits whichever of them it runs or migrates on; None before any is known."""

@@ -38,6 +38,7 @@ from services.pipeline.batch_builder import BatchBuilder
 from services.pipeline.commits import Committer
 from services.pipeline.draft_method import drafted, pin_drafter
 from services.pipeline.placement import Placement
+from services.pipeline.prefix_hints import PrefixHints, cache_salt
 from services.pipeline.recovery import Recovery
 from services.pipeline.scheduler_types import Outbox, PlannedRow, Request, StepPlan
 from services.pipeline.slot_release import SlotReleases
@@ -110,8 +111,10 @@ class SchedulerState:
                                    monotonic, lambda: self.max_payload)
         self.waiting = self.admission.waiting
         self.planner = StepPlanner(config, self.placement)
+        self.hints = PrefixHints()
         self.committer = Committer(config, self.placement, self.running, self.releases, self.admission.recent,
-                                   self.counters, self.metrics, monotonic, tokenizer.eos_ids, self.row_verified)
+                                   self.counters, self.metrics, monotonic, tokenizer.eos_ids, self.row_verified,
+                                   self.hints)
         self.recovery = Recovery(config, self.placement, self.running, self.in_flight, self.releases,
                                  self.committer, self.counters, lambda request: pin_drafter(self, request),
                                  self.pinned_count)
@@ -233,6 +236,9 @@ class SchedulerState:
             return False
         request.verifier_id = self.placement.count_pin(verifier_id)
         request.postprocessor_id = self.placement.count_pin(postprocessor_id)
+        if request.logprobs.prompt_logprobs is None and self.placement.keeps_prefixes(verifier_id):
+            # its first chunk takes what the verifier's prefix cache is expected to give (step_planner.py step 4)
+            request.hit_run = self.hints.expected(verifier_id, cache_salt(self.config, request.user), request.history)
         limit = self.placement.max_seq_len()
         if limit is not None and request.prompt_len + request.sampling.max_tokens > limit:
             # Generation stops at max_seq_len with finish_reason "length", as at max_tokens.

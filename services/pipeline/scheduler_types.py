@@ -78,7 +78,8 @@ class Request:
     draft_trial: DraftTrial = field(default_factory=DraftTrial)  # draft_method "auto" (draft_method.py)
     cached_tokens: int = 0  # history tokens its verifiers copied from their prefix caches
     # its latest prefill chunks that the verifier's prefix cache gave whole: their tokens, and the
-    # verifier_len they ended at (step_planner.py sizes the next chunk by them)
+    # verifier_len they ended at (step_planner.py sizes the next chunk by them); before its first
+    # chunk, the prefix the cache is expected to hold (prefix_hints.py), ending at 0
     hit_run: int = 0
     hit_run_end: int = 0
     features_end: int = 0  # the next verify row's features_from (features.py)

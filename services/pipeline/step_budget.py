@@ -11,9 +11,12 @@ batch at a time, and the scheduler's lanes send it theirs at once), is modelled 
 
 fitted by least squares over the answered batches, each older batch weighing PACE_DECAY less
 than the next (an exponentially weighted fit, so the pace follows the verifier's load). When
-the sizes timed are too alike to tell the two terms apart, or the fit says a token costs
-nothing, overhead is 0 and per_token the weighted mean seconds per token: a cautious pace (it
-charges every token its share of the overhead, so it never overstates the tokens that fit).
+the sizes timed are too alike to tell the two terms apart (a run of decode-only steps between
+prompts), or the fit says a token costs nothing, per_token is the one of the last fit that told
+them apart and overhead what the recent batches' times leave of theirs (so the pace still follows
+the load, and a step of decode rows is not taken for a step of as many prompt tokens); with no
+such fit yet, overhead is 0 and per_token the weighted mean seconds per token: a cautious pace
+(it charges every token its share of the overhead, so it never overstates the tokens that fit).
 
 - Step budget: the tokens that fit in target_step_s, (target_step_s - overhead) / per_token,
   within [MIN_STEP_TOKENS, max_step_tokens]; COLD_STEP_TOKENS for a verifier never timed (its
@@ -49,6 +52,7 @@ class Pace:
     seconds: float = 0.0
     tokens_sq: float = 0.0
     tokens_seconds: float = 0.0
+    per_token: float | None = None  # the cost of a token when the sizes last told the terms apart
 
     def add(self, tokens: int, seconds: float) -> None:
         d = PACE_DECAY
@@ -57,12 +61,17 @@ class Pace:
         self.seconds = d * self.seconds + seconds
         self.tokens_sq = d * self.tokens_sq + tokens * tokens
         self.tokens_seconds = d * self.tokens_seconds + tokens * seconds
+        separated = self.separate()
+        if separated is not None:
+            self.per_token = separated[1]
 
-    def fit(self) -> tuple[float, float] | None:
-        """(overhead, per_token) seconds (module docstring); None before any timing."""
-        if self.weight == 0.0 or self.tokens <= 0.0:
-            return None
-        mean_t, mean_s = self.tokens / self.weight, self.seconds / self.weight
+    def means(self) -> tuple[float, float]:
+        return self.tokens / self.weight, self.seconds / self.weight
+
+    def separate(self) -> tuple[float, float] | None:
+        """(overhead, per_token) by least squares, None when the sizes are too alike (or the fit
+        says a token costs nothing or the overhead is negative)."""
+        mean_t, mean_s = self.means()
         var_t = self.tokens_sq / self.weight - mean_t * mean_t
         cov = self.tokens_seconds / self.weight - mean_t * mean_s
         if var_t > (MIN_SPREAD * mean_t) ** 2 and cov > 0.0:
@@ -70,6 +79,18 @@ class Pace:
             overhead = mean_s - per_token * mean_t
             if overhead >= 0.0:
                 return overhead, per_token
+        return None
+
+    def fit(self) -> tuple[float, float] | None:
+        """(overhead, per_token) seconds (module docstring); None before any timing."""
+        if self.weight == 0.0 or self.tokens <= 0.0:
+            return None
+        separated = self.separate()
+        if separated is not None:
+            return separated
+        mean_t, mean_s = self.means()
+        if self.per_token is not None and mean_s > self.per_token * mean_t:
+            return mean_s - self.per_token * mean_t, self.per_token
         return 0.0, max(mean_s, 0.0) / mean_t
 
     def predict(self, tokens: int) -> float | None:

@@ -21,7 +21,9 @@ already decoding):
    cached_tokens: nothing computed) takes that many tokens more than its share: a history the
    cache holds (a chat's next turn) is passed in a few steps, not one budget's worth a step,
    while what a step computes past its budget is bounded by the tokens just found cached (and by
-   max_step_tokens) should the cache end inside the larger chunk.
+   max_step_tokens) should the cache end inside the larger chunk. A new request's first chunk
+   likewise takes, past its share, the prefix its scheduler expects the cache to hold
+   (prefix_hints.py: Request.hit_run set at its start).
 A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
 adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k.
 """

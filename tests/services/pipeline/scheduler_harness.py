@@ -24,9 +24,9 @@ class Clock:
         return self.now
 
 
-def beat(state, instance_id, role, capacity=8, free_slots=None, tokenizer_hash=TOKENIZER_HASH):
+def beat(state, instance_id, role, capacity=8, free_slots=None, tokenizer_hash=TOKENIZER_HASH, **model_ids):
     state.observe(Heartbeat(instance_id=instance_id, role=role, capacity=capacity, load=0, free_slots=free_slots,
-                            model_ids={"tokenizer": tokenizer_hash}, sent_at=time.time(), interval_s=0.5))
+                            model_ids={"tokenizer": tokenizer_hash, **model_ids}, sent_at=time.time(), interval_s=0.5))
 
 
 def new_state(tokenizer, roles=(("v1", "verifier"), ("d1", "drafter"), ("p1", "postprocessor")), **overrides):

@@ -33,6 +33,22 @@ def test_sizes_alike_charge_every_token_the_overhead():
     assert pace.fit() == (0.0, pytest.approx(0.003))  # 0.3 s / 100 tokens, none of it overhead
 
 
+def test_decode_only_steps_after_prompts_keep_the_cost_per_token_and_refit_the_overhead():
+    """Between prompts every batch is a few decode tokens: their sizes tell nothing of a token's
+    cost, so the last fit that did keeps it, and the recent times give the overhead."""
+    pace = budget()
+    for tokens in (10, 200, 40, 400, 100) * 3:
+        pace.timed("v1", tokens, 0.05 + 0.002 * tokens)
+    for _ in range(60):
+        pace.timed("v1", 8, 0.116)  # decode rows only, on a verifier now busier: 0.1 s + 8 tokens
+    overhead, per_token = pace.paces["v1"].fit()  # the last fit that told them apart mixed both phases
+    assert per_token == pytest.approx(0.002, rel=0.1) and overhead == pytest.approx(0.116 - 8 * per_token, rel=1e-3)
+    assert pace.step_tokens("v1") == pytest.approx(200, rel=0.1)  # (0.5 - 0.1) / 0.002; 0.116 s / 8 tokens: 34
+    for _ in range(60):
+        pace.timed("v1", 8, 0.008)  # faster than the kept cost allows an overhead: charged per token
+    assert pace.paces["v1"].fit() == (0.0, pytest.approx(0.001, rel=0.05))
+
+
 def test_the_budget_stays_within_its_bounds():
     slow, fast = budget(), budget()
     slow.timed("v1", 10, 5.0)  # a step of 10 tokens already takes 10 x the target

@@ -63,7 +63,8 @@ async def test_run_verifier_serves_verify_requests_over_nats(nats_server, nc, ta
     task = asyncio.create_task(run_verifier(config, stop))
     beat = await asyncio.wait_for(beats.get(), timeout=30)
     assert (beat.role, beat.instance_id, beat.capacity, beat.free_slots) == ("verifier", "verifier-nats", 3, 3)
-    assert set(beat.model_ids) == {"target", "tokenizer", "max_seq_len", "hidden_size"}
+    assert set(beat.model_ids) == {"target", "tokenizer", "max_seq_len", "hidden_size", "prefix_caching"}
+    assert beat.model_ids["prefix_caching"] == "on"  # schedulers hint its first chunks by it (prefix_hints.py)
 
     subject = subjects.verify("verifier-nats")
     sent = verify_request(row("a", PROMPT, logprobs=LogprobOptions(logprobs=2)),
