@@ -13,6 +13,12 @@ exactly --max-tokens tokens (ignore_eos), greedy, sent together; the SDK retries
 (max_retries=0), so a 429 is counted, not waited out. ITL is the gap before each content chunk
 after the first (a chunk may carry several tokens), as `specbus bench serve` counts it.
 Prints the figures and writes --out (JSON) when given.
+
+With --background B, B streams of the same prompt decode first (up to --background-tokens,
+cancelled when the burst is over): once each has sent --quiet-chunks chunks after its first, the
+gaps between their chunks so far are the decoding rows' ITL without the burst; the gaps that end
+while the burst runs (from its send to its last answer) are their ITL during it; the ratio of the
+two p99s is printed: how much a burst slows the rows already decoding.
 """
 
 import argparse
@@ -67,6 +73,58 @@ async def one(api: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> 
     return Outcome("done", time.monotonic() - sent, arrivals[0] if arrivals else None, gaps, tokens)
 
 
+async def background(api: openai.AsyncOpenAI, model: str, args: argparse.Namespace, arrivals: list[float],
+                     stop: asyncio.Event) -> None:
+    """One decoding stream until stop is set (or its tokens end): each content chunk's monotonic
+    arrival time appended to arrivals."""
+    stream = await api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": args.prompt}], max_tokens=args.background_tokens,
+        temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    try:
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.monotonic())
+            if stop.is_set():
+                break
+    finally:
+        await stream.close()  # the gateway cancels the request
+
+
+def gaps_ending(streams: list[list[float]], start: float, end: float) -> list[float]:
+    """The gaps between consecutive chunks of each stream whose later chunk came in (start, end]."""
+    return [later - earlier for arrivals in streams for earlier, later in zip(arrivals, arrivals[1:])
+            if start < later <= end]
+
+
+async def with_background(api: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> tuple[list[Outcome], dict]:
+    """The burst sent while args.background streams decode (module docstring): its outcomes, and
+    the streams' ITL without and during it."""
+    streams: list[list[float]] = [[] for _ in range(args.background)]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(background(api, model, args, arrivals, stop)) for arrivals in streams]
+    while min(map(len, streams)) < 1:  # every stream decoding
+        await asyncio.sleep(0.05)
+    quiet_from = time.monotonic()
+    while min(len([t for t in arrivals if t > quiet_from]) for arrivals in streams) < args.quiet_chunks:
+        await asyncio.sleep(0.05)
+        if any(task.done() for task in tasks):
+            raise SystemExit("a background stream ended before the burst: raise --background-tokens")
+    burst_from = time.monotonic()
+    outcomes = await asyncio.gather(*(one(api, model, args) for _ in range(args.requests)))
+    burst_to = time.monotonic()
+    ended_early = sum(task.done() for task in tasks)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    without = Distribution.of(gaps_ending(streams, quiet_from, burst_from))
+    during = Distribution.of(gaps_ending(streams, burst_from, burst_to))
+    return outcomes, {
+        "background_streams": args.background, "background_ended_during_burst": ended_early,
+        "background_itl_without_ms": {"p50": round(without.median, 1), "p99": round(without.percentiles[99], 1)},
+        "background_itl_during_ms": {"p50": round(during.median, 1), "p99": round(during.percentiles[99], 1)},
+        "background_itl_p99_ratio": round(during.percentiles[99] / without.percentiles[99], 2)
+        if without.percentiles[99] else None}
+
+
 def summary(outcomes: list[Outcome], wall_s: float) -> dict:
     done = [o for o in outcomes if o.kind == "done"]
     refused = [o for o in outcomes if o.kind == "refused"]
@@ -101,8 +159,11 @@ async def main(args: argparse.Namespace) -> dict:
                                   timeout=args.timeout_s) as api:
         model = args.model or (await api.models.list()).data[0].id
         started = time.monotonic()
-        outcomes = await asyncio.gather(*(one(api, model, args) for _ in range(args.requests)))
-        result = summary(outcomes, time.monotonic() - started)
+        if args.background:
+            outcomes, decoding = await with_background(api, model, args)
+        else:
+            outcomes, decoding = await asyncio.gather(*(one(api, model, args) for _ in range(args.requests))), {}
+        result = summary(outcomes, time.monotonic() - started) | decoding
     result |= {"model": model, "max_tokens": args.max_tokens, "base_url": base_url}
     for key, value in result.items():
         print(f"{key:>30}: {value}")
@@ -121,6 +182,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", help="(default: the first of /v1/models)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the SDK's per-request timeout")
     parser.add_argument("--out", help="write the figures and every outcome here (JSON)")
+    parser.add_argument("--background", type=int, default=0,
+                        help="streams decoding before and during the burst, whose ITL is compared (default 0)")
+    parser.add_argument("--background-tokens", type=int, default=1800,
+                        help="a background stream's max_tokens; it is cancelled when the burst is over")
+    parser.add_argument("--quiet-chunks", type=int, default=30,
+                        help="chunks each background stream sends before the burst (the ITL without it)")
     return parser.parse_args(argv)
 
 
