@@ -29,6 +29,7 @@ class Owner:
     model_ids: dict[str, str] = field(default_factory=lambda: {"target": "tiny"})
     requests: dict[str, Slot] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    prefix: None = None  # no prefix cache: SlotOwner.free_state frees every slot
 
     free_state = SlotOwner.free_state
 

@@ -56,8 +56,7 @@ from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.roles.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import receiver_rule
 from gpu_worker.roles.row_sampling import logit_bias_tensors, row_params, row_penalties
-from gpu_worker.roles.slots import (KEEP_REASONS, SlotOwner, evict_idle, free_request, instance_heartbeat,
-                                    load_model_and_cache, release)
+from gpu_worker.roles.slots import SlotOwner, evict_idle, free_request, instance_heartbeat, load_model_and_cache, release
 from text.tokenizer import check_in_vocabulary, tokenizer_id
 from schemas.arrays import PAD_TOKEN_ID
 from schemas.config import DrafterConfig
@@ -103,15 +102,11 @@ class Drafter(SlotOwner):
     t2d: torch.Tensor
     other_id: int | None
     prefill_chunk: int
-    prefix: PrefixCache | None = None  # None: prefix caching off
 
-    def free_state(self, state: DraftSlot, reason: str) -> None:
-        """Free state's slot; with prefix caching on, its committed history's storage is kept as an
-        entry (gpu_worker/roles/prefix_cache.py), drafts fed after it left out."""
-        if self.prefix is None or state.prefix_root is None or reason not in KEEP_REASONS:
-            self.cache.free(state.slot)
-            return
-        self.prefix.keep(state.slot, array("i", state.token_ids[:state.committed_len]), [], state.prefix_root, None)
+    def kept(self, state: DraftSlot) -> tuple[array, list[bytes], None]:
+        """A released slot's entry: its committed history (drafts fed after it left out), no
+        block keys yet, no features."""
+        return array("i", state.token_ids[:state.committed_len]), [], None
 
     @property
     def target_vocab_size(self) -> int:

@@ -11,8 +11,9 @@ schedulers stop pinning requests to an instance whose memory is short.
 `load_model_and_cache` loads the model with its cache from the settings both configs share
 (schemas/config.py ModelServiceConfig), dtype "auto" resolved by `resolve_dtype`.
 Counters: `slots_<reason>` per freed slot, `release_unknown` per released id without a slot.
-An owner with a prefix cache (the verifier's, gpu_worker/roles/prefix_cache.py) keeps the storage
-of a slot released or idle-evicted as a cache entry instead of freeing it (KEEP_REASONS).
+An owner with a prefix cache (the verifier's and the model drafter's, gpu_worker/roles/prefix_cache.py)
+keeps the storage of a slot released or idle-evicted as a cache entry instead of freeing it
+(KEEP_REASONS, `SlotOwner.free_state`).
 The NATS service around a slot owner is services/pipeline/model_service.py.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import Protocol
 import structlog
 import torch
 
+from gpu_worker.roles.prefix_cache import PrefixCache
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from text.grammar import Grammars
@@ -117,10 +120,21 @@ class SlotOwner:
     counters: Counter = field(default_factory=Counter)
     tokenizer_dir: str | None = None  # its model's tokenizer.json, for grammars
     grammars: Grammars | None = None  # made on first use (gpu_worker/roles/grammar_masks.py)
+    prefix: PrefixCache | None = None  # None: no prefix cache (its states need no prefix_root then)
 
     def free_state(self, state: SlotState, reason: str) -> None:
-        """Free a request's slot (an owner with a prefix cache keeps what it may)."""
-        self.cache.free(state.slot)
+        """Free a request's slot; with a prefix cache, one freed for a KEEP_REASON whose state has
+        a prefix_root is kept as an entry of what `kept` says the slot holds."""
+        if self.prefix is None or state.prefix_root is None or reason not in KEEP_REASONS:
+            self.cache.free(state.slot)
+            return
+        token_ids, block_keys, features = self.kept(state)
+        self.prefix.keep(state.slot, token_ids, block_keys, state.prefix_root, features)
+
+    def kept(self, state: SlotState) -> tuple[array, list[bytes], torch.Tensor | None]:
+        """What a slot keeps as a prefix cache entry: its verified token ids, the keys of its whole
+        blocks so far (extended by `PrefixCache.keep`), its features or None."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no prefix cache entries")
 
 
 def model_settings(config: ModelServiceConfig, blocks_dir: str | None = None) -> tuple[torch.dtype, int]:

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.roles.prefix_cache import PrefixCache
-from gpu_worker.roles.slots import KEEP_REASONS, SlotOwner
+from gpu_worker.roles.slots import SlotOwner
 from gpu_worker.runtime.model import Model
 from text.grammar import OutputMatcher
 from gpu_worker.sampling.sampler import Penalties, ProcessedLogits, SamplingTensors
@@ -61,19 +60,15 @@ class VerifierSlot:
 class Verifier(SlotOwner):
     model: Model
     prefill_chunk: int
-    prefix: PrefixCache | None = None  # None: prefix caching off
     weights: str = "dense"  # the projections' format (a prefix key's part)
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def free_state(self, state: VerifierSlot, reason: str) -> None:
-        """Free state's slot; with prefix caching on, a verified one's storage is kept as an entry."""
-        if self.prefix is None or state.prefix_root is None or reason not in KEEP_REASONS:
-            self.cache.free(state.slot)
-            return
-        self.prefix.keep(state.slot, state.token_ids, state.block_keys, state.prefix_root, state.features)
+    def kept(self, state: VerifierSlot) -> tuple[array, list[bytes], torch.Tensor | None]:
+        """A released slot's entry: every id it holds, its block keys so far and its features."""
+        return state.token_ids, state.block_keys, state.features
 
 
 @dataclass
