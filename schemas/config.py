@@ -119,7 +119,10 @@ class SchedulerConfig(InstanceConfig):
     max_step_tokens: int = 1024  # new tokens per verifier per step at most (prefill is chunked to fit)
     # The time a step's verify batch aims at, at the verifier: every decoding row first, then
     # prefill chunks up to the tokens the verifier's measured pace fits in this time (its step
-    # budget, services/pipeline/step_budget.py), so a long prompt never stalls the rows decoding.
+    # budget, services/pipeline/step_budget.py), so a long prompt never stalls the rows decoding;
+    # and queued requests start only while the running ones' decode rows fill at most half of it
+    # (step rows): under load, the inter-token latency the scheduler aims at. Lower trades
+    # throughput for ITL (ops/bench/RESULTS.md "Serving under load").
     target_step_s: float = 0.5
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
     # another's verification (services/pipeline/scheduler_core.py); 1: one step at a time. max_batch_rows and

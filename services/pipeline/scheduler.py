@@ -329,6 +329,7 @@ class Scheduler:
             state.verify_timed(verifier_id, message, reply, seconds, committed - verified, verifier_id in plan.retried,
                                answered_at)
         if not plan.empty:  # release-only batches are not steps
+            state.step_timed(plan, {v: reply for v, (reply, _, _) in zip(verifies, replies)}, committed - started)
             state.metrics.step_timed(drafted - started if drafts else None, verified - drafted, committed - verified)
         return not plan.empty
 

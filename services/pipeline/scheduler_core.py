@@ -50,7 +50,7 @@ log = structlog.get_logger(__name__)
 
 QUEUE_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)  # seconds queued
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # tokens of a verify batch
-STEP_GAUGES = ("step_token_budget",)  # stats() keys that are gauges, beside the shared SCHEDULER_GAUGES
+STEP_GAUGES = ("step_token_budget", "step_rows_fit")  # stats() keys that are gauges, beside the shared SCHEDULER_GAUGES
 
 
 class SchedulerState:
@@ -234,6 +234,8 @@ class SchedulerState:
         postprocessor_id = self.placement.pick("postprocessor", self.pinned_count)
         if verifier_id is None or postprocessor_id is None:
             return False
+        if not self.planner.budget.room(verifier_id, self.pinned_count(verifier_id)):
+            return False  # the requests running there fill its step time (step_budget.py, step rows)
         request.verifier_id = self.placement.count_pin(verifier_id)
         request.postprocessor_id = self.placement.count_pin(postprocessor_id)
         if request.logprobs.prompt_logprobs is None and self.placement.keeps_prefixes(verifier_id):
@@ -311,6 +313,10 @@ class SchedulerState:
                      seconds: float, commit_s: float, retried: bool, answered_at: float | None = None) -> None:
         self.planner.verify_timed(verifier_id, message, response, seconds, commit_s, retried, answered_at)
 
+    def step_timed(self, plan: StepPlan, responses: dict[str, VerifyResponse | Error | None], seconds: float) -> None:
+        """A lane's step took seconds from its drafts to its commits (step_planner.py step_timed)."""
+        self.planner.step_timed(plan, responses, seconds)
+
     # ------------------------------------------------------------------ ending
 
     def end(self, request: Request, reason: FinishReason | None, now: float, **final) -> Outbox:
@@ -331,4 +337,5 @@ class SchedulerState:
 
     def stats(self) -> dict:
         return {"running": len(self.running), "queued": len(self.waiting), "step_token_budget": self.last_step_budget,
+                "step_rows_fit": round(min(self.planner.budget.rows_fit.values(), default=0.0), 1),
                 **self.counters}

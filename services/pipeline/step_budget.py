@@ -24,6 +24,19 @@ such fit yet, overhead is 0 and per_token the weighted mean seconds per token: a
   their tokens first and prefill chunks the rest of the budget, but at least as many tokens as
   the decode rows and at least MIN_STEP_TOKENS while prompts wait, so every step makes
   progress (step_planner.py).
+- Step rows: the rows a verifier's step may hold, so that a step stays near target_step_s
+  however many requests run (the decode rows come first in every step, so their number, not the
+  budget, sets a loaded step's time: the inter-token latency of every running request). Decode
+  rows may fill DECODE_SHARE of target_step_s: while prompts wait, prefill takes at least as
+  many tokens as the decode rows (step_planner.py), so a step with both stays near the target.
+  Each lane step (its draft, verify and commit, as the scheduler times it) gives an estimate,
+  its decode rows * DECODE_SHARE * target_step_s / the part of its time that was theirs (the
+  step less its prefill tokens at the verifier's per-token pace, at least MIN_DECODE_SHARE of
+  it), averaged with PACE_DECAY like the pace. With a decode step time of overhead + cost *
+  rows the estimate's fixed point is the rows that fit, (DECODE_SHARE * target_step_s -
+  overhead) / cost, and it approaches it from either side. A queued request starts on a verifier only while fewer requests run there than
+  lanes * that (one always may: progress); the others wait queued, their time counting against
+  their deadline (Sarathi-Serve's rule: the step time is the latency budget, arXiv:2403.02310).
 - Verify deadline: a batch of T tokens may take max(verify_timeout_s, VERIFY_SLACK * lanes *
   seconds(max(T, step budget))) per try, as if every lane's batch were as large and queued
   before it (verify_timeout_s for a verifier never timed), and VerifyRequest.deadline is that
@@ -40,6 +53,8 @@ MIN_SPREAD = 0.25  # the sizes' standard deviation, relative to their mean, that
 COLD_STEP_TOKENS = 64  # the step budget of a verifier never timed
 MIN_STEP_TOKENS = 32  # the least step budget, and the least prefill a step takes while prompts wait
 VERIFY_SLACK = 4.0  # a try's wait, in predicted round trips of its batch
+DECODE_SHARE = 0.5  # the share of target_step_s a step's decode rows may fill (step rows)
+MIN_DECODE_SHARE = 0.25  # the least share of a step's time its decode rows are taken to cost
 ANSWERS_KEPT = 8  # answer times kept per verifier, to tell a batch's wait behind another from its own time
 
 
@@ -109,6 +124,7 @@ class StepBudget:
         self.lanes = lanes
         self.paces: dict[str, Pace] = {}
         self.answered: dict[str, deque] = {}  # verifier_id -> when its last batches were answered
+        self.rows_fit: dict[str, float] = {}  # verifier_id -> the rows a lane's step fits in target_step_s
 
     def timed(self, verifier_id: str, tokens: int, seconds: float, answered_at: float | None = None) -> None:
         """An answered verify batch of `tokens` new tokens took `seconds` there and back, answered
@@ -138,3 +154,20 @@ class StepBudget:
         predicted = None if pace is None else pace.predict(max(tokens, self.step_tokens(verifier_id)))
         return self.verify_timeout_s if predicted is None else \
             max(self.verify_timeout_s, VERIFY_SLACK * self.lanes * predicted)
+
+    def step_timed(self, verifier_id: str, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        """A lane step whose verify batch to verifier_id held decode_rows decode rows and computed
+        prefill_tokens prompt tokens took seconds from its drafts to its commits (module docstring)."""
+        if decode_rows < 1 or seconds <= 0.0:
+            return
+        pace = self.paces.get(verifier_id)
+        fitted = None if pace is None else pace.fit()
+        prefill_s = 0.0 if fitted is None else fitted[1] * prefill_tokens
+        fit = decode_rows * DECODE_SHARE * self.target_step_s / max(seconds - prefill_s, MIN_DECODE_SHARE * seconds)
+        known = self.rows_fit.get(verifier_id)
+        self.rows_fit[verifier_id] = fit if known is None else PACE_DECAY * known + (1.0 - PACE_DECAY) * fit
+
+    def room(self, verifier_id: str, running: int) -> bool:
+        """Whether one more request may start on verifier_id beside the `running` ones there."""
+        fit = self.rows_fit.get(verifier_id)
+        return running == 0 or fit is None or running < self.lanes * fit

@@ -156,6 +156,16 @@ class StepPlanner:
                 all(r.cached_len for r in message.rows):
             self.adaptive.draft_timed(drafter_id, max(r.num_draft for r in message.rows), seconds)
 
+    def step_timed(self, plan: StepPlan, responses: dict[str, VerifyResponse | Error | None], seconds: float) -> None:
+        """A lane's step took seconds from its drafts to its commits: the rows its verifiers' steps
+        fit (step_budget.py, step rows), from each verifier answered without a retry."""
+        for verifier_id, rows in plan.rows.items():
+            response = responses.get(verifier_id)
+            if isinstance(response, VerifyResponse) and verifier_id not in plan.retried:
+                prefill = sum(p.end - p.cached_len for p in rows if not p.decode) - \
+                    sum(r.cached_tokens for r in response.rows)
+                self.budget.step_timed(verifier_id, sum(p.decode for p in rows), prefill, seconds)
+
     def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,
                      seconds: float, commit_s: float, retried: bool, answered_at: float | None = None) -> None:
         """A verify batch's round trip (answered at monotonic answered_at), for the verifier's pace

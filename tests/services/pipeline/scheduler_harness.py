@@ -45,12 +45,14 @@ def submit(state, request_id="r1", prompt_ids=(5, 6, 7), now=None, **fields):
     return state.admit(generate, f"_INBOX.{request_id}", list(prompt_ids), time.time() if now is None else now)
 
 
-def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, verify_reply=True, cached=None):
+def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, verify_reply=True, cached=None,
+         step_s=None):
     """One step. drafts / tokens / num_accepted: request_id -> what the drafter proposes / the
     verifier emits / accepts (defaults: no drafts; each emitting row emits [9]; accepted 0);
     cached: request_id -> the length of its history's prefix the verifier's prefix cache holds
     (default 0), of which a row's cached_tokens is what its new tokens cover, bar an emitting
-    row's last one (gpu_worker/roles/prefix_cache.py)."""
+    row's last one (gpu_worker/roles/prefix_cache.py); step_s: the seconds the step is said to
+    have taken (SchedulerState.step_timed; None: not timed)."""
     drafts, tokens, num_accepted, cached = drafts or {}, tokens or {}, num_accepted or {}, cached or {}
 
     def cached_tokens(row):
@@ -63,14 +65,17 @@ def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, v
             DraftResult(request_id=r.request_id, draft_token_ids=drafts.get(r.request_id, [])[:r.num_draft])
             for r in message.rows]) if draft_reply else None
         state.apply_draft(plan, drafter_id, message, reply)
-    verify_requests = state.verify_batches(plan, time.time())
+    verify_requests, replies = state.verify_batches(plan, time.time()), {}
     for verifier_id, message in verify_requests.items():
         reply = VerifyResponse(batch_id=message.batch_id, verifier_id=verifier_id, rows=[
             VerifyResult(request_id=r.request_id, step=r.step, num_draft=len(r.draft_token_ids),
                          num_accepted=num_accepted.get(r.request_id, 0) if r.emit else 0,
                          token_ids=tokens.get(r.request_id, [9]) if r.emit else [], cached_tokens=cached_tokens(r))
             for r in message.rows]) if verify_reply else None
+        replies[verifier_id] = reply
         outbox.extend(state.apply_verify(plan, verifier_id, reply, time.time()))
+    if step_s is not None:
+        state.step_timed(plan, replies, step_s)
     state.end_step(plan)
     return plan, verify_requests, outbox
 

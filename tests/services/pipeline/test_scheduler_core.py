@@ -10,11 +10,13 @@ from structlog.testing import capture_logs
 
 from schemas.config import SchedulerConfig, load_config
 from schemas.errors import SpecbusError
+from services.pipeline.step_budget import DECODE_SHARE
 from tests.services.pipeline.scheduler_harness import (
     TOKENIZER_HASH,
     beat,
     commits_of,
     new_state,
+    step,
     submit,
     verified,
 )
@@ -56,6 +58,24 @@ def test_a_burst_between_heartbeats_never_overfills_a_verifier(tokenizer):
     beat(state, "v1", "verifier", capacity=8, free_slots=1)  # one more freed elsewhere
     state.boundary(time.time())
     assert sorted(state.running) == ["a", "b", "c"]
+
+
+def test_a_queued_request_waits_while_the_running_ones_fill_the_step_time(tokenizer):
+    """step_budget.py, step rows: the verifier's steps take 10 x what the target lets the decode
+    rows fill; a new request stays queued (its client heard it is queued) until room returns."""
+    state = new_state(tokenizer)
+    for name in "abc":
+        submit(state, name, sampling={"max_tokens": 50})
+    step(state)  # prefill
+    step(state, step_s=3 * DECODE_SHARE * state.config.target_step_s * 10)
+    late = submit(state, "late")
+    outbox = state.boundary(time.time())
+    assert "late" not in state.running and late in state.waiting and not outbox.acks
+    for _ in range(60):
+        step(state, step_s=0.01)  # steps got fast: the estimate comes back
+        if "late" in state.running:
+            break
+    assert "late" in state.running and state.stats()["step_rows_fit"] > 3
 
 
 # ------------------------------------------------------------------ lanes

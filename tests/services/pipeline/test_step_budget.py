@@ -3,7 +3,7 @@ trip to its tokens, the step budget it gives and the verify deadline; timings ar
 
 import pytest
 
-from services.pipeline.step_budget import COLD_STEP_TOKENS, MIN_STEP_TOKENS, VERIFY_SLACK, Pace, StepBudget
+from services.pipeline.step_budget import COLD_STEP_TOKENS, DECODE_SHARE, MIN_STEP_TOKENS, VERIFY_SLACK, Pace, StepBudget
 
 
 def budget(target_step_s=0.5, max_step_tokens=1024, verify_timeout_s=10.0) -> StepBudget:
@@ -91,3 +91,40 @@ def test_time_spent_queued_behind_another_answer_is_not_the_batchs_own():
     pace.timed("v1", 100, 0.2, answered_at=10.2)  # sent at 10.0, answered at 10.2
     pace.timed("v1", 100, 0.4, answered_at=10.4)  # sent at 10.0 too: queued until 10.2
     assert pace.paces["v1"].fit() == (0.0, pytest.approx(0.002))  # 0.2 s each, not 0.2 and 0.4
+
+
+@pytest.mark.parametrize("start_rows", [4, 80])
+def test_the_rows_a_step_fits_approach_what_fits_the_target_from_either_side(start_rows):
+    """A decode step of R rows takes 0.05 + 0.01 R s; decode rows may fill DECODE_SHARE of the
+    0.5 s target: 20 rows. Requests start while fewer run than the estimate, and running ones
+    only leave as they end (here: one a step)."""
+    pace, rows = budget(), start_rows
+    for _ in range(200):
+        pace.step_timed("v1", rows, 0, 0.05 + 0.01 * rows)
+        rows = rows + 1 if pace.room("v1", rows) else max(rows - 1, 1)
+    fits = (DECODE_SHARE * 0.5 - 0.05) / 0.01
+    assert pace.rows_fit["v1"] == pytest.approx(fits, abs=1.0) and abs(rows - fits) <= 2
+
+
+def test_a_steps_prefill_is_not_put_down_to_its_decode_rows():
+    with_prefill, decode_only = budget(), budget()
+    for tokens in (10, 200, 40, 400, 100) * 3:
+        with_prefill.timed("v1", tokens, 0.05 + 0.002 * tokens)  # 2 ms a prompt token
+    with_prefill.step_timed("v1", 10, 100, 0.15 + 0.2)  # 10 decode rows in 0.15 s, 100 prompt tokens in 0.2
+    decode_only.step_timed("v1", 10, 0, 0.15)
+    assert with_prefill.rows_fit["v1"] == pytest.approx(decode_only.rows_fit["v1"]) == \
+        pytest.approx(10 * DECODE_SHARE * 0.5 / 0.15)
+    overstated = budget()
+    overstated.timed("v1", 100, 1.0)  # a cautious pace: 10 ms a token
+    overstated.step_timed("v1", 10, 100, 0.4)  # its prefill estimate (1 s) exceeds the step
+    assert overstated.rows_fit["v1"] == pytest.approx(10 * DECODE_SHARE * 0.5 / (0.25 * 0.4))
+
+
+def test_room_before_any_step_timed_and_always_for_a_first_request():
+    pace = budget()
+    assert pace.room("v1", 500)  # never timed: max_running and the verifier's slots are the bounds
+    pace.step_timed("v1", 4, 0, 40.0)  # a verifier that took 40 s for a step of 4 rows
+    assert not pace.room("v1", 1) and pace.room("v1", 0)
+    two_lanes = StepBudget(0.5, 1024, 10.0, lanes=2)
+    two_lanes.step_timed("v1", 10, 0, 0.5)  # each lane's step fits 5 rows: the verifier 10
+    assert two_lanes.room("v1", 9) and not two_lanes.room("v1", 10)
