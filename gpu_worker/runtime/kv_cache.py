@@ -69,16 +69,28 @@ class SlotError(ValueError):
 
 
 @dataclass
+class WindowGroup:
+    """Rows of one forward that attend over one window of keys 0..W-1 (whole KEY_BLOCKs): the
+    rows whose own windows have the same power-of-two bound on their blocks, so a short row next
+    to a long one neither reads nor attends over the long one's keys (`KVCache.plan`)."""
+    rows: torch.Tensor | None        # (Bg,) int64 the group's rows of the batch; None: all, in order
+    window: int                      # W: keys 0..W-1 of each of its slots are read
+    keys: list[tuple[torch.Tensor, ...]]    # per row of the group, its slot's storage per layer
+    values: list[tuple[torch.Tensor, ...]]
+    views: list[tuple[torch.Tensor, torch.Tensor]] | None  # a group of one row: each layer's
+                                     # window, (1, Hkv, W, D) views of its slot's storage
+
+
+@dataclass
 class ForwardPlan:
     """Index tensors (on the cache's device) for one batched forward; see `KVCache.plan`."""
     write_pos: torch.Tensor          # (B, T) column of each token; a slot's last column = scratch
     rope_pos: torch.Tensor           # (B, T) position of each token, clamped to the table; a
                                      # token attends to the keys at positions <= its rope_pos
-    window: int                      # W: keys 0..W-1 of each slot are read
     keys: list[tuple[torch.Tensor, ...]]    # per row, its slot's storage per layer: (Hkv, C + 1, D)
     values: list[tuple[torch.Tensor, ...]]
     write_index: list[tuple[torch.Tensor, torch.Tensor]]  # per row, (heads, columns) -> (T, Hkv)
-    windows: list[tuple[torch.Tensor, torch.Tensor]] | None  # batch 1: each layer's window
+    groups: list[WindowGroup]        # the rows by window, each row in one
 
 
 class Reclaimer(Protocol):
@@ -333,22 +345,16 @@ class KVCache:
                     f"max_seq_len {self.max_seq_len}")
         ends = [start + n for start, n in zip(starts, new_list)]
         self._grow_within_budget(slot_list, [max(end, 1) for end in ends], f"slots {slot_list} need")
-        # Whole key blocks: the storage of the slot that reaches furthest holds them (capacity_for).
-        window = -(-max(max(ends), 1) // KEY_BLOCK) * KEY_BLOCK
         last = self.max_seq_len - 1
         write_pos = [[start + t if t < n else self._capacity[s] for t in range(T)]
                      for s, start, n in zip(slot_list, starts, new_list)]
         rope_pos = [[min(start + t, last) for t in range(T)] for start in starts]
         index = torch.tensor([write_pos, rope_pos]).to(self.device)  # (2, B, T)
         # Index tuples and window views made once here, not in each layer's update and window.
-        windows = None
-        if B == 1:  # the window is a view of the slot's storage, (1, Hkv, W, D) per layer
-            windows = list(zip(*(t[:, :, :window].unsqueeze(1).unbind(0)
-                                  for t in self.tensors(slot_list[0]))))
-        return ForwardPlan(write_pos=index[0], rope_pos=index[1], window=window,
-                           keys=[self._layers[s][0] for s in slot_list], values=[self._layers[s][1] for s in slot_list],
+        keys, values = [self._layers[s][0] for s in slot_list], [self._layers[s][1] for s in slot_list]
+        return ForwardPlan(write_pos=index[0], rope_pos=index[1], keys=keys, values=values,
                            write_index=[(self._heads, pos) for pos in index[0].view(B, T, 1).unbind(0)],
-                           windows=windows)
+                           groups=window_groups(self, slot_list, ends, keys, values))
 
     def update(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (B, T, Hkv, D) of `layer` into the plan's slots at its write_pos (B, T).
@@ -359,22 +365,21 @@ class KVCache:
             keys[layer].index_put_(index, k_row)
             values[layer].index_put_(index, v_row)
 
-    def window(self, layer: int, plan: ForwardPlan):
-        """Keys and values at positions 0..W-1 of the plan's slots: two (B, Hkv, W, D) tensors.
-
-        Views of the slot's storage at batch 1; gathered copies for several slots, zeros
-        past a slot's storage (a short slot next to a long one: masked keys).
+    def window(self, layer: int, group: WindowGroup):
+        """Keys and values at positions 0..W-1 of a window group's slots: two (Bg, Hkv, W, D)
+        tensors. Views of the slot's storage for a group of one row; gathered copies for
+        several, zeros past a slot's storage (a shorter slot in the group: masked keys).
         """
-        if plan.windows is not None:
-            return plan.windows[layer]
-        W = plan.window
-        if all(t[layer].shape[1] >= W for t in plan.keys):
-            return (torch.stack([t[layer][:, :W] for t in plan.keys]),
-                    torch.stack([t[layer][:, :W] for t in plan.values]))
+        if group.views is not None:
+            return group.views[layer]
+        W = group.window
+        if all(t[layer].shape[1] >= W for t in group.keys):
+            return (torch.stack([t[layer][:, :W] for t in group.keys]),
+                    torch.stack([t[layer][:, :W] for t in group.values]))
         L, Hkv, D = self._dims
-        out_k = torch.zeros(len(plan.keys), Hkv, W, D, device=self.device, dtype=self.dtype)
+        out_k = torch.zeros(len(group.keys), Hkv, W, D, device=self.device, dtype=self.dtype)
         out_v = torch.zeros_like(out_k)
-        for b, (keys, values) in enumerate(zip(plan.keys, plan.values)):
+        for b, (keys, values) in enumerate(zip(group.keys, group.values)):
             n = min(W, keys[layer].shape[1])
             out_k[b, :, :n] = keys[layer][:, :n]
             out_v[b, :, :n] = values[layer][:, :n]
@@ -383,3 +388,25 @@ class KVCache:
     def commit(self, slots: torch.Tensor, num_new: torch.Tensor) -> None:
         """Advance lengths[slots] (B,) by num_new (B,) after a forward has written them."""
         self.lengths.index_add_(0, slots.cpu(), num_new.cpu())
+
+
+def window_groups(cache: KVCache, slot_list: list[int], ends: list[int], keys: list, values: list) -> list[WindowGroup]:
+    """A forward's rows by window (`KVCache.plan`; keys, values: ForwardPlan's). Row b needs
+    ceil(ends[b] / KEY_BLOCK) key blocks; rows whose needs share a power-of-two bound (1, 2, 3-4, 5-8, ...) form a group whose window is its
+    largest need, so a row reads at most twice the keys it needs, in at most
+    log2(max_seq_len / KEY_BLOCK) + 1 groups (an attention call each per layer). Whole key
+    blocks: the storage of a group's slot that reaches furthest holds them (capacity_for)."""
+    blocks = [-(-max(end, 1) // KEY_BLOCK) for end in ends]
+    buckets: dict[int, list[int]] = {}
+    for b, nb in enumerate(blocks):
+        buckets.setdefault((nb - 1).bit_length(), []).append(b)
+    groups = []
+    for _, rows in sorted(buckets.items()):
+        window = max(blocks[b] for b in rows) * KEY_BLOCK
+        views = None
+        if len(rows) == 1:  # the window is a view of the slot's storage, (1, Hkv, W, D) per layer
+            views = list(zip(*(t[:, :, :window].unsqueeze(1).unbind(0) for t in cache.tensors(slot_list[rows[0]]))))
+        groups.append(WindowGroup(rows=None if len(rows) == len(ends) else torch.tensor(rows, device=cache.device),
+                                  window=window, keys=[keys[b] for b in rows], values=[values[b] for b in rows],
+                                  views=views))
+    return groups

@@ -442,18 +442,35 @@ class Step:
     plan: ForwardPlan
     cos: torch.Tensor              # (B, T, 1, D) RoPE of each new token's position
     sin: torch.Tensor              # (B, T, 1, D)
-    attention: AttentionPlan       # of the plan's window
+    attention: list[AttentionPlan]  # one per window group of the plan (KVCache.plan), in its order
 
 
 def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, slots: torch.Tensor,
               num_new: torch.Tensor, T: int, num_heads: int, num_kv_heads: int) -> Step:
     """Plan a forward of T new tokens per row on cache (`KVCache.plan`: it checks the batch and
-    grows the slots) and build the RoPE rows and the attention layout every layer uses."""
+    grows the slots) and build the RoPE rows and the attention layout every layer uses, one per
+    window group."""
     plan = cache.plan(slots, num_new, T)
     B, D, pos = slots.shape[0], rope_cos.shape[1], plan.rope_pos.flatten()
     return Step(plan=plan, cos=rope_cos.index_select(0, pos).view(B, T, 1, D),
                 sin=rope_sin.index_select(0, pos).view(B, T, 1, D),
-                attention=attention_plan(plan.rope_pos, num_kv_heads, num_heads // num_kv_heads, plan.window))
+                attention=[attention_plan(plan.rope_pos if g.rows is None else plan.rope_pos.index_select(0, g.rows),
+                                          num_kv_heads, num_heads // num_kv_heads, g.window) for g in plan.groups])
+
+
+def grouped_attention(q: torch.Tensor, cache: KVCache, index: int, step: Step) -> torch.Tensor:
+    """`attention` of q (B, T, H, D) for layer `index`, each window group over its own window:
+    (B*T, H*D). A row's bits do not depend on the window (`attention`), so they are those of
+    one call over the longest window, without reading or attending over keys the row cannot see."""
+    B, T, H, D = q.shape
+    groups = step.plan.groups
+    if len(groups) == 1:
+        return attention(q, *cache.window(index, groups[0]), step.attention[0])
+    out = q.new_empty(B, T, H * D)
+    for group, plan in zip(groups, step.attention):
+        rows = attention(q.index_select(0, group.rows), *cache.window(index, group), plan)
+        out.index_copy_(0, group.rows, rows.view(-1, T, H * D))
+    return out.view(B * T, H * D)
 
 
 def decoder_layer(cfg: DecoderShape, layer: Layer, index: int, x: torch.Tensor, cache: KVCache,
@@ -467,8 +484,7 @@ def decoder_layer(cfg: DecoderShape, layer: Layer, index: int, x: torch.Tensor, 
     qk = qkv[:, :, :H + Hkv]                                         # (B, T, H+Hkv, D)
     qk = qk * step.cos + qk.roll(D // 2, -1) * step.sin
     cache.update(index, step.plan, qk[:, :, H:], qkv[:, :, H + Hkv:])
-    k, v = cache.window(index, step.plan)                            # (B, Hkv, W, D)
-    o = attention(qk[:, :, :H], k, v, step.attention)                # (B*T, H*D)
+    o = grouped_attention(qk[:, :, :H], cache, index, step)          # (B*T, H*D)
     x = linear(o, layer.wo, layer.bo, residual=x)
     h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
     gate, up = linear(h, layer.w_gate_up).chunk(2, -1)               # (B*T, I) each

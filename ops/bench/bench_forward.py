@@ -61,22 +61,26 @@ def _timed(fn) -> float:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def bench(model, config, tokens: list[int], context: int, reps: int, clock=time.perf_counter) -> dict[int, float]:
-    """{T: median ms} of forwards appending T tokens to a `context`-token slot."""
-    cache = KVCache(config, max_slots=1, max_seq_len=context + max(tokens),
-                    dtype=model.embed.dtype)
-    slot = cache.allocate()
-    ids = torch.randint(0, config.vocab_size, (1, context + max(tokens)),
-                        generator=torch.Generator().manual_seed(0))
-    forward(model, cache, torch.tensor([slot]), ids[:, :context], torch.tensor([context]))
+def bench(model, config, tokens: list[int], context: int | list[int], reps: int,
+          clock=time.perf_counter) -> dict[int, float]:
+    """{T: median ms} of forwards appending T tokens to a `context`-token slot, or with a list of
+    contexts, to a batch of one slot per context (rows of several lengths)."""
+    contexts = [context] if isinstance(context, int) else list(context)
+    B, longest = len(contexts), max(contexts) + max(tokens)
+    cache = KVCache(config, max_slots=B, max_seq_len=longest, dtype=model.embed.dtype)
+    slots = torch.tensor([cache.allocate() for _ in contexts])
+    ids = torch.randint(0, config.vocab_size, (B, longest), generator=torch.Generator().manual_seed(0))
+    for b, n in enumerate(contexts):
+        forward(model, cache, slots[b:b + 1], ids[b:b + 1, :n], torch.tensor([n]))
     times = {T: [] for T in tokens}
     for rep in range(reps + 1):
         for T in tokens:
+            new = torch.stack([ids[b, n:n + T] for b, n in enumerate(contexts)])
             start = clock()
-            forward(model, cache, torch.tensor([slot]), ids[:, context:context + T],
-                    torch.tensor([T]))
+            forward(model, cache, slots, new, torch.full((B,), T))
             elapsed = clock() - start
-            cache.truncate(slot, context)
+            for slot, n in zip(slots.tolist(), contexts):
+                cache.truncate(slot, n)
             if rep:  # round 0 warms up (caches; oneDNN, where it serves, builds its kernel per row count)
                 times[T].append(elapsed)
     return {T: statistics.median(t) * 1e3 for T, t in times.items()}

@@ -179,3 +179,23 @@ def test_cache_of_another_dtype_is_refused(model_and_config):
     with pytest.raises(ValueError, match="cache is torch.float64"):
         forward(model, cache, torch.tensor([cache.allocate()]), torch.ones(1, 1, dtype=torch.long),
                 torch.tensor([1]))
+
+
+def test_rows_are_grouped_by_the_power_of_two_bound_on_their_key_blocks(tmp_path):
+    """A forward's rows needing 1, 2, 3, 4 and 5 key blocks (and one of 1 again): groups {1, 1},
+    {2}, {3, 4}, {5}, each over its largest need; a group of one row reads views of its slot."""
+    write_hf_model(tmp_path, "llama", max_position_embeddings=6 * KEY_BLOCK)
+    model, config = load_model(tmp_path, max_seq_len=6 * KEY_BLOCK)
+    cache = KVCache(config, 6, 6 * KEY_BLOCK)
+    needs = [1, 2, 3, 4, 5, 1]
+    slots = [cache.allocate() for _ in needs]
+    for slot, blocks in zip(slots, needs):
+        cache.lengths[slot] = (blocks - 1) * KEY_BLOCK + 7  # pretend committed: plan only reads lengths
+    plan = cache.plan(torch.tensor(slots), torch.ones(6, dtype=torch.int64), 1)
+    assert [(g.rows.tolist(), g.window // KEY_BLOCK) for g in plan.groups] == [
+        ([0, 5], 1), ([1], 2), ([2, 3], 4), ([4], 5)]
+    assert [g.views is not None for g in plan.groups] == [False, True, False, True]
+    k, v = cache.window(0, plan.groups[2])
+    assert k.shape == v.shape == (2, config.num_kv_heads, 4 * KEY_BLOCK, config.head_dim)
+    alone = cache.plan(torch.tensor(slots[:1]), torch.ones(1, dtype=torch.int64), 1)
+    assert [(g.rows, g.window) for g in alone.groups] == [(None, KEY_BLOCK)]  # one group: all rows

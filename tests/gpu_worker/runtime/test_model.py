@@ -166,6 +166,22 @@ def test_attention_over_several_key_blocks_matches_sdpa(B, T, H, Hkv):
     torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_attention_bits_do_not_depend_on_the_window(dtype):
+    """What the forward's window groups rely on (grouped_attention): rows whose keys end in the
+    first or second block give the same bits over a window of their own blocks as over one of
+    four blocks (zeros and masked keys after theirs)."""
+    g, D, H, Hkv, T = torch.Generator().manual_seed(11), 64, 9, 3, 3
+    pos = torch.tensor([[KEY_BLOCK - 4], [KEY_BLOCK + 40]]) + torch.arange(T)   # (2, T): in blocks 1 and 2
+    q = torch.randn(2, T, H, D, generator=g).to(dtype)
+    k, v = torch.randn(2, 2, Hkv, 4 * KEY_BLOCK, D, generator=g).to(dtype)
+    wide = attention(q, k, v, attention_plan(pos, Hkv, H // Hkv, 4 * KEY_BLOCK)).view(2, T * H * D)
+    for b, blocks in ((0, 1), (1, 2)):
+        W = blocks * KEY_BLOCK
+        own = attention(q[b:b + 1], k[b:b + 1, :, :W], v[b:b + 1, :, :W], attention_plan(pos[b:b + 1], Hkv, H // Hkv, W))
+        assert torch.equal(own.view(-1), wide[b])
+
+
 def test_block_attention_matches_the_cpu_flash_kernel():
     """block_attention, attention's path off the CPU, returns what the flash kernel does (rows
     that see no key of the block included: their lse is near MASKED, so their block weighs 0)."""
