@@ -390,12 +390,14 @@ class KVCache:
         self.lengths.index_add_(0, slots.cpu(), num_new.cpu())
 
 
-def window_groups(cache: KVCache, slot_list: list[int], ends: list[int], keys: list, values: list) -> list[WindowGroup]:
+def window_groups(cache: KVCache, slot_list: list[int], ends: list[int], keys: list,
+                  values: list) -> list[WindowGroup]:
     """A forward's rows by window (`KVCache.plan`; keys, values: ForwardPlan's). Row b needs
-    ceil(ends[b] / KEY_BLOCK) key blocks; rows whose needs share a power-of-two bound (1, 2, 3-4, 5-8, ...) form a group whose window is its
-    largest need, so a row reads at most twice the keys it needs, in at most
-    log2(max_seq_len / KEY_BLOCK) + 1 groups (an attention call each per layer). Whole key
-    blocks: the storage of a group's slot that reaches furthest holds them (capacity_for)."""
+    ceil(ends[b] / KEY_BLOCK) key blocks; rows whose needs share a power-of-two bound (1, 2,
+    3-4, 5-8, ...) form a group whose window is its largest need, so a row reads at most twice
+    the keys it needs, in at most log2(max_seq_len / KEY_BLOCK) + 1 groups (an attention call
+    each per layer). Whole key blocks: the storage of a group's slot that reaches furthest
+    holds them (capacity_for)."""
     blocks = [-(-max(end, 1) // KEY_BLOCK) for end in ends]
     buckets: dict[int, list[int]] = {}
     for b, nb in enumerate(blocks):

@@ -34,9 +34,10 @@ such fit yet, overhead is 0 and per_token the weighted mean seconds per token: a
   step less its prefill tokens at the verifier's per-token pace, at least MIN_DECODE_SHARE of
   it), averaged with PACE_DECAY like the pace. With a decode step time of overhead + cost *
   rows the estimate's fixed point is the rows that fit, (DECODE_SHARE * target_step_s -
-  overhead) / cost, and it approaches it from either side. A queued request starts on a verifier only while fewer requests run there than
-  lanes * that (one always may: progress); the others wait queued, their time counting against
-  their deadline (Sarathi-Serve's rule: the step time is the latency budget, arXiv:2403.02310).
+  overhead) / cost, and it approaches it from either side. A queued request starts on a
+  verifier only while fewer requests run there than lanes * that (one always may: progress);
+  the others wait queued, their time counting against their deadline (Sarathi-Serve's rule:
+  the step time is the latency budget, arXiv:2403.02310).
 - Verify deadline: a batch of T tokens may take max(verify_timeout_s, VERIFY_SLACK * lanes *
   seconds(max(T, step budget))) per try, as if every lane's batch were as large and queued
   before it (verify_timeout_s for a verifier never timed), and VerifyRequest.deadline is that
