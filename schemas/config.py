@@ -122,8 +122,10 @@ class SchedulerConfig(InstanceConfig):
     # budget, services/pipeline/step_budget.py), so a long prompt never stalls the rows decoding;
     # and queued requests start only while the running ones' decode rows fill at most half of it
     # (step rows): under load, the inter-token latency the scheduler aims at. Lower trades
-    # throughput for ITL (ops/bench/RESULTS.md "Serving under load").
-    target_step_s: float = 0.5
+    # throughput for ITL, where a step's fixed costs (drafts, bus, commit) are a large part of it
+    # (ops/bench/RESULTS.md "Serving under load": 0.3 kept a 200-request burst's decoding rows
+    # within 3x of their ITL without it, at no cost in throughput on the CPUs measured).
+    target_step_s: float = 0.3
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
     # another's verification (services/pipeline/scheduler_core.py); 1: one step at a time. max_batch_rows and
     # max_step_tokens hold per lane. Two pay only where the drafter and the verifier have compute of

@@ -20,9 +20,11 @@ from schemas.wire import Error
 log = structlog.get_logger(__name__)
 
 # Chunks share a padded forward while the padding stays under this many tokens plus a quarter
-# of the real ones: past that, a second forward costs less than the padding (see
+# of the real ones: a forward costs a fixed part (reading the weights) plus a part per token
+# row, padded ones included, and past about their ratio a second forward costs less than the
+# padding; so one decode row with a draft does not double a batch of rows without (see
 # ops/bench/RESULTS.md, Figures behind gpu_worker's choices).
-FREE_PADDING_TOKENS = 32
+FREE_PADDING_TOKENS = 4
 
 
 def pack_chunks(chunks: list[tuple[VerifyRowWork, int, int]]) -> list[list[tuple[VerifyRowWork, int, int]]]:

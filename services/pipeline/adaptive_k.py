@@ -1,5 +1,5 @@
 """Adaptive speculation length: per request and step, the number of drafts k_t in [0, k] that
-maximises the request's expected tokens per second; the request's k is the upper bound.
+maximises its verify batch's expected tokens per second; the request's k is the upper bound.
 
     E(k_t) = 1 + sum_{j=1..k_t} prod_{i<=j} a_i       tokens a step emits (the accepted drafts, then
                                                        one recovered or bonus token), a_i the
@@ -7,13 +7,17 @@ maximises the request's expected tokens per second; the request's k is the upper
                                                        positions < i accepted (Leviathan et al. 2023,
                                                        eq. 1, with a rate per position)
     time(k_t) = verify(T0 + k_t + 1) + draft(k_t) + commit
-    k_t = argmax E(k_t) / time(k_t)
+    k_t = argmax (R + E(k_t)) / time(k_t)
 
 - a_i: the request's own counts (decayed by ACCEPT_DECAY per judged step, so it follows the text
   it is on), behind PRIOR_WEIGHT pseudo-steps of the drafter's history across requests
   (Laplace-smoothed), kept per drafter and acceptance rule (greedy rows, Gumbel-coupled rows).
+- R: the other decode rows of the verify batch, one token each at least (a row's drafts make the
+  whole batch's step slower, so at batch > 1 a draft must pay for the step time of every row, not
+  only its own: at batch 1, R = 0 and this is the row's own rate).
 - Costs are measured wall-clock seconds, bus round trips included: verify by the verifier batch's
-  total new tokens T (T0 = the tokens of the rows planned before this one: at batch 1, T = k_t + 1),
+  total new tokens T (T0 = the tokens of the rows planned before this one and one per decode row
+  planned after it: at batch 1, T = k_t + 1),
   draft by the drafter batch's largest k (only what k_t adds to the rows planned before it; 0 drafts
   send no draft request at all), the commit as a constant. Each is the least of the last
   COST_SAMPLES timings; sizes not measured are interpolated between measured ones.
@@ -23,7 +27,9 @@ maximises the request's expected tokens per second; the request's k is the upper
 - Probe: after probe_steps steps at k_t = 0 the row choosing the next one takes k_t = 1 once, so
   a drafter that got better is noticed; after each probe with nothing accepted the next one waits
   twice as long (at most MAX_PROBE_BACKOFF times). Steps and failed probes are counted per
-  drafter and acceptance rule (the prior's key), across its requests: a new request of a useless
+  drafter and acceptance rule (the prior's key), across its requests, a scheduler step once however
+  many of its rows are at k_t = 0 (a probe costs its batch a draft round trip and a forward, so at
+  batch 16 probing per row step would probe in every step): a new request of a useless
   drafter does not pay the short first intervals again, short requests still probe (the count
   runs on across them), and one probe accepted by any request brings the interval back to
   probe_steps.
@@ -126,15 +132,23 @@ class AdaptiveK:
         # by prior key: steps at k_t = 0 since the last probe, and probes in a row with nothing accepted
         self.zero_steps: dict[tuple[str, str], int] = {}
         self.failed_probes: dict[tuple[str, str], int] = {}
+        self.counted_step: dict[tuple[str, str], int] = {}  # the step whose k_t = 0 was counted last
 
     def choose(self, row: RowState, prior_key: tuple[str, str], k_max: int, verifier_id: str,
-               base_tokens: int, drafter_id: str, base_k: int, alone: bool) -> int:
-        """k_t in [0, k_max] for a row whose verify batch already holds base_tokens new tokens and
-        whose drafter batch already asks base_k drafts; alone: the only row of its verify batch
-        (batch 1: where sizes are measured first). Counts steps at 0 towards the drafter's next probe."""
-        k = self.best_k(row.acceptance, prior_key, k_max, verifier_id, base_tokens, drafter_id, base_k, alone)
+               base_tokens: int, drafter_id: str, base_k: int, alone: bool, others: int = 0,
+               step: int | None = None) -> int:
+        """k_t in [0, k_max] for a row whose verify batch holds base_tokens new tokens besides its
+        own and others decode rows besides it, and whose drafter batch already asks base_k drafts;
+        alone: the only row of its verify batch (batch 1: where sizes are measured first). Counts
+        steps at 0 towards the drafter's next probe, the scheduler step `step` once (None: each
+        call is a step)."""
+        k = self.best_k(row.acceptance, prior_key, k_max, verifier_id, base_tokens, drafter_id, base_k, alone,
+                        others)
         backoff = min(2 ** self.failed_probes.get(prior_key, 0), MAX_PROBE_BACKOFF)
-        zero_steps = self.zero_steps.get(prior_key, 0) + (k == 0)
+        counted = step is not None and self.counted_step.get(prior_key) == step
+        zero_steps = self.zero_steps.get(prior_key, 0) + (k == 0 and not counted)
+        if k == 0 and step is not None:
+            self.counted_step[prior_key] = step
         row.probing = k == 0 and zero_steps >= self.probe_steps * backoff
         if row.probing:
             k, zero_steps = min(1, k_max), 0
@@ -142,8 +156,8 @@ class AdaptiveK:
         return k
 
     def best_k(self, own: AcceptanceCounts, prior_key: tuple[str, str], k_max: int, verifier_id: str,
-               base_tokens: int, drafter_id: str, base_k: int, alone: bool) -> int:
-        """The argmax of E(k)/time(k), or the size to measure first (module docstring)."""
+               base_tokens: int, drafter_id: str, base_k: int, alone: bool, others: int = 0) -> int:
+        """The argmax of (others + E(k))/time(k), or the size to measure first (module docstring)."""
         verify = self.verify_costs.setdefault(verifier_id, CostTable())
         draft = self.draft_costs.setdefault(drafter_id, CostTable())
         if alone:
@@ -161,7 +175,7 @@ class AdaptiveK:
                 return k_max  # nothing measured (unit tests, a scheduler whose service reports no timings)
             if k > base_k and base_k:
                 draft_s -= draft.estimate(base_k)  # what k adds to the drafter batch's rows planned before
-            rate = expected_tokens(acceptance, k) / max(verify_s + draft_s + commit_s, 1e-9)
+            rate = (others + expected_tokens(acceptance, k)) / max(verify_s + draft_s + commit_s, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

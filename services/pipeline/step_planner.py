@@ -85,11 +85,13 @@ class StepPlanner:
         prefill = prefill[:rows - len(decode)]
         planned: list[PlannedRow] = []
         used = 0
-        for request in decode:
+        for index, request in enumerate(decode):
             if used >= limit:
                 break
             base_k = max((r.num_draft for r in draft_rows.get(request.drafter_id, [])), default=0)
-            row = self.plan_decode_row(request, limit - used, used, base_k, alone=len(decode) + len(prefill) == 1)
+            later = len(decode) - index - 1  # the decode rows planned after it: one token each at least
+            row = self.plan_decode_row(request, limit - used, used + later, base_k,
+                                       alone=len(decode) + len(prefill) == 1, others=len(decode) - 1)
             used += 1 + row.num_draft
             planned.append(row)
             if row.num_draft:
@@ -109,11 +111,12 @@ class StepPlanner:
         return planned
 
     def plan_decode_row(self, request: Request, budget: int, base_tokens: int = 0, base_k: int = 0,
-                        alone: bool = True) -> PlannedRow:
+                        alone: bool = True, others: int = 0) -> PlannedRow:
         """A decode row with up to the request's k drafts (fewer near max_tokens or the budget);
         for a greedy or Gumbel-coupled row the k of adaptive_k, given the base_tokens new tokens
-        of the rows planned before it on its verifier, the base_k drafts its drafter is already
-        asked for, and whether it is alone in its verify batch. A rejection-sampled row always
+        of its verifier's other rows planned so far (one for each decode row still to plan), the
+        base_k drafts its drafter is already asked for, whether it is alone in its verify batch and
+        the others decode rows beside it. A rejection-sampled row always
         takes its k: its draws depend on k, and a seeded request must draw the same tokens again,
         after a failover too, where the new scheduler knows nothing of the acceptance the old one
         measured (docs/PROTOCOL.md#adaptive-k)."""
@@ -122,7 +125,7 @@ class StepPlanner:
         alive = self.placement.alive(request.drafter_id)
         if wanted and alive and self.adaptive_row(request):
             wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
-                                          base_tokens, request.drafter_id, base_k, alone)
+                                          base_tokens, request.drafter_id, base_k, alone, others, self.num_plans)
         row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=wanted, decode=True)
         if row.num_draft and not alive:
             row.num_draft = 0

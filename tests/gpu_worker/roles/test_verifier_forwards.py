@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from schemas.generation import LogprobOptions
+from gpu_worker.roles.verifier_forwards import pack_chunks
 from tests.gpu_worker.roles.verifier_steps import PROMPT, SAMPLED, hf_logprobs, new_verifier, one, run, vrow
 
 
@@ -48,3 +49,16 @@ def test_prefill_in_chunks_equals_one_shot_prefill(target, greedy_tokens):
     assert np.array_equal(prompt.top_ids, prompt_b.top_ids) and np.array_equal(prompt.ranks, prompt_b.ranks)
     np.testing.assert_allclose(prompt.token_logprobs,
                                hf_logprobs(target, PROMPT)[torch.arange(len(PROMPT) - 1), PROMPT[1:]], atol=1e-4)
+
+
+def test_one_row_with_a_draft_does_not_pad_a_batch_of_decode_rows():
+    # (work, begin, end) chunks: 19 decode rows of one token and one row with a draft (2 tokens);
+    # padded together they would cost 40 token rows for 20 real ones: the row gets its own forward
+    decode = [(f"d{i}", 0, 1) for i in range(19)]
+    groups = pack_chunks(decode + [("probe", 0, 2)])
+    assert [len(g) for g in groups] == [19, 1] and groups[1] == [("probe", 0, 2)]
+    # a little padding is still cheaper than another forward
+    assert [len(g) for g in pack_chunks([("a", 0, 1), ("b", 0, 1), ("c", 0, 2)])] == [3]
+    # prefill chunks of similar length share one forward; a short decode row never pads up to them
+    groups = pack_chunks([("p1", 0, 40), ("p2", 0, 46), ("d", 0, 1)])
+    assert [[c[0] for c in g] for g in groups] == [["d"], ["p1", "p2"]]

@@ -155,6 +155,17 @@ def test_probes_count_the_drafters_steps_so_requests_shorter_than_the_interval_s
     assert chosen.count(1) == 1 and chosen.index(1) == 16 * MAX_PROBE_BACKOFF - 1
 
 
+def test_a_step_counts_once_towards_the_probe_however_many_of_its_rows_are_at_zero():
+    adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
+    key = ("d", "greedy/greedy")
+    rows = [RowState(acceptance=history(0.0)) for _ in range(16)]
+    chosen = [[adaptive.choose(row, key, 4, "v", 0, "d", 0, False, step=step) for row in rows]
+              for step in range(1, 33)]
+    # a batch of 16 rows at k_t = 0 probes once every 16 steps, with one row, not in every step
+    assert [step for step, ks in enumerate(chosen, start=1) if any(ks)] == [16, 32]
+    assert all(sum(ks) <= 1 for ks in chosen)
+
+
 def test_the_probe_back_off_is_the_drafters_so_a_new_request_starts_where_the_last_one_left_off():
     adaptive = measured(flat_verify, lambda k: 0.002 * k, k_max=4)
     key, other_rule = ("d", "greedy/greedy"), ("d", "gumbel")
@@ -209,6 +220,20 @@ def test_a_row_batched_behind_others_pays_only_what_it_adds_to_the_drafter_batch
     assert choose(adaptive, own) == 0
     # the drafter already drafts 4 for another row: more drafts for this one are free
     assert adaptive.choose(RowState(own), ("d", "greedy/greedy"), 4, "v", 5, "d", 4, False) == 4
+
+
+def test_in_a_batch_a_draft_pays_for_the_step_time_of_every_row():
+    # verify 27 ms at T=1 growing 6 ms per token: alone, a draft accepted at 0.6 pays its 6 ms
+    adaptive = measured(lambda t: 0.027 + 0.006 * (t - 1), lambda k: 0.001 * k, k_max=4)
+    own = history(0.6)
+    assert choose(adaptive, own) > 0
+    for _ in range(MIN_SAMPLES):  # the sizes of a batch of 8 decode rows
+        for t in range(8, 13):
+            adaptive.verify_timed("v", t, 0.027 + 0.006 * (t - 1), 0.0)
+    # behind 7 other decode rows each extra token slows 8 rows' step: no draft pays
+    assert adaptive.choose(RowState(own), ("d", "greedy/greedy"), 4, "v", 7, "d", 0, False, others=7) == 0
+    # counted as the row's own rate (others=0), the same batch would draft
+    assert adaptive.choose(RowState(own), ("d", "greedy/greedy"), 4, "v", 7, "d", 0, False) > 0
 
 
 # ------------------------------------------------------------------ in the scheduler core

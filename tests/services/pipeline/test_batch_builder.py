@@ -74,7 +74,7 @@ def test_a_draft_batch_over_max_payload_leaves_the_rest_without_drafts(tokenizer
 def test_a_verify_deadline_is_the_step_budgets_wait_for_the_batch_for_every_try(tokenizer):
     """plan.attempt_s is StepBudget.attempt_s of the batch's tokens (step_budget.py, tested
     there), and VerifyRequest.deadline covers every try of it."""
-    state = new_state(tokenizer, max_step_tokens=4096, verify_timeout_s=1.0, verify_retries=2)
+    state = new_state(tokenizer, max_step_tokens=4096, verify_timeout_s=1.0, verify_retries=2, target_step_s=0.5)
     for tokens in (10, 100, 1000) * 3:
         state.planner.budget.timed("v1", tokens, 0.004 * tokens)  # 4 ms a token: the budget is 125
     submit(state, "big", prompt_ids=[5] * 2000)

@@ -45,7 +45,7 @@ def test_a_chats_next_turn_takes_the_history_its_verifier_holds_in_its_first_chu
                                        ("on", "other", 0, (124, 0)),  # another user's cache holds nothing of it
                                        (None, "", 0, (124, 0)),  # a verifier without a prefix cache
                                        ("on", "", 0, (202 + 124, 0))]:  # turn 1 evicted: one larger step
-        state = new_state(tokenizer)
+        state = new_state(tokenizer, target_step_s=0.5)
         if caching:
             beat(state, "v1", "verifier", prefix_caching=caching)
         assert measured(state, 1 / 256) == 128

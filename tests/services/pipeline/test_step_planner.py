@@ -90,7 +90,7 @@ def test_every_decoding_row_comes_first_and_prefill_chunks_get_the_rest_of_the_s
     """Decode priority under the measured step budget: each step takes every decoding row, then
     a chunk of the budget less their tokens for a prompt that arrived later, so a long prompt
     never holds the decoding rows back and the step stays near target_step_s."""
-    state = new_state(tokenizer)
+    state = new_state(tokenizer, target_step_s=0.5)
     budget = measured(state, 1 / 256)  # 0.5 s at 1/256 s a token: 128 tokens
     assert budget == 128
     for i in range(4):
@@ -124,7 +124,7 @@ def test_a_chunk_the_prefix_cache_gave_whole_lets_the_next_one_grow_by_as_much(t
     for held, expected in [(300, [(124, 124), (248, 176), (27, 0)]),  # the cache ends inside chunk 2
                            (124, [(124, 124), (248, 0), (27, 0)]),   # at its start: 248 computed, 124 + 124
                            (0, [(124, 0), (124, 0), (124, 0), (27, 0)])]:  # no hit: the budget's chunks
-        state = new_state(tokenizer)
+        state = new_state(tokenizer, target_step_s=0.5)
         assert measured(state, 1 / 256) == 128
         for i in range(4):
             submit(state, f"d{i}", sampling={"max_tokens": 100}, speculative={"num_speculative_tokens": 0})
