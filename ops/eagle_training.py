@@ -1,13 +1,17 @@
 """Training-only code of the EAGLE head (ops/train_eagle.py): fresh weights, saving a head
-directory, and the unrolled training forward. The runtime half (loading, `head_forward`,
+directory, the unrolled training forward, and the accumulating run's checkpoint (weights, what
+it keeps of the optimizer, d2t, data position). The runtime half (loading, `head_forward`,
 `draft_chain`) is gpu_worker/runtime/eagle.py."""
 
 import json
+import math
+import random
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpu_worker.runtime.checkpoint import D2T, save_d2t
@@ -106,3 +110,161 @@ def unrolled_forward(weights: dict[str, torch.Tensor], config: EagleConfig, embe
         outputs.append(predicted)
         feats = predicted
     return outputs
+
+
+OUT_SCALES = (1.0, 0.5, 0.35, 0.25, 0.18, 0.125, 0.09)
+
+
+def batch_tensors(rows: list[dict], device: str):
+    """Right-padded (B, T) ids, (B, T, E) float32 features, (B,) lengths and loss starts."""
+    T = max(len(r["ids"]) for r in rows)
+    E = rows[0]["features"].shape[1]
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    feats = torch.zeros(len(rows), T, E)
+    for b, r in enumerate(rows):
+        ids[b, :len(r["ids"])] = r["ids"]
+        feats[b, :len(r["ids"])] = r["features"].float()
+    lengths = torch.tensor([len(r["ids"]) for r in rows])
+    starts = torch.tensor([r["start"] for r in rows])
+    return ids.to(device), feats.to(device), lengths.to(device), starts.to(device)
+
+
+def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, lengths, starts, steps: int,
+                 out_scale: float = 1.0):
+    """Per chain step j: (smooth L1 of the predicted feature, cross-entropy against the target's
+    distribution over the draft vocabulary, top-1 agreement, positions), averaged over the
+    positions whose target feature f_{t+j} exists and lies at or after the row's loss start.
+    out_scale multiplies the predictions (`calibrate_out_norm` tries a few)."""
+    B, T, _ = feats.shape
+    predictions = unrolled_forward(weights, config, embed, feats, ids, steps)
+    position = torch.arange(T, device=feats.device).view(1, T)
+    labelled = (position < lengths.view(B, 1)) & (position >= starts.view(B, 1))    # (B, T)
+    # the target's distribution at every labelled position, once for all steps, in float32 (also
+    # under autocast: bf16 logits would move it by a tenth of a nat)
+    with torch.no_grad(), torch.autocast(feats.device.type, enabled=False):
+        teacher_logits = feats[labelled] @ lm_rows.T
+        teacher_logits[:, other_id] = -math.inf
+        teacher = teacher_logits.softmax(-1)                                       # (L, Vd)
+        teacher_top = teacher_logits.argmax(-1)
+    row_of = torch.cumsum(labelled.flatten(), 0).view(B, T) - 1                    # (B, T) row in teacher
+    out = []
+    for j, predicted in enumerate(predictions, start=1):
+        valid = F.pad(labelled[:, j:], (0, j - 1))                                 # (B, N): f_{t+j} labelled
+        rows = F.pad(row_of[:, j:], (0, j - 1))[valid]
+        true = F.pad(feats[:, j:], (0, 0, 0, j - 1))[valid]                        # (M, E)
+        pred = predicted[valid] * out_scale
+        logits = pred @ lm_rows.T
+        logits[:, other_id] = -math.inf
+        ce = -(teacher[rows] * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1).mean()
+        reg = F.smooth_l1_loss(pred, true)
+        agree = (logits.argmax(-1) == teacher_top[rows]).float().mean()
+        out.append((reg, ce, agree, int(valid.sum())))
+    return out
+
+
+@torch.no_grad()
+def calibrate_out_norm(weights, config, embed, lm_rows, other_id: int, batch) -> None:
+    """Scale the fresh head's out_norm (the target's final norm) by the factor in OUT_SCALES with
+    the lowest step-1 cross-entropy on one batch: a random layer's output, normed with the
+    target's weights, gives confidently wrong logits (~19 nats), and Adam would spend many of
+    the few steps a CPU run has shrinking 576 weights."""
+    losses = {scale: chain_losses(weights, config, embed, lm_rows, other_id, *batch, steps=1, out_scale=scale)[0][1].item()
+              for scale in OUT_SCALES}
+    best = min(losses, key=losses.get)
+    weights["out_norm"].mul_(best)
+    print(f"out_norm scaled by {best} (cross-entropy {losses[1.0]:.2f} -> {losses[best]:.2f})", flush=True)
+
+
+def train_step(weights, opt, config, embed, lm_rows, other_id: int, rows: list[dict], unroll: int,
+               reg_weight: float, device: str, ema: dict, bf16_matmuls: bool = False) -> None:
+    """One AdamW step on the conversations `rows`: chain step j's loss (reg_weight x smooth L1 +
+    cross-entropy) weighted 0.8^(j-1), the gradient norm clipped at 0.5; `ema` (ce_j, acc_j,
+    reg_j running averages) updated. bf16_matmuls: the head's forward under bf16 autocast (for
+    a device with native bf16; weights, optimizer and the target's distribution stay float32)."""
+    ids, feats, lengths, starts = batch_tensors(rows, device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16_matmuls):
+        parts = chain_losses(weights, config, embed, lm_rows, other_id, ids, feats, lengths, starts, unroll)
+        loss = sum(0.8 ** j * (reg_weight * reg + ce) for j, (reg, ce, _, _) in enumerate(parts))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(weights.values()), 0.5)
+    opt.step()
+    for j, (reg, ce, agree, _) in enumerate(parts, start=1):
+        for name, value in ((f"ce{j}", ce.item()), (f"acc{j}", agree.item()), (f"reg{j}", reg.item())):
+            ema[name] = value if name not in ema else 0.95 * ema[name] + 0.05 * value
+
+
+def round_plan(seed: int, n: int, new: list[dict], pool: list[dict], replay: float, batch: int) -> list[list[dict]]:
+    """The batches of shard n's round: its conversations `new` plus replay x as many drawn from
+    `pool`, shuffled; a function of its arguments alone, so a resumed round repeats the plan."""
+    g = random.Random(seed * 100_003 + n)
+    rows = new + g.sample(pool, min(len(pool), round(replay * len(new))))
+    rows = g.sample(rows, len(rows))
+    return [rows[i:i + batch] for i in range(0, len(rows), batch)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the accumulating run's checkpoint (ops/train_eagle.py `accumulate`), committed in the repository
+
+STATE_FILE = "state.safetensors"
+BETAS = (0.9, 0.95)
+COUNTERS = ("step", "adam_step", "position", "round_step", "tokens", "shard_convs", "max_len")
+
+
+def new_optimizer(weights: dict[str, torch.Tensor], lr: float) -> torch.optim.AdamW:
+    """AdamW over weights (in weight_names order), the betas every EAGLE run here uses."""
+    return torch.optim.AdamW([weights[n] for n in weight_names()], lr=lr, betas=BETAS, weight_decay=0.0)
+
+
+def save_state(path, weights: dict[str, torch.Tensor], opt: torch.optim.AdamW, maps: D2T, counters: dict) -> None:
+    """path/STATE_FILE, written to a temporary name and renamed (a checkpoint exists only whole):
+    the weights in float32, Adam's second moments in bf16 (a per-weight scale: bf16's 8 bits are
+    plenty), the d2t maps, and `counters` (COUNTERS: optimizer steps, Adam's own step count, the
+    data position in conversations of the seeded order, steps done in the current round, unique
+    training tokens consumed, the shard size and token cut the position assumes) as metadata.
+    Adam's first moments are left out: fp32 weights and both moments would pass the size the
+    repository allows, and with beta1 = 0.9 a zero momentum is rebuilt within a few steps (the
+    step count kept, the first updates are smaller, never larger). Then opt is set to what the
+    file holds (restore_optimizer), so a run that goes on and one resumed from the file agree."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = dict(zip(weight_names(), opt.param_groups[0]["params"]))
+    tensors = {f"weight.{n}": weights[n].detach().float().cpu().contiguous() for n in weight_names()}
+    for n, p in params.items():
+        if "exp_avg_sq" in opt.state.get(p, {}):
+            tensors[f"exp_avg_sq.{n}"] = opt.state[p]["exp_avg_sq"].to(torch.bfloat16).cpu().contiguous()
+    tensors["d2t"], tensors["t2d"] = maps.d2t.contiguous(), maps.t2d.contiguous()
+    meta = {"counters": json.dumps({k: int(counters[k]) for k in COUNTERS}), "other_id": str(maps.other_id)}
+    tmp = path / (STATE_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path / STATE_FILE)
+    restore_optimizer(opt, {n[len("exp_avg_sq."):]: t for n, t in tensors.items() if n.startswith("exp_avg_sq.")},
+                      counters["adam_step"])
+
+
+def load_state(path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], D2T, dict] | None:
+    """(float32 weights, float32 second moments (empty before the first step), d2t maps,
+    counters) of path/STATE_FILE, or None when there is none."""
+    file = Path(path) / STATE_FILE
+    if not file.exists():
+        return None
+    with safe_open(file, framework="pt") as f:
+        meta = f.metadata()
+        # cloned: safetensors hands out tensors at 8-byte offsets, and the bf16 matmuls' results
+        # depend on alignment (a resumed run would drift from one that went on)
+        weights = {n: f.get_tensor(f"weight.{n}").clone() for n in weight_names()}
+        moments = {n: f.get_tensor(f"exp_avg_sq.{n}").float() for n in weight_names() if f"exp_avg_sq.{n}" in f.keys()}
+        maps = D2T(f.get_tensor("d2t"), f.get_tensor("t2d"), int(meta["other_id"]))
+    return weights, moments, maps, json.loads(meta["counters"])
+
+
+def restore_optimizer(opt: torch.optim.AdamW, moments: dict[str, torch.Tensor], adam_step: int) -> None:
+    """Set opt's state to what save_state keeps: second moments as given (bf16-rounded), first
+    moments zero, Adam's step count adam_step. save_state ends with it, so a run that goes on in
+    process and one resumed from the file take bit-identical steps."""
+    state = {}
+    for i, (n, p) in enumerate(zip(weight_names(), opt.param_groups[0]["params"])):
+        if n in moments:
+            state[i] = {"step": torch.tensor(float(adam_step)), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": moments[n].to(torch.bfloat16).to(p)}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})

@@ -3,20 +3,30 @@
     python ops/train_eagle.py features --threads 1    # target features of ShareGPT train conversations
     python ops/train_eagle.py train --threads 1 --follow   # train the head (--resume continues)
     python ops/train_eagle.py eval --threads 1        # held-out ShareGPT: acceptance, speed, lossless
+    nice -n 19 python ops/train_eagle.py accumulate --threads 1 --tokens 2000000   # add to the committed head
 
 --target DIR: the HF-layout directory of the target (default: where `specbus models pull` puts
 it). Features go to $SPECBUS_HOME/eagle-data (shards of --shard-convs conversations, kept: an
 interrupted run resumes at the next missing shard); checkpoints to .train/smollm2-eagle/; the head
 is exported to models/smollm2-eagle/ at every checkpoint. `--device cuda` runs any stage on a GPU.
 
+`accumulate`: training that adds up across runs and machines. Its checkpoint (STATE, committed;
+eagle_training.save_state) holds the weights, the step and the data position; each run goes on
+with the next conversations of the seeded order (prefilled unless on disk) for --tokens new
+tokens (a progress bar with tokens/s and ETA), saving and exporting every --save-every seconds
+and on SIGINT / SIGTERM. `nice -n 19` beside other work; SIGSTOP / SIGCONT are harmless. A first
+run may start from a head directory (--init-head; --init-convs: the conversations it saw).
+
 Design (gpu_worker/runtime/eagle.py has the head):
 - Data: ShareGPT's train split only (services/commands/bench_serve_core.load_sharegpt; the
   held-out tenth, sha1(id) % 10 == 0, is for `eval` alone), every conversation rendered with the
   target's chat template (its default system prompt, as `specbus generate --chat` sends it),
   cut to --max-len tokens. Teacher-forced prefill with specbus's own runtime
-  (gpu_worker.runtime.model.forward(return_hidden=True)), so the features are the bits a verifier
-  returns: per position the final-normed hidden state (bf16, what the serving path ships) and the
-  token id. The target's next-token distribution is those features times its lm_head.
+  (gpu_worker.runtime.model.forward(return_hidden=True)) in the dtype serving picks by default
+  (bf16 where the CPU has native bf16), so the features are what a verifier returns up to
+  rounding (prefill runs oneDNN's GEMM, not the serving path's fixed-order kernel): per position
+  the final-normed hidden state (bf16, what the serving path ships) and the token id. The
+  target's next-token distribution is those features times its lm_head.
 - Loss per position after the system prompt: smooth L1 between the predicted and the target's
   next feature (EAGLE-1) plus cross-entropy of the head's distribution against the target's (both over the
   reduced vocabulary d2t), also at the steps of a chain where the
@@ -25,21 +35,23 @@ Design (gpu_worker/runtime/eagle.py has the head):
 
 import argparse
 import json
-import math
+import os
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from text.chat_template import render_chat
+from gpu_worker.roles.slots import resolve_dtype
 from gpu_worker.runtime.checkpoint import D2T, load_model, our_name, read_config, weight_files
-from gpu_worker.runtime.eagle import EagleConfig
+from gpu_worker.runtime.eagle import EagleConfig, load_head_weights, weight_names
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
 from text.tokenizer import load_tokenizer
@@ -48,14 +60,17 @@ from services.commands.bench_serve_core import load_sharegpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_draft import COPIED_FILES, DRAFT_VOCAB  # noqa: E402
-from eagle_training import init_weights, save_head, unrolled_forward  # noqa: E402
+from eagle_training import (batch_tensors, calibrate_out_norm, chain_losses, init_weights, load_state,  # noqa: E402
+                             new_optimizer, restore_optimizer, round_plan, save_head, save_state, train_step)
 from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "models" / "smollm2-eagle"
 WORK = REPO / ".train" / "smollm2-eagle"
 SEED = 1234
-OUT_SCALES = (1.0, 0.5, 0.35, 0.25, 0.18, 0.125, 0.09)
+STATE = OUT / "train_state"  # the accumulating run's checkpoint (`accumulate`), committed
+REPLAY_SHARDS = 8  # accumulate replays conversations of the shards just before the new one
+WARMUP = 50  # accumulate: Adam steps of linear learning-rate warmup from a fresh optimizer
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant"}
 
@@ -121,35 +136,55 @@ def conversation_features(model, config, cache: KVCache, ids: list[int], device:
     return hidden[0].to(torch.bfloat16).cpu()
 
 
-def extract_features(target: Path, max_len: int, shard_convs: int, max_convs: int, device: str) -> None:
-    """Shards data_dir()/feat-NNNN.safetensors of shard_convs train conversations each (a seeded
-    shuffle, so any prefix of shards is a random sample); existing shards are skipped."""
-    tokenizer = load_tokenizer(target)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+def train_order(conversations: list) -> list[int]:
+    """The seeded shuffle of the train split that `features` and `accumulate` walk: shard n holds
+    its conversations n * shard_convs .. (n + 1) * shard_convs - 1, so any prefix is a random sample."""
+    return random.Random(SEED).sample(range(len(conversations)), len(conversations))
+
+
+def prefill_target(target: Path, max_len: int, device: str):
+    """(target without its lm_head, config, one-slot cache) for teacher-forced prefill, in the
+    dtype serving picks by default (`resolve_dtype("auto")`: bf16 on CUDA and on CPUs with
+    native bf16, else float32)."""
+    dtype = resolve_dtype("auto", device)
     model, config = load_model(target, device=device, dtype=dtype, max_seq_len=max_len)
-    cache = KVCache(config, max_slots=1, max_seq_len=max_len, device=device, dtype=dtype)
+    return without_lm_head(model), config, KVCache(config, max_slots=1, max_seq_len=max_len, device=device, dtype=dtype)
+
+
+def write_features(path: Path, prefill, tokenizer, conversations: list[dict], max_len: int, device: str,
+                   stop=None) -> int | None:
+    """Prefill each conversation with `prefill` (prefill_target's triple) and write the shard
+    `path`; the tokens written, or None (nothing written) when stop() turned true on the way."""
+    model, config, cache = prefill
+    rows = []
+    for conversation in conversations:
+        if stop is not None and stop():
+            return None
+        encoded = encode_conversation(tokenizer, conversation, max_len)
+        if encoded is not None:
+            ids, start = encoded
+            rows.append({"id": conversation["id"], "start": start, "ids": torch.tensor(ids),
+                         "features": conversation_features(model, config, cache, ids, device)})
+    write_shard(path, rows)
+    return sum(len(r["ids"]) for r in rows)
+
+
+def extract_features(target: Path, max_len: int, shard_convs: int, max_convs: int, device: str) -> None:
+    """Shards data_dir()/feat-NNNN.safetensors of shard_convs train conversations each (train_order);
+    existing shards are skipped."""
+    tokenizer = load_tokenizer(target)
+    prefill = prefill_target(target, max_len, device)
     conversations = load_sharegpt(split="train")
-    order = random.Random(SEED).sample(range(len(conversations)), len(conversations))[:max_convs or None]
-    out = data_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    order = train_order(conversations)[:max_convs or None]
     shards = [order[i:i + shard_convs] for i in range(0, len(order), shard_convs)]
     done_tokens, t0 = 0, time.time()
     bar = tqdm(shards, desc="features", unit="shard")
     for n, indices in enumerate(bar):
-        path = out / f"feat-{n:04d}.safetensors"
-        if path.exists():
-            continue
-        rows = []
-        for i in indices:
-            encoded = encode_conversation(tokenizer, conversations[i], max_len)
-            if encoded is None:
-                continue
-            ids, start = encoded
-            rows.append({"id": conversations[i]["id"], "start": start, "ids": torch.tensor(ids),
-                         "features": conversation_features(model, config, cache, ids, device)})
-            done_tokens += len(ids)
+        path = shard_path(n)
+        if not path.exists():
+            chosen = [conversations[i] for i in indices]
+            done_tokens += write_features(path, prefill, tokenizer, chosen, max_len, device)
             bar.set_postfix(tok_s=f"{done_tokens / (time.time() - t0):.0f}", tokens=done_tokens)
-        write_shard(path, rows)
 
 
 def write_shard(path: Path, rows: list[dict]) -> None:
@@ -161,6 +196,7 @@ def write_shard(path: Path, rows: list[dict]) -> None:
         tensors[f"{r['id']}.features"] = r["features"].to(torch.bfloat16).contiguous()
         meta.append({"id": r["id"], "start": r["start"], "len": len(r["ids"])})
     tmp = path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp), metadata={"rows": json.dumps(meta)})
     tmp.rename(path)
 
@@ -176,6 +212,10 @@ def load_shards(paths: list[Path]) -> list[dict]:
                 rows.append(dict(row, ids=f.get_tensor(f"{key}.ids").long(),
                                  features=f.get_tensor(f"{key}.features")))
     return rows
+
+
+def shard_path(n: int) -> Path:
+    return data_dir() / f"feat-{n:04d}.safetensors"
 
 
 def shard_paths() -> list[Path]:
@@ -203,7 +243,7 @@ def text_counts(target: Path, conversations: int, vocab_size: int) -> torch.Tens
     the seeded order, rendered as `features` renders them (tokenizing is cheap; prefill is not)."""
     tokenizer = load_tokenizer(target)
     train_split = load_sharegpt(split="train")
-    order = random.Random(SEED).sample(range(len(train_split)), len(train_split))[:conversations]
+    order = train_order(train_split)[:conversations]
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for i in order:
         encoded = encode_conversation(tokenizer, train_split[i], 1 << 30)
@@ -230,64 +270,6 @@ def head_vocabulary(rows: list[dict], lm_head: torch.Tensor, text: torch.Tensor,
     t2d = torch.full((V,), other_id, dtype=torch.long)
     t2d[kept] = torch.arange(DRAFT_VOCAB - 1)
     return D2T(torch.cat([kept, torch.tensor([0])]), t2d, other_id)
-
-
-def batch_tensors(rows: list[dict], device: str):
-    """Right-padded (B, T) ids, (B, T, E) float32 features, (B,) lengths and loss starts."""
-    T = max(len(r["ids"]) for r in rows)
-    E = rows[0]["features"].shape[1]
-    ids = torch.zeros(len(rows), T, dtype=torch.long)
-    feats = torch.zeros(len(rows), T, E)
-    for b, r in enumerate(rows):
-        ids[b, :len(r["ids"])] = r["ids"]
-        feats[b, :len(r["ids"])] = r["features"].float()
-    lengths = torch.tensor([len(r["ids"]) for r in rows])
-    starts = torch.tensor([r["start"] for r in rows])
-    return ids.to(device), feats.to(device), lengths.to(device), starts.to(device)
-
-
-def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, lengths, starts, steps: int,
-                 out_scale: float = 1.0):
-    """Per chain step j: (smooth L1 of the predicted feature, cross-entropy against the target's
-    distribution over the draft vocabulary, top-1 agreement, positions), averaged over the
-    positions whose target feature f_{t+j} exists and lies at or after the row's loss start.
-    out_scale multiplies the predictions (`calibrate_out_norm` tries a few)."""
-    B, T, _ = feats.shape
-    predictions = unrolled_forward(weights, config, embed, feats, ids, steps)
-    position = torch.arange(T, device=feats.device).view(1, T)
-    labelled = (position < lengths.view(B, 1)) & (position >= starts.view(B, 1))    # (B, T)
-    with torch.no_grad():  # the target's distribution at every labelled position, once for all steps
-        teacher_logits = feats[labelled] @ lm_rows.T
-        teacher_logits[:, other_id] = -math.inf
-        teacher = teacher_logits.softmax(-1)                                       # (L, Vd)
-        teacher_top = teacher_logits.argmax(-1)
-    row_of = torch.cumsum(labelled.flatten(), 0).view(B, T) - 1                    # (B, T) row in teacher
-    out = []
-    for j, predicted in enumerate(predictions, start=1):
-        valid = F.pad(labelled[:, j:], (0, j - 1))                                 # (B, N): f_{t+j} labelled
-        rows = F.pad(row_of[:, j:], (0, j - 1))[valid]
-        true = F.pad(feats[:, j:], (0, 0, 0, j - 1))[valid]                        # (M, E)
-        pred = predicted[valid] * out_scale
-        logits = pred @ lm_rows.T
-        logits[:, other_id] = -math.inf
-        ce = -(teacher[rows] * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1).mean()
-        reg = F.smooth_l1_loss(pred, true)
-        agree = (logits.argmax(-1) == teacher_top[rows]).float().mean()
-        out.append((reg, ce, agree, int(valid.sum())))
-    return out
-
-
-@torch.no_grad()
-def calibrate_out_norm(weights, config, embed, lm_rows, other_id: int, batch) -> None:
-    """Scale the fresh head's out_norm (the target's final norm) by the factor in OUT_SCALES with
-    the lowest step-1 cross-entropy on one batch: a random layer's output, normed with the
-    target's weights, gives confidently wrong logits (~19 nats), and Adam would spend many of
-    the few steps a CPU run has shrinking 576 weights."""
-    losses = {scale: chain_losses(weights, config, embed, lm_rows, other_id, *batch, steps=1, out_scale=scale)[0][1].item()
-              for scale in OUT_SCALES}
-    best = min(losses, key=losses.get)
-    weights["out_norm"].mul_(best)
-    print(f"out_norm scaled by {best} (cross-entropy {losses[1.0]:.2f} -> {losses[best]:.2f})", flush=True)
 
 
 def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg_weight: float,
@@ -331,7 +313,6 @@ def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg
           f"({tokens} tokens) in {len(paths)} shards; {steps} steps x {batch} conversations, unroll {unroll}",
           flush=True)
     by_id = {r["id"]: r for r in rows}
-    step_weights = [0.8 ** j for j in range(unroll)]
     last_save, ema = time.time(), {}
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="train")
     for step in bar:
@@ -344,16 +325,8 @@ def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg
                 by_id.update({r["id"]: r for r in load_shards(new)})
             order = order + rng.sample(sorted(by_id), len(by_id))
         picked, order = order[:batch], order[batch:]
-        ids, feats, lengths, starts = batch_tensors([by_id[i] for i in picked], device)
-        parts = chain_losses(weights, config, embed, lm_rows, maps.other_id, ids, feats, lengths, starts, unroll)
-        loss = sum(w * (reg_weight * reg + ce) for w, (reg, ce, _, _) in zip(step_weights, parts))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(weights.values()), 0.5)
-        opt.step()
-        for j, (reg, ce, agree, _) in enumerate(parts, start=1):
-            for name, value in ((f"ce{j}", ce.item()), (f"acc{j}", agree.item()), (f"reg{j}", reg.item())):
-                ema[name] = value if name not in ema else 0.95 * ema[name] + 0.05 * value
+        train_step(weights, opt, config, embed, lm_rows, maps.other_id, [by_id[i] for i in picked], unroll,
+                   reg_weight, device, ema)
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items() if not k.startswith("reg") or k == "reg1"},
                         convs=len(by_id))
         if time.time() - last_save > save_every_s or step + 1 == steps:
@@ -365,15 +338,177 @@ def train(target: Path, steps: int, batch: int, peak_lr: float, unroll: int, reg
             last_save = time.time()
 
 
-def export(target: Path, config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T) -> None:
-    """models/smollm2-eagle: the head (bf16), d2t and the target's tokenizer files (a drafter
-    pairs with a verifier only when the tokenizers hash the same)."""
+def export(target: Path, config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T,
+           out: Path | None = None) -> None:
+    """out (default OUT, models/smollm2-eagle): the head (bf16), d2t and the target's tokenizer
+    files (a drafter pairs with a verifier only when the tokenizers hash the same)."""
     import shutil
 
-    save_head(OUT, config, weights, maps)
+    out = out or OUT
+    save_head(out, config, weights, maps)
     for name in COPIED_FILES:
         if (target / name).exists():
-            shutil.copyfile(target / name, OUT / name)
+            shutil.copyfile(target / name, out / name)
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulate: training that adds to the checkpoint committed in the repository
+
+
+class Shards:
+    """Feature shards of train_order by number: read from data_dir(), prefilled and written when
+    missing (the target, its tokenizer and ShareGPT loaded at the first need), the last
+    keep + 1 read kept in memory for replay."""
+
+    def __init__(self, target: Path, shard_convs: int, max_len: int, device: str, keep: int,
+                 exclude: frozenset[str] = frozenset()):
+        self.target, self.shard_convs, self.max_len, self.device, self.keep = target, shard_convs, max_len, device, keep
+        self.exclude = exclude  # conversation ids never trained on (prefilled only where a shard has them)
+        self.cache: dict[int, list[dict]] = {}
+        self.source = None  # (tokenizer, conversations, order, prefill)
+
+    def on_disk(self, n: int) -> list[dict] | None:
+        if n not in self.cache and shard_path(n).exists():
+            self.cache = {m: rows for m, rows in self.cache.items() if m >= n - self.keep}
+            self.cache[n] = [row for row in load_shards([shard_path(n)]) if row["id"] not in self.exclude]
+        return self.cache.get(n)
+
+    def get(self, n: int, stop=None) -> list[dict] | None:
+        """Shard n's rows, prefilled now if missing; None past the end of the train split or
+        when stop() turned true while prefilling."""
+        if self.on_disk(n) is not None:
+            return self.cache[n]
+        if self.source is None:
+            conversations = load_sharegpt(split="train")
+            self.source = (load_tokenizer(self.target), conversations, train_order(conversations),
+                           prefill_target(self.target, self.max_len, self.device))
+        tokenizer, conversations, order, prefill = self.source
+        indices = order[n * self.shard_convs:(n + 1) * self.shard_convs]
+        if not indices:
+            return None
+        wanted = [conversations[i] for i in indices if conversations[i]["id"] not in self.exclude]
+        if write_features(shard_path(n), prefill, tokenizer, wanted, self.max_len, self.device, stop) is None:
+            return None
+        return self.on_disk(n)
+
+    def replay_pool(self, n: int) -> list[dict]:
+        """The conversations of the up to `keep` shards before n that are on disk here."""
+        return [row for m in range(max(0, n - self.keep), n) for row in (self.on_disk(m) or [])]
+
+
+def open_state(state_dir: Path, init_head: Path | None, init_convs: int, shard_convs: int, max_len: int,
+               target: Path):
+    """(weights, second moments, maps, counters) from state_dir's checkpoint; else from the head
+    directory init_head, taken to have consumed the first init_convs conversations of
+    train_order; else None (a fresh head)."""
+    if (state := load_state(state_dir)) is not None:
+        c = state[3]
+        if (c["shard_convs"], c["max_len"]) != (shard_convs, max_len):
+            raise SystemExit(f"{state_dir} counts its data position in shards of {c['shard_convs']} conversations "
+                             f"of {c['max_len']} tokens: pass --shard-convs {c['shard_convs']} --max-len {c['max_len']}")
+        return state
+    if init_head is None:
+        return None
+    if init_convs % shard_convs:
+        raise SystemExit(f"--init-convs {init_convs} must be a multiple of --shard-convs {shard_convs}")
+    _, weights, maps = load_head_weights(init_head)
+    tokens = 0
+    if init_convs:
+        tokenizer, split = load_tokenizer(target), load_sharegpt(split="train")
+        encoded = [encode_conversation(tokenizer, split[i], max_len) for i in train_order(split)[:init_convs]]
+        tokens = sum(len(e[0]) for e in encoded if e is not None)
+    return weights, {}, maps, {"step": 0, "adam_step": 0, "position": init_convs, "round_step": 0, "tokens": tokens,
+                               "shard_convs": shard_convs, "max_len": max_len}
+
+
+def fresh_head(target: Path, tw: dict, config: EagleConfig, rows: list[dict], vocab_convs: int, batch: int,
+               device: str) -> tuple[dict[str, torch.Tensor], D2T]:
+    """A new head as `train` makes one: the vocabulary ranked on rows and vocab_convs
+    conversations' text, random weights, out_norm calibrated on the first batch."""
+    vocab_size = tw["embed"].shape[0]
+    text = (torch.zeros(vocab_size, dtype=torch.float64) if vocab_convs == 0 else
+            text_counts(target, vocab_convs, vocab_size))
+    maps = head_vocabulary(rows, tw["embed"], text)
+    weights = {n: t.to(device) for n, t in init_weights(config, tw, seed=SEED).items()}
+    embed = tw["embed"].to(device)
+    calibrate_out_norm(weights, config, embed, embed[maps.d2t.to(device)], maps.other_id,
+                       batch_tensors(rows[:batch], device))
+    return weights, maps
+
+
+def accumulate(target: Path, goal_tokens: int, batch: int, lr: float, unroll: int, reg_weight: float, replay: float,
+               device: str, state_dir: Path, init_head: Path | None = None, init_convs: int = 0,
+               shard_convs: int = 32, max_len: int = 512, vocab_convs: int = 1000, save_every_s: float = 300.0,
+               stop=None, out: Path | None = None, exclude: frozenset[str] = frozenset()) -> dict:
+    """Train on goal_tokens new tokens past the checkpoint's data position, one shard at a time.
+
+    Per round: shard n = position / shard_convs (prefilled now unless on disk), its conversations
+    plus replay x as many from the shards before it that are on disk (round_plan), `batch` a step;
+    then the position moves past it. lr: constant after a warmup over Adam's first WARMUP steps.
+    The checkpoint (state_dir, save_state) and the head export (out) are written every
+    save_every_s, at the end, and when stop() turns true (then mid-round: round_step says how far).
+    exclude: conversation ids left out (main passes the `--split select` ones, so that comparing
+    checkpoints on them stays fair). Returns the counters and run_tokens, the new tokens this run
+    trained on."""
+    stopped = (lambda: False) if stop is None else stop
+    bf16_matmuls = resolve_dtype("auto", device) == torch.bfloat16
+    tw = target_weights(target)
+    config = EagleConfig.from_target(read_config(target))
+    embed = tw["embed"].to(device)
+    shards = Shards(target, shard_convs, max_len, device, keep=REPLAY_SHARDS, exclude=exclude)
+    state = open_state(state_dir, init_head, init_convs, shard_convs, max_len, target)
+    if state is None:
+        first = shards.get(0, stopped)
+        if first is None:
+            return {}
+        weights, maps = fresh_head(target, tw, config, first, vocab_convs, batch, device)
+        state = (weights, {}, maps, {"step": 0, "adam_step": 0, "position": 0, "round_step": 0, "tokens": 0,
+                                     "shard_convs": shard_convs, "max_len": max_len})
+    weights, moments, maps, c = state
+    # one order whatever the source: the clipped gradient norm sums over it
+    weights = {n: weights[n].to(device).requires_grad_(True) for n in weight_names()}
+    lm_rows = embed[maps.d2t.to(device)]
+    opt = new_optimizer(weights, lr)
+    restore_optimizer(opt, moments, c["adam_step"])
+    bar = tqdm(total=goal_tokens, unit="tok", unit_scale=True, desc="accumulate", mininterval=5, smoothing=0.05)
+    bar.write(f"from step {c['step']}, {c['position']} conversations, {c['tokens']} tokens; unroll {unroll}, "
+              f"lr {lr}, replay {replay}, batch {batch}, bf16 matmuls {bf16_matmuls}")
+    ema, run_tokens, last_save = {}, 0, time.time()
+
+    def save() -> float:
+        state_weights = {n: t.detach().cpu() for n, t in weights.items()}
+        save_state(state_dir, state_weights, opt, maps, c)  # and opt now holds what the file holds
+        export(target, config, state_weights, maps, out)
+        bar.write(f"saved step {c['step']}: {c['position']} conversations, {c['tokens']} tokens; "
+                  + " ".join(f"{k}={v:.3f}" for k, v in ema.items() if not k.startswith("reg")))
+        return time.time()
+
+    while run_tokens < goal_tokens and not stopped():
+        n = c["position"] // shard_convs
+        new = shards.get(n, stopped)
+        if new is None:
+            break
+        new_ids = {r["id"] for r in new}
+        for rows in round_plan(SEED, n, new, shards.replay_pool(n), replay, batch)[c["round_step"]:]:
+            for group in opt.param_groups:
+                group["lr"] = lr * min(1.0, (c["adam_step"] + 1) / WARMUP)
+            train_step(weights, opt, config, embed, lm_rows, maps.other_id, rows, unroll, reg_weight, device, ema,
+                       bf16_matmuls)
+            c["step"], c["adam_step"], c["round_step"] = c["step"] + 1, c["adam_step"] + 1, c["round_step"] + 1
+            fresh = sum(len(r["ids"]) for r in rows if r["id"] in new_ids)
+            run_tokens += fresh
+            bar.update(fresh)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items() if k.startswith("acc")}, convs=c["position"])
+            if stopped():
+                break
+            if time.time() - last_save > save_every_s:
+                last_save = save()
+        else:
+            c["position"], c["round_step"] = c["position"] + shard_convs, 0
+            c["tokens"] += sum(len(r["ids"]) for r in new)
+    save()
+    bar.close()
+    return dict(c, run_tokens=run_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,7 +635,7 @@ def evaluate(target: Path, head_dir: Path, prompts_count: int, max_new: int, k: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["features", "train", "eval"])
+    parser.add_argument("stage", choices=["features", "train", "accumulate", "eval"])
     parser.add_argument("--target", type=Path, default=Path(default_target_model()))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
@@ -510,12 +645,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=4, help="train: conversations per step")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--unroll", type=int, default=2, help="train: chain steps trained (1 = EAGLE-1)")
+    parser.add_argument("--unroll", type=int, default=4, help="train, accumulate: chain steps trained (1 = EAGLE-1)")
     parser.add_argument("--reg-weight", type=float, default=1.0, help="train: weight of the feature regression")
     parser.add_argument("--init-layer", type=int, default=None, help="train: start the layer from this target layer")
     parser.add_argument("--vocab-convs", type=int, default=1000,
                         help="train: train conversations whose token counts rank the head's vocabulary")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--tokens", type=int, default=2_000_000, help="accumulate: new training tokens this run")
+    parser.add_argument("--replay", type=float, default=0.0,
+                        help="accumulate: replayed conversations (of the shards just before) per new one")
+    parser.add_argument("--state", type=Path, default=STATE, help="accumulate: the checkpoint directory")
+    parser.add_argument("--init-head", type=Path, default=None,
+                        help="accumulate, no checkpoint yet: start from this head directory (else a fresh head)")
+    parser.add_argument("--init-convs", type=int, default=0,
+                        help="accumulate: conversations of the seeded order that --init-head was trained on")
+    parser.add_argument("--save-every", type=float, default=300.0, help="accumulate: seconds between checkpoints")
     parser.add_argument("--follow", action="store_true", help="train: read new feature shards at every pass")
     parser.add_argument("--head", type=Path, default=OUT, help="eval: the head directory")
     parser.add_argument("--prompts", type=int, default=20, help="eval: held-out ShareGPT prompts")
@@ -527,11 +671,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.stage in ("features", "accumulate"):
+        # Prefill is hundreds of rows a call: oneDNN's GEMM (AMX in bf16) rather than the fixed-order
+        # kernel, a GEMV per row whose row-invariance serving needs and training does not. Read at
+        # the first model load of the process (gpu_worker/runtime/linear_kernel.py).
+        os.environ.setdefault("SPECBUS_LINEAR_KERNEL", "0")
     if args.stage == "features":
         extract_features(args.target, args.max_len, args.shard_convs, args.max_convs, args.device)
     elif args.stage == "train":
         train(args.target, args.steps, args.batch, args.lr, args.unroll, args.reg_weight, args.init_layer,
               args.resume, args.follow, args.device, vocab_text_convs=args.vocab_convs)
+    elif args.stage == "accumulate":
+        stop = threading.Event()  # SIGINT / SIGTERM: finish the step, save, exit
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        accumulate(args.target, args.tokens, args.batch, args.lr, args.unroll, args.reg_weight, args.replay,
+                   args.device, args.state, args.init_head, args.init_convs, args.shard_convs, args.max_len,
+                   args.vocab_convs, args.save_every, stop.is_set,
+                   exclude=frozenset(c["id"] for c in load_sharegpt(split="train")[-SELECT_CONVS:]))
     elif args.stage == "eval":
         result = evaluate(args.target, args.head, args.prompts, args.max_new, args.k, args.max_prompt, args.device,
                           args.split)

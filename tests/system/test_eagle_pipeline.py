@@ -20,7 +20,7 @@ from gpu_worker.runtime.eagle import EagleConfig
 from ops.eagle_training import init_weights, save_head
 from gpu_worker.runtime.kv_cache import KVCache
 from ops.train_models import read_text, source_files
-from tests.gpu_worker.runtime.test_eagle import load_ops
+from tests.ops_scripts import load_train_eagle
 from tests.system.test_ngram_pipeline import generate_all, greedy, gumbel  # requests as the ngram stack's
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -46,7 +46,7 @@ def head(tiny_pair, tokenizer, tmp_path_factory):
     """An EAGLE head for the tiny target fitted (FIT_STEPS Adam steps of train_eagle's chain
     losses, two chain steps) to the target's features of the periodic text repeated."""
     target, draft = tiny_pair
-    ops = load_ops()
+    ops = load_train_eagle()
     model, tconfig = load_model(target, max_seq_len=512)
     ids = tokenizer.encode(PERIOD * 12)
     features = ops.conversation_features(model, tconfig, KVCache(tconfig, max_slots=1, max_seq_len=512), ids, "cpu")

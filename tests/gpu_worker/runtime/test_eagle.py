@@ -2,9 +2,7 @@
 rollback, batch invariance, save/load; and ops/train_eagle.py: a few training steps on real
 tiny-target features, and the speculative loop's lossless check (greedy == k=0)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +15,9 @@ from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import ConfigError
 from ops.eagle_training import init_weights, save_head, unrolled_forward
 from schemas.config import TINY_DRAFT, TINY_TARGET
+from tests.ops_scripts import load_train_eagle
 
-OPS = Path(__file__).resolve().parents[3] / "ops"
 
-
-def load_ops():
-    sys.path.insert(0, str(OPS))
-    spec = importlib.util.spec_from_file_location("train_eagle", OPS / "train_eagle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +103,7 @@ def test_features_travel_as_bf16_bytes():
 
 
 def test_a_few_training_steps_learn_and_the_speculative_loop_is_lossless(tmp_path, monkeypatch, target):
-    ops = load_ops()
+    ops = load_train_eagle()
     model, tconfig = target
     monkeypatch.setenv("SPECBUS_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(ops, "WORK", tmp_path / "work")
