@@ -211,6 +211,13 @@ BETAS = (0.9, 0.95)
 COUNTERS = ("step", "adam_step", "position", "round_step", "tokens", "shard_convs", "max_len")
 
 
+def start_counters(position: int, tokens: int, shard_convs: int, max_len: int) -> dict:
+    """COUNTERS of a head not yet trained here, which has consumed `position` conversations
+    (`tokens` tokens) of the seeded order."""
+    return {"step": 0, "adam_step": 0, "position": position, "round_step": 0, "tokens": tokens,
+            "shard_convs": shard_convs, "max_len": max_len}
+
+
 def new_optimizer(weights: dict[str, torch.Tensor], lr: float) -> torch.optim.AdamW:
     """AdamW over weights (in weight_names order), the betas every EAGLE run here uses."""
     return torch.optim.AdamW([weights[n] for n in weight_names()], lr=lr, betas=BETAS, weight_decay=0.0)

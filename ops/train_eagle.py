@@ -61,7 +61,8 @@ from services.commands.bench_serve_core import load_sharegpt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_draft import COPIED_FILES, DRAFT_VOCAB  # noqa: E402
 from eagle_training import (batch_tensors, calibrate_out_norm, chain_losses, init_weights, load_state,  # noqa: E402
-                             new_optimizer, restore_optimizer, round_plan, save_head, save_state, train_step)
+                             new_optimizer, restore_optimizer, round_plan, save_head, save_state, start_counters,
+                             train_step)
 from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -417,8 +418,7 @@ def open_state(state_dir: Path, init_head: Path | None, init_convs: int, shard_c
         tokenizer, split = load_tokenizer(target), load_sharegpt(split="train")
         encoded = [encode_conversation(tokenizer, split[i], max_len) for i in train_order(split)[:init_convs]]
         tokens = sum(len(e[0]) for e in encoded if e is not None)
-    return weights, {}, maps, {"step": 0, "adam_step": 0, "position": init_convs, "round_step": 0, "tokens": tokens,
-                               "shard_convs": shard_convs, "max_len": max_len}
+    return weights, {}, maps, start_counters(init_convs, tokens, shard_convs, max_len)
 
 
 def fresh_head(target: Path, tw: dict, config: EagleConfig, rows: list[dict], vocab_convs: int, batch: int,
@@ -462,8 +462,7 @@ def accumulate(target: Path, goal_tokens: int, batch: int, lr: float, unroll: in
         if first is None:
             return {}
         weights, maps = fresh_head(target, tw, config, first, vocab_convs, batch, device)
-        state = (weights, {}, maps, {"step": 0, "adam_step": 0, "position": 0, "round_step": 0, "tokens": 0,
-                                     "shard_convs": shard_convs, "max_len": max_len})
+        state = (weights, {}, maps, start_counters(0, 0, shard_convs, max_len))
     weights, moments, maps, c = state
     # one order whatever the source: the clipped gradient norm sums over it
     weights = {n: weights[n].to(device).requires_grad_(True) for n in weight_names()}
