@@ -18,7 +18,10 @@ shape).
 it and multiplied by x's rows in the float32 path's order: directly for up to 12 rows of x (one
 or two groups of rows), through a float32 tile of the thread's for more. Where the CPU has
 AVX-512F (`use_avx512`) two rows of w share a 512-bit register with the same lane chains, so the
-bits are the AVX2 code's. Threads take rows of w in small ranges as they free up (`shared_for`).
+bits are the AVX2 code's: for GGUF blocks at every row count, for dense weights from two rows of x
+on (a verify, a tree, a batch, a prefill: twice the multiply-adds an instruction and twice the
+accumulators; one row stays on the AVX2 code, which is bound by memory there). Threads take rows
+of w in small ranges as they free up (`shared_for`).
 
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's

@@ -69,6 +69,24 @@ def test_model_linear_on_paired_rows_gives_the_bits_of_plain_rows_at_every_row_c
         assert torch.equal(linear(x[:m], paired, b, residual[:m]), kernel.fixed_linear(x[:m], w, b, residual[:m])), m
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_avx512_code_gives_the_avx2_codes_bits_at_every_row_count(kernel, dtype):
+    # where the CPU has AVX-512F, two or more rows of x run there (two rows of w a register)
+    if not kernel.use_avx512(True):
+        pytest.skip("no AVX-512F on this CPU: its AVX2 code is the one that runs")
+    try:
+        for N, K in ((70, 576), (67, 37)):  # paired rows with a tail of pairs; unpaired, odd, K % 8 != 0
+            x, w, b, residual = operands(dtype, M=40, N=N, K=K)
+            for weight in (pack_weight(w), w):
+                kernel.use_avx512(False)
+                reference = linear(x, weight, b, residual)
+                kernel.use_avx512(True)
+                for m in list(range(1, 20)) + [24, 40]:
+                    assert torch.equal(linear(x[:m], weight, b, residual[:m]), reference[:m]), (N, weight.dim(), m)
+    finally:
+        kernel.use_avx512(True)
+
+
 def test_weights_are_paired_only_where_the_shape_allows_and_not_when_shared(kernel):
     assert pack_weight(torch.randn(12, 64)).shape == (6, 8, 2, 8)
     for plain in (pack_weight(torch.randn(12, 64), shared=True), pack_weight(torch.randn(11, 64)),
