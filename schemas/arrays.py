@@ -9,6 +9,7 @@ writable copies, so `torch.from_numpy` works on them without warnings.
 Field types (letters as in docs/PROTOCOL.md#encoding: n positions, N top entries, S support slots, R requested ids):
   TokenIds        int32 [n]     token ids, >= 0
   IdMatrix        int32 [n, S]  token ids, -1 marks padding
+  ParentIndices   int32 [n]     indices of earlier nodes of a tree, -1 marks the root
   ProbMatrix      float16/32 [n, S]  probabilities, finite and >= 0
   LogprobVector   float32 [n]   log-probabilities, -inf allowed, NaN and +inf refused
   LogprobMatrix   float32 [n, N]
@@ -25,6 +26,9 @@ MAX_ARRAY_BYTES = 64 * 1024 * 1024  # per array; the codec's message limit is us
 # The one padding id: an empty slot of an IdMatrix, of a row's draft ids, of a rejected position's
 # token (never a vocabulary id, which is >= 0). Every tensor or array padding uses this name.
 PAD_TOKEN_ID = -1
+# The parent index of a tree node that hangs off the root, the row's last committed token
+# (docs/PROTOCOL.md#tree-drafts); other nodes name an earlier node by its index, >= 0.
+ROOT_PARENT = -1
 
 WIRE_DTYPES = {"int32": np.dtype("<i4"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 
@@ -37,8 +41,8 @@ def _fail(message: str, **ctx: Any) -> PydanticCustomError:
 class Packed:
     """pydantic metadata: `Annotated[np.ndarray, Packed(("int32",), ndim=1, values="ids")]`.
 
-    values: "ids" (>= 0), "padded_ids" (>= 0 or PAD_TOKEN_ID), "probs" (finite, >= 0),
-    "logprobs" (no NaN, no +inf), or None (no check).
+    values: "ids" (>= 0), "padded_ids" (>= 0 or PAD_TOKEN_ID), "parents" (>= 0 or ROOT_PARENT),
+    "probs" (finite, >= 0), "logprobs" (no NaN, no +inf), or None (no check).
     """
 
     dtypes: tuple[str, ...]
@@ -126,6 +130,9 @@ class Packed:
         if self.values == "padded_ids" and array.min() < PAD_TOKEN_ID:
             raise _fail(f"token ids must be >= 0 (or {PAD_TOKEN_ID} for padding), got {{value}}",
                         value=int(array.min()))
+        if self.values == "parents" and array.min() < ROOT_PARENT:
+            raise _fail(f"parent indices must be >= 0 (or {ROOT_PARENT} for the root), got {{value}}",
+                        value=int(array.min()))
         # `x < inf` is False for NaN and +inf: one pass instead of isnan + isposinf
         if self.values == "probs" and not ((array >= 0) & (array < np.inf)).all():
             raise _fail("probabilities must be finite and >= 0")
@@ -134,6 +141,8 @@ class Packed:
 
 TokenIds = Annotated[np.ndarray, Packed(("int32",), ndim=1, values="ids")]
 IdMatrix = Annotated[np.ndarray, Packed(("int32",), ndim=2, values="padded_ids")]
+# [n]: node i's parent in a tree of draft tokens, an earlier node's index or ROOT_PARENT
+ParentIndices = Annotated[np.ndarray, Packed(("int32",), ndim=1, values="parents")]
 ProbMatrix = Annotated[np.ndarray, Packed(("float16", "float32"), ndim=2, values="probs")]
 LogprobVector = Annotated[np.ndarray, Packed(("float32",), ndim=1, values="logprobs")]
 LogprobMatrix = Annotated[np.ndarray, Packed(("float32",), ndim=2, values="logprobs")]

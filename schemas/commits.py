@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from schemas.arrays import IdMatrix, LogprobMatrix, LogprobVector, Ranks, TokenIds, empty_ids
 from schemas.generation import LogprobOptions
-from schemas.protocol import MAX_INBOX_LEN, MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS
+from schemas.protocol import MAX_INBOX_LEN, MAX_STOP_STRINGS, MAX_TREE_NODES
 from schemas.steps import check_accepted
 from schemas.streams import SamplingMask, Usage
 from schemas.wire import (Count, DegradedReason, Error, FinishReason, InstanceId, LogprobsMode, Message, RequestId,
@@ -109,7 +109,8 @@ class Commit(Message):
     scheduler_id: InstanceId
     client_inbox: str = Field(min_length=1, max_length=MAX_INBOX_LEN)
     token_ids: TokenIds = Field(default_factory=empty_ids)
-    num_draft: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    num_draft: int = Field(0, ge=0, le=MAX_TREE_NODES, description=(
+        "the step's draft tokens (VerifyResult.num_draft): every node of a tree"))
     num_accepted: Count = 0
     finish_reason: FinishReason | None = None
     degraded: list[DegradedReason] = Field(default_factory=list)

@@ -4,11 +4,20 @@ One owner for each number a message validates against; the models of schemas/ im
 and `python -m schemas.doc_tables` lists them in docs/PROTOCOL.md. Constants only: no models.
 """
 
-PROTOCOL_VERSION = 1
+# 2 adds trees of draft tokens (DraftTokens.parents); a peer of another version is refused
+# (docs/PROTOCOL.md#version-rule)
+PROTOCOL_VERSION = 2
 MAX_TOKENS_CAP = 4096  # default cap on max_tokens; a scheduler passes its own via decode(context=...)
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 64
+# Draft tokens of a chain at most, and the depth of every path of a tree of draft tokens: no step
+# accepts more drafts than this.
 MAX_SPECULATIVE_TOKENS = 16
+# Nodes of a tree of draft tokens at most (docs/PROTOCOL.md#tree-drafts): the verifier runs every node
+# through the target as a position of one forward, so a row's verify cost grows with its nodes, not its
+# depth. 64 positions are four chains of full depth, and hold the 63-node static tree Medusa and EAGLE-1
+# verify (mc_sim_7b_63).
+MAX_TREE_NODES = 64
 # Heartbeat.model_ids["tokenizer"] of an instance with no vocabulary of its own (the ngram drafter):
 # it fits every target.
 ANY_TOKENIZER = "any"

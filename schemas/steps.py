@@ -3,7 +3,8 @@ the drafter's and the verifier's answers, and what rows carry (proposals, target
 (docs/PROTOCOL.md#scheduler-and-drafter, #scheduler-and-verifier).
 
 A batch holds each request at most once (`check_rows`); draft tokens and their proposal agree
-(`check_drafts`); no row accepts more drafts than it had (`check_accepted`).
+(`check_drafts`), and a tree of them is well formed (`check_tree`, `tree_depths`); no row accepts
+more drafts than it had (`check_accepted`).
 """
 
 from typing import Any, Literal
@@ -11,14 +12,16 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import ConfigDict, Field, model_validator
 
-from schemas.arrays import IdMatrix, ProbMatrix, TokenIds, empty_ids
+from schemas.arrays import ROOT_PARENT, IdMatrix, ParentIndices, ProbMatrix, TokenIds, empty_ids
 from schemas.generation import LogprobOptions, RowSampling
-from schemas.protocol import MAX_BATCH_ROWS, MAX_FEATURE_BLOCK_BYTES, MAX_FEATURE_SIZE, MAX_SPECULATIVE_TOKENS
+from schemas.protocol import (MAX_BATCH_ROWS, MAX_FEATURE_BLOCK_BYTES, MAX_FEATURE_SIZE, MAX_SPECULATIVE_TOKENS,
+                              MAX_TREE_NODES)
 from schemas.wire import Count, Deadline, Error, InstanceId, Message, RequestId, WireModel, field_error
 
 
 class Proposal(WireModel):
-    """The distributions the draft tokens were drawn from (docs/PROTOCOL.md#proposal), n = #drafts.
+    """The distributions the draft tokens were drawn from (docs/PROTOCOL.md#proposal), n = #drafts
+    (the nodes of a tree: row i is node i's law given the path from the root to its parent).
 
     point_mass: no arrays; p_i is one-hot at the draft token (greedy / top-1 drafts).
     sparse: ids [n, S] (TARGET vocabulary ids, -1 = padding with prob 0) and probs [n, S].
@@ -55,11 +58,14 @@ class Proposal(WireModel):
         return self
 
 
-def check_drafts(draft_token_ids: np.ndarray, proposal: Proposal) -> None:
+def check_drafts(draft_token_ids: np.ndarray, proposal: Proposal, parents: np.ndarray | None = None) -> None:
     """Drafts and proposal must agree: one proposal row per draft token, and a sparse
-    support must give each draft token a non-zero probability (else rejection divides by 0)."""
+    support must give each draft token a non-zero probability (else rejection divides by 0).
+    A chain (parents None) holds at most MAX_SPECULATIVE_TOKENS drafts; a tree, check_tree."""
     num_draft = len(draft_token_ids)
-    if num_draft > MAX_SPECULATIVE_TOKENS:
+    if parents is not None:
+        check_tree(draft_token_ids, parents, proposal.kind)
+    elif num_draft > MAX_SPECULATIVE_TOKENS:
         raise field_error("draft_token_ids", f"at most {MAX_SPECULATIVE_TOKENS} draft tokens, got {num_draft}")
     if proposal.probs is not None and proposal.probs.shape[0] != num_draft:
         raise field_error("proposal.probs", f"{proposal.probs.shape[0]} proposal rows for {num_draft} draft tokens")
@@ -68,6 +74,59 @@ def check_drafts(draft_token_ids: np.ndarray, proposal: Proposal) -> None:
         if not in_support.all():
             position = int(np.argmin(in_support))
             raise field_error("proposal.ids", f"draft token at position {position} has no probability in the support")
+
+
+def chain_parents(num_draft: int) -> np.ndarray:
+    """The parents of a chain of num_draft drafts as a tree: [ROOT_PARENT, 0, 1, ..., num_draft - 2]."""
+    return np.arange(ROOT_PARENT, num_draft - 1, dtype=np.int32)
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Each node's depth, int32 [n], from its parents [n] (nodes in depth-first preorder): 1 for a
+    child of the root (ROOT_PARENT), d + 1 for a child of a node at depth d; a chain's are 1..n.
+
+    Refuses (field_error naming `parents`) a parent that does not come before its node, and an
+    order that is not depth-first preorder: node i's parent must be node i - 1, one of node i - 1's
+    ancestors, or the root.
+    """
+    depths = np.zeros(len(parents), np.int32)
+    path: list[int] = []  # node i - 1 and its ancestors, the root's child first
+    for node, parent in enumerate(parents.tolist()):
+        if parent >= node:
+            raise field_error("parents", f"node {node}'s parent {parent} does not come before it")
+        while path and path[-1] != parent:
+            path.pop()
+        if parent != ROOT_PARENT and not path:
+            raise field_error("parents", f"node {node}'s parent {parent} is neither node {node - 1} nor one of its "
+                                         f"ancestors: nodes go in depth-first preorder")
+        path.append(node)
+        depths[node] = len(path)
+    return depths
+
+
+def check_tree(draft_token_ids: np.ndarray, parents: np.ndarray, kind: str) -> None:
+    """A tree of draft tokens (docs/PROTOCOL.md#tree-drafts): at most MAX_TREE_NODES nodes, one
+    parent each, in depth-first preorder (tree_depths), no path deeper than MAX_SPECULATIVE_TOKENS,
+    and, under point-mass laws, no two siblings with the same token: once the first is rejected
+    the second is too (the target's draw is not it, or the residual gives it no mass)."""
+    num_nodes = len(draft_token_ids)
+    if num_nodes > MAX_TREE_NODES:
+        raise field_error("draft_token_ids", f"at most {MAX_TREE_NODES} nodes in a tree of draft tokens, "
+                                             f"got {num_nodes}")
+    if len(parents) != num_nodes:
+        raise field_error("parents", f"{len(parents)} parents for {num_nodes} draft tokens")
+    depths = tree_depths(parents)
+    if num_nodes and depths.max() > MAX_SPECULATIVE_TOKENS:
+        node = int(np.argmax(depths > MAX_SPECULATIVE_TOKENS))
+        raise field_error("parents", f"node {node} is at depth {depths[node]}, deeper than "
+                                     f"{MAX_SPECULATIVE_TOKENS} draft tokens")
+    if kind == "point_mass":
+        first: dict[tuple[int, int], int] = {}  # (parent, token) -> the first node with them
+        for node, key in enumerate(zip(parents.tolist(), draft_token_ids.tolist())):
+            if key in first:
+                raise field_error("draft_token_ids", f"nodes {first[key]} and {node}, siblings, both propose token "
+                                                     f"{key[1]} under point-mass laws")
+            first[key] = node
 
 
 def check_accepted(num_draft: int, num_accepted: int) -> None:
@@ -103,14 +162,21 @@ class Batch(Message):
 
 class DraftTokens(WireModel):
     """Draft tokens, as TARGET vocabulary ids (the drafter maps them with d2t), and the
-    proposal they were drawn from; the two must agree (check_drafts)."""
+    proposal they were drawn from; the two must agree (check_drafts). They form a chain, or
+    with `parents` a tree (docs/PROTOCOL.md#tree-drafts); either way a row's count of draft
+    tokens is len(draft_token_ids), every node of a tree."""
 
-    draft_token_ids: TokenIds = Field(default_factory=empty_ids)
+    draft_token_ids: TokenIds = Field(default_factory=empty_ids, description=(
+        "the draft tokens: a chain's in order, or a tree's nodes in depth-first preorder; at most "
+        "MAX_SPECULATIVE_TOKENS in a chain, MAX_TREE_NODES in a tree"))
+    parents: ParentIndices | None = Field(None, description=(
+        "for a tree, node i's parent: the index of an earlier node, or -1 (ROOT_PARENT) for a child of the row's "
+        "last committed token; as long as draft_token_ids. None: a chain, the same as [-1, 0, 1, ...]"))
     proposal: Proposal = Field(default_factory=Proposal)
 
     @model_validator(mode="after")
     def _drafts_match_proposal(self) -> "DraftTokens":
-        check_drafts(self.draft_token_ids, self.proposal)
+        check_drafts(self.draft_token_ids, self.proposal, self.parents)
         return self
 
 
@@ -224,13 +290,19 @@ class VerifyRow(DraftTokens):
     emit: bool = True
     max_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
         "for a row with structured_outputs: how many tokens the grammar forces after the drafts the verifier may "
-        "append as point-mass drafts (docs/PROTOCOL.md#structured-outputs); 0 = none"))
+        "append as point-mass drafts (docs/PROTOCOL.md#structured-outputs); 0 = none, always for a tree of drafts"))
     features_from: Count | None = Field(None, description=(
         "the first history position whose target features the result carries, up to the last position the "
         "verifier holds after the step (docs/PROTOCOL.md#feature-level-drafts); None: no features"))
     cache_salt: str | None = Field(None, max_length=256, description=(
         "whose prefix cache the request's history may be found in and kept for (the client user, or a group "
         "the operator lets share one, docs/PROTOCOL.md#prefix-caching); None: none, every token is computed"))
+
+    @model_validator(mode="after")
+    def _forced_after_a_chain(self) -> "VerifyRow":
+        if self.parents is not None and self.max_forced:
+            raise field_error("max_forced", "forced tokens follow a chain of drafts, not a tree")
+        return self
 
 
 class VerifyRequest(Batch):
@@ -251,7 +323,8 @@ class VerifyResult(WireModel):
     request_id: RequestId
     step: Count
     token_ids: TokenIds = Field(default_factory=empty_ids)
-    num_draft: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    num_draft: int = Field(0, ge=0, le=MAX_TREE_NODES, description=(
+        "the row's draft tokens, len(VerifyRow.draft_token_ids): every node of a tree"))
     num_forced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
         "forced tokens the verifier appended after the row's drafts it kept (VerifyRow.max_forced)"))
     num_replaced: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(

@@ -8,7 +8,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from schemas.arrays import LogprobVector, TokenIds, empty_ids, empty_logprobs
-from schemas.protocol import MAX_SPECULATIVE_TOKENS
+from schemas.protocol import MAX_TREE_NODES
 from schemas.wire import (Count, DegradedReason, Error, FinishReason, InstanceId, Logprob, Message, RequestId,
                           WireModel, field_error)
 
@@ -71,15 +71,15 @@ class Usage(WireModel):
     cached_tokens: Count = Field(0, description="prompt tokens the verifiers took from their prefix caches "
                                                 "instead of computing them (OpenAI's prompt_tokens_details)")
     completion_tokens: Count = 0
-    draft_tokens_proposed: Count = 0
+    draft_tokens_proposed: Count = Field(0, description="draft tokens sent to verification: every node of a tree")
     draft_tokens_accepted: Count = 0
     acceptance_rate: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     steps: Count = 0
     degraded_steps: dict[DegradedReason, Count] = Field(default_factory=dict)
     speculative_lengths: list[Count] = Field(
-        default_factory=list, max_length=MAX_SPECULATIVE_TOKENS + 1,
-        description="[k]: decode steps that verified k drafts (the scheduler picks k per step up to "
-                    "num_speculative_tokens; a step degraded to no drafts counts at 0)")
+        default_factory=list, max_length=MAX_TREE_NODES + 1,
+        description="[k]: decode steps that verified k draft tokens, the nodes of a tree (the scheduler picks k per "
+                    "step up to num_speculative_tokens; a step degraded to no drafts counts at 0)")
 
 
 class StreamChunk(Message):

@@ -51,6 +51,8 @@ def check_row(verifier: Verifier, row: VerifyRow, verdict: ReceiverVerdict, pref
                       f"{prefix}.new_token_ids")
     if not row.emit and num_draft:
         raise invalid("a row with emit=False carries no drafts", f"{prefix}.draft_token_ids")
+    if row.parents is not None:
+        raise invalid("this verifier verifies chains of drafts only, not trees", f"{prefix}.parents")
     if num_draft > verdict.room:
         raise invalid(f"cached_len {row.cached_len} + {num_new} new + {num_draft} draft tokens exceed "
                       f"max_seq_len {verifier.cache.max_seq_len}", f"{prefix}.new_token_ids")

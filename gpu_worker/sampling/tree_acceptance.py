@@ -54,9 +54,9 @@ import torch
 from gpu_worker.sampling.rejection import RejectionResult, _check_ids, _check_probs, _draw_uniforms
 from gpu_worker.sampling.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, check, check_shape, make_uniforms,
                                          sample_from_probs)
-from schemas.arrays import PAD_TOKEN_ID
+from schemas.arrays import PAD_TOKEN_ID, ROOT_PARENT
 
-ROOT = -1  # the parent of a child of the root; also the padding of accepted_nodes
+ROOT = ROOT_PARENT  # a child of the root's parent (docs/PROTOCOL.md#tree-drafts); also accepted_nodes' padding
 SIBLING_SHIFT = 40  # a sibling's rank is keyed above the position bits: positions must be < 2**40
 
 
@@ -133,9 +133,8 @@ def tree_rejection_sample(
 ) -> TreeRejectionResult:
     """Accept a path of a draft tree per row against the target's laws (module docstring).
 
-    draft_token_ids [B, N] int64, target-vocab ids, -1 past num_nodes.
+    draft_token_ids [B, N] int64, target-vocab ids, -1 past num_nodes [B] int64 (in 0..N).
     parents [B, N] int64: ROOT or an earlier node, on nodes in use.
-    num_nodes [B] int64 in 0..N.
     draft_probs [B, N, V] float (each node's draft law; `proposal_to_draft_probs` builds it from
     a sparse or dense proposal), or None for point-mass proposals.
     target_probs [B, N+1, V] float: the root's processed law, then node i's at i + 1.
@@ -145,16 +144,10 @@ def tree_rejection_sample(
     uniforms [B, N] float64: acceptance uniform of each node; residual_uniforms [B, N] float64:
     the recovered draw's uniform at each depth (`tree_uniforms`). Either, if None, is drawn from
     `generator` as rejection_sample draws it (never the global RNG).
-    check_values: scan draft_probs and target_probs once each for NaN / negative values.
-    """
-    B, N, V = _check_tree(draft_token_ids, parents, num_nodes, target_probs, target_token_ids, greedy)
+    check_values: scan draft_probs and target_probs once each for NaN / negative values."""
+    B, N, V = _check_tree(draft_token_ids, parents, num_nodes, draft_probs, target_probs, target_token_ids, greedy,
+                          check_values)
     device = target_probs.device
-    if draft_probs is not None:
-        check_shape(draft_probs, (B, N, V), "draft_probs")
-    if check_values:
-        _check_probs(target_probs, "target_probs")
-        if draft_probs is not None:
-            _check_probs(draft_probs, "draft_probs")
     uniforms, residual_uniforms = _draw_uniforms(B, N, device, generator, uniforms, residual_uniforms)
 
     depth = node_depths(parents, num_nodes)  # (B, N)
@@ -179,10 +172,7 @@ def tree_rejection_sample(
         at = cur + 1  # (B,): cur's slot in target_probs / target_token_ids
         t = target_token_ids.gather(1, at[:, None]).squeeze(1)
         target_at_x = target_probs[rows, at, x]  # (B,)
-        if draft_probs is None:
-            draft_at_x = torch.ones_like(target_at_x)
-        else:
-            draft_at_x = draft_probs[rows, i, x].to(target_at_x.dtype)
+        draft_at_x = 1.0 if draft_probs is None else draft_probs[rows, i, x].to(target_at_x.dtype)
         residual_at_x = target_at_x.double()  # r(x) = q_c(x) at cur's first child
         if residual is not None:
             residual_at_x = torch.where(rejected, residual[rows, x].double() / mass, residual_at_x)
@@ -193,17 +183,8 @@ def tree_rejection_sample(
             if residual is None:
                 residual = torch.zeros(B, V, dtype=torch.float32, device=device)
                 mass = torch.zeros(B, dtype=torch.float64, device=device)
-            # r before this child: q_c (copied as rejection.py's _recover copies it), or the residual
-            base = target_probs.flatten(0, 1).index_select(0, reject * (N + 1) + at[reject]).float()  # (R, V)
-            base = torch.where(rejected[reject, None], residual[reject] / mass[reject, None].float(), base)
-            if draft_probs is None:
-                base.scatter_(-1, x[reject, None], 0.0)  # max(r - onehot(x), 0): r with x zeroed
-            else:
-                base.sub_(draft_probs.flatten(0, 1).index_select(0, reject * N + i)).clamp_min_(0.0)
-            residual[reject] = base
-            mass[reject] = base.double().cumsum(-1)[:, -1]  # a per-row scan, as sample_from_probs sums
+            _remove_rejected(residual, mass, rejected, reject, target_probs, draft_probs, at, x, i)
             stopped[reject] = mass[reject] == 0
-            rejected[reject] = True
         took = accept.nonzero().squeeze(1)
         if took.numel() > 0:
             slot = depth[took, i] - 1
@@ -213,22 +194,49 @@ def tree_rejection_sample(
             cur[took] = i
             rejected[took] = False
 
-    # bonus (a leaf, or a greedy row), the fallback for an empty residual, else the recovered token
+    last_token = _last_tokens(target_token_ids, cur, rejected, stopped, residual, residual_uniforms, num_accepted)
+    token_ids.scatter_(1, num_accepted[:, None], last_token[:, None])
+    return TreeRejectionResult(token_ids, num_accepted, stopped, accepted_nodes)
+
+
+def _last_tokens(target_token_ids: torch.Tensor, cur: torch.Tensor, rejected: torch.Tensor, stopped: torch.Tensor,
+                 residual: torch.Tensor | None, residual_uniforms: torch.Tensor,
+                 num_accepted: torch.Tensor) -> torch.Tensor:
+    """Each row's last token (B,): the recovered token drawn from its residual where a child of the
+    walk's last node `cur` was rejected, else the target's draw there (the bonus at a leaf, a
+    greedy row's own token, the fallback of an empty residual, which sets `stopped`)."""
     last_token = target_token_ids.gather(1, (cur + 1)[:, None]).squeeze(1)  # (B,)
     recover = (rejected & ~stopped).nonzero().squeeze(1)
     if recover.numel() > 0:
         recovered = sample_from_probs(residual[recover], residual_uniforms[recover, num_accepted[recover]])
         last_token[recover] = torch.where(recovered >= 0, recovered, last_token[recover])
         stopped[recover] = recovered < 0
-    token_ids.scatter_(1, num_accepted[:, None], last_token[:, None])
-    return TreeRejectionResult(token_ids, num_accepted, stopped, accepted_nodes)
+    return last_token
+
+
+def _remove_rejected(residual: torch.Tensor, mass: torch.Tensor, rejected: torch.Tensor, reject: torch.Tensor,
+                     target_probs: torch.Tensor, draft_probs: torch.Tensor | None, at: torch.Tensor, x: torch.Tensor,
+                     i: int) -> None:
+    """Rows `reject` (R,) rejected node i (token x): their residual (B, V) becomes max(r - p_i, 0),
+    unnormalised, with its mass (B,); r is the law at `at` (B,) (q_c, copied as rejection.py's
+    _recover copies it) or, where `rejected` already, the residual so far normalised."""
+    N = target_probs.shape[1] - 1
+    base = target_probs.flatten(0, 1).index_select(0, reject * (N + 1) + at[reject]).float()  # (R, V)
+    base = torch.where(rejected[reject, None], residual[reject] / mass[reject, None].float(), base)
+    if draft_probs is None:
+        base.scatter_(-1, x[reject, None], 0.0)  # max(r - onehot(x), 0): r with x zeroed
+    else:
+        base.sub_(draft_probs.flatten(0, 1).index_select(0, reject * N + i)).clamp_min_(0.0)
+    residual[reject] = base
+    mass[reject] = base.double().cumsum(-1)[:, -1]  # a per-row scan, as sample_from_probs sums
+    rejected[reject] = True
 
 
 def _check_tree(draft_token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-                target_probs: torch.Tensor, target_token_ids: torch.Tensor,
-                greedy: torch.Tensor) -> tuple[int, int, int]:
-    """`tree_rejection_sample`'s checks of everything but the values of the probabilities and
-    draft_probs; returns (B, N, V)."""
+                draft_probs: torch.Tensor | None, target_probs: torch.Tensor, target_token_ids: torch.Tensor,
+                greedy: torch.Tensor, check_values: bool) -> tuple[int, int, int]:
+    """`tree_rejection_sample`'s checks (the values of the probabilities only with check_values);
+    returns (B, N, V)."""
     check(draft_token_ids.dim() == 2, "draft_token_ids", f"expected [B, N], got {tuple(draft_token_ids.shape)}")
     B, N = draft_token_ids.shape
     check(target_probs.dim() == 3, "target_probs", f"expected [B, N+1, V], got {tuple(target_probs.shape)}")
@@ -248,4 +256,10 @@ def _check_tree(draft_token_ids: torch.Tensor, parents: torch.Tensor, num_nodes:
     check(bool((before | ~valid).all()), "parents", "a node's parent must be -1 (the root) or an earlier node")
     _check_ids(draft_token_ids, valid, V, "draft_token_ids")
     _check_ids(target_token_ids, node <= num_nodes[:, None], V, "target_token_ids")
+    if draft_probs is not None:
+        check_shape(draft_probs, (B, N, V), "draft_probs")
+    if check_values:
+        _check_probs(target_probs, "target_probs")
+        if draft_probs is not None:
+            _check_probs(draft_probs, "draft_probs")
     return B, N, V

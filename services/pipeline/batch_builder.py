@@ -148,7 +148,7 @@ class BatchBuilder:
                 if planned.features_sent is not None:
                     features.delivered(request, planned.features_sent)
                 planned.drafted_by = drafter_id
-                if len(result.draft_token_ids) > planned.num_draft:
+                if len(result.draft_token_ids) > planned.num_draft or result.parents is not None:  # chains only
                     self.counters["dropped_excess_drafts"] += 1
                     log.warning("drafts_over_plan", request_id=request.request_id, drafter_id=drafter_id,
                                 num_draft=len(result.draft_token_ids), planned=planned.num_draft)

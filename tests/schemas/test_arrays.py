@@ -4,13 +4,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import (MAX_ARRAY_BYTES, CodecError, ErrorCode, GenerateRequest, LogprobArrays, Proposal, StreamChunk,
-                     TokenLogprob, decode)
+from schemas import (MAX_ARRAY_BYTES, PROTOCOL_VERSION, CodecError, ErrorCode, GenerateRequest, LogprobArrays, Proposal,
+                     StreamChunk, TokenLogprob, decode)
 
 
 def prompt_ids_payload(packed) -> bytes:
     """A GenerateRequest whose prompt_token_ids field carries `packed` as is."""
-    raw = {"v": 1, "type": "generate", "request_id": "r", "prompt_token_ids": packed}
+    raw = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "r", "prompt_token_ids": packed}
     return msgpack.packb(raw, use_bin_type=True)
 
 

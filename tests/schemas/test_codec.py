@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from schemas import (DEGRADED_REASONS, MESSAGE_TYPES, Admitted, CancelRequest, CodecError, Commit, DraftRequest,
-                     DraftResponse, DraftResult, DraftRow, Error, ErrorCode, FeatureBlock, GenerateRequest, Heartbeat,
-                     LogprobArrays, LogprobOptions, Proposal, RowSampling, SamplingMask, SamplingParams,
-                     SideChannelRecord, SpecbusError, SpeculativeOptions, StopNotice, StreamChunk, TokenLogprob,
-                     Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, decode, decode_any, encode,
-                     error_reply)
+from schemas import (DEGRADED_REASONS, MESSAGE_TYPES, PROTOCOL_VERSION, Admitted, CancelRequest, CodecError, Commit,
+                     DraftRequest, DraftResponse, DraftResult, DraftRow, Error, ErrorCode, FeatureBlock,
+                     GenerateRequest, Heartbeat, LogprobArrays, LogprobOptions, Proposal, RowSampling, SamplingMask,
+                     SamplingParams, SideChannelRecord, SpecbusError, SpeculativeOptions, StopNotice, StreamChunk,
+                     TokenLogprob, Usage, VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, decode, decode_any,
+                     encode, error_reply)
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -110,22 +110,38 @@ def stream_chunks(draw):
 
 
 @st.composite
+def preorder_parents(draw, n):
+    """The parents [n] of a tree in depth-first preorder: each node hangs off the node before it,
+    one of that node's ancestors, or the root (-1)."""
+    parents, path = [], []
+    for node in range(n):
+        del path[draw(st.integers(0, len(path))):]  # the nodes that stay above this one
+        parents.append(path[-1] if path else -1)
+        path.append(node)
+    return np.array(parents, np.int32)
+
+
+@st.composite
 def drafts_with_proposal(draw):
-    """(draft_token_ids [n], Proposal) consistent with each other, for each proposal kind."""
+    """(draft_token_ids [n], Proposal, parents) consistent with each other, for each proposal kind,
+    a chain (parents None) or a tree (distinct tokens: point-mass siblings must differ)."""
     n = draw(small)
-    drafts = draw(token_ids(n, n))
+    tree = draw(st.booleans())
+    drafts = draw(hnp.arrays(np.int32, n, elements=st.integers(0, 2**31 - 1), unique=True)) if tree \
+        else draw(token_ids(n, n))
+    parents = draw(preorder_parents(n)) if tree else None
     kind = draw(st.sampled_from(["point_mass", "sparse", "dense"]))
     if kind == "point_mass":
-        return drafts, Proposal()
+        return drafts, Proposal(), parents
     if kind == "dense":
         vocab = draw(st.integers(1, 8))
-        return drafts, Proposal(kind="dense", probs=draw(prob_arrays((n, vocab))), draft_vocab_size=vocab)
+        return drafts, Proposal(kind="dense", probs=draw(prob_arrays((n, vocab))), draft_vocab_size=vocab), parents
     support = draw(st.integers(1, 4))
     ids = draw(hnp.arrays(np.int32, (n, support), elements=st.integers(-1, 2**31 - 1)))
     probs = draw(prob_arrays((n, support)))
     ids[:, 0] = drafts  # the draft token is in its own support, with some mass
     probs[:, 0] = np.maximum(probs[:, 0], 0.25)
-    return drafts, Proposal(kind="sparse", ids=ids, probs=probs)
+    return drafts, Proposal(kind="sparse", ids=ids, probs=probs), parents
 
 
 @st.composite
@@ -152,16 +168,16 @@ def draft_row(draw, request_id, row):
 
 @st.composite
 def draft_result(draw, request_id, row):
-    drafts, proposal = draw(drafts_with_proposal())
-    return DraftResult(request_id=request_id, draft_token_ids=drafts, proposal=proposal,
+    drafts, proposal, parents = draw(drafts_with_proposal())
+    return DraftResult(request_id=request_id, draft_token_ids=drafts, parents=parents, proposal=proposal,
                        need_resync=draw(st.booleans()))
 
 
 @st.composite
 def verify_row(draw, request_id, row):
-    drafts, proposal = draw(drafts_with_proposal())
+    drafts, proposal, parents = draw(drafts_with_proposal())
     return VerifyRow(request_id=request_id, row=row, step=draw(counts), cached_len=draw(counts),
-                     new_token_ids=draw(token_ids()), draft_token_ids=drafts, proposal=proposal,
+                     new_token_ids=draw(token_ids()), draft_token_ids=drafts, parents=parents, proposal=proposal,
                      sampling=draw(row_samplings), logprobs=draw(logprob_options),
                      postprocessor_id=draw(st.none() | instance_ids), prompt_len=draw(counts),
                      is_retry=draw(st.booleans()), features_from=draw(st.none() | counts))
@@ -262,7 +278,7 @@ def test_arrays_travel_packed_not_as_number_lists():
     raw = msgpack.unpackb(encode(request))
     assert raw["prompt_token_ids"] == {"dtype": "int32", "shape": [3],
                                        "data": b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00"}
-    assert raw["v"] == 1 and raw["type"] == "generate"
+    assert raw["v"] == PROTOCOL_VERSION and raw["type"] == "generate"
 
 
 def test_round_trip_keeps_dtype_shape_and_minus_inf():
@@ -315,12 +331,17 @@ def test_oversized_payload_is_refused_before_unpacking():
     assert decode(payload, GenerateRequest, max_bytes=len(payload)).prompt == "x" * 5000
 
 
-@pytest.mark.parametrize("version", [2, 0, None, "1", True])
-def test_unknown_protocol_version_is_refused(version):
-    raw = CancelRequest(request_id="r1").model_dump()
+@pytest.mark.parametrize("message", [
+    CancelRequest(request_id="r1"),
+    Heartbeat(instance_id="v1", role="verifier", capacity=8, load=0, sent_at=1.0, interval_s=0.5),
+], ids=lambda message: message.type)
+@pytest.mark.parametrize("version", [1, PROTOCOL_VERSION + 1, 0, None, str(PROTOCOL_VERSION), True])
+def test_unknown_protocol_version_is_refused(message, version):
+    """1: a peer from before tree drafts, whose messages (a heartbeat included) never decode."""
+    raw = message.model_dump()
     raw["v"] = version
     with pytest.raises(CodecError, match="protocol version") as caught:
-        decode(msgpack.packb(raw), CancelRequest)
+        decode(msgpack.packb(raw, use_bin_type=True), type(message))
     assert (caught.value.code, caught.value.field) == (ErrorCode.unsupported_version, "v")
 
 
@@ -339,7 +360,7 @@ def test_wrong_message_type_is_refused():
 @pytest.mark.parametrize("type_value", ["teleport", None, 7])
 def test_unknown_or_missing_type_is_refused(type_value):
     with pytest.raises(CodecError, match="type") as caught:
-        decode_any(msgpack.packb({"v": 1, "type": type_value, "request_id": "r1"}))
+        decode_any(msgpack.packb({"v": PROTOCOL_VERSION, "type": type_value, "request_id": "r1"}))
     assert (caught.value.code, caught.value.field) == (ErrorCode.wrong_message_type, "type")
 
 

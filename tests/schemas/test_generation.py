@@ -4,14 +4,14 @@ code and the dotted name of the field; sampling parameters reach the row subset.
 import msgpack
 import pytest
 
-from schemas import (CodecError, ErrorCode, GenerateRequest, SamplingParams, SpecbusError, check_limits, decode, encode,
-                     new_request_id, validate)
+from schemas import (PROTOCOL_VERSION, CodecError, ErrorCode, GenerateRequest, SamplingParams, SpecbusError, check_limits,
+                     decode, encode, new_request_id, validate)
 from schemas.generation import RowSampling, draft_is_sampled
 
 
 def generate_payload(**overrides) -> bytes:
     """A GenerateRequest as a client library in any language would send it, with overrides."""
-    raw = {"v": 1, "type": "generate", "request_id": "req-1", "prompt": "def f(x):"}
+    raw = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "req-1", "prompt": "def f(x):"}
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split("__")
         target = raw

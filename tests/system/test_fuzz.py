@@ -42,7 +42,8 @@ from schemas.errors import CodecError, ErrorCode
 from schemas.generation import CancelRequest, GenerateRequest, LogprobOptions, RowSampling, SamplingParams
 from schemas.protocol import (MAX_BATCH_ROWS, MAX_LOGPROB_TOKEN_IDS, MAX_MASK_SIZE, MAX_PROMPT_CHARS,
                               MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-                              MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P)
+                              MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P,
+                              PROTOCOL_VERSION)
 from schemas.steps import DraftRequest, DraftRow, Proposal, VerifyRequest, VerifyResponse, VerifyRow
 from schemas.streams import SamplingMask, StreamChunk
 from schemas.subjects import Subjects
@@ -155,7 +156,8 @@ wrong_values = st.one_of(
     st.sampled_from([math.nan, math.inf, -math.inf]), st.floats(), st.none(), st.booleans(),
     st.integers(-2**63, 2**64 - 1), st.text(max_size=8), st.binary(max_size=8),
     st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(-5, 5), max_size=2))
-bad_versions = st.sampled_from([0, 2, -1, 2**40, "1", 1.0, None, True, [1]])
+bad_versions = st.sampled_from([0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, -1, 2**40, str(PROTOCOL_VERSION),
+                                float(PROTOCOL_VERSION), None, True, [PROTOCOL_VERSION]])
 unknown_kinds = st.text(max_size=12).filter(lambda kind: kind not in ("point_mass", "sparse", "dense", "greedy",
                                                                         "sample"))
 

@@ -6,11 +6,13 @@ import time
 
 import pytest
 
+from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import GenerateRequest, seed_from_request_id
 from services.pipeline.admission import prompt_token_ids
 from tests.services.pipeline.scheduler_harness import (
     EOS,
+    TOKENIZER_HASH,
     beat,
     beat_verifier,
     new_state,
@@ -90,6 +92,9 @@ def test_prompt_text_is_tokenized_and_out_of_vocabulary_ids_are_refused(tokenize
 def test_request_waits_for_a_compatible_verifier_then_times_out(tokenizer):
     state = new_state(tokenizer, roles=(("p1", "postprocessor"),))
     beat(state, "other", "verifier", tokenizer_hash="ffffffffffffffff")  # another tokenizer: never used
+    state.observe(Heartbeat(instance_id="old", role="verifier", capacity=8, load=0, protocol_version=1,
+                            model_ids={"tokenizer": TOKENIZER_HASH}, sent_at=time.time(), interval_s=0.5))  # nor v1
+    assert state.counters["instances_incompatible"] == 2
     request = submit(state, now=time.time() - 59.5, timeout_s=60.0)
     assert step(state)[0].empty and list(state.waiting) == [request]
     request.deadline = time.time() - 0.1
