@@ -2,7 +2,8 @@
 
 The model is weights only (a dataclass of tensors); every piece of per-request state lives in
 the `KVCache`. `forward` is the one function the verifier and the drafter call: it appends a
-ragged batch of new tokens to the cache and returns logits.
+ragged batch of new tokens to the cache and returns logits (gpu_worker/runtime/tree_forward.py
+verifies a tree of drafts with the same pieces).
 
 Letters in shapes: B batch rows, T tokens per row, M selected positions per row, V vocabulary,
 H query heads, Hkv key/value heads, D head dim, E hidden size, I MLP size, W attention window.
@@ -415,6 +416,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
     a fixed KV split size); `block_attention` there is only as invariant as the GPU's matmuls.
     """
     B, T, H, D = q.shape
+    out, lse = block_outputs(q, k, v, plan)
+    if plan.nb > 1:  # nb == 1: the one block's weight is exp(0) = 1, the same bits as combining
+        out = combine_blocks(out, lse, q.dtype)
+    return out.reshape(-1, D).index_select(0, plan.out_rows).view(B * T, H * D)
+
+
+def block_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention`'s kernel call: each unit against each key block, not yet combined. q, k, v,
+    plan as `attention`; returns out (U, nb, nq, QT, D) in the kernel's dtype (q's on the CPU)
+    and lse (U, nb, nq, QT, 1) float32, U = B*Hkv, QT = QUERY_TILE (views of the kernel's
+    output; unit row n of (U, nq*QT) is plan.out_rows' numbering)."""
+    B, D = q.shape[0], q.shape[-1]
     U, nq, nb = B * k.shape[1], plan.nq, plan.nb
     units = q[plan.unit_rows]                                          # (B, Hkv, nb, nq*QT, D)
     if nq == 1:  # kernel (batch, heads) = (unit, block): the keys as they are
@@ -429,20 +443,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
         out, lse = block_attention(units, k, v, plan.mask, D ** -0.5)
     if nq > 1:  # back to (U*nb, nq, QT, ...), the kernel's memory order here
         out, lse = out.transpose(0, 1), lse.transpose(0, 1)
-    if nb > 1:  # nb == 1: the one block's weight is exp(0) = 1, the same bits as this
-        lse = lse.reshape(U, nb, nq, QUERY_TILE, 1)
-        weight = (lse - lse.amax(1, keepdim=True)).expand(-1, -1, -1, -1, EXP_LANES).exp()[..., :1]
-        out = (block_sum(out.reshape(U, nb, nq, QUERY_TILE, D) * weight) / block_sum(weight)).to(q.dtype)
-    return out.reshape(-1, D).index_select(0, plan.out_rows).view(B * T, H * D)
+    return out.reshape(U, nb, nq, QUERY_TILE, D), lse.reshape(U, nb, nq, QUERY_TILE, 1)
+
+
+def combine_blocks(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FlashAttention's blockwise softmax combine (see `attention`): out (U, nb, ..., D) and lse
+    (U, nb, ..., 1) of each row's nb key blocks -> (U, ..., D) in dtype. Every op is per element
+    (a block's weight, its exp on EXP_LANES lanes, sums over size-2 dims in `block_sum`'s tree),
+    so a row's bits depend only on its own blocks, in their order, whatever the layout of the rows."""
+    weight = (lse - lse.amax(1, keepdim=True)).expand(*lse.shape[:-1], EXP_LANES).exp()[..., :1]
+    return (block_sum(out * weight) / block_sum(weight)).to(dtype)
 
 
 @dataclass
 class Step:
-    """One forward's cache plan and what every layer reads from it."""
+    """One forward's cache plan and what every layer reads from it; `attend` is the step's
+    attention (a tree step, gpu_worker/runtime/tree_forward.py, has its own)."""
     plan: ForwardPlan
     cos: torch.Tensor              # (B, T, 1, D) RoPE of each new token's position
     sin: torch.Tensor              # (B, T, 1, D)
     attention: list[AttentionPlan]  # one per window group of the plan (KVCache.plan), in its order
+
+    def attend(self, q: torch.Tensor, cache: KVCache, index: int) -> torch.Tensor:
+        """Attention of q (B, T, H, D) for layer `index` of cache, its K/V written: (B*T, H*D)."""
+        return grouped_attention(q, cache, index, self)
+
+
+def rope_rows(rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+              pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE rows (cos, signed_sin) of positions pos (B, T) in tables (P, D): (B, T, 1, D) each."""
+    (B, T), D, flat = pos.shape, rope_cos.shape[1], pos.flatten()
+    return rope_cos.index_select(0, flat).view(B, T, 1, D), rope_sin.index_select(0, flat).view(B, T, 1, D)
 
 
 def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, slots: torch.Tensor,
@@ -451,26 +482,30 @@ def plan_step(cache: KVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, sl
     grows the slots) and build the RoPE rows and the attention layout every layer uses, one per
     window group."""
     plan = cache.plan(slots, num_new, T)
-    B, D, pos = slots.shape[0], rope_cos.shape[1], plan.rope_pos.flatten()
-    return Step(plan=plan, cos=rope_cos.index_select(0, pos).view(B, T, 1, D),
-                sin=rope_sin.index_select(0, pos).view(B, T, 1, D),
+    return Step(plan, *rope_rows(rope_cos, rope_sin, plan.rope_pos),
                 attention=[attention_plan(plan.rope_pos if g.rows is None else plan.rope_pos.index_select(0, g.rows),
                                           num_kv_heads, num_heads // num_kv_heads, g.window) for g in plan.groups])
+
+
+def by_group(q: torch.Tensor, groups: list, plans: list, attend) -> torch.Tensor:
+    """attend(q_g, group, plan) -> (Bg*T, H*D) for each window group of a forward and its plan,
+    q_g the group's rows of q (B, T, H, D); the rows gathered back into (B*T, H*D)."""
+    B, T, H, D = q.shape
+    if len(groups) == 1:
+        return attend(q, groups[0], plans[0])
+    out = q.new_empty(B, T, H * D)
+    for group, plan in zip(groups, plans):
+        rows = attend(q.index_select(0, group.rows), group, plan)
+        out.index_copy_(0, group.rows, rows.view(-1, T, H * D))
+    return out.view(B * T, H * D)
 
 
 def grouped_attention(q: torch.Tensor, cache: KVCache, index: int, step: Step) -> torch.Tensor:
     """`attention` of q (B, T, H, D) for layer `index`, each window group over its own window:
     (B*T, H*D). A row's bits do not depend on the window (`attention`), so they are those of
     one call over the longest window, without reading or attending over keys the row cannot see."""
-    B, T, H, D = q.shape
-    groups = step.plan.groups
-    if len(groups) == 1:
-        return attention(q, *cache.window(index, groups[0]), step.attention[0])
-    out = q.new_empty(B, T, H * D)
-    for group, plan in zip(groups, step.attention):
-        rows = attention(q.index_select(0, group.rows), *cache.window(index, group), plan)
-        out.index_copy_(0, group.rows, rows.view(-1, T, H * D))
-    return out.view(B * T, H * D)
+    return by_group(q, step.plan.groups, step.attention,
+                    lambda q_g, group, plan: attention(q_g, *cache.window(index, group), plan))
 
 
 def decoder_layer(cfg: DecoderShape, layer: Layer, index: int, x: torch.Tensor, cache: KVCache,
@@ -484,7 +519,7 @@ def decoder_layer(cfg: DecoderShape, layer: Layer, index: int, x: torch.Tensor, 
     qk = qkv[:, :, :H + Hkv]                                         # (B, T, H+Hkv, D)
     qk = qk * step.cos + qk.roll(D // 2, -1) * step.sin
     cache.update(index, step.plan, qk[:, :, H:], qkv[:, :, H + Hkv:])
-    o = grouped_attention(qk[:, :, :H], cache, index, step)          # (B*T, H*D)
+    o = step.attend(qk[:, :, :H], cache, index)                      # (B*T, H*D)
     x = linear(o, layer.wo, layer.bo, residual=x)
     h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
     gate, up = linear(h, layer.w_gate_up).chunk(2, -1)               # (B*T, I) each
@@ -516,20 +551,37 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     cfg = model.config
     B, T = token_ids.shape
     assert slots.shape == (B,) and num_new.shape == (B,), (slots.shape, num_new.shape, B)
+    check_cache(model, cache)
+    step = plan_step(cache, model.rope_cos, model.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
+    x = run_layers(model, cache, step, token_ids)
+    cache.commit(slots, num_new)
+    return read_out(model, x.view(B, T, cfg.hidden_size), logits_index, return_hidden)
+
+
+def check_cache(model: Model, cache: KVCache) -> None:
+    """ValueError unless cache suits model: its dtype and device, positions within the RoPE table."""
     if cache.max_seq_len > model.rope_cos.shape[0]:
         raise ValueError(f"cache max_seq_len {cache.max_seq_len} exceeds the model's RoPE table "
                          f"({model.rope_cos.shape[0]} positions); load with a larger max_seq_len")
     if (cache.dtype, cache.device) != (model.embed.dtype, model.embed.device):
         raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is "
                          f"{model.embed.dtype} on {model.embed.device}")
-    step = plan_step(cache, model.rope_cos, model.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
-    device, E = model.embed.device, cfg.hidden_size
-    x = model.embed[token_ids.to(device).reshape(-1)]                # (B*T, E)
-    for i, layer in enumerate(model.layers):
-        x = decoder_layer(cfg, layer, i, x, cache, step)
-    cache.commit(slots, num_new)
 
-    x = x.view(B, T, E)
+
+def run_layers(model: Model, cache: KVCache, step: Step, token_ids: torch.Tensor) -> torch.Tensor:
+    """Embed token_ids (B, T) and run every decoder layer of a planned step: (B*T, E), not normed."""
+    x = model.embed[token_ids.to(model.embed.device).reshape(-1)]    # (B*T, E)
+    for i, layer in enumerate(model.layers):
+        x = decoder_layer(model.config, layer, i, x, cache, step)
+    return x
+
+
+def read_out(model: Model, x: torch.Tensor, logits_index: torch.Tensor | None,
+             return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The final norm and lm_head over the last layer's x (B, T, E): `forward`'s return value
+    (logits_index, return_hidden as there)."""
+    cfg = model.config
+    B, _, E = x.shape
     # The final norm is per row: norm then gather equals gather then norm, bit for bit; norm
     # every row only when they are all returned.
     hidden = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) if return_hidden else None  # (B, T, E)
@@ -537,7 +589,7 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
         x = hidden
     if logits_index is not None:
         assert logits_index.shape[0] == B and logits_index.dim() == 2, logits_index.shape
-        index = logits_index.to(device).unsqueeze(-1).expand(-1, -1, E)
+        index = logits_index.to(x.device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
     if hidden is None:
         x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
