@@ -64,6 +64,47 @@ def propose_ngram(history: np.ndarray, num_draft: int, max_n: int, min_n: int = 
     return []
 
 
+def propose_ngram_tree(history: np.ndarray, max_nodes: int, depth: int, max_n: int,
+                       min_n: int = 1) -> tuple[list[int], list[int]]:
+    """A tree of drafts from every earlier occurrence of the history's suffix, not only the most
+    recent: (draft tokens, parents) in depth-first preorder, parents as docs/PROTOCOL.md#tree-drafts
+    (-1: a child of the root, the last token), at most max_nodes nodes, no path deeper than depth.
+
+    Continuations of `depth` tokens (read on as `propose_ngram` reads them) are taken from the
+    matches of the longest n-gram first, most recent first, then from shorter n-grams', and
+    merged into a trie (a continuation sharing a prefix with an earlier one adds only its new
+    tokens) while nodes remain; siblings keep the order they were found in. With max_nodes ==
+    depth and one match this is propose_ngram's chain.
+    """
+    assert history.ndim == 1, history.shape
+    T = len(history)
+    children: dict[int, dict[int, int]] = {-1: {}}  # trie: node -> {token: child}, -1 the root
+    tokens: list[int] = []
+    for n in range(min(max_n, T - 1), max(min_n, 1) - 1, -1):
+        windows = sliding_window_view(history[:T - 1], n)
+        for hit in np.flatnonzero((windows == history[T - n:]).all(1))[::-1]:
+            at, start = -1, int(hit) + n
+            drafts: list[int] = []
+            for position in range(start, start + depth):
+                token = int(history[position]) if position < T else drafts[position - T]
+                drafts.append(token)
+                if token not in children[at]:
+                    if len(tokens) == max_nodes:
+                        break
+                    children[at][token] = len(tokens)
+                    children[len(tokens)] = {}
+                    tokens.append(token)
+                at = children[at][token]
+    order: list[tuple[int, int]] = []  # (node, parent) in preorder
+    stack = [(child, -1) for child in reversed(children[-1].values())]
+    while stack:
+        node, parent = stack.pop()
+        order.append((node, parent))
+        stack += [(child, node) for child in reversed(children[node].values())]
+    index = {node: i for i, (node, _) in enumerate(order)}
+    return [tokens[node] for node, _ in order], [index.get(parent, -1) for _, parent in order]
+
+
 class TokenSlots:
     """KVCache's slot bookkeeping (allocate, reserve, free, num_free, num_admissible)
     without tensors: a slot's whole state is its DraftSlot.token_ids, so memory never runs short

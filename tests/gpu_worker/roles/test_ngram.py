@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch, propose_ngram
+from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch, propose_ngram, propose_ngram_tree
 from schemas.config import DrafterConfig, load_config
 from schemas.errors import SpecbusError
-from schemas.steps import DraftRequest, DraftRow
+from schemas.steps import DraftRequest, DraftRow, DraftTokens, Proposal
 
 MAX_SLOTS = 3
 
@@ -45,6 +45,20 @@ def test_no_match_or_no_room_proposes_nothing():
     assert ngram([1, 2, 1], 0) == []
     assert ngram([1, 9, 5, 2, 9], 3, min_n=2) == []  # only a 1-gram match, and min_n is 2
     assert ngram([1, 9, 5, 2, 9], 3, min_n=1) == [5, 2, 9]
+
+
+def test_a_tree_merges_every_matchs_continuation_and_keeps_the_chain_first():
+    history = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3])
+    # the most recent match of (1, 2, 3) continues 5 7 1 (the chain), the earlier one 4 9 1
+    assert propose_ngram_tree(history, 3, 3, 3) == ([5, 7, 1], [-1, 0, 1]) and propose_ngram(history, 3, 3) == [5, 7, 1]
+    tokens, parents = propose_ngram_tree(history, 16, 3, 3)
+    assert (tokens, parents) == ([5, 7, 1, 4, 9, 1], [-1, 0, 1, -1, 3, 4])
+    DraftTokens(draft_token_ids=np.array(tokens, np.int32), parents=np.array(parents, np.int32), proposal=Proposal())
+    # a shared prefix adds only the new tokens; the node budget cuts the last continuation
+    shared = np.array([1, 2, 8, 9, 1, 2, 8, 5, 1, 2])
+    assert propose_ngram_tree(shared, 3, 2, 2) == ([8, 5, 9], [-1, 0, 0])
+    assert propose_ngram_tree(shared, 2, 2, 2) == ([8, 5], [-1, 0])
+    assert propose_ngram_tree(np.array([1, 2, 3]), 8, 4, 2) == ([], [])
 
 
 def test_proposals_are_only_ids_the_history_holds():
