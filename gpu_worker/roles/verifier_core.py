@@ -24,7 +24,10 @@ each step in the module that does it:
    cost is a fixed part per call plus a part per token, so beyond FREE_PADDING_TOKENS the padding
    costs more than another call (see ops/bench/RESULTS.md, Figures behind gpu_worker's choices).
    `logits_index` asks only for the positions needed: the last k+1 (last new token, each draft)
-   of emitting rows, and prompt positions when prompt logprobs are asked;
+   of emitting rows, and prompt positions when prompt logprobs are asked. Tree rows (a decode
+   step whose drafts have `parents`: the root, its one new token, then the nodes) go through
+   `tree_forward` instead, rows of similar size together (gpu_worker/roles/verifier_trees.py
+   `run_trees`): every column's logits and hidden states those of decoding its path;
 4. emitting rows, batched (gpu_worker/roles/verifier_drafts.py `verify_each`): logit_bias and
    penalties (`penalise`: verified position t counts the request's output then drafts 0..t-1,
    the history the target's distribution there is conditioned on; the output comes from the
@@ -34,7 +37,11 @@ each step in the module that does it:
    proposal -> draft_probs, `rejection_sample` (STREAM_ACCEPT / STREAM_RESIDUAL at the draft
    positions; greedy rows take the argmax path and use no uniform; a batch of greedy rows
    computes nothing but the argmaxes), then the slot is trimmed to
-   cached_len + len(new) + num_accepted: the last emitted token is not in the cache yet;
+   cached_len + len(new) + num_accepted: the last emitted token is not in the cache yet.
+   Tree rows, batched apart (verifier_trees.py `verify_trees`): the same with each column's
+   penalties over the output then its path, draws at the node's position (root + depth), and
+   `tree_rejection_sample`; `keep_tree_path` then keeps the root and the accepted path (K/V,
+   ids, features) and drops the other nodes;
 5. logprobs of the emitted tokens (with the K the sampler used), prompt logprobs (the logprob
    of prompt token j given tokens < j, for j = 1..prompt_len-1, computed chunk by chunk and
    kept in the request's state until the row that completes the prompt) and sampling masks
@@ -61,12 +68,13 @@ import structlog
 
 from gpu_worker.roles.prefix_cache import PrefixCache
 from gpu_worker.roles.slots import load_model_and_cache, release, resolve_weights
-from gpu_worker.roles.verifier_drafts import verify_each
+from gpu_worker.roles.verifier_drafts import verify_drafts, verify_each
 from gpu_worker.roles.verifier_features import FEATURE_BYTES, feature_block
 from gpu_worker.roles.verifier_forwards import run_forwards
 from gpu_worker.roles.verifier_rows import prepare_row
 from gpu_worker.roles.verifier_side_channel import concat_arrays, side_record
 from gpu_worker.roles.verifier_state import SideRecord, Verified, Verifier, VerifyRowWork
+from gpu_worker.roles.verifier_trees import keep_tree_path, run_trees, verify_trees
 from gpu_worker.runtime.checkpoint import model_id
 from text.tokenizer import tokenizer_id
 from schemas.config import VerifierConfig
@@ -102,6 +110,8 @@ def finish_row(verifier: Verifier, work: VerifyRowWork, batch_id: int,
     """Trim the slot, store the prompt logprobs so far, build the result and side record."""
     row, state = work.row, work.state
     committed = work.start + work.num_new + (verified.num_accepted if verified is not None else 0)
+    if verified is not None and verified.accepted_nodes is not None:
+        keep_tree_path(verifier, work, verified)
     verifier.cache.truncate(state.slot, committed)
     del state.token_ids[committed:]
     prompt = concat_arrays(work.prompt_pieces) if work.prompt_pieces else None
@@ -162,9 +172,14 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
         else:
             works.append(prepared)
 
-    run_forwards(verifier, works)
-    emitting = [w for w in works if w.error is None and w.row.emit]
-    verified = dict(zip((w.row.request_id for w in emitting), verify_each(verifier, emitting) if emitting else []))
+    chains, trees = [w for w in works if w.parents is None], [w for w in works if w.parents is not None]
+    run_forwards(verifier, chains)
+    run_trees(verifier, trees)
+    verified: dict[str, Verified | None] = {}
+    for group, verify in ((chains, verify_drafts), (trees, verify_trees)):
+        emitting = [w for w in group if w.error is None and w.row.emit]
+        verified.update(zip((w.row.request_id for w in emitting),
+                            verify_each(verifier, emitting, verify) if emitting else []))
     for work in works:
         row = work.row
         if work.error is None:

@@ -1,10 +1,14 @@
 """The verifier's drafts (step 4 of gpu_worker/roles/verifier_core.py), for the emitting rows
 of a step, batched: logit_bias and penalties (`penalised_logits`), the target's distributions
-and draws, and the rejection sampler (`verify_sampled`), or for a batch of greedy rows the
-argmaxes alone (`verify_greedy`); a batch that fails goes again row by row (`verify_each`).
+and draws (`target_draws`), and the rejection sampler (`verify_sampled`), or for a batch of
+greedy rows the argmaxes alone (`verify_greedy`); a batch that fails goes again row by row
+(`verify_each`). The pieces a tree row's verify shares (gpu_worker/roles/verifier_trees.py) are
+here too: padded logits and drafts, target draws, draft laws, the rows' Verified.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import structlog
 import torch
@@ -27,18 +31,10 @@ log = structlog.get_logger(__name__)
 
 def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified]:
     """Steps 4 for emitting rows, batched: target samples, rejection sampler, in works' order."""
-    V = verifier.vocab_size
     device = verifier.model.embed.device
     K = max(w.num_draft for w in works)
-    logits = []
-    for w in works:
-        row_logits = torch.cat(w.verify_logits)  # (k+1, V)
-        logits.append(torch.cat([row_logits, row_logits[-1:].expand(K - w.num_draft, V)]))
-    logits = torch.stack(logits)  # (B, K+1, V); slots past a row's drafts repeat its last logits
-    draft_ids = torch.full((len(works), K), PAD_TOKEN_ID, dtype=torch.long)
-    for b, w in enumerate(works):
-        draft_ids[b, :w.num_draft] = w.tokens[w.num_new:]
-    draft_ids = draft_ids.to(device)
+    logits = padded_logits(works, K)  # (B, K+1, V)
+    draft_ids = padded_drafts(works, K, device)
     raw_logits, logits = logits, penalised_logits(works, logits, draft_ids)
     if all(w.row.sampling.greedy for w in works):
         token_ids, num_accepted = verify_greedy(logits, draft_ids)
@@ -47,17 +43,46 @@ def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verifi
         result, processed = verify_sampled(works, logits, draft_ids)
         token_ids, num_accepted = result.token_ids, result.num_accepted.tolist()
         residual_fallback = result.residual_fallback.tolist()
-    token_ids = token_ids.cpu()
+    return verified_rows(works, token_ids.cpu(), num_accepted, residual_fallback, logits, raw_logits, processed,
+                         [slice(0, n + 1) for n in num_accepted])
+
+
+def padded_logits(works: list[VerifyRowWork], K: int) -> torch.Tensor:
+    """Each row's verify logits (k+1, V), stacked (B, K+1, V); slots past a row's drafts repeat
+    its last logits."""
+    logits = []
+    for w in works:
+        row_logits = torch.cat(w.verify_logits)  # (k+1, V)
+        logits.append(torch.cat([row_logits, row_logits[-1:].expand(K - w.num_draft, -1)]))
+    return torch.stack(logits)
+
+
+def padded_drafts(works: list[VerifyRowWork], K: int, device) -> torch.Tensor:
+    """Each row's draft tokens, (B, K) int64 on device, PAD_TOKEN_ID past a row's drafts."""
+    draft_ids = torch.full((len(works), K), PAD_TOKEN_ID, dtype=torch.long)
+    for b, w in enumerate(works):
+        draft_ids[b, :w.num_draft] = w.tokens[w.num_new:]
+    return draft_ids.to(device)
+
+
+def verified_rows(works: list[VerifyRowWork], token_ids: torch.Tensor, num_accepted: list[int],
+                  residual_fallback: list[bool], logits: torch.Tensor, raw_logits: torch.Tensor,
+                  processed: ProcessedLogits | None, columns: list,
+                  accepted_nodes: list | None = None) -> list[Verified]:
+    """Each row's Verified: token_ids (B, T) CPU, its first num_accepted[b] + 1 emitted; logits,
+    raw_logits (B, T', V) and processed taken at columns[b] (a slice or an index tensor), the
+    verify positions its emitted tokens were drawn at; accepted_nodes[b] for a tree row."""
     verified = []
-    for b in range(len(works)):
+    for b, cols in enumerate(columns):
         n = num_accepted[b] + 1
         rows = slice(b, b + 1)
         verified.append(Verified(
             token_ids=token_ids[b, :n], num_accepted=n - 1, residual_fallback=residual_fallback[b],
-            logits=logits[b, :n], raw_logits=None if works[b].penalties is None else raw_logits[b, :n],
+            logits=logits[b, cols], raw_logits=None if works[b].penalties is None else raw_logits[b, cols],
             processed=None if processed is None else
-            ProcessedLogits(processed.probs[rows, :n], processed.candidate_ids[rows, :n],
-                            processed.num_candidates[rows, :n])))
+            ProcessedLogits(processed.probs[rows, cols], processed.candidate_ids[rows, cols],
+                            processed.num_candidates[rows, cols]),
+            accepted_nodes=None if accepted_nodes is None else accepted_nodes[b]))
     return verified
 
 
@@ -98,43 +123,67 @@ def verify_sampled(works: list[VerifyRowWork], logits: torch.Tensor,
                    draft_ids: torch.Tensor) -> tuple[RejectionResult, ProcessedLogits]:
     """Target samples and the rejection sampler for a batch with sampled rows (greedy rows in it
     take the sampler's argmax path). logits (B, K+1, V); draft_ids (B, K), -1 padded."""
-    (B, K), V, device = draft_ids.shape, logits.shape[-1], logits.device
-    params = SamplingTensors.cat([w.params for w in works])
-    seeds = torch.tensor([row_seed(w.row.sampling) for w in works], dtype=torch.long,
-                         device=device)
-    first = torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)
+    (B, K), device = draft_ids.shape, logits.device
+    seeds, first = seeds_and_first(works, device)
     positions = first[:, None] + torch.arange(K + 1, device=device)  # (B, K+1): where each sample lands
-    processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))
-    # Gumbel-coupled rows: the target's draw is the Gumbel-max one and a draft is accepted iff it
-    # equals it, which is the greedy rule over these draws (gpu_worker/sampling/coupling.py)
-    gumbel = torch.tensor([w.row.sampling.gumbel for w in works], device=device)
-    if bool(gumbel.any()):
-        target_ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel])
+    processed, target_ids, greedy = target_draws(works, logits, seeds, positions)
     num_draft = torch.tensor([w.num_draft for w in works], dtype=torch.long, device=device)
-    draft_probs = None
-    if any(w.draft_probs is not None for w in works):
-        one_hot = torch.zeros(B, K, V, device=device)
-        one_hot.scatter_(-1, draft_ids.clamp_min(0)[..., None], 1.0)
-        draft_probs = torch.stack([one_hot[b] if w.draft_probs is None else
-                                   torch.cat([w.draft_probs, one_hot[b, w.num_draft:]])
-                                   for b, w in enumerate(works)])  # (B, K, V)
-    result = rejection_sample(draft_ids, num_draft, draft_probs, processed.probs, target_ids, params.greedy | gumbel,
+    result = rejection_sample(draft_ids, num_draft, stacked_draft_probs(works, draft_ids, logits.shape[-1]),
+                              processed.probs, target_ids, greedy,
                               uniforms=make_uniforms(seeds, positions[:, :K], STREAM_ACCEPT),
                               residual_uniforms=make_uniforms(seeds, positions[:, :K], STREAM_RESIDUAL))
     return result, processed
 
 
-def verify_each(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified | None]:
-    """verify_drafts for all rows at once; if that fails, row by row, so one bad row (e.g.
-    non-finite logits) fails alone."""
+def seeds_and_first(works: list[VerifyRowWork], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's seed (B,) and the stream position (B,) where the first token after its new
+    tokens lands, int64 on device."""
+    seeds = torch.tensor([row_seed(w.row.sampling) for w in works], dtype=torch.long, device=device)
+    return seeds, torch.tensor([w.start + w.num_new for w in works], dtype=torch.long, device=device)
+
+
+def target_draws(works: list[VerifyRowWork], logits: torch.Tensor, seeds: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[ProcessedLogits, torch.Tensor, torch.Tensor]:
+    """The target's laws and draws at logits (B, T, V), the draws keyed by (seeds (B,), positions
+    (B, T), STREAM_TARGET): (processed, target_ids (B, T), greedy (B,) bool: the rows the
+    acceptance takes by the greedy rule, greedy and Gumbel-coupled ones)."""
+    params = SamplingTensors.cat([w.params for w in works])
+    processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))
+    # Gumbel-coupled rows: the target's draw is the Gumbel-max one and a draft is accepted iff it
+    # equals it, which is the greedy rule over these draws (gpu_worker/sampling/coupling.py)
+    gumbel = torch.tensor([w.row.sampling.gumbel for w in works], device=logits.device)
+    if bool(gumbel.any()):
+        target_ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel])
+    return processed, target_ids, params.greedy | gumbel
+
+
+def stacked_draft_probs(works: list[VerifyRowWork], draft_ids: torch.Tensor, V: int) -> torch.Tensor | None:
+    """The rows' draft laws (B, K, V), a point mass where a row has none (draft_ids (B, K), -1
+    padded); None when no row has any (the samplers then take every draft as a point mass)."""
+    if all(w.draft_probs is None for w in works):
+        return None
+    B, K = draft_ids.shape
+    one_hot = torch.zeros(B, K, V, device=draft_ids.device)
+    one_hot.scatter_(-1, draft_ids.clamp_min(0)[..., None], 1.0)
+    return torch.stack([one_hot[b] if w.draft_probs is None else torch.cat([w.draft_probs, one_hot[b, w.num_draft:]])
+                        for b, w in enumerate(works)])  # (B, K, V)
+
+
+VerifyRows = Callable[[Verifier, list[VerifyRowWork]], list[Verified]]  # verify_drafts, verify_trees
+
+
+def verify_each(verifier: Verifier, works: list[VerifyRowWork],
+                verify: VerifyRows = verify_drafts) -> list[Verified | None]:
+    """verify (verify_drafts, or verifier_trees.py's verify_trees) for all rows at once; if that
+    fails, row by row, so one bad row (e.g. non-finite logits) fails alone."""
     try:
-        return verify_drafts(verifier, works)
+        return verify(verifier, works)
     except Exception:
         log.exception("verify_batch_sampling_failed", rows=len(works))
     verified: list[Verified | None] = []
     for work in works:
         try:
-            verified.append(verify_drafts(verifier, [work])[0])
+            verified.append(verify(verifier, [work])[0])
         except Exception as exc:
             log.exception("verify_row_failed", request_id=work.row.request_id)
             work.error = row_failure(exc, work.row)

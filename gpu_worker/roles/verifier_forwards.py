@@ -7,6 +7,7 @@ share one padded forward (`pack_chunks`), and each forward hands its rows the lo
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 import structlog
 import torch
@@ -94,12 +95,18 @@ def run_forwards(verifier: Verifier, works: list[VerifyRowWork]) -> None:
     pending = [w for w in works if w.fed < len(w.tokens)]  # fed: what the prefix cache gave
     while pending:
         chunks = [(w, w.fed, min(len(w.tokens), w.fed + verifier.prefill_chunk)) for w in pending]
-        for group in pack_chunks(chunks):
-            try:
-                forward_group(verifier, group)
-            except Exception as exc:
-                log.exception("verify_forward_failed", rows=len(group))
-                for work, _, _ in group:
-                    work.error = Error.from_exception(exc, work.row.request_id)
+        forward_each(verifier, pack_chunks(chunks), forward_group)
         pending = [w for w in pending if w.error is None and w.fed < len(w.tokens)]
 
+
+def forward_each(verifier: Verifier, groups: list[list[tuple[VerifyRowWork, int, int]]],
+                 forward_one: Callable[[Verifier, list[tuple[VerifyRowWork, int, int]]], None]) -> None:
+    """forward_one(verifier, group) for each group of (work, begin, end) chunks (forward_group,
+    or verifier_trees.py's forward_trees); a failed forward fails only its rows."""
+    for group in groups:
+        try:
+            forward_one(verifier, group)
+        except Exception as exc:
+            log.exception("verify_forward_failed", rows=len(group))
+            for work, _, _ in group:
+                work.error = Error.from_exception(exc, work.row.request_id)

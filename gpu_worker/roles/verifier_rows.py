@@ -1,6 +1,7 @@
 """The verifier's rows before the model (step 2 of gpu_worker/roles/verifier_core.py, whose
 verify_batch answers a retry itself): every row checked before any state changes (`check_row`:
-token ids inside the vocabulary, proposal, room in the slot), its sampling tensors, penalties
+token ids inside the vocabulary, proposal, room in the slot, a tree row a decode step:
+`check_tree_row`), its sampling tensors, penalties
 and draft distributions built, then the receiver rule (gpu_worker/roles/receiver_rule.py) and
 KV admission (`prepare_row`).
 """
@@ -52,7 +53,7 @@ def check_row(verifier: Verifier, row: VerifyRow, verdict: ReceiverVerdict, pref
     if not row.emit and num_draft:
         raise invalid("a row with emit=False carries no drafts", f"{prefix}.draft_token_ids")
     if row.parents is not None:
-        raise invalid("this verifier verifies chains of drafts only, not trees", f"{prefix}.parents")
+        check_tree_row(row, prefix)
     if num_draft > verdict.room:
         raise invalid(f"cached_len {row.cached_len} + {num_new} new + {num_draft} draft tokens exceed "
                       f"max_seq_len {verifier.cache.max_seq_len}", f"{prefix}.new_token_ids")
@@ -63,6 +64,19 @@ def check_row(verifier: Verifier, row: VerifyRow, verdict: ReceiverVerdict, pref
         raise invalid(f"a dense proposal over {proposal.draft_vocab_size} draft ids needs a d2t map; this "
                       f"verifier takes dense proposals over the target vocabulary ({V}) only",
                       f"{prefix}.proposal.draft_vocab_size")
+
+
+def check_tree_row(row: VerifyRow, prefix: str) -> None:
+    """A tree of drafts is verified on a decode step (gpu_worker/roles/verifier_trees.py): an
+    emitting row whose one new token is the root, without structured outputs (a grammar's masks
+    follow one path)."""
+    if not row.emit:
+        raise invalid("a row with emit=False carries no tree of drafts", f"{prefix}.parents")
+    if len(row.new_token_ids) != 1:
+        raise invalid(f"a tree of drafts is verified on a decode step: one new token (the root, the last emitted "
+                      f"token), got {len(row.new_token_ids)}", f"{prefix}.new_token_ids")
+    if row.sampling.structured_outputs is not None:
+        raise invalid("structured outputs follow a chain of drafts, not a tree", f"{prefix}.parents")
 
 
 def sampling_params(verifier: Verifier, row: VerifyRow, prefix: str) -> SamplingTensors:
@@ -179,7 +193,8 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
                          num_draft=len(drafts) + len(forced), num_prompt=num_prompt,
                          params=params, draft_probs=point_mass_after(draft_probs, forced, verifier.vocab_size),
                          penalties=penalties, allowed=None if grammar is None else grammar.allowed,
-                         num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts))
+                         num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts),
+                         parents=None if row.parents is None else torch.from_numpy(row.parents).long())
     if wants_prompt and row.cached_len < row.prompt_len:
         continue_prompt(verifier, work)
     take_hit(verifier, work)

@@ -77,7 +77,10 @@ class VerifyRowWork:
 
     tokens (n_new + k,) int64 CPU: new_token_ids then draft tokens; tokens[t] lands at absolute
     position start + t. Logits are wanted at offsets [0, num_prompt) (prompt logprobs) and, for
-    emitting rows, [num_new - 1, num_new + num_draft) (verify positions).
+    emitting rows, [num_new - 1, num_new + num_draft) (verify positions). A tree row
+    (gpu_worker/roles/verifier_trees.py) has one new token, the root, then its k nodes in
+    depth-first preorder: node i sits at start + depth(i) and its verify logits are column
+    i + 1 of the tree forward.
     """
 
     row: VerifyRow
@@ -93,6 +96,8 @@ class VerifyRowWork:
     allowed: torch.Tensor | None = None  # (k+1, V) bool: a grammar's tokens at each verify position
     num_forced: int = 0  # the last num_forced of the k drafts are the grammar's forced tokens
     num_replaced: int = 0  # the row's drafts the grammar refused (and those after), not fed
+    parents: torch.Tensor | None = None  # (k,) int64 CPU: a tree row's parents (None: a chain)
+    hidden: torch.Tensor | None = None  # (k+1, E): a tree row's hidden states, kept for the accepted path
     fed: int = 0
     verify_logits: list[torch.Tensor] = field(default_factory=list)  # pieces of (m, V)
     prompt_pieces: list[LogprobArrays] = field(default_factory=list)  # consecutive prompt positions
@@ -124,4 +129,5 @@ class Verified:
     # [1, n, ...] slices of the sampler's output; None for a greedy batch, whose K (the argmax)
     # gather_logprobs recomputes from the logits as it does for prompt positions
     processed: ProcessedLogits | None
+    accepted_nodes: list[int] | None = None  # a tree row's accepted path, its node indices from the root's child
 
