@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
 from schemas.errors import ErrorCode, SpecbusError
+from schemas.protocol import MAX_TREE_NODES
 from schemas.subjects import DEFAULT_PREFIX, check_instance_id
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -150,6 +151,13 @@ class SchedulerConfig(InstanceConfig):
     # at most 8 times as many).
     adaptive_k: bool = True
     adaptive_k_probe_steps: int = 16
+    # Trees of drafts (docs/PROTOCOL.md#tree-drafts): 0, chains only; N > 0 lets a greedy or
+    # Gumbel-coupled decode row without structured outputs ask its drafter for a tree of up to N
+    # nodes, as deep as its k, in the steps where its measured tokens per second beat the chain's
+    # (services/pipeline/tree_choice.py; with adaptive_k off, in every such step). Off by default: a
+    # tree verifies a target position per node, more per node than a chain does, and on the CPUs
+    # measured its extra accepted tokens did not pay for that at batch 1 (docs/PROTOCOL.md#tree-drafts).
+    max_tree_nodes: int = 0
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids
     tokenizer: str = dataclasses.field(default_factory=default_target_model)
 
@@ -326,6 +334,9 @@ def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides:
     if getattr(config, "adaptive_k_probe_steps", 1) < 1:
         raise SpecbusError(ErrorCode.invalid_field, f"adaptive_k_probe_steps: {config.adaptive_k_probe_steps} is not "
                                                     f"at least 1", "adaptive_k_probe_steps")
+    if not 0 <= getattr(config, "max_tree_nodes", 0) <= MAX_TREE_NODES:
+        raise SpecbusError(ErrorCode.invalid_field, f"max_tree_nodes: {config.max_tree_nodes} is not in [0, "
+                                                    f"{MAX_TREE_NODES}]", "max_tree_nodes")
     if hasattr(config, "instance_id"):
         role = next((r for r, c in ROLES.items() if c is cls), "instance")
         config.instance_id = check_instance_id(config.instance_id or default_instance_id(role), "instance_id")

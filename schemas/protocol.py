@@ -4,8 +4,8 @@ One owner for each number a message validates against; the models of schemas/ im
 and `python -m schemas.doc_tables` lists them in docs/PROTOCOL.md. Constants only: no models.
 """
 
-# 2 adds trees of draft tokens (DraftTokens.parents); a peer of another version is refused
-# (docs/PROTOCOL.md#version-rule)
+# 2 adds trees of draft tokens (DraftTokens.parents) and a scheduler's ask for one (DraftRow.max_nodes);
+# a peer of another version is refused (docs/PROTOCOL.md#version-rule)
 PROTOCOL_VERSION = 2
 MAX_TOKENS_CAP = 4096  # default cap on max_tokens; a scheduler passes its own via decode(context=...)
 MAX_TOP_LOGPROBS = 20

@@ -233,7 +233,12 @@ class DraftRow(WireModel):
     step: Count
     cached_len: Count
     new_token_ids: TokenIds = Field(default_factory=empty_ids)
-    num_draft: int = Field(ge=0, le=MAX_SPECULATIVE_TOKENS)
+    num_draft: int = Field(ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "the most drafts of a chain; with max_nodes, the deepest path of a tree"))
+    max_nodes: int = Field(0, ge=0, le=MAX_TREE_NODES, description=(
+        "0: a chain of at most num_draft drafts; else the drafter may answer a tree of at most max_nodes nodes, no "
+        "path deeper than num_draft (docs/PROTOCOL.md#tree-drafts); a chain is always a valid answer. At least "
+        "num_draft, and num_draft at least 1, when not 0"))
     draft_mode: Literal["greedy", "sample"] = "greedy"
     sampling: RowSampling = Field(default_factory=RowSampling)
     prompt_len: Count = 0
@@ -241,6 +246,13 @@ class DraftRow(WireModel):
     cache_salt: str | None = Field(None, max_length=256, description=(
         "whose prefix cache a new slot's history may be found in and kept for, as VerifyRow.cache_salt "
         "(docs/PROTOCOL.md#prefix-caching); None: none, every token is fed"))
+
+    @model_validator(mode="after")
+    def _a_tree_holds_its_depth(self) -> "DraftRow":
+        if self.max_nodes and not 1 <= self.num_draft <= self.max_nodes:
+            raise field_error("max_nodes", f"a tree of at most {self.max_nodes} nodes needs a depth (num_draft) of 1 "
+                                           f"to {self.max_nodes}, got {self.num_draft}")
+        return self
 
 
 class DraftRequest(Batch):

@@ -11,9 +11,13 @@ transformers' `prompt_lookup_num_tokens`, vLLM's ngram proposer); this is its ow
    slot holds fewer than cached_len committed tokens, too_long, slot allocation and eviction);
    a slot is the request's token list only (TokenSlots: no tensors);
 3. per row, `propose_ngram` over the history: up to num_draft drafts, fewer or none when the
-   history has no match. Drafts are point_mass proposals (the deterministic draft's law is one-hot
-   at the token), exact for every row: greedy, sampled (rejection sampling accepts d with
-   probability p(d)) and Gumbel-coupled (accepted iff d equals the target's draw).
+   history has no match; for a row with max_nodes > 0, `propose_ngram_tree`: a tree of at most
+   max_nodes nodes (within the row's max_seq_len room) no deeper than num_draft, with its parents,
+   or a chain (parents None) when the matches' continuations make one path (what the verifier's
+   chain path verifies alike, docs/PROTOCOL.md#tree-drafts). Drafts are point_mass proposals (the
+   deterministic draft's law is one-hot at the token), exact for every row: greedy, sampled
+   (rejection sampling accepts d with probability p(d)) and Gumbel-coupled (accepted iff d equals
+   the target's draw).
 
 Token ids are the target's (no vocabulary of its own, nothing to map): drafts are ids the
 history holds, so the instance fits every target. Its heartbeat says so with model_ids
@@ -36,7 +40,7 @@ from gpu_worker.roles.slots import SlotOwner, evict_idle, release
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.protocol import ANY_TOKENIZER
-from schemas.steps import DraftRequest, DraftResponse, DraftResult, Proposal
+from schemas.steps import DraftRequest, DraftResponse, DraftResult, Proposal, chain_parents
 
 
 def propose_ngram(history: np.ndarray, num_draft: int, max_n: int, min_n: int = 1) -> list[int]:
@@ -171,14 +175,23 @@ def load_ngram_drafter(config: DrafterConfig) -> NgramDrafter:
 
 
 def propose_row(drafter: NgramDrafter, work: DraftRowWork) -> DraftResult:
-    """Record the row's new tokens in its slot and propose from its history."""
+    """Record the row's new tokens in its slot and propose from its history: a chain, or for a row
+    with max_nodes a tree (module docstring, step 3)."""
     work.state.token_ids.extend(work.feed)
     history = np.asarray(work.state.token_ids, dtype=np.int64)
-    drafts = propose_ngram(history, work.num_draft, drafter.max_n, drafter.min_n)
+    max_nodes = min(work.row.max_nodes, drafter.cache.max_seq_len - work.start)  # the verifier's room, as num_draft's
+    parents = None
+    if max_nodes > 0 and work.num_draft > 0:
+        drafts, parents = propose_ngram_tree(history, max_nodes, work.num_draft, drafter.max_n, drafter.min_n)
+        if parents == chain_parents(len(parents)).tolist():
+            parents = None
+        drafter.counters["rows_tree"] += parents is not None
+    else:
+        drafts = propose_ngram(history, work.num_draft, drafter.max_n, drafter.min_n)
     drafter.counters["draft_tokens"] += len(drafts)
     drafter.counters["rows_unmatched"] += work.num_draft > 0 and not drafts
     return DraftResult(request_id=work.row.request_id, draft_token_ids=np.array(drafts, dtype=np.int32),
-                       proposal=Proposal())
+                       parents=None if parents is None else np.array(parents, dtype=np.int32), proposal=Proposal())
 
 
 def ngram_draft_batch(drafter: NgramDrafter, request: DraftRequest, now: float | None = None) -> DraftResponse:

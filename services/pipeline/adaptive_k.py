@@ -20,7 +20,9 @@ maximises its verify batch's expected tokens per second; the request's k is the 
   planned after it: at batch 1, T = k_t + 1),
   draft by the drafter batch's largest k (only what k_t adds to the rows planned before it; 0 drafts
   send no draft request at all), the commit as a constant. Each is the least of the last
-  COST_SAMPLES timings; sizes not measured are interpolated between measured ones.
+  COST_SAMPLES timings; sizes not measured are interpolated between measured ones. A verify batch
+  with a tree row is timed in a table of its own (tree_choice.py: a tree forward's token costs
+  more than a chain's).
 - Measure first: while a batch-1 size in [0, k] has fewer than MIN_SAMPLES timings, a row alone in
   its batch takes the largest such k_t; a row in a larger batch takes k while nothing is measured
   (so a scheduler that is told no timings runs at k, as without this).
@@ -126,6 +128,7 @@ class AdaptiveK:
     def __init__(self, probe_steps: int):
         self.probe_steps = probe_steps
         self.verify_costs: dict[str, CostTable] = {}
+        self.tree_verify_costs: dict[str, CostTable] = {}  # batches with a tree row (tree_choice.py)
         self.draft_costs: dict[str, CostTable] = {}
         self.commit_s = CostTable()  # one size, 0
         self.priors: dict[tuple[str, str], AcceptanceCounts] = {}
@@ -158,27 +161,51 @@ class AdaptiveK:
     def best_k(self, own: AcceptanceCounts, prior_key: tuple[str, str], k_max: int, verifier_id: str,
                base_tokens: int, drafter_id: str, base_k: int, alone: bool, others: int = 0) -> int:
         """The argmax of (others + E(k))/time(k), or the size to measure first (module docstring)."""
-        verify = self.verify_costs.setdefault(verifier_id, CostTable())
-        draft = self.draft_costs.setdefault(drafter_id, CostTable())
+        return self.best(own, prior_key, k_max, verifier_id, base_tokens, drafter_id, base_k, alone, others)[0]
+
+    def best(self, own: AcceptanceCounts, prior_key: tuple[str, str], k_max: int, verifier_id: str,
+             base_tokens: int, drafter_id: str, base_k: int, alone: bool, others: int = 0) -> tuple[int, float | None]:
+        """best_k's k and its expected tokens per second; None for a size measured first, or k_max
+        with nothing measured."""
         if alone:
-            unmeasured = [k for k in range(k_max + 1) if not verify.known(k + 1) or (k and not draft.known(k))]
+            unmeasured = self.unmeasured(k_max, verifier_id, drafter_id)
             if unmeasured:
-                return unmeasured[-1]
+                return unmeasured[-1], None
         prior = self.priors.get(prior_key, AcceptanceCounts())
         acceptance = [own.rate(i, prior.rate(i), PRIOR_WEIGHT) for i in range(k_max)]
-        commit_s = self.commit_s.estimate(0) or 0.0
         best, best_rate = 0, 0.0
         for k in range(k_max + 1):
-            verify_s = verify.estimate(base_tokens + k + 1)
-            draft_s = draft.estimate(k) if k > base_k else 0.0
-            if verify_s is None or draft_s is None:
-                return k_max  # nothing measured (unit tests, a scheduler whose service reports no timings)
-            if k > base_k and base_k:
-                draft_s -= draft.estimate(base_k)  # what k adds to the drafter batch's rows planned before
-            rate = (others + expected_tokens(acceptance, k)) / max(verify_s + draft_s + commit_s, 1e-9)
+            rate = self.step_rate(expected_tokens(acceptance, k), others, verifier_id, base_tokens + k + 1,
+                                  drafter_id, k, base_k)
+            if rate is None:
+                return k_max, None  # nothing measured (unit tests, a scheduler whose service reports no timings)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best, best_rate
+
+    def unmeasured(self, k_max: int, verifier_id: str, drafter_id: str) -> list[int]:
+        """The batch-1 sizes k in [0, k_max] with fewer than MIN_SAMPLES timings (verify at k + 1
+        tokens, draft at k)."""
+        verify = self.verify_costs.setdefault(verifier_id, CostTable())
+        draft = self.draft_costs.setdefault(drafter_id, CostTable())
+        return [k for k in range(k_max + 1) if not verify.known(k + 1) or (k and not draft.known(k))]
+
+    def step_rate(self, expected: float, others: int, verifier_id: str, tokens: int, drafter_id: str, draft_k: int,
+                  base_k: int, tree: bool = False) -> float | None:
+        """(others + expected) / time of a step whose verify batch holds `tokens` new tokens (tree: a
+        tree row among them, timed apart while any such batch is) and asks its drafter for draft_k
+        drafts where the rows planned before asked base_k; None while nothing is measured."""
+        verify_s = self.tree_verify_costs.get(verifier_id, CostTable()).estimate(tokens) if tree else None
+        if verify_s is None:
+            verify_s = self.verify_costs.get(verifier_id, CostTable()).estimate(tokens)
+        draft = self.draft_costs.get(drafter_id, CostTable())
+        draft_s = draft.estimate(draft_k) if draft_k > base_k else 0.0
+        if verify_s is None or draft_s is None:
+            return None
+        if draft_k > base_k and base_k:
+            draft_s -= draft.estimate(base_k)  # what draft_k adds to the drafter batch's rows planned before
+        commit_s = self.commit_s.estimate(0) or 0.0
+        return (others + expected) / max(verify_s + draft_s + commit_s, 1e-9)
 
     def verified(self, row: RowState, prior_key: tuple[str, str], num_draft: int, num_accepted: int) -> None:
         """A verify step of a row with num_draft drafts, num_accepted of them accepted."""
@@ -195,6 +222,9 @@ class AdaptiveK:
     def draft_timed(self, drafter_id: str, max_k: int, seconds: float) -> None:
         self.draft_costs.setdefault(drafter_id, CostTable()).add(max_k, seconds)
 
-    def verify_timed(self, verifier_id: str, num_tokens: int, seconds: float, commit_s: float) -> None:
-        self.verify_costs.setdefault(verifier_id, CostTable()).add(num_tokens, seconds)
+    def verify_timed(self, verifier_id: str, num_tokens: int, seconds: float, commit_s: float,
+                     tree: bool = False) -> None:
+        """A verify batch of num_tokens new tokens; tree: with a tree row (its own table, tree_choice.py)."""
+        costs = self.tree_verify_costs if tree else self.verify_costs
+        costs.setdefault(verifier_id, CostTable()).add(num_tokens, seconds)
         self.commit_s.add(0, commit_s)

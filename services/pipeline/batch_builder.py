@@ -17,6 +17,10 @@ NATS, no awaits: services/pipeline/scheduler_core.py owns one `BatchBuilder`.
   for users the operator lists; docs/PROTOCOL.md#prefix-caching).
 - Drafts late, missing or refused: the rows run with k=0, flagged `draft_timeout`; a draft row
   answered need_resync runs k=0 flagged `resync`, and its whole history goes again next step.
+- A row that asks a tree (PlannedRow.max_nodes, tree_choice.py) takes a tree answer of at most
+  max_nodes nodes no deeper than num_draft, or a chain of at most num_draft, and its verify row
+  carries the tree's parents; drafts over the plan (a tree asked of nobody included) are dropped
+  and counted (`dropped_excess_drafts`), the row running k=0.
 """
 
 from collections import Counter
@@ -28,7 +32,8 @@ from schemas.config import SchedulerConfig
 from schemas.errors import ErrorCode
 from schemas.generation import draft_is_sampled
 from schemas.protocol import MAX_FEATURE_BLOCK_BYTES, MAX_SPECULATIVE_TOKENS
-from schemas.steps import DraftRequest, DraftResponse, DraftRow, DraftTokens, VerifyRequest, VerifyRow
+from schemas.steps import (DraftRequest, DraftResponse, DraftResult, DraftRow, DraftTokens, VerifyRequest, VerifyRow,
+                           tree_depths)
 from schemas.wire import Error
 from services.pipeline import features
 from services.pipeline.payload import (
@@ -57,6 +62,16 @@ def forced_room(planned: PlannedRow) -> int:
         return 0
     left = request.sampling.max_tokens - len(request.completion) - 1
     return max(0, min(MAX_SPECULATIVE_TOKENS, left) - planned.num_draft)
+
+
+def fits_plan(planned: PlannedRow, result: DraftResult) -> bool:
+    """Whether a drafter's answer is within its row's plan: a chain of at most num_draft drafts, or,
+    for a row that asked a tree, a tree of at most max_nodes nodes no deeper than num_draft."""
+    num_nodes = len(result.draft_token_ids)
+    if result.parents is None:
+        return num_nodes <= planned.num_draft
+    depth = int(tree_depths(result.parents).max()) if num_nodes else 0
+    return num_nodes <= planned.max_nodes and depth <= planned.num_draft
 
 
 class BatchBuilder:
@@ -112,8 +127,9 @@ class BatchBuilder:
         request = planned.request
         new_ids = request.history[request.drafter_len:]
         request_bytes = draft_row_bytes(len(new_ids), request.sampling)
-        answer_bytes = draft_answer_bytes(planned.num_draft, draft_is_sampled(request.sampling,
-                                                                               request.speculative.draft_mode))
+        answer_bytes = draft_answer_bytes(planned.draft_room, draft_is_sampled(request.sampling,
+                                                                               request.speculative.draft_mode),
+                                          tree=planned.max_nodes > 0)
         if not room.fits(request_bytes, answer_bytes):
             return None
         block = features.take(request.feature_blocks, MAX_FEATURE_BLOCK_BYTES if room.request is None
@@ -122,7 +138,8 @@ class BatchBuilder:
         request_bytes += 0 if block is None else features.BLOCK_OVERHEAD_BYTES + len(block.data)
         room.take(request_bytes, answer_bytes)
         return DraftRow(request_id=request.request_id, row=index, step=request.step, cached_len=request.drafter_len,
-                        new_token_ids=new_ids, num_draft=planned.num_draft, draft_mode=request.speculative.draft_mode,
+                        new_token_ids=new_ids, num_draft=planned.num_draft, max_nodes=planned.max_nodes,
+                        draft_mode=request.speculative.draft_mode,
                         sampling=request.sampling.row_sampling(), prompt_len=request.prompt_len, features=block,
                         cache_salt=cache_salt(self.config, request.user))
 
@@ -148,14 +165,17 @@ class BatchBuilder:
                 if planned.features_sent is not None:
                     features.delivered(request, planned.features_sent)
                 planned.drafted_by = drafter_id
-                if len(result.draft_token_ids) > planned.num_draft or result.parents is not None:  # chains only
+                if not fits_plan(planned, result):
                     self.counters["dropped_excess_drafts"] += 1
                     log.warning("drafts_over_plan", request_id=request.request_id, drafter_id=drafter_id,
-                                num_draft=len(result.draft_token_ids), planned=planned.num_draft)
+                                num_draft=len(result.draft_token_ids), tree=result.parents is not None,
+                                planned=planned.num_draft, max_nodes=planned.max_nodes)
                     planned.num_draft = 0
                 else:
                     planned.num_draft = len(result.draft_token_ids)
-                    planned.draft = DraftTokens(draft_token_ids=result.draft_token_ids, proposal=result.proposal)
+                    parents = result.parents if planned.num_draft else None  # no nodes: no tree
+                    planned.draft = DraftTokens(draft_token_ids=result.draft_token_ids, parents=parents,
+                                                proposal=result.proposal)
 
     def verify_batches(self, plan: StepPlan, now: float) -> dict[str, VerifyRequest]:
         """One VerifyRequest per verifier with rows (or only slots to release), its deadline by
@@ -205,7 +225,8 @@ class BatchBuilder:
         wants_side = request.logprobs.wants_side_channel
         row = VerifyRow(request_id=request.request_id, row=index, step=request.step, cached_len=planned.cached_len,
                         new_token_ids=request.history[planned.cached_len:planned.end],
-                        draft_token_ids=planned.draft.draft_token_ids, proposal=planned.draft.proposal,
+                        draft_token_ids=planned.draft.draft_token_ids, parents=planned.draft.parents,
+                        proposal=planned.draft.proposal,
                         sampling=request.sampling.row_sampling(), logprobs=request.row_logprobs(),
                         postprocessor_id=request.postprocessor_id if wants_side else None,
                         prompt_len=request.prompt_len, emit=planned.emit, features_from=features_from,

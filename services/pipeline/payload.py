@@ -51,17 +51,18 @@ def draft_row_bytes(num_new: int, sampling: RowSampling) -> int:
     return ROW_OVERHEAD_BYTES + TOKEN_BYTES * num_new + sum(a.nbytes for a in sampling.arrays())
 
 
-def draft_answer_bytes(num_draft: int, sampled: bool) -> int:
-    """An upper estimate of a DraftResult's encoded size (schemas.generation.draft_is_sampled:
-    with a proposal)."""
-    return ROW_OVERHEAD_BYTES + num_draft * (TOKEN_BYTES + PROPOSAL_ENTRY_BYTES * MAX_DRAFT_SUPPORT * sampled)
+def draft_answer_bytes(num_draft: int, sampled: bool, tree: bool = False) -> int:
+    """An upper estimate of a DraftResult's encoded size with num_draft drafts, or nodes of a tree
+    (each with its parent index) (schemas.generation.draft_is_sampled: with a proposal)."""
+    per_draft = TOKEN_BYTES * (1 + tree) + PROPOSAL_ENTRY_BYTES * MAX_DRAFT_SUPPORT * sampled
+    return ROW_OVERHEAD_BYTES + num_draft * per_draft
 
 
 def verify_row_bytes(row: VerifyRow) -> int:
     """An upper estimate of a VerifyRow's encoded size: its arrays plus ROW_OVERHEAD_BYTES."""
     proposal = row.proposal
-    arrays = (row.new_token_ids, row.draft_token_ids, row.logprobs.logprob_token_ids, proposal.ids, proposal.probs,
-              *row.sampling.arrays())
+    arrays = (row.new_token_ids, row.draft_token_ids, row.parents, row.logprobs.logprob_token_ids, proposal.ids,
+              proposal.probs, *row.sampling.arrays())
     return ROW_OVERHEAD_BYTES + sum(a.nbytes for a in arrays if a is not None)
 
 

@@ -73,7 +73,9 @@ class SchedulerState:
     - A request's k is an upper bound: greedy and Gumbel-coupled rows take per step the k of
       adaptive_k.py (from timings the service reports: draft_timed, verify_timed; none reported,
       every step takes k); rejection-sampled rows always take k (step_planner.py says why).
-      usage.speculative_lengths counts decode steps by the drafts they verified.
+      usage.speculative_lengths counts decode steps by the drafts they verified (a tree's nodes).
+    - With max_tree_nodes, such a row may ask a tree of drafts instead of a chain, where
+      tree_choice.py measures it pays (docs/PROTOCOL.md#tree-drafts).
     - Prompt logprobs are asked of the verifier until the first commit delivered them; after a
       migration the re-prefill does not recompute them.
     - Scoring (max_tokens=0): prefill with emit=False, then a final commit of zero tokens,

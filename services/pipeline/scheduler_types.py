@@ -17,6 +17,7 @@ from schemas.streams import Admitted, StreamChunk, Usage
 from schemas.wire import Error, FinishReason
 from services.pipeline.adaptive_k import RowState
 from services.pipeline.draft_method import DraftTrial
+from services.pipeline.tree_choice import TreeRow
 
 
 def client_error(row_error: Error, request_id: str, first: bool = True) -> Error:
@@ -74,6 +75,7 @@ class Request:
     awaiting_postprocessor: bool = False  # ended with its postprocessor dead: the final commit waits for one
     end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
     adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
+    tree: TreeRow = field(default_factory=TreeRow)  # its tree steps, its probes (tree_choice.py)
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts
     draft_trial: DraftTrial = field(default_factory=DraftTrial)  # draft_method "auto" (draft_method.py)
     cached_tokens: int = 0  # history tokens its verifiers copied from their prefix caches
@@ -141,13 +143,19 @@ class PlannedRow:
     cached_len: int
     end: int
     emit: bool
-    num_draft: int  # planned; set to what the drafter delivered once it answered
+    num_draft: int  # planned (a tree's depth); set to what the drafter delivered once it answered (a tree's nodes)
     decode: bool = False  # a decode row (plan_decode_row), not a prefill chunk
+    max_nodes: int = 0  # planned: the nodes of the tree it asks, 0 for a chain (tree_choice.py)
     draft: DraftTokens = field(default_factory=DraftTokens)
     degraded: list[str] = field(default_factory=list)
     drafted_by: str | None = None  # the drafter that answered for this row (draft_method.drafted)
     features_from: int | None = None  # what its verify row asked (features.py)
     features_sent: int | None = None  # the end of the features its draft row carried
+
+    @property
+    def draft_room(self) -> int:
+        """The most draft tokens its verify row may carry: the nodes of the tree it asks, else num_draft."""
+        return max(self.num_draft, self.max_nodes)
 
 
 @dataclass

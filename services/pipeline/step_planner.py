@@ -25,7 +25,10 @@ already decoding):
    likewise takes, past its share, the prefix its scheduler expects the cache to hold
    (prefix_hints.py: Request.hit_run set at its start).
 A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
-adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k.
+adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k. With
+max_tree_nodes, a greedy or Gumbel-coupled row without structured outputs may instead ask a tree
+of up to max_tree_nodes nodes (the step's budget permitting) as deep as its k: where
+tree_choice.py prefers it, or in every step with adaptive_k off (docs/PROTOCOL.md#tree-drafts).
 """
 
 from collections.abc import Iterable
@@ -37,16 +40,19 @@ from services.pipeline.adaptive_k import AdaptiveK
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
 from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
+from services.pipeline.tree_choice import RowPlace, TreeChoice
 
 
 class StepPlanner:
-    """Plans steps (module docstring); `adaptive` is None with adaptive_k off, `budget` holds
-    the verifiers' measured paces."""
+    """Plans steps (module docstring); `adaptive` is None with adaptive_k off, `trees` None with
+    it off or max_tree_nodes 0, `budget` holds the verifiers' measured paces."""
 
     def __init__(self, config: SchedulerConfig, placement: Placement):
         self.config = config
         self.placement = placement
         self.adaptive = AdaptiveK(config.adaptive_k_probe_steps) if config.adaptive_k else None
+        use_trees = self.adaptive is not None and config.max_tree_nodes > 0
+        self.trees = TreeChoice(self.adaptive, config.adaptive_k_probe_steps) if use_trees else None
         self.budget = StepBudget(config.target_step_s, config.max_step_tokens, config.verify_timeout_s, config.lanes)
         self.num_plans = 0
 
@@ -92,7 +98,7 @@ class StepPlanner:
             later = len(decode) - index - 1  # the decode rows planned after it: one token each at least
             row = self.plan_decode_row(request, limit - used, used + later, base_k,
                                        alone=len(decode) + len(prefill) == 1, others=len(decode) - 1)
-            used += 1 + row.num_draft
+            used += 1 + row.draft_room
             planned.append(row)
             if row.num_draft:
                 draft_rows.setdefault(request.drafter_id, []).append(row)
@@ -116,21 +122,42 @@ class StepPlanner:
         for a greedy or Gumbel-coupled row the k of adaptive_k, given the base_tokens new tokens
         of its verifier's other rows planned so far (one for each decode row still to plan), the
         base_k drafts its drafter is already asked for, whether it is alone in its verify batch and
-        the others decode rows beside it. A rejection-sampled row always
+        the others decode rows beside it, or a tree (tree_nodes). A rejection-sampled row always
         takes its k: its draws depend on k, and a seeded request must draw the same tokens again,
         after a failover too, where the new scheduler knows nothing of the acceptance the old one
         measured (docs/PROTOCOL.md#adaptive-k)."""
         remaining = request.sampling.max_tokens - len(request.completion)
         wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
         alive = self.placement.alive(request.drafter_id)
-        if wanted and alive and self.adaptive_row(request):
+        place = RowPlace(request.verifier_id, request.drafter_id, base_tokens, base_k, alone, others, self.num_plans)
+        nodes = self.tree_nodes(request, wanted, budget, place) if alive else 0
+        if wanted and alive and not nodes and self.adaptive_row(request):
             wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
                                           base_tokens, request.drafter_id, base_k, alone, others, self.num_plans)
-        row = PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=wanted, decode=True)
+        row = PlannedRow(request, request.verifier_len, len(request.history), emit=True,
+                         num_draft=min(wanted, nodes) if nodes else wanted, decode=True, max_nodes=nodes)
         if row.num_draft and not alive:
             row.num_draft = 0
             row.degraded.append("draft_timeout")
         return row
+
+    def tree_nodes(self, request: Request, wanted: int, budget: int, place: RowPlace) -> int:
+        """The nodes of the tree a decode row asks, 0 for a chain: max_tree_nodes within the step's
+        budget and the verifiers' max_seq_len (a verifier refuses a tree past it, where a chain's
+        drafts stay within max_tokens), for a greedy or Gumbel-coupled row that wants drafts and has
+        no structured outputs (the verifier follows a grammar along one path), where tree_choice.py
+        prefers a tree (with adaptive_k off, always)."""
+        limit = self.placement.max_seq_len()
+        room = budget - 1 if limit is None else min(budget - 1, limit - len(request.history))
+        nodes = min(self.config.max_tree_nodes, room)
+        sampling = request.sampling
+        exact_at_any_k = sampling.greedy or sampling.gumbel
+        if not (wanted and nodes > 0 and exact_at_any_k) or sampling.structured_outputs is not None:
+            return 0
+        if self.trees is not None and not self.trees.choose(request.adaptive, request.tree, self.prior_key(request),
+                                                             min(wanted, nodes), nodes, place):
+            return 0
+        return nodes
 
     def adaptive_row(self, request: Request) -> bool:
         """Whether the request's k per step is adaptive_k's: greedy and Gumbel-coupled rows, whose
@@ -144,9 +171,15 @@ class StepPlanner:
         return request.drafter_id or "", f"{rule}/{request.speculative.draft_mode}"
 
     def verified(self, planned: PlannedRow, result: VerifyResult) -> None:
-        """A row's verified drafts, for adaptive_k."""
+        """A row's verified drafts, for adaptive_k (a chain's) and tree_choice (a decode row's)."""
         request = planned.request
-        if planned.num_draft and self.adaptive_row(request):
+        if not self.adaptive_row(request):
+            return
+        if self.trees is not None and planned.decode:
+            nodes = None if planned.drafted_by is None else planned.num_draft
+            self.trees.verified(request.tree, self.prior_key(request), planned.max_nodes > 0, nodes,
+                                result.drafts_accepted)
+        if planned.num_draft and not planned.max_nodes:
             self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.drafts_accepted)
 
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
@@ -172,8 +205,9 @@ class StepPlanner:
     def verify_timed(self, verifier_id: str, message: VerifyRequest, response: VerifyResponse | Error | None,
                      seconds: float, commit_s: float, retried: bool, answered_at: float | None = None) -> None:
         """A verify batch's round trip (answered at monotonic answered_at), for the verifier's pace
-        (step_budget.py) and adaptive_k (by its new tokens computed, drafts included), and the commit
-        after it; a batch that needed a retry or got no answer is left out."""
+        (step_budget.py) and adaptive_k (by its new tokens computed, drafts included, a batch with a
+        tree row apart), and the commit after it; a batch that needed a retry or got no answer is
+        left out."""
         if not isinstance(response, VerifyResponse) or retried:
             return
         # what the prefix cache gave was copied, not computed: the pace is of the tokens computed
@@ -181,4 +215,5 @@ class StepPlanner:
             sum(r.cached_tokens for r in response.rows)
         self.budget.timed(verifier_id, tokens, seconds, answered_at)
         if self.adaptive is not None and message.rows:
-            self.adaptive.verify_timed(verifier_id, tokens, seconds, commit_s)
+            tree = any(row.parents is not None for row in message.rows)
+            self.adaptive.verify_timed(verifier_id, tokens, seconds, commit_s, tree)

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import (Commit, CodecError, DraftResponse, DraftResult, ErrorCode, Proposal, Usage, VerifyRequest,
-                     VerifyResponse, VerifyResult, VerifyRow, decode, encode)
+from schemas import (Commit, CodecError, DraftRequest, DraftResponse, DraftResult, DraftRow, ErrorCode, Proposal, Usage,
+                     VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, decode, encode)
 from schemas.arrays import ROOT_PARENT
 from schemas.protocol import MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES
 from schemas.steps import DraftTokens, chain_parents, tree_depths
@@ -183,3 +183,37 @@ def test_result_counts_count_every_node():
     assert len(Usage(speculative_lengths=[0] * (MAX_TREE_NODES + 1)).speculative_lengths) == MAX_TREE_NODES + 1
     with pytest.raises(ValueError, match=f"less than or equal to {MAX_TREE_NODES}"):
         VerifyResult(request_id="r0", step=3, num_draft=MAX_TREE_NODES + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# asking for a tree: DraftRow.max_nodes
+
+
+def draft_request(**row_fields) -> DraftRequest:
+    row = DraftRow(request_id="r0", row=0, step=3, cached_len=10, **row_fields)
+    return DraftRequest(batch_id=4, scheduler_id="s0", deadline=time.time() + 1, rows=[row])
+
+
+def test_a_draft_row_asks_a_chain_by_default_and_a_tree_with_a_node_budget():
+    chain = draft_request(num_draft=4)
+    assert chain.rows[0].max_nodes == 0
+    raw = chain.model_dump()
+    del raw["rows"][0]["max_nodes"]  # a peer may leave the default out
+    assert decode(msgpack.packb(raw, use_bin_type=True), DraftRequest) == chain
+    for depth, nodes in ((4, 16), (4, 4), (1, MAX_TREE_NODES), (MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES)):
+        tree = draft_request(num_draft=depth, max_nodes=nodes)
+        assert decode(encode(tree), DraftRequest) == tree
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_draft": 4, "max_nodes": MAX_TREE_NODES + 1}, f"less than or equal to {MAX_TREE_NODES}"),
+    ({"num_draft": 4, "max_nodes": -1}, "greater than or equal to 0"),
+    ({"num_draft": 4, "max_nodes": 3}, "a tree of at most 3 nodes needs a depth \\(num_draft\\) of 1 to 3, got 4"),
+    ({"num_draft": 0, "max_nodes": 8}, "a tree of at most 8 nodes needs a depth \\(num_draft\\) of 1 to 8, got 0"),
+])
+def test_a_node_budget_out_of_its_range_names_the_field(fields, message):
+    raw = draft_request(num_draft=1).model_dump()
+    raw["rows"][0].update(fields)
+    with pytest.raises(CodecError, match=message) as caught:
+        decode(msgpack.packb(raw, use_bin_type=True), DraftRequest)
+    assert (caught.value.code, caught.value.field) == (ErrorCode.invalid_field, "rows[0].max_nodes")

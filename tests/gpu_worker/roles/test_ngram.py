@@ -77,9 +77,9 @@ def new_drafter(**overrides):
     return load_ngram_drafter(load_config(DrafterConfig, env={}, **{**settings, **overrides}))
 
 
-def row(request_id, new_token_ids, num_draft=4, cached_len=0, index=0):
+def row(request_id, new_token_ids, num_draft=4, cached_len=0, index=0, max_nodes=0):
     return DraftRow(request_id=request_id, row=index, step=0, cached_len=cached_len, new_token_ids=new_token_ids,
-                    num_draft=num_draft)
+                    num_draft=num_draft, max_nodes=max_nodes)
 
 
 def results(drafter, *rows, release=(), now=None):
@@ -145,6 +145,37 @@ def test_drafts_stop_where_the_verifier_would_refuse_the_row():
     history = (PROMPT * 4)[:30]
     assert len(results(drafter, row("a", history))["a"].draft_token_ids) == 2  # 30 + 2 = max_seq_len
     assert len(results(drafter, row("b", (PROMPT * 5)[:33]))["b"].draft_token_ids) == 0  # too long: nothing
+
+
+# [1, 2] occurs twice before the end, followed by 3 4 and by 5 6: two continuations
+BRANCHING = [1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2]
+
+
+def test_a_row_with_a_node_budget_is_answered_a_tree_of_every_match():
+    drafter = new_drafter()
+    got = results(drafter, row("tree", BRANCHING, num_draft=2, max_nodes=8),
+                  row("chain", BRANCHING, num_draft=2, index=1))
+    tree = got["tree"]
+    assert (tree.draft_token_ids.tolist(), tree.parents.tolist()) == propose_ngram_tree(np.array(BRANCHING), 8, 2, 4)
+    assert tree.draft_token_ids.tolist() == [5, 6, 3, 4] and tree.parents.tolist() == [-1, 0, -1, 2]
+    assert tree.proposal.kind == "point_mass"
+    assert got["chain"].draft_token_ids.tolist() == [5, 6] and got["chain"].parents is None  # no budget: a chain
+    assert drafter.counters["rows_tree"] == 1 and drafter.counters["draft_tokens"] == 6
+
+
+def test_a_tree_within_its_budget_and_one_path_as_a_chain():
+    drafter = new_drafter()
+    got = results(drafter, row("cut", BRANCHING, num_draft=2, max_nodes=3),
+                  row("one", PROMPT, num_draft=4, max_nodes=16, index=1))
+    assert got["cut"].draft_token_ids.tolist() == [5, 6, 3] and got["cut"].parents.tolist() == [-1, 0, -1]
+    # one match: the same chain propose_ngram gives, sent without parents (the verifier's chain path)
+    assert got["one"].draft_token_ids.tolist() == ngram(PROMPT, 4) and got["one"].parents is None
+
+
+def test_a_tree_keeps_within_the_verifiers_room():
+    drafter = new_drafter(max_seq_len=len(BRANCHING) + 3)
+    got = results(drafter, row("a", BRANCHING, num_draft=2, max_nodes=8))["a"]
+    assert got.draft_token_ids.tolist() == [5, 6, 3] and got.parents.tolist() == [-1, 0, -1]  # history + 3 nodes
 
 
 @pytest.mark.parametrize("overrides, field", [({"ngram_min": 0}, "ngram_min"), ({"ngram_min": 5}, "ngram_min"),

@@ -8,6 +8,7 @@ from schemas.config import SchedulerConfig, load_config
 from schemas.control import Heartbeat
 from schemas.generation import GenerateRequest
 from schemas.steps import DraftResponse, DraftResult, VerifyResponse, VerifyResult
+from services.pipeline.adaptive_k import AcceptanceCounts
 from services.pipeline.scheduler_core import SchedulerState
 
 TOKENIZER_HASH = "0123456789abcdef"
@@ -46,14 +47,17 @@ def submit(state, request_id="r1", prompt_ids=(5, 6, 7), now=None, **fields):
 
 
 def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, verify_reply=True, cached=None,
-         step_s=None):
-    """One step. drafts / tokens / num_accepted: request_id -> what the drafter proposes / the
-    verifier emits / accepts (defaults: no drafts; each emitting row emits [9]; accepted 0);
+         step_s=None, parents=None):
+    """One step. drafts / tokens / num_accepted: request_id -> what the drafter proposes (cut to
+    the row's num_draft, unless parents names the request: sent whole, a tree, or with None a
+    chain) / the verifier emits / accepts (defaults: no drafts; each emitting row emits [9];
+    accepted 0);
     cached: request_id -> the length of its history's prefix the verifier's prefix cache holds
     (default 0), of which a row's cached_tokens is what its new tokens cover, bar an emitting
     row's last one (gpu_worker/roles/prefix_cache.py); step_s: the seconds the step is said to
     have taken (SchedulerState.step_timed; None: not timed)."""
-    drafts, tokens, num_accepted, cached = drafts or {}, tokens or {}, num_accepted or {}, cached or {}
+    drafts, tokens, num_accepted, cached, parents = drafts or {}, tokens or {}, num_accepted or {}, cached or {}, \
+        parents or {}
 
     def cached_tokens(row):
         return max(0, min(cached.get(row.request_id, 0) - row.cached_len, len(row.new_token_ids) - row.emit))
@@ -62,6 +66,8 @@ def step(state, drafts=None, tokens=None, num_accepted=None, draft_reply=True, v
     plan = state.plan_step(time.time())
     for drafter_id, message in state.draft_batches(plan, time.time()).items():
         reply = DraftResponse(batch_id=message.batch_id, drafter_id=drafter_id, rows=[
+            DraftResult(request_id=r.request_id, draft_token_ids=drafts[r.request_id], parents=parents[r.request_id])
+            if r.request_id in parents else
             DraftResult(request_id=r.request_id, draft_token_ids=drafts.get(r.request_id, [])[:r.num_draft])
             for r in message.rows]) if draft_reply else None
         state.apply_draft(plan, drafter_id, message, reply)
@@ -95,3 +101,13 @@ def beat_verifier(state, instance_id="v1", max_seq_len=None):
     model_ids = {"tokenizer": TOKENIZER_HASH, **({"max_seq_len": str(max_seq_len)} if max_seq_len else {})}
     state.observe(Heartbeat(instance_id=instance_id, role="verifier", capacity=8, load=0, model_ids=model_ids,
                             sent_at=time.time(), interval_s=0.5))
+
+
+def acceptance_history(rate: float, steps: int = 40, k: int = 4) -> AcceptanceCounts:
+    """Adaptive k's counts of steps with k drafts, each position accepted with `rate` exactly in expectation."""
+    counts = AcceptanceCounts(judged=[0.0] * k, accepted=[0.0] * k)
+    reach = 1.0
+    for i in range(k):
+        counts.judged[i], counts.accepted[i] = steps * reach, steps * reach * rate
+        reach *= rate
+    return counts

@@ -16,6 +16,7 @@ from services.pipeline.adaptive_k import (
     RowState,
     expected_tokens,
 )
+from tests.services.pipeline.scheduler_harness import acceptance_history as history
 from tests.services.pipeline.scheduler_harness import new_state, submit
 
 # ------------------------------------------------------------------ the pieces
@@ -81,16 +82,6 @@ def choose(adaptive, own=None, k_max=4, zero_steps=0, prior=None):
     adaptive.zero_steps[("d", "greedy/greedy")] = zero_steps
     row = RowState(acceptance=own or AcceptanceCounts())
     return adaptive.choose(row, ("d", "greedy/greedy"), k_max, "v", 0, "d", 0, True)
-
-
-def history(rate: float, steps: int = 40, k: int = 4) -> AcceptanceCounts:
-    """Counts of steps with k drafts, each position accepted with `rate` exactly in expectation."""
-    counts = AcceptanceCounts(judged=[0.0] * k, accepted=[0.0] * k)
-    reach = 1.0
-    for i in range(k):
-        counts.judged[i], counts.accepted[i] = steps * reach, steps * reach * rate
-        reach *= rate
-    return counts
 
 
 def test_without_timings_every_step_takes_the_requests_k():

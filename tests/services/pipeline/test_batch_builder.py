@@ -10,6 +10,7 @@ from schemas.errors import ErrorCode
 from schemas.protocol import MAX_DRAFT_SUPPORT
 from services.pipeline.step_budget import VERIFY_SLACK
 from tests.services.pipeline.scheduler_harness import (
+    beat_verifier,
     commits_of,
     new_state,
     step,
@@ -86,3 +87,82 @@ def test_a_verify_deadline_is_the_step_budgets_wait_for_the_batch_for_every_try(
     assert plan.attempt_s["v1"] == state.planner.budget.attempt_s("v1", 125) == pytest.approx(
         VERIFY_SLACK * state.config.lanes * 0.5)
     assert message.deadline - now == pytest.approx(3 * plan.attempt_s["v1"])
+
+
+# ------------------------------------------------------------------ trees of drafts
+
+TREE = [5, 6, 3, 4]  # root -> 5 -> 6, root -> 3 -> 4
+TREE_PARENTS = [-1, 0, -1, 2]
+
+
+def tree_state(tokenizer, k=2, max_tree_nodes=8, max_seq_len=None, **sampling):
+    """A scheduler that asks trees of max_tree_nodes in every step it may (adaptive_k off: no
+    timings decide), one request of k prefilled."""
+    state = new_state(tokenizer, max_tree_nodes=str(max_tree_nodes), adaptive_k="false")
+    if max_seq_len is not None:
+        beat_verifier(state, "v1", max_seq_len=max_seq_len)
+    request = submit(state, sampling={"max_tokens": 20, **sampling}, speculative={"num_speculative_tokens": k})
+    step(state)  # prefill
+    return state, request
+
+
+def test_a_tree_within_the_plan_reaches_the_verify_row_and_counts_its_nodes(tokenizer):
+    state, request = tree_state(tokenizer)
+    plan, requests, outbox = step(state, drafts={"r1": TREE}, parents={"r1": TREE_PARENTS}, num_accepted={"r1": 2},
+                                  tokens={"r1": [3, 4, 9]})
+    [asked] = plan.draft_rows["d1"]
+    assert (asked.max_nodes, state.counters["dropped_excess_drafts"]) == (8, 0)
+    [row] = requests["v1"].rows
+    assert row.draft_token_ids.tolist() == TREE and row.parents.tolist() == TREE_PARENTS and row.max_forced == 0
+    [commit] = commits_of(outbox)
+    assert commit.num_draft == 4 and commit.token_ids.tolist() == [3, 4, 9]
+    usage = request.usage()
+    assert usage.draft_tokens_proposed == 4 and usage.speculative_lengths == [0, 0, 0, 0, 1]  # 4 nodes, depth 2
+
+
+@pytest.mark.parametrize("drafts, parents, kept", [
+    ([5, 6, 3, 4], [-1, 0, -1, 2], 4),  # within the plan
+    ([5, 6], None, 2),  # a chain is always a valid answer
+    ([5, 6, 7], None, 0),  # a chain deeper than num_draft
+    ([5, 6, 7, 3], [-1, 0, 1, -1], 0),  # a path deeper than num_draft
+    ([1, 2, 3, 4, 5], [-1, 0, -1, 2, -1], 0),  # more nodes than max_nodes
+])
+def test_a_tree_answer_over_the_plan_is_dropped_and_counted(tokenizer, drafts, parents, kept):
+    state, _ = tree_state(tokenizer, max_tree_nodes=4)
+    _, requests, _ = step(state, drafts={"r1": drafts}, parents={"r1": parents})  # sent whole
+    assert len(requests["v1"].rows[0].draft_token_ids) == kept
+    assert state.counters["dropped_excess_drafts"] == (kept == 0)
+
+
+@pytest.mark.parametrize("sampling, speculative", [
+    ({"temperature": 1.0, "seed": 3}, {}),  # rejection-sampled: its draws depend on the drafts' shape
+    ({"structured_outputs": {"regex": "[a-z]+"}}, {}),  # the verifier follows a grammar along one path
+    ({}, {"num_speculative_tokens": 0}),  # no drafts at all
+])
+def test_rows_that_never_ask_a_tree_and_a_tree_they_get_is_dropped(tokenizer, sampling, speculative):
+    state = new_state(tokenizer, max_tree_nodes="8", adaptive_k="false")
+    submit(state, sampling={"max_tokens": 20, **sampling},
+           speculative={"num_speculative_tokens": 2, **speculative})
+    step(state)
+    plan, requests, _ = step(state, drafts={"r1": TREE}, parents={"r1": TREE_PARENTS})
+    assert all(p.max_nodes == 0 for rows in plan.rows.values() for p in rows)
+    assert requests["v1"].rows[0].parents is None
+    assert state.counters["dropped_excess_drafts"] == bool(plan.draft_rows)
+
+
+def test_a_gumbel_coupled_row_asks_a_tree_and_prefill_rows_never_do(tokenizer):
+    state = new_state(tokenizer, max_tree_nodes="8", adaptive_k="false")
+    submit(state, sampling={"max_tokens": 20, "temperature": 1.0, "seed": 3, "coupling": "gumbel"},
+           speculative={"num_speculative_tokens": 2})
+    plan, _, _ = step(state)
+    assert [p.max_nodes for p in plan.rows["v1"]] == [0] and not plan.draft_rows  # the prefill chunk
+    plan, requests, _ = step(state, drafts={"r1": TREE}, parents={"r1": TREE_PARENTS})
+    assert [p.max_nodes for p in plan.draft_rows["d1"]] == [8]
+    assert requests["v1"].rows[0].parents.tolist() == TREE_PARENTS
+
+
+def test_a_tree_keeps_within_the_verifiers_max_seq_len_and_an_empty_one_is_a_chain(tokenizer):
+    state, _ = tree_state(tokenizer, max_seq_len=9)  # 3 prompt tokens + 1 emitted: room for 5 nodes
+    plan, requests, _ = step(state, drafts={"r1": []}, parents={"r1": []})
+    assert [(p.max_nodes, p.num_draft) for p in plan.rows["v1"]] == [(5, 0)]
+    assert requests["v1"].rows[0].parents is None and state.counters["dropped_excess_drafts"] == 0
