@@ -1,6 +1,7 @@
 """Training-only code of the EAGLE head (ops/train_eagle.py): fresh weights, saving a head
 directory, the unrolled training forward, and the accumulating run's checkpoint (weights, what
-it keeps of the optimizer, d2t, data position). The runtime half (loading, `head_forward`,
+it keeps of the optimizer, d2t, data position), feature shard files, and the shards of a
+regenerated-answers file. The runtime half (loading, `head_forward`,
 `draft_chain`) is gpu_worker/runtime/eagle.py."""
 
 import json
@@ -275,3 +276,43 @@ def restore_optimizer(opt: torch.optim.AdamW, moments: dict[str, torch.Tensor], 
             state[i] = {"step": torch.tensor(float(adam_step)), "exp_avg": torch.zeros_like(p),
                         "exp_avg_sq": moments[n].to(torch.bfloat16).to(p)}
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+def write_shard(path: Path, rows: list[dict]) -> None:
+    """One shard of conversations {"id", "start", "ids" (T,), "features" (T, E) bf16}; written
+    to a temporary name and renamed, so a shard exists only whole."""
+    tensors, meta = {}, []
+    for r in rows:
+        tensors[f"{r['id']}.ids"] = r["ids"].to(torch.int32)
+        tensors[f"{r['id']}.features"] = r["features"].to(torch.bfloat16).contiguous()
+        meta.append({"id": r["id"], "start": r["start"], "len": len(r["ids"])})
+    tmp = path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp), metadata={"rows": json.dumps(meta)})
+    tmp.rename(path)
+
+
+def load_shards(paths: list[Path]) -> list[dict]:
+    """Conversations of the given feature shards: dicts of ids (T,), features (T, E) bf16,
+    start (where the loss starts), len, id."""
+    rows = []
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for row in json.loads(f.metadata()["rows"]):
+                key = row["id"]
+                rows.append(dict(row, ids=f.get_tensor(f"{key}.ids").long(),
+                                 features=f.get_tensor(f"{key}.features")))
+    return rows
+
+
+def regenerated_shards(path, shard_convs: int):
+    """The shards of a regenerated-answers file (ops/regenerate_answers.py) as `accumulate` walks
+    them: a function of the shard number n giving the file's conversations at positions
+    n * shard_convs .. (n + 1) * shard_convs - 1 of the seeded train order (the ShareGPT shard n
+    whose prompts they answer), or None for a shard the file does not cover whole yet."""
+    data = json.loads(Path(path).read_text())
+    by_shard: dict[int, list[dict]] = {}
+    for conversation in data["conversations"]:
+        by_shard.setdefault(conversation["position"] // shard_convs, []).append(conversation)
+    complete = data["next_position"] // shard_convs  # shards before this one are whole
+    return lambda n: by_shard.get(n, []) if n < complete else None

@@ -16,6 +16,10 @@ with the next conversations of the seeded order (prefilled unless on disk) for -
 tokens (a progress bar with tokens/s and ETA), saving and exporting every --save-every seconds
 and on SIGINT / SIGTERM. `nice -n 19` beside other work; SIGSTOP / SIGCONT are harmless. A first
 run may start from a head directory (--init-head; --init-convs: the conversations it saw).
+--state / --out: another checkpoint and head directory (a copy of STATE, for an experiment).
+--data FILE: the target's own answers to the same prompts (ops/regenerate_answers.py) instead of
+ShareGPT's: shard n of FILE answers the prompts of ShareGPT's shard n, so the data position
+counts alike; its features go to $SPECBUS_HOME/eagle-data/regen-<stem of FILE>.
 
 Design (gpu_worker/runtime/eagle.py has the head):
 - Data: ShareGPT's train split only (services/commands/bench_serve_core.load_sharegpt; the
@@ -45,7 +49,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from text.chat_template import render_chat
@@ -60,9 +63,9 @@ from services.commands.bench_serve_core import load_sharegpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_draft import COPIED_FILES, DRAFT_VOCAB  # noqa: E402
-from eagle_training import (batch_tensors, calibrate_out_norm, chain_losses, init_weights, load_state,  # noqa: E402
-                             new_optimizer, restore_optimizer, round_plan, save_head, save_state, start_counters,
-                             train_step)
+from eagle_training import (batch_tensors, calibrate_out_norm, chain_losses, init_weights, load_shards,  # noqa: E402
+                             load_state, new_optimizer, regenerated_shards, restore_optimizer, round_plan, save_head,
+                             save_state, start_counters, train_step, write_shard)
 from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,11 +103,13 @@ def chat_messages(conversation: dict) -> list[dict]:
 def encode_conversation(tokenizer, conversation: dict, max_len: int) -> tuple[list[int], int] | None:
     """(ids cut to max_len, where the loss starts) or None for a conversation with no user turn
     or too short. The loss starts at the first user turn: every rendering shares the system
-    prompt before it."""
+    prompt before it. A regenerated conversation (ops/regenerate_answers.py) brings its "ids"
+    (the rendered prompt, then the target's answer as generated): those are used as they are."""
     messages = chat_messages(conversation)
     if not messages:
         return None
-    ids = tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt=False))[:max_len]
+    ids = (list(conversation["ids"]) if "ids" in conversation
+           else tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt=False)))[:max_len]
     header = tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": ""}], add_generation_prompt=False))
     start = next((i for i, (a, b) in enumerate(zip(ids, header)) if a != b), len(header))
     start = max(0, start - 1)  # the header's last token may merge with the message's first
@@ -188,35 +193,8 @@ def extract_features(target: Path, max_len: int, shard_convs: int, max_convs: in
             bar.set_postfix(tok_s=f"{done_tokens / (time.time() - t0):.0f}", tokens=done_tokens)
 
 
-def write_shard(path: Path, rows: list[dict]) -> None:
-    """One shard of conversations {"id", "start", "ids" (T,), "features" (T, E) bf16}; written
-    to a temporary name and renamed, so a shard exists only whole."""
-    tensors, meta = {}, []
-    for r in rows:
-        tensors[f"{r['id']}.ids"] = r["ids"].to(torch.int32)
-        tensors[f"{r['id']}.features"] = r["features"].to(torch.bfloat16).contiguous()
-        meta.append({"id": r["id"], "start": r["start"], "len": len(r["ids"])})
-    tmp = path.with_suffix(".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp), metadata={"rows": json.dumps(meta)})
-    tmp.rename(path)
-
-
-def load_shards(paths: list[Path]) -> list[dict]:
-    """Conversations of the given feature shards: dicts of ids (T,), features (T, E) bf16,
-    start (where the loss starts), len, id."""
-    rows = []
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for row in json.loads(f.metadata()["rows"]):
-                key = row["id"]
-                rows.append(dict(row, ids=f.get_tensor(f"{key}.ids").long(),
-                                 features=f.get_tensor(f"{key}.features")))
-    return rows
-
-
-def shard_path(n: int) -> Path:
-    return data_dir() / f"feat-{n:04d}.safetensors"
+def shard_path(n: int, directory: Path | None = None) -> Path:
+    return (directory or data_dir()) / f"feat-{n:04d}.safetensors"
 
 
 def shard_paths() -> list[Path]:
@@ -359,36 +337,45 @@ def export(target: Path, config: EagleConfig, weights: dict[str, torch.Tensor], 
 class Shards:
     """Feature shards of train_order by number: read from data_dir(), prefilled and written when
     missing (the target, its tokenizer and ShareGPT loaded at the first need), the last
-    keep + 1 read kept in memory for replay."""
+    keep + 1 read kept in memory for replay. data: a regenerated-answers file
+    (ops/regenerate_answers.py) instead of ShareGPT's answers: shard n holds its answers to the
+    prompts of ShareGPT's shard n (eagle_training.regenerated_shards), in data_dir()/regen-<stem>."""
 
     def __init__(self, target: Path, shard_convs: int, max_len: int, device: str, keep: int,
-                 exclude: frozenset[str] = frozenset()):
+                 exclude: frozenset[str] = frozenset(), data: Path | None = None):
         self.target, self.shard_convs, self.max_len, self.device, self.keep = target, shard_convs, max_len, device, keep
         self.exclude = exclude  # conversation ids never trained on (prefilled only where a shard has them)
+        self.data, self.dir = data, data_dir() if data is None else data_dir() / f"regen-{Path(data).stem}"
         self.cache: dict[int, list[dict]] = {}
-        self.source = None  # (tokenizer, conversations, order, prefill)
+        self.source = None  # (tokenizer, shard n -> its conversations or None, prefill)
 
     def on_disk(self, n: int) -> list[dict] | None:
-        if n not in self.cache and shard_path(n).exists():
+        if n not in self.cache and shard_path(n, self.dir).exists():
             self.cache = {m: rows for m, rows in self.cache.items() if m >= n - self.keep}
-            self.cache[n] = [row for row in load_shards([shard_path(n)]) if row["id"] not in self.exclude]
+            self.cache[n] = [row for row in load_shards([shard_path(n, self.dir)]) if row["id"] not in self.exclude]
         return self.cache.get(n)
 
+    def conversations(self):
+        """shard n -> its conversations, or None past the end of the data."""
+        if self.data is not None:
+            return regenerated_shards(self.data, self.shard_convs)
+        conversations = load_sharegpt(split="train")
+        order, k = train_order(conversations), self.shard_convs
+        return lambda n: [conversations[i] for i in order[n * k:(n + 1) * k]] or None
+
     def get(self, n: int, stop=None) -> list[dict] | None:
-        """Shard n's rows, prefilled now if missing; None past the end of the train split or
-        when stop() turned true while prefilling."""
+        """Shard n's rows, prefilled now if missing; None past the end of the data or when
+        stop() turned true while prefilling."""
         if self.on_disk(n) is not None:
             return self.cache[n]
         if self.source is None:
-            conversations = load_sharegpt(split="train")
-            self.source = (load_tokenizer(self.target), conversations, train_order(conversations),
+            self.source = (load_tokenizer(self.target), self.conversations(),
                            prefill_target(self.target, self.max_len, self.device))
-        tokenizer, conversations, order, prefill = self.source
-        indices = order[n * self.shard_convs:(n + 1) * self.shard_convs]
-        if not indices:
+        tokenizer, shard, prefill = self.source
+        if (chosen := shard(n)) is None:
             return None
-        wanted = [conversations[i] for i in indices if conversations[i]["id"] not in self.exclude]
-        if write_features(shard_path(n), prefill, tokenizer, wanted, self.max_len, self.device, stop) is None:
+        wanted = [c for c in chosen if c["id"] not in self.exclude]
+        if write_features(shard_path(n, self.dir), prefill, tokenizer, wanted, self.max_len, self.device, stop) is None:
             return None
         return self.on_disk(n)
 
@@ -439,7 +426,8 @@ def fresh_head(target: Path, tw: dict, config: EagleConfig, rows: list[dict], vo
 def accumulate(target: Path, goal_tokens: int, batch: int, lr: float, unroll: int, reg_weight: float, replay: float,
                device: str, state_dir: Path, init_head: Path | None = None, init_convs: int = 0,
                shard_convs: int = 32, max_len: int = 512, vocab_convs: int = 1000, save_every_s: float = 300.0,
-               stop=None, out: Path | None = None, exclude: frozenset[str] = frozenset()) -> dict:
+               stop=None, out: Path | None = None, exclude: frozenset[str] = frozenset(),
+               data: Path | None = None) -> dict:
     """Train on goal_tokens new tokens past the checkpoint's data position, one shard at a time.
 
     Per round: shard n = position / shard_convs (prefilled now unless on disk), its conversations
@@ -448,14 +436,14 @@ def accumulate(target: Path, goal_tokens: int, batch: int, lr: float, unroll: in
     The checkpoint (state_dir, save_state) and the head export (out) are written every
     save_every_s, at the end, and when stop() turns true (then mid-round: round_step says how far).
     exclude: conversation ids left out (main passes the `--split select` ones, so that comparing
-    checkpoints on them stays fair). Returns the counters and run_tokens, the new tokens this run
-    trained on."""
+    checkpoints on them stays fair). data: train on a regenerated-answers file (Shards).
+    Returns the counters and run_tokens, the new tokens this run trained on."""
     stopped = (lambda: False) if stop is None else stop
     bf16_matmuls = resolve_dtype("auto", device) == torch.bfloat16
     tw = target_weights(target)
     config = EagleConfig.from_target(read_config(target))
     embed = tw["embed"].to(device)
-    shards = Shards(target, shard_convs, max_len, device, keep=REPLAY_SHARDS, exclude=exclude)
+    shards = Shards(target, shard_convs, max_len, device, keep=REPLAY_SHARDS, exclude=exclude, data=data)
     state = open_state(state_dir, init_head, init_convs, shard_convs, max_len, target)
     if state is None:
         first = shards.get(0, stopped)
@@ -654,6 +642,9 @@ def main() -> None:
     parser.add_argument("--replay", type=float, default=0.0,
                         help="accumulate: replayed conversations (of the shards just before) per new one")
     parser.add_argument("--state", type=Path, default=STATE, help="accumulate: the checkpoint directory")
+    parser.add_argument("--out", type=Path, default=OUT, help="accumulate: where the head is exported")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="accumulate: a regenerated-answers file (ops/regenerate_answers.py), not ShareGPT's")
     parser.add_argument("--init-head", type=Path, default=None,
                         help="accumulate, no checkpoint yet: start from this head directory (else a fresh head)")
     parser.add_argument("--init-convs", type=int, default=0,
@@ -686,8 +677,8 @@ def main() -> None:
             signal.signal(sig, lambda *_: stop.set())
         accumulate(args.target, args.tokens, args.batch, args.lr, args.unroll, args.reg_weight, args.replay,
                    args.device, args.state, args.init_head, args.init_convs, args.shard_convs, args.max_len,
-                   args.vocab_convs, args.save_every, stop.is_set,
-                   exclude=frozenset(c["id"] for c in load_sharegpt(split="train")[-SELECT_CONVS:]))
+                   args.vocab_convs, args.save_every, stop.is_set, out=args.out,
+                   exclude=frozenset(c["id"] for c in load_sharegpt(split="train")[-SELECT_CONVS:]), data=args.data)
     elif args.stage == "eval":
         result = evaluate(args.target, args.head, args.prompts, args.max_new, args.k, args.max_prompt, args.device,
                           args.split)

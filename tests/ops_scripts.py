@@ -8,11 +8,16 @@ from pathlib import Path
 OPS = Path(__file__).resolve().parents[1] / "ops"
 
 
-def load_train_eagle():
-    """A fresh module of ops/train_eagle.py (ops/ on sys.path, for its sibling imports)."""
+def load_ops_script(name: str):
+    """A fresh module of ops/<name>.py (ops/ on sys.path, for its sibling imports)."""
     if str(OPS) not in sys.path:
         sys.path.insert(0, str(OPS))
-    spec = importlib.util.spec_from_file_location("train_eagle", OPS / "train_eagle.py")
+    spec = importlib.util.spec_from_file_location(name, OPS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_train_eagle():
+    """A fresh module of ops/train_eagle.py."""
+    return load_ops_script("train_eagle")
