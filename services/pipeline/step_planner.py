@@ -129,8 +129,11 @@ class StepPlanner:
         remaining = request.sampling.max_tokens - len(request.completion)
         wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
         alive = self.placement.alive(request.drafter_id)
-        place = RowPlace(request.verifier_id, request.drafter_id, base_tokens, base_k, alone, others, self.num_plans)
-        nodes = self.tree_nodes(request, wanted, budget, place) if alive else 0
+        nodes = 0
+        if alive and wanted and self.config.max_tree_nodes:  # trees off (the default): nothing more per row
+            nodes = self.tree_nodes(request, wanted, budget, RowPlace(request.verifier_id, request.drafter_id,
+                                                                      base_tokens, base_k, alone, others,
+                                                                      self.num_plans))
         if wanted and alive and not nodes and self.adaptive_row(request):
             wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
                                           base_tokens, request.drafter_id, base_k, alone, others, self.num_plans)
@@ -147,12 +150,13 @@ class StepPlanner:
         drafts stay within max_tokens), for a greedy or Gumbel-coupled row that wants drafts and has
         no structured outputs (the verifier follows a grammar along one path), where tree_choice.py
         prefers a tree (with adaptive_k off, always)."""
+        sampling = request.sampling
+        if not (wanted and (sampling.greedy or sampling.gumbel)) or sampling.structured_outputs is not None:
+            return 0
         limit = self.placement.max_seq_len()
         room = budget - 1 if limit is None else min(budget - 1, limit - len(request.history))
         nodes = min(self.config.max_tree_nodes, room)
-        sampling = request.sampling
-        exact_at_any_k = sampling.greedy or sampling.gumbel
-        if not (wanted and nodes > 0 and exact_at_any_k) or sampling.structured_outputs is not None:
+        if nodes <= 0:
             return 0
         if self.trees is not None and not self.trees.choose(request.adaptive, request.tree, self.prior_key(request),
                                                              min(wanted, nodes), nodes, place):
