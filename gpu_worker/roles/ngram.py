@@ -43,29 +43,31 @@ from schemas.protocol import ANY_TOKENIZER
 from schemas.steps import DraftRequest, DraftResponse, DraftResult, Proposal, chain_parents
 
 
-def propose_ngram(history: np.ndarray, num_draft: int, max_n: int, min_n: int = 1) -> list[int]:
-    """Up to num_draft drafts continuing the longest suffix of history that occurred before.
+def continuations(history: np.ndarray, depth: int, max_n: int, min_n: int = 1):
+    """The `depth` tokens after each earlier occurrence of history's suffix, lazily: for n = max_n
+    down to min_n, the last n tokens are looked up in history[:T-1] (so a match ends before the
+    last token and is followed by at least one token), the most recent match h[i:i+n] first; its
+    continuation h[i+n], h[i+n+1], ... reads on past the end of history into itself (a match that
+    runs into the suffix repeats its period). history: (T,) int token ids."""
+    T = len(history)
+    for n in range(min(max_n, T - 1), max(min_n, 1) - 1, -1):
+        windows = sliding_window_view(history[:T - 1], n)  # (T - n, n): window i is h[i:i+n], i + n <= T - 1
+        for hit in np.flatnonzero((windows == history[T - n:]).all(1))[::-1]:
+            drafts: list[int] = []
+            for position in range(int(hit) + n, int(hit) + n + depth):
+                drafts.append(int(history[position]) if position < T else drafts[position - T])
+            yield drafts
 
-    history: (T,) int token ids, prompt + output so far. For n = max_n down to min_n, the last n
-    tokens are looked up in history[:T-1] (so a match ends before the last token and is followed
-    by at least one token); at the most recent match h[i:i+n], the drafts are the tokens after it,
-    h[i+n], h[i+n+1], ..., read on past the end of history into the drafts themselves (a match
-    that runs into the suffix repeats its period). [] when no n-gram matches or num_draft is 0.
+
+def propose_ngram(history: np.ndarray, num_draft: int, max_n: int, min_n: int = 1) -> list[int]:
+    """Up to num_draft drafts continuing the longest suffix of history that occurred before: the
+    first of `continuations` (the longest n-gram's most recent match), prompt + output so far as
+    history (T,). [] when no n-gram matches or num_draft is 0.
     """
     assert history.ndim == 1, history.shape
-    T = len(history)
     if num_draft <= 0 or min_n < 1:
         return []
-    for n in range(min(max_n, T - 1), min_n - 1, -1):
-        windows = sliding_window_view(history[:T - 1], n)  # (T - n, n): window i is h[i:i+n], i + n <= T - 1
-        hits = np.flatnonzero((windows == history[T - n:]).all(1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            drafts: list[int] = []
-            for position in range(start, start + num_draft):
-                drafts.append(int(history[position]) if position < T else drafts[position - T])
-            return drafts
-    return []
+    return next(continuations(history, num_draft, max_n, min_n), [])
 
 
 def propose_ngram_tree(history: np.ndarray, max_nodes: int, depth: int, max_n: int,
@@ -74,31 +76,26 @@ def propose_ngram_tree(history: np.ndarray, max_nodes: int, depth: int, max_n: i
     recent: (draft tokens, parents) in depth-first preorder, parents as docs/PROTOCOL.md#tree-drafts
     (-1: a child of the root, the last token), at most max_nodes nodes, no path deeper than depth.
 
-    Continuations of `depth` tokens (read on as `propose_ngram` reads them) are taken from the
-    matches of the longest n-gram first, most recent first, then from shorter n-grams', and
-    merged into a trie (a continuation sharing a prefix with an earlier one adds only its new
-    tokens) while nodes remain; siblings keep the order they were found in. With max_nodes ==
-    depth and one match this is propose_ngram's chain.
+    The `continuations` of `depth` tokens (the longest n-gram's matches first, most recent first,
+    then shorter n-grams') are merged into a trie (a continuation sharing a prefix with an earlier
+    one adds only its new tokens) until max_nodes nodes; siblings keep the order they were found
+    in. With max_nodes == depth this is propose_ngram's chain.
     """
     assert history.ndim == 1, history.shape
-    T = len(history)
     children: dict[int, dict[int, int]] = {-1: {}}  # trie: node -> {token: child}, -1 the root
     tokens: list[int] = []
-    for n in range(min(max_n, T - 1), max(min_n, 1) - 1, -1):
-        windows = sliding_window_view(history[:T - 1], n)
-        for hit in np.flatnonzero((windows == history[T - n:]).all(1))[::-1]:
-            at, start = -1, int(hit) + n
-            drafts: list[int] = []
-            for position in range(start, start + depth):
-                token = int(history[position]) if position < T else drafts[position - T]
-                drafts.append(token)
-                if token not in children[at]:
-                    if len(tokens) == max_nodes:
-                        break
-                    children[at][token] = len(tokens)
-                    children[len(tokens)] = {}
-                    tokens.append(token)
-                at = children[at][token]
+    for drafts in continuations(history, depth, max_n, min_n):
+        at = -1
+        for token in drafts:
+            if token not in children[at]:
+                if len(tokens) == max_nodes:
+                    break
+                children[at][token] = len(tokens)
+                children[len(tokens)] = {}
+                tokens.append(token)
+            at = children[at][token]
+        if len(tokens) == max_nodes:  # full: a later continuation could add nothing
+            break
     order: list[tuple[int, int]] = []  # (node, parent) in preorder
     stack = [(child, -1) for child in reversed(children[-1].values())]
     while stack:
