@@ -44,7 +44,7 @@ from gpu_worker.runtime.model import forward
 from gpu_worker.runtime.tree_forward import ROOT, tree_forward
 from ops.bench.bench_forward import FORMATS
 from ops.bench.bench_ngram import input_grounded_prompts
-from ops.train_eagle import sharegpt_prompts
+from ops.train_eagle import sharegpt_prompts, speculative_greedy
 from schemas.config import DEFAULT_EAGLE_HEAD, default_target_model
 from text.chat_template import render_chat
 from text.tokenizer import load_tokenizer
@@ -58,16 +58,13 @@ NGRAM_MAX = 4
 
 def greedy_continuation(model, config, prompt: list[int], max_new: int,
                         eos: tuple[int, ...]) -> tuple[list, torch.Tensor]:
-    """The target's k=0 output after prompt and the features (final-normed hidden states, bf16 as
-    the serving path ships them) of every position of prompt + output, (P + n, E)."""
-    cache = KVCache(config, max_slots=1, max_seq_len=len(prompt) + max_new + 1, dtype=model.embed.dtype)
-    slot = torch.tensor([cache.allocate()])
-    logits = forward(model, cache, slot, torch.tensor([prompt]), torch.tensor([len(prompt)]))
-    out = [int(logits[0, -1].argmax())]
-    while len(out) < max_new and out[-1] not in eos:
-        out.append(int(forward(model, cache, slot, torch.tensor([[out[-1]]]), torch.tensor([1]))[0, -1].argmax()))
+    """The target's k=0 output after prompt (ops/train_eagle.py `speculative_greedy` at k=0) and
+    the features (final-normed hidden states, bf16 as the serving path ships them) of every
+    position of prompt + output, (P + n, E)."""
+    out, _ = speculative_greedy(model, config, None, prompt, max_new, 0, eos)
     sequence = prompt + out
-    cache.truncate(int(slot), 0)
+    cache = KVCache(config, max_slots=1, max_seq_len=len(sequence), dtype=model.embed.dtype)
+    slot = torch.tensor([cache.allocate()])
     _, hidden = forward(model, cache, slot, torch.tensor([sequence]), torch.tensor([len(sequence)]), return_hidden=True)
     return out, hidden[0].to(torch.bfloat16)
 
