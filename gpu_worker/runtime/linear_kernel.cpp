@@ -19,6 +19,9 @@
 #include <type_traits>
 #include <vector>
 #include <c10/util/Half.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {
@@ -508,6 +511,98 @@ static void quant_buffered_avx512(const Args<float>& a, const QuantRows& q, int6
 }
 #pragma GCC pop_options
 
+// bfloat16 weights on AMX tiles where the CPU and the OS offer them (`use_amx`): TDPBF16PS adds
+// to a float32 tile C (16 rows of x by 16 rows of w) the products of a tile of x's rows (16 by
+// 32 values of k) and a tile of w in the "VNNI" layout (`model.amx_rows`: 16 pairs of k by 16
+// rows of w, the two values of a pair side by side). Every output is computed by the same tile
+// operations whatever the number of rows: x's rows go 16 at a time into a zero-padded tile (a
+// row's place in it changes nothing: tests), chunks of 32 k are added in ascending order into a
+// zeroed C, then + b[n], then residual + that, rounded once to bfloat16. How the hardware adds a
+// chunk's 32 products is its own (not a chain of FMAs: measured), so the bits are not the AVX
+// code's; they are the same at every row count and thread count, which is what the forward's
+// identities need (and the bits of each CPU kind are its own: docs/PROTOCOL.md). Why: a 16-row
+// verify costs about what a one-row step does, 16 x 16 x 32 multiply-adds an instruction.
+using BF = at::BFloat16;
+static bool cpu_has_amx() {  // CPUID.(7, 0):EDX bit 24 AMX-TILE, bit 22 AMX-BF16
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+static const bool amx_offered = avx512_on && cpu_has_amx();
+static bool amx_on = amx_offered;
+static constexpr int AMX_BLOCKS = 3;  // tiles of 16 rows of w a pass: 3 C, 3 w, 1 x of the 8
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,amx-tile,amx-bf16")
+struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+static inline __m512 widen16(const BF* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// 16 float32 -> bfloat16 as c10::BFloat16(float) rounds: to nearest even, a NaN to 0x7FC0
+static inline void store_bf16(BF* p, __m512 s) {
+  __m512i u = _mm512_castps_si512(s);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// rows of w in blocks NB..NB+B-1 (16 each) against the 16 rows of xp from m0 (xp: x's rows
+// zero-padded to a multiple of 16); outputs of the first `rows` of them
+template <int B>
+static void amx_pass(const Args<BF>& a, const BF* xp, int64_t nb, int64_t m0, int64_t rows) {
+  const int64_t K = a.K, chunks = K / 32;
+  const BF* w = a.w + nb * 16 * K;  // block nb + i at w + i * 16 * K, chunk c at + c * 512
+  _tile_zero(0);
+  if constexpr (B > 1) _tile_zero(1);
+  if constexpr (B > 2) _tile_zero(2);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(6, xp + m0 * K + 32 * c, 2 * K);
+    _tile_loadd(3, w + c * 512, 64);
+    _tile_dpbf16ps(0, 6, 3);
+    if constexpr (B > 1) { _tile_loadd(4, w + 16 * K + c * 512, 64); _tile_dpbf16ps(1, 6, 4); }
+    if constexpr (B > 2) { _tile_loadd(5, w + 32 * K + c * 512, 64); _tile_dpbf16ps(2, 6, 5); }
+  }
+  alignas(64) float out[B][16][16];
+  _tile_stored(0, out[0], 64);
+  if constexpr (B > 1) _tile_stored(1, out[1], 64);
+  if constexpr (B > 2) _tile_stored(2, out[2], 64);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int i = 0; i < B; ++i) {
+      const int64_t n = (nb + i) * 16, m = m0 + j;
+      __m512 s = _mm512_load_ps(out[i][j]);
+      if (a.b) s = _mm512_add_ps(s, widen16(a.b + n));
+      if (a.residual) s = _mm512_add_ps(widen16(a.residual + m * a.N + n), s);
+      store_bf16(a.y + m * a.N + n, s);
+    }
+}
+
+// fixed_linear for w as `model.amx_rows` lays it out (N % 16 == 0, K % 32 == 0)
+static void amx_linear(const Args<BF>& a, int64_t M) {
+  const int64_t K = a.K, padded = (M + 15) / 16 * 16, blocks = a.N / 16;
+  std::vector<BF> xp(padded * K, BF(0.0f));
+  std::copy(a.x, a.x + M * K, xp.begin());
+  shared_for((blocks + AMX_BLOCKS - 1) / AMX_BLOCKS, [&](int64_t first, int64_t last) {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    for (int64_t g = first; g < last; ++g)
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int64_t nb = g * AMX_BLOCKS, rows = std::min<int64_t>(16, M - m0);
+        switch (std::min<int64_t>(AMX_BLOCKS, blocks - nb)) {
+          case 3: amx_pass<3>(a, xp.data(), nb, m0, rows); break;
+          case 2: amx_pass<2>(a, xp.data(), nb, m0, rows); break;
+          default: amx_pass<1>(a, xp.data(), nb, m0, rows); break;
+        }
+      }
+    _tile_release();
+  });
+}
+#pragma GCC pop_options
+
 const float* QuantRows::rows(int64_t n0, int nb, float* out) const {
   return avx512_on ? widen_rows_avx512(*this, n0, nb, out) : rows_avx2(n0, nb, out);
 }
@@ -624,10 +719,13 @@ static void dense(const Args<T>& a, int64_t M, bool paired) {
 // all of one dtype (float32 or bfloat16) on the CPU -> (M, N) of that dtype
 torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
                            c10::optional<torch::Tensor> residual) {
-  bool paired = w.dim() == 4;
-  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || (paired && w.size(2) == 2 && w.size(3) == 8)),
-              "fixed_linear: x (M, K), w (N, K) or (N/2, K/8, 2, 8)");
-  int64_t M = x.size(0), N = paired ? 2 * w.size(0) : w.size(0), K = paired ? 8 * w.size(1) : w.size(1);
+  bool paired = w.dim() == 4 && w.size(2) == 2 && w.size(3) == 8, tiled = w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32;
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || paired || tiled),
+              "fixed_linear: x (M, K), w (N, K), (N/2, K/8, 2, 8) or (N/16, K/32, 16, 32)");
+  TORCH_CHECK(!tiled || (w.scalar_type() == torch::kBFloat16 && amx_on && avx512_on),
+              "fixed_linear: w in AMX tiles (N/16, K/32, 16, 32) is bfloat16, where use_amx is on");
+  int64_t M = x.size(0), N = paired ? 2 * w.size(0) : tiled ? 16 * w.size(0) : w.size(0);
+  int64_t K = paired ? 8 * w.size(1) : tiled ? 32 * w.size(1) : w.size(1);
   TORCH_CHECK(x.size(1) == K, "fixed_linear: x (M, K) against w of K = ", K);
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.device().is_cpu() && w.device().is_cpu(),
               "fixed_linear: x and w of one dtype on the CPU");
@@ -648,7 +746,8 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     using B = at::BFloat16;
     Args<B> a{x.data_ptr<B>(), w.data_ptr<B>(), bias.defined() ? bias.data_ptr<B>() : nullptr,
               res.defined() ? res.data_ptr<B>() : nullptr, y.data_ptr<B>(), N, K};
-    dense(a, M, paired);
+    if (tiled) amx_linear(a, M);
+    else dense(a, M, paired);
   }
   return y;
 }
@@ -660,7 +759,16 @@ bool use_avx512(bool on) {
   return avx512_on;
 }
 
+// Run bfloat16 weights laid out for AMX (`model.amx_rows`) on its tiles where the CPU and OS offer
+// them, and have `model.pack_weight` lay them out so; returns whether that is now on.
+bool use_amx(bool on) {
+  amx_on = on && amx_offered;
+  return amx_on;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_amx", &use_amx, "bfloat16 weights in AMX tiles where the CPU has them; returns whether it is on");
+  m.def("amx", [] { return amx_on && avx512_on; }, "whether bfloat16 weights go to AMX tiles (`use_amx`)");
   m.def("use_avx512", &use_avx512, "run the AVX-512 code where the CPU has it; returns whether it runs");
   // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
   m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",

@@ -29,6 +29,15 @@ hash, so checkouts of different versions never share a build. `make models` buil
 (`python -m gpu_worker.runtime.linear_kernel`); otherwise the first process to load a model builds it
 (about a minute; others wait on torch's lock) and later ones import it. SPECBUS_LINEAR_KERNEL=0
 turns it off (oneDNN / BLAS then, still row-invariant where oneDNN serves the dtype).
+
+bfloat16 weights on a CPU with AMX (`amx_bf16` and `amx_tile` in /proc/cpuinfo, and a Linux that
+grants the tile state) go to AMX tiles instead: `model.pack_weight` lays them out as tiles
+(`model.amx_rows`) and TDPBF16PS multiplies 16 rows of x by 16 rows of w by 32 values of k an
+instruction, so a verify of 16 rows or a prefill chunk costs little more than the weights' bytes
+(ops/bench/RESULTS.md). Each output still takes the same operations at every row and thread
+count, but the hardware sums a tile's products its own way, not as the AVX chains do: bfloat16
+bits on an AMX CPU are its own (docs/PROTOCOL.md, Bitwise guarantee). SPECBUS_AMX=0 keeps the AVX
+code there, whose bits every CPU kind shares.
 """
 
 import functools
@@ -94,19 +103,27 @@ def import_built():
 @functools.cache
 def load():
     """The compiled module (its `fixed_linear(x, w, b, residual)`), or None where it cannot run
-    here: turned off, a CPU without AVX2/FMA, or a failed build (logged)."""
+    here: turned off, a CPU without AVX2/FMA, or a failed build (logged). SPECBUS_AMX=0 keeps
+    bfloat16 weights off AMX tiles (`use_amx(False)`)."""
     import torch
-    from torch.utils import cpp_extension
 
     if turned_off():
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("linear_kernel_unavailable", reason=f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
         return None
-    if built():
-        module = import_built()
-        if module is not None:
-            return module
+    module = import_built() if built() else None
+    if module is None:
+        module = build()
+    if module is not None:
+        module.use_amx(os.environ.get("SPECBUS_AMX", "1") != "0")
+    return module
+
+
+def build():
+    """Compile the kernel into build_dir() and import it; None (logged) where the build fails."""
+    from torch.utils import cpp_extension
+
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     # ninja from the virtualenv's bin, which is not on PATH when its python runs without activation

@@ -255,8 +255,19 @@ def pair_rows(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(out // 2, 2, inner // 8, 8).transpose(1, 2).contiguous()
 
 
+def amx_rows(w: torch.Tensor) -> torch.Tensor:
+    """w (out, in), out a multiple of 16, in of 32 -> (out/16, in/32, 16, 32): for each block of
+    16 rows and chunk of 32 values of k, the AMX tile of that piece of w in the "VNNI" layout
+    (row p of the tile: values 2p and 2p+1 of each of the 16 rows side by side), the tiles of a
+    block in k order: a block is one sequential stream."""
+    out, inner = w.shape
+    return w.reshape(out // 16, 16, inner // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(out // 16, inner // 32, 16, 32)
+
+
 def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
-    """w (out, in) -> what `linear` takes: for our fixed-order CPU kernel, w's rows paired
+    """w (out, in) -> what `linear` takes: for our fixed-order CPU kernel, bfloat16 w as AMX tiles
+    (`amx_rows`) where the kernel runs them and the shape allows, even when `shared` (a tied
+    lm_head: a second copy, E*V*2 bytes, for a verify or prefill at tile speed); else w's rows paired
     (`pair_rows`) where its shape allows and w is not `shared` (read as it is elsewhere too, as a
     tied lm_head is the embedding: pairing would hold a second copy), else w itself (contiguous);
     where that kernel cannot run, oneDNN's packed copy where oneDNN serves w's dtype on this CPU,
@@ -273,8 +284,11 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     batch-invariant matmul kernels instead (a fixed tile configuration, no split-K chosen from
     the row count).
     """
-    if fixed_kernel(w) is not None:
+    kernel = fixed_kernel(w)
+    if kernel is not None:
         out, inner = w.shape
+        if w.dtype == torch.bfloat16 and kernel.amx() and out % 16 == 0 and inner % 32 == 0:
+            return amx_rows(w)  # shared too: tiles are worth a copy of a tied lm_head (E*V*2 bytes)
         return pair_rows(w) if not shared and out % 2 == 0 and inner % 8 == 0 else w.contiguous()
     if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:

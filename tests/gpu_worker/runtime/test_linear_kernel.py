@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.runtime import linear_kernel
-from gpu_worker.runtime.model import linear, pack_weight
+from gpu_worker.runtime.model import amx_rows, linear, pack_weight
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -127,3 +127,64 @@ def test_the_kernel_lets_other_threads_run_meanwhile(kernel):
     done.set()
     ticker.join()
     assert sum(start < t < end for t in ticks) >= 10, f"no other thread ran during a {end - start:.3f} s call"
+
+
+def test_amx_rows_lays_each_block_of_16_rows_out_as_tiles_in_k_order():
+    w = torch.arange(32 * 64).reshape(32, 64)
+    tiles = amx_rows(w)
+    assert tiles.shape == (2, 2, 16, 32)
+    # tile (block 1, chunk 1), row p = 3: values k = 32 + 6 and 32 + 7 of each of rows 16..31 side by side
+    assert torch.equal(tiles[1, 1, 3].view(16, 2), w[16:32, 38:40])
+
+
+@pytest.fixture
+def amx(kernel):
+    if not kernel.amx():
+        pytest.skip("no AMX here (or SPECBUS_AMX=0): bfloat16 weights take the AVX code")
+    return kernel
+
+
+@pytest.mark.parametrize("N, K", [(80, 576), (48, 64)])  # 5 blocks: a pass of 3 and one of 2; one pass
+def test_bfloat16_weights_in_amx_tiles_give_a_row_the_same_bits_at_every_row_and_thread_count(amx, N, K):
+    x, w, b, residual = operands(torch.bfloat16, M=40, N=N, K=K)  # 40 rows: tiles of 16, 16 and 8
+    tiles = pack_weight(w)
+    assert tiles.shape == (N // 16, K // 32, 16, 32)
+    full = linear(x, tiles, b, residual)
+    exact = residual.double() + x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(full.double(), exact, atol=0.2, rtol=2e-2)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start in range(0, 40, 3):
+                for stop in list(range(start + 1, start + 18)) + [40]:
+                    if stop <= 40:
+                        assert torch.equal(linear(x[start:stop], tiles, b, residual[start:stop]), full[start:stop]), \
+                            (count, start, stop)
+    finally:
+        torch.set_num_threads(threads)
+    # a tied lm_head gets tiles too (a copy), with the same bits
+    assert torch.equal(linear(x, pack_weight(w, shared=True), b, residual), full)
+
+
+def test_weights_in_amx_tiles_are_refused_where_amx_is_off(kernel):
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    was_on = kernel.amx()
+    kernel.use_amx(False)
+    try:
+        assert pack_weight(w).shape == (16, 8, 2, 8)  # the AVX code's paired rows
+        with pytest.raises(RuntimeError, match="AMX"):
+            kernel.fixed_linear(x, amx_rows(w), None, None)
+    finally:
+        kernel.use_amx(was_on)
+
+
+def test_specbus_amx_0_keeps_bfloat16_weights_on_the_avx_code(kernel, monkeypatch):
+    monkeypatch.setenv("SPECBUS_AMX", "0")
+    linear_kernel.load.cache_clear()
+    try:
+        assert not linear_kernel.load().amx()
+    finally:
+        monkeypatch.delenv("SPECBUS_AMX")
+        linear_kernel.load.cache_clear()
+        linear_kernel.load()
