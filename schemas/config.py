@@ -179,8 +179,9 @@ class ModelServiceConfig(InstanceConfig):
     # How the projection weights are held: "dense" (the safetensors weights, in dtype); "gguf" (the
     # GGUF blocks `specbus models pull` keeps beside them, the published Q4_1 / Q8_0 weights as
     # stored, with float32 activations: bit for bit the dense float32 model,
-    # gpu_worker/runtime/quantized.py); "auto": gguf where the model directory has them and the
-    # dtype is float32 on a CPU where the projection kernel runs, else dense.
+    # gpu_worker/runtime/quantized.py); "int8": weight-only int8, the dense weights quantized to
+    # Q8_0 blocks at load (float32 activations; a changed model); "auto": gguf where the model
+    # directory has them and the dtype is float32 on a CPU where the projection kernel runs, else dense.
     weights: str = "auto"
     max_slots: int = 64
     max_seq_len: int = 2048

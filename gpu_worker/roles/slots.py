@@ -63,15 +63,15 @@ def serves_blocks(model_dir: str, dtype: torch.dtype, device: str) -> bool:
     return has_blocks(model_dir) and usable(dtype, device)
 
 
-def resolve_dtype(name: str, device: str, blocks_dir: str | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: str, blocks_dir: str | None = None, weights: str = "auto") -> torch.dtype:
     """The torch dtype for a config's dtype name. "auto": float32 where blocks_dir (the model of
     a service whose weights setting may take its GGUF blocks) has blocks the projection kernel
     serves on this device: the published weights as stored, bit for bit the float32 model, at a
-    fifth of its bytes (bfloat16 would round them, a changed model); else bfloat16 on CUDA and on
-    CPUs with native bf16 (a verify of 5 tokens then costs about one fp32 decode step), else
-    float32."""
+    fifth of its bytes (bfloat16 would round them, a changed model); float32 for weights "int8"
+    (its blocks need float32 activations); else bfloat16 on CUDA and on CPUs with native bf16 (a
+    verify of 5 tokens then costs about one fp32 decode step), else float32."""
     if name == "auto":
-        if blocks_dir is not None and serves_blocks(blocks_dir, torch.float32, device):
+        if blocks_dir is not None and serves_blocks(blocks_dir, torch.float32, device) or weights == "int8":
             return torch.float32
         native = device.startswith("cuda") or (device == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
@@ -82,10 +82,15 @@ def resolve_dtype(name: str, device: str, blocks_dir: str | None = None) -> torc
 
 
 def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) -> str:
-    """The weights format ("dense" or "gguf") for a config's weights name (ModelServiceConfig
-    `weights`); SpecbusError naming the field where "gguf" cannot serve."""
+    """The weights format ("dense", "gguf" or "int8") for a config's weights name
+    (ModelServiceConfig `weights`); SpecbusError naming the field where "gguf" or "int8" cannot serve."""
     if name not in WEIGHT_FORMATS:
         raise SpecbusError(ErrorCode.invalid_field, f"weights {name!r} is not one of {list(WEIGHT_FORMATS)}", "weights")
+    if name == "int8":
+        if not usable(dtype, device):
+            raise SpecbusError(ErrorCode.invalid_field, f"weights int8 needs dtype float32 on a CPU with the projection "
+                               f"kernel (dtype here: {str(dtype).removeprefix('torch.')})", "weights")
+        return "int8"
     servable = serves_blocks(model_dir, dtype, device)
     if name == "gguf" and not servable:
         raise SpecbusError(ErrorCode.invalid_field, f"weights gguf needs GGUF blocks in {model_dir} (`specbus models "
@@ -141,7 +146,7 @@ def model_settings(config: ModelServiceConfig, blocks_dir: str | None = None) ->
     """The dtype (resolve_dtype, blocks_dir passed on) and the KV cache's memory budget in bytes of
     config, its other settings checked (SpecbusError naming the field for a bad value) and
     config.torch_threads applied."""
-    dtype = resolve_dtype(config.dtype, config.device, blocks_dir)
+    dtype = resolve_dtype(config.dtype, config.device, blocks_dir, config.weights)
     memory_bytes = parse_bytes(config.kv_cache_memory, "kv_cache_memory")
     if config.prefill_chunk < 1:
         raise SpecbusError(ErrorCode.invalid_field, f"prefill_chunk must be >= 1, got {config.prefill_chunk}",

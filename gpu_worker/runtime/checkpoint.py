@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpu_worker.runtime.model import Model, ModelConfig, build_model, weight_names
-from gpu_worker.runtime.quantized import read_blocks
+from gpu_worker.runtime.quantized import BLOCK_WEIGHTS, QuantizedWeight, quantize_q8_0, read_blocks
 from schemas.config import GGUF_BLOCKS_FILE
 
 D2T_FILE = "d2t.safetensors"
@@ -85,7 +85,8 @@ def load_model(path, device="cpu", dtype=torch.float32, max_seq_len: int | None 
     max_seq_len bounds the RoPE tables (see model.build_model). A tied checkpoint that also
     stores lm_head.weight uses the embedding, as transformers does. weights_format "gguf": the
     projections the directory keeps as GGUF blocks (GGUF_BLOCKS_FILE, gpu_worker/runtime/quantized.py)
-    are read as blocks, not as dense weights (CheckpointError where there are none).
+    are read as blocks, not as dense weights (CheckpointError where there are none); "int8": the
+    dense weights quantized to Q8_0 blocks at load (`int8_blocks`), a changed model.
     """
     config = read_config(path)
     expected = set(weight_names(config))
@@ -96,8 +97,8 @@ def load_model(path, device="cpu", dtype=torch.float32, max_seq_len: int | None 
                                   f"--force` writes it for the default target; use weights dense otherwise")
         blocks = {our_name(name): weight for name, weight in read_blocks(path).items()}
         expected -= blocks.keys() - {"embed"}  # the lookup reads a dense embedding
-    elif weights_format != "dense":
-        raise ValueError(f"weights_format {weights_format!r}: dense or gguf")
+    elif weights_format not in ("dense", "int8"):
+        raise ValueError(f"weights_format {weights_format!r}: dense, gguf or int8")
     weights, unexpected = {}, []
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -115,7 +116,18 @@ def load_model(path, device="cpu", dtype=torch.float32, max_seq_len: int | None 
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing tensors {missing}, unexpected tensors "
                               f"{sorted(unexpected)}")
+    if weights_format == "int8":
+        blocks = int8_blocks(config, weights)
     return build_model(config, weights, device, dtype, max_seq_len, blocks), config
+
+
+def int8_blocks(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    """`weights: int8`: the projections and the lm_head (the embedding's, tied) of weights as Q8_0
+    blocks (`quantize_q8_0`), those whose inner size is a multiple of 32; the rest stay dense."""
+    names = [f"layers.{i}.{n}" for i in range(config.num_layers)
+             for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    names.append("embed" if config.tie_word_embeddings else "lm_head")
+    return {name: quantize_q8_0(weights[name]) for name in names if weights[name].shape[1] % BLOCK_WEIGHTS == 0}
 
 
 def model_id(path) -> str:

@@ -9,6 +9,11 @@ bits do not depend on the row count, and they equal the float32 model dequantize
 file, bit for bit (tests/gpu_worker/runtime/test_quantized.py); the weights a step reads are
 those of the file (a Q4_1 weight is 5 bits, a Q8_0 one 8.5, float32 32).
 
+`weights: int8` holds any model's projections (and lm_head) so: its dense weights quantized to
+Q8_0 blocks at load (`quantize_q8_0`), weight-only int8, for a model that ships no GGUF blocks. That
+changes the model (ops/bench/RESULTS.md measures by how much); the kernel's identities hold for the
+quantized model as they do for the published blocks.
+
 Activations stay float32: the widened weights need fp32's mantissa (an fp16 d times q plus an
 fp16 m), so `gguf` goes with dtype float32, on a CPU where the kernel runs. The embedding lookup
 reads a dense float32 copy of the (tied) embedding: a step reads only its tokens' rows of it.
@@ -28,7 +33,7 @@ from schemas.config import GGUF_BLOCKS_FILE
 KERNEL_KIND = {"q4_1": 0, "q8_0": 1}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 BLOCK_WEIGHTS = 32
-WEIGHT_FORMATS = ("auto", "dense", "gguf")
+WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,16 @@ def fuse(weights: list[QuantizedWeight | None]) -> QuantizedWeight | None:
     if any(w is None for w in weights) or len({w.kind for w in weights}) != 1:
         return None
     return QuantizedWeight(torch.cat([w.blocks for w in weights]).contiguous(), weights[0].kind)
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantizedWeight:
+    """W (out, in), in a multiple of 32 -> its Q8_0 blocks by gguf's own quantizer (ggml's
+    reference: per block of 32, d = max |w| / 127 stored as fp16, q = round(w / d)): weight-only
+    int8, 8.5 bits a weight, a changed model (each weight moves by about half a step d at most)."""
+    from gguf import GGMLQuantizationType, quants
+
+    blocks = quants.quantize(w.detach().to(torch.float32).contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks)), "q8_0")
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:

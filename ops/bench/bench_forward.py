@@ -1,7 +1,8 @@
 """Time one target forward (`gpu_worker.runtime.model.forward`) of T new tokens at batch 1.
 
 For each weight format (float32, bfloat16, gguf: the GGUF blocks as stored with float32
-activations, where the model directory has them) and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
+activations, where the model directory has them; int8: the dense weights as Q8_0 blocks, a
+changed model) and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
 holding a 128-token context (the slot is truncated back after each call, so every call sees the
 same context), the median of --reps calls after a warm-up round, and its ratio to T = 1. The T
 values are timed round-robin, so load from other processes on a shared machine skews no ratio.
@@ -32,7 +33,8 @@ from gpu_worker.runtime.quantized import QuantizedWeight, has_blocks
 from schemas.config import TINY_TARGET, default_target_model
 
 # name -> (activation dtype, weights format)
-FORMATS = {"float32": (torch.float32, "dense"), "bfloat16": (torch.bfloat16, "dense"), "gguf": (torch.float32, "gguf")}
+FORMATS = {"float32": (torch.float32, "dense"), "bfloat16": (torch.bfloat16, "dense"), "gguf": (torch.float32, "gguf"),
+           "int8": (torch.float32, "int8")}
 
 
 def weight_bytes(model) -> int:

@@ -356,3 +356,17 @@ async def test_demo_runs_generations_and_prints_a_summary(tiny_pair, dtype):
     assert "tokens/s" in done.stdout and "acceptance" in done.stdout and "tokens/step" in done.stdout
     assert "greedy k=4 vs k=0: identical on 3/3 prompts" in done.stdout
     assert done.stdout.rstrip().endswith("stopped")
+
+
+async def test_int8_weights_serve_a_changed_model_with_speculation_still_exact(start_stack, tiny_pair, prompts):
+    """--weights int8: the verifier and the drafter hold Q8_0 blocks quantized at load (their logs
+    say so), and greedy output is the same at k=0 and k=4 with drafts accepted."""
+    scheduler = ["--draft-timeout-s", "5", "--adaptive-k", "false"]
+    async with start_stack(*tiny_pair, weights="int8", role_args={"scheduler": scheduler}) as running:
+        async with running.client() as client:
+            plain = await generate_all(client, [greedy(prompt, 0) for prompt in prompts[:4]])
+            speculative = await generate_all(client, [greedy(prompt, 4) for prompt in prompts[:4]])
+        logs = [(Path(running.config.log_dir) / f"{name}-0.log").read_text() for name in ("verifier", "drafter")]
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+    assert sum(r.usage.draft_tokens_accepted for r in speculative) > 0
+    assert all("weights=int8" in log and "dtype=float32" in log for log in logs)

@@ -3,6 +3,8 @@ fixed-order kernel on the weights gguf dequantizes, whatever the row count and t
 the default target served from its blocks is bit for bit the float32 model converted from the
 same file."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,15 @@ from gpu_worker.runtime import linear_kernel
 from gpu_worker.runtime.checkpoint import load_model, read_config
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward, pack_weight
-from gpu_worker.runtime.quantized import BLOCK_BYTES, QuantizedWeight, dequantize, fuse, quant_linear, read_blocks
+from gpu_worker.runtime.quantized import (
+    BLOCK_BYTES,
+    QuantizedWeight,
+    dequantize,
+    fuse,
+    quant_linear,
+    quantize_q8_0,
+    read_blocks,
+)
 from schemas.config import TINY_TARGET
 from schemas.errors import SpecbusError
 
@@ -128,3 +138,46 @@ def test_the_default_target_from_its_blocks_is_the_float32_model(kernel, smollm2
         logits.append(forward(model, cache, slots, ids, num_new))
     for row, n in enumerate(num_new.tolist()):
         assert torch.equal(logits[0][row, :n], logits[1][row, :n]), f"row {row}"
+
+
+def test_quantize_q8_0_is_ggufs_own_and_moves_a_weight_by_about_half_a_step():
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0))
+    q = quantize_q8_0(w)
+    assert q.kind == "q8_0" and q.shape == (6, 96)
+    assert np.array_equal(q.blocks.numpy(), quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    step = w.view(6, 3, 32).abs().amax(-1, keepdim=True) / 127
+    # half a step, plus q (<= 127) times the fp16 scale's rounding (2^-11 of it)
+    assert ((dequantize(q) - w).view(6, 3, 32).abs() <= step * (0.5 + 127 * 2 ** -11)).all()
+
+
+def test_int8_weights_are_the_float32_model_of_their_blocks_row_for_row(kernel):
+    """weights int8: projections and the tied lm_head quantized at load, served from the blocks;
+    a row's logits are bit for bit the float32 model whose weights are those blocks dequantized,
+    at any batch, and top-1 agrees with the unquantized model on the tiny target."""
+    dense, config = load_model(TINY_TARGET)
+    served, _ = load_model(TINY_TARGET, weights_format="int8")
+    assert isinstance(served.layers[0].w_gate_up, QuantizedWeight) and isinstance(served.lm_head, QuantizedWeight)
+    as_float = dataclasses.replace(served, lm_head=pack_weight(dequantize(served.lm_head)), layers=[
+        dataclasses.replace(layer, **{name: pack_weight(dequantize(getattr(layer, name)))
+                                      for name in ("wqkv", "wo", "w_gate_up", "w_down")}) for layer in served.layers])
+    ids = torch.randint(0, config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    num_new = torch.tensor([24, 17, 1])
+    logits = []
+    for model in (dense, served, as_float):
+        cache = KVCache(config, 3, 64, "cpu", torch.float32)
+        slots = torch.tensor([cache.allocate() for _ in range(3)])
+        logits.append(forward(model, cache, slots, ids, num_new))
+    for row, n in enumerate(num_new.tolist()):
+        assert torch.equal(logits[1][row, :n], logits[2][row, :n]), f"row {row}"
+        assert (logits[1][row, :n].argmax(-1) == logits[0][row, :n].argmax(-1)).float().mean() >= 0.9
+    alone = KVCache(config, 1, 64, "cpu", torch.float32)
+    one = forward(served, alone, torch.tensor([alone.allocate()]), ids[2:3, :1], torch.tensor([1]))
+    assert torch.equal(one[0, 0], logits[1][2, 0])
+
+
+def test_int8_weights_need_float32_and_dtype_auto_picks_it(kernel):
+    assert resolve_weights("int8", str(TINY_TARGET), torch.float32, "cpu") == "int8"
+    assert resolve_dtype("auto", "cpu", None, "int8") == torch.float32
+    with pytest.raises(SpecbusError, match="weights int8 needs dtype float32") as error:
+        resolve_weights("int8", str(TINY_TARGET), torch.bfloat16, "cpu")
+    assert error.value.field == "weights"
