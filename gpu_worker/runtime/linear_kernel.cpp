@@ -531,15 +531,13 @@ static bool cpu_has_amx() {  // CPUID.(7, 0):EDX bit 24 AMX-TILE, bit 22 AMX-BF1
 }
 static const bool amx_offered = avx512_on && cpu_has_amx();
 static bool amx_on = amx_offered;
+static bool amx_runs() { return amx_on && avx512_on; }  // `use_amx` and not `use_avx512(false)`
 static constexpr int AMX_BLOCKS = 3;  // tiles of 16 rows of w a pass: 3 C, 3 w, 1 x of the 8
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,amx-tile,amx-bf16")
 struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
-static inline __m512 widen16(const BF* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 // 16 float32 -> bfloat16 as c10::BFloat16(float) rounds: to nearest even, a NaN to 0x7FC0
 static inline void store_bf16(BF* p, __m512 s) {
   __m512i u = _mm512_castps_si512(s);
@@ -573,8 +571,8 @@ static void amx_pass(const Args<BF>& a, const BF* xp, int64_t nb, int64_t m0, in
     for (int i = 0; i < B; ++i) {
       const int64_t n = (nb + i) * 16, m = m0 + j;
       __m512 s = _mm512_load_ps(out[i][j]);
-      if (a.b) s = _mm512_add_ps(s, widen16(a.b + n));
-      if (a.residual) s = _mm512_add_ps(widen16(a.residual + m * a.N + n), s);
+      if (a.b) s = _mm512_add_ps(s, pair16(a.b + n));  // pair16: 16 bfloat16 values widened
+      if (a.residual) s = _mm512_add_ps(pair16(a.residual + m * a.N + n), s);
       store_bf16(a.y + m * a.N + n, s);
     }
 }
@@ -722,7 +720,7 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   bool paired = w.dim() == 4 && w.size(2) == 2 && w.size(3) == 8, tiled = w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32;
   TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || paired || tiled),
               "fixed_linear: x (M, K), w (N, K), (N/2, K/8, 2, 8) or (N/16, K/32, 16, 32)");
-  TORCH_CHECK(!tiled || (w.scalar_type() == torch::kBFloat16 && amx_on && avx512_on),
+  TORCH_CHECK(!tiled || (w.scalar_type() == torch::kBFloat16 && amx_runs()),
               "fixed_linear: w in AMX tiles (N/16, K/32, 16, 32) is bfloat16, where use_amx is on");
   int64_t M = x.size(0), N = paired ? 2 * w.size(0) : tiled ? 16 * w.size(0) : w.size(0);
   int64_t K = paired ? 8 * w.size(1) : tiled ? 32 * w.size(1) : w.size(1);
@@ -768,7 +766,7 @@ bool use_amx(bool on) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_amx", &use_amx, "bfloat16 weights in AMX tiles where the CPU has them; returns whether it is on");
-  m.def("amx", [] { return amx_on && avx512_on; }, "whether bfloat16 weights go to AMX tiles (`use_amx`)");
+  m.def("amx", &amx_runs, "whether bfloat16 weights go to AMX tiles (`use_amx`)");
   m.def("use_avx512", &use_avx512, "run the AVX-512 code where the CPU has it; returns whether it runs");
   // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
   m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",

@@ -6,7 +6,8 @@ float32, on held-out ShareGPT chat prompts (the chat template, greedy):
   the same token, and the mean KL(unquantized || int8) of the next-token distributions;
 - free-running: how many of the int8 model's greedy outputs are the same token ids, and the mean
   number of tokens before the first difference;
-- the bytes of weights a step reads and a one-token forward's ms (median of --reps after a warm-up),
+- the bytes of weights a step reads and a one-token forward's ms after a 128-token context
+  (bench_forward's `bench`: the median of --reps after a warm-up),
   against the unquantized model.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_int8.py --prompts 8 --max-new 64
@@ -17,7 +18,6 @@ weights are the float32 values of its published Q4_1 blocks).
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
-from ops.bench.bench_forward import weight_bytes
+from ops.bench.bench_forward import bench, weight_bytes
 from ops.train_eagle import sharegpt_prompts, speculative_greedy
 from schemas.config import default_target_model
 from text.tokenizer import load_tokenizer
@@ -36,20 +36,6 @@ def logits_over(model, config, sequence: list[int]) -> torch.Tensor:
     cache = KVCache(config, max_slots=1, max_seq_len=len(sequence), dtype=torch.float32)
     slot = torch.tensor([cache.allocate()])
     return forward(model, cache, slot, torch.tensor([sequence]), torch.tensor([len(sequence)]))[0].float()
-
-
-def one_token_ms(model, config, reps: int, context: int = 128) -> float:
-    cache = KVCache(config, max_slots=1, max_seq_len=context + 1, dtype=torch.float32)
-    slot = torch.tensor([cache.allocate()])
-    ids = torch.randint(0, config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
-    forward(model, cache, slot, ids[:, :context], torch.tensor([context]))
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        forward(model, cache, slot, ids[:, context:], torch.tensor([1]))
-        times.append(time.perf_counter() - start)
-        cache.truncate(int(slot), context)
-    return statistics.median(times[1:]) * 1e3
 
 
 def main():
@@ -83,9 +69,9 @@ def main():
     print("| weights | bytes a step | T=1 ms | top-1 agreement (teacher-forced) | mean KL | greedy outputs identical "
           "| mean tokens before the first difference |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| dense float32 | {weight_bytes(dense) / 1e6:.0f} MB | {one_token_ms(dense, config, args.reps):.1f} "
+    print(f"| dense float32 | {weight_bytes(dense) / 1e6:.0f} MB | {bench(dense, config, [1], 128, args.reps)[1]:.1f} "
           f"| - | - | - | - |")
-    print(f"| int8 (Q8_0) | {weight_bytes(int8) / 1e6:.0f} MB | {one_token_ms(int8, config, args.reps):.1f} "
+    print(f"| int8 (Q8_0) | {weight_bytes(int8) / 1e6:.0f} MB | {bench(int8, config, [1], 128, args.reps)[1]:.1f} "
           f"| {agree / positions:.4f} ({agree}/{positions}) | {kl / positions:.2e} | {same}/{args.prompts} "
           f"| {statistics.mean(prefix):.1f} |")
 
