@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from gpu_worker.runtime.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, weight_files
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import (ConfigError, DecoderShape, Layer, Model, ModelConfig, decoder_layer, linear,
-                                     pack_weight, plan_step, rope_tables)
+                                     pack_weight, plan_step, rms_norm, rope_tables)
 
 CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
 WEIGHTS_FILE = "model.safetensors"
@@ -224,9 +223,8 @@ def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features:
         (features.shape, token_ids.shape, slots.shape, num_new.shape)
     step = plan_step(cache, head.rope_cos, head.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
     device, dtype = head.embed.device, head.embed.dtype
-    f = F.rms_norm(features.to(device=device, dtype=dtype).reshape(B * T, E), (E,), head.feature_norm,
-                   cfg.rms_norm_eps)
-    e = F.rms_norm(head.embed[token_ids.to(device).view(-1)], (E,), head.embed_norm, cfg.rms_norm_eps)
+    f = rms_norm(features.to(device=device, dtype=dtype).reshape(B * T, E), head.feature_norm, cfg.rms_norm_eps)
+    e = rms_norm(head.embed[token_ids.to(device).view(-1)], head.embed_norm, cfg.rms_norm_eps)
     x = linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
     x = decoder_layer(cfg, head.layer, 0, x, cache, step)
     cache.commit(slots, num_new)
@@ -235,7 +233,7 @@ def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features:
     if logits_index is not None:
         assert logits_index.dim() == 2 and logits_index.shape[0] == B, logits_index.shape
         x = x.gather(1, logits_index.to(device).unsqueeze(-1).expand(-1, -1, E))   # (B, M, E)
-    predicted = F.rms_norm(x, (E,), head.out_norm, cfg.rms_norm_eps)
+    predicted = rms_norm(x, head.out_norm, cfg.rms_norm_eps)
     logits = linear(predicted.reshape(-1, E), head.lm_rows).view(*predicted.shape[:2], -1)
     logits[..., head.other_id] = -math.inf
     return logits, predicted

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <omp.h>
 #include <type_traits>
@@ -750,6 +751,97 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 }
 
+// RMS_LANES partial sums of squares per row, then added as a tree: the fixed order of `rms_norm`
+constexpr int RMS_LANES = 16;
+
+// rows first..last-1 of x (M, E): y = T(T(x * rstd) * w), rstd = 1 / sqrt(sum / E + eps), where
+// sum is the row's squares added on RMS_LANES lanes (lane j takes e = 16c + j, c ascending, one
+// multiply and one add each, the tail e >= 16*(E/16) too) and the lanes then pairwise, as
+// ((0+1)+(2+3))+... The same operations for a row at every row count; the rounding of x * rstd to
+// T before the weight (a no-op in float32) is how Llama's RMSNorm rounds in bfloat16.
+template <typename T>
+static void rms_rows(const T* x, const T* w, T* y, int64_t E, float eps, int64_t first, int64_t last) {
+  for (int64_t m = first; m < last; ++m) {
+    const T* xr = x + m * E;
+    T* yr = y + m * E;
+    float acc[RMS_LANES] = {};
+    int64_t e = 0;
+    for (; e + RMS_LANES <= E; e += RMS_LANES)
+#pragma GCC unroll 16
+      for (int j = 0; j < RMS_LANES; ++j) {
+        float v = widen(xr[e + j]);
+        acc[j] += v * v;
+      }
+    for (int j = 0; e + j < E; ++j) {
+      float v = widen(xr[e + j]);
+      acc[j] += v * v;
+    }
+    for (int width = RMS_LANES / 2; width >= 1; width /= 2)
+      for (int j = 0; j < width; ++j) acc[j] = acc[2 * j] + acc[2 * j + 1];
+    const float rstd = 1.0f / std::sqrt(acc[0] / float(E) + eps);
+    for (int64_t i = 0; i < E; ++i) yr[i] = T(widen(T(widen(xr[i]) * rstd)) * widen(w[i]));
+  }
+}
+
+// x (..., E), w (E,), one dtype (float32 or bfloat16) on the CPU -> x's shape and dtype, each row
+// normalized (`rms_rows`); rows split between threads only for a prefill's many
+torch::Tensor fixed_rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0) && x.scalar_type() == w.scalar_type() &&
+              x.device().is_cpu() && w.device().is_cpu(), "fixed_rms_norm: x (..., E) and w (E,) of one dtype on the CPU");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t E = w.size(0), M = E ? x.numel() / E : 0;
+  auto y = torch::empty_like(x);
+  auto rows = [&](auto* xp, auto* wp, auto* yp) {
+    auto f = [&](int64_t first, int64_t last) { rms_rows(xp, wp, yp, E, float(eps), first, last); };
+    if (M >= 64) shared_for(M, f);
+    else f(0, M);
+  };
+  if (x.scalar_type() == torch::kFloat) rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());
+  else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "fixed_rms_norm: float32 or bfloat16");
+    using B = at::BFloat16;
+    rows(x.data_ptr<B>(), w.data_ptr<B>(), y.data_ptr<B>());
+  }
+  return y;
+}
+
+// qkv (M, S, D) (S >= heads), cos and signed sin (M, D), one dtype on the CPU -> the first `heads`
+// heads of each row rotated, (M, heads, D): y[d] = x[d] * cos[d] + x[(d + D/2) % D] * sin[d], each
+// product and the sum rounded to the dtype as the three elementwise torch ops that it replaces
+// (`x * cos + x.roll(D/2, -1) * sin`) round them, so the bits are theirs
+torch::Tensor fixed_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0) &&
+              cos.size(1) == qkv.size(2) && qkv.size(2) % 2 == 0 && heads >= 0 && heads <= qkv.size(1) &&
+              qkv.scalar_type() == cos.scalar_type() && cos.scalar_type() == sin.scalar_type() && qkv.device().is_cpu(),
+              "fixed_rope: qkv (M, S, D), cos and sin (M, D), D even, heads <= S, one dtype on the CPU");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t M = qkv.size(0), S = qkv.size(1), D = qkv.size(2), half = D / 2;
+  auto y = torch::empty({M, heads, D}, qkv.options());
+  auto rotate = [&](auto* x, auto* c, auto* s, auto* o) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = x + (m * S + h) * D;
+        const T* cr = c + m * D;
+        const T* sr = s + m * D;
+        T* yr = o + (m * heads + h) * D;
+        for (int64_t d = 0; d < D; ++d)
+          yr[d] = T(widen(T(widen(xr[d]) * widen(cr[d]))) + widen(T(widen(xr[(d + half) % D]) * widen(sr[d]))));
+      }
+  };
+  if (qkv.scalar_type() == torch::kFloat)
+    rotate(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>());
+  else {
+    TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16, "fixed_rope: float32 or bfloat16");
+    using B = at::BFloat16;
+    rotate(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), y.data_ptr<B>());
+  }
+  return y;
+}
+
 // Run the AVX-512 code or not (it runs only where the CPU has it); returns whether it now runs.
 // The bits are the same either way: tests compare the two.
 bool use_avx512(bool on) {
@@ -770,6 +862,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_avx512", &use_avx512, "run the AVX-512 code where the CPU has it; returns whether it runs");
   // without the GIL, as torch's own ops: a service's event loop keeps running beside a forward
   m.def("fixed_linear", &fixed_linear, "residual + (x @ w^T + b), one fixed order per output",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fixed_rms_norm", &fixed_rms_norm, "x / sqrt(mean(x^2) + eps) * w per row, one fixed order per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fixed_rope", &fixed_rope, "the first heads of qkv rotated by RoPE's cos and signed sin, torch's bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear", &quant_linear, "residual + (x @ dequant(blocks)^T + b), fixed_linear's order",
         py::call_guard<py::gil_scoped_release>());

@@ -23,6 +23,12 @@ on (a verify, a tree, a batch, a prefill: twice the multiply-adds an instruction
 accumulators; one row stays on the AVX2 code, which is bound by memory there). Threads take rows
 of w in small ranges as they free up (`shared_for`).
 
+The module also holds the decoder layer's other pieces that are cheaper as one call than as
+several torch ops (each op costs microseconds of dispatch, a few hundred of them a forward):
+`fixed_rms_norm(x, w, eps)`, Llama's RMSNorm with a row's sum of squares in one fixed order
+(16 lanes, then a pairwise tree), and `fixed_rope(qkv, cos, sin, heads)`, the rotate-half RoPE with
+the bits of the torch ops it replaces.
+
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's
 hash, so checkouts of different versions never share a build. `make models` builds it ahead

@@ -14,12 +14,12 @@ pos * theta^(-2i/D):  rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) 
 (Meta's original checkpoints interleave pairs (2i, 2i+1) instead; HF conversion permutes
 q/k weights into the half layout, which is what the safetensors files hold.) We fold the sign
 into the sine table, so rotate_half(x) * sin == x.roll(D/2) * signed_sin: one op instead of
-three.
+three (and `rope` does the whole rotation in one kernel call where the fixed-order kernel runs).
 
 Batch invariance: a position's logits are the same bits whether it is computed in a decode step,
 a verify step, a prefill chunk or a whole prompt, alone or next to other rows. Every reduction
 runs in an order fixed per row: projections through `linear` (one kernel family for every
-number of rows), attention through `attention` (units of a fixed shape against keys in
+number of rows), norms through `rms_norm`, attention through `attention` (units of a fixed shape against keys in
 fixed-size blocks, the blocks combined in a fixed order). tests/gpu_worker/runtime/test_model_batch_invariance.py
 checks it with torch.equal.
 """
@@ -246,6 +246,28 @@ def fixed_kernel(t: torch.Tensor):
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16):
         return linear_kernel.load()
     return None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of each row of x (..., E) with weight w (E,): x's shape and dtype. A row's
+    bits do not depend on how many rows share the call: the fixed-order kernel's sum of squares
+    (linear_kernel.cpp `rms_rows`), else torch's."""
+    kernel = fixed_kernel(x)
+    if kernel is not None:
+        return kernel.fixed_rms_norm(x, w, eps)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """The first `heads` heads of qkv (B, T, S, D) rotated by RoPE rows cos and signed sin
+    (B, T, 1, D): (B, T, heads, D), x * cos + x.roll(D/2) * sin (module docstring), in one kernel
+    call where the fixed-order kernel runs (its bits are these three torch ops')."""
+    B, T, S, D = qkv.shape
+    kernel = fixed_kernel(qkv)
+    if kernel is not None:
+        return kernel.fixed_rope(qkv.view(B * T, S, D), cos.view(B * T, D), sin.view(B * T, D), heads).view(B, T, heads, D)
+    x = qkv[:, :, :heads]
+    return x * cos + x.roll(D // 2, -1) * sin
 
 
 def pair_rows(w: torch.Tensor) -> torch.Tensor:
@@ -527,15 +549,14 @@ def decoder_layer(cfg: DecoderShape, layer: Layer, index: int, x: torch.Tensor, 
     """One Llama decoder layer (layer `index` of cache) over x (B*T, E); returns (B*T, E). cfg:
     the target's config, or an EAGLE head's."""
     B, T = step.plan.rope_pos.shape
-    H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    h = F.rms_norm(x, (E,), layer.attn_norm, cfg.rms_norm_eps)
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
     qkv = linear(h, layer.wqkv, layer.bqkv).view(B, T, H + 2 * Hkv, D)
-    qk = qkv[:, :, :H + Hkv]                                         # (B, T, H+Hkv, D)
-    qk = qk * step.cos + qk.roll(D // 2, -1) * step.sin
+    qk = rope(qkv, step.cos, step.sin, H + Hkv)                      # (B, T, H+Hkv, D)
     cache.update(index, step.plan, qk[:, :, H:], qkv[:, :, H + Hkv:])
     o = step.attend(qk[:, :, :H], cache, index)                      # (B*T, H*D)
     x = linear(o, layer.wo, layer.bo, residual=x)
-    h = F.rms_norm(x, (E,), layer.mlp_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
     gate, up = linear(h, layer.w_gate_up).chunk(2, -1)               # (B*T, I) each
     return linear(F.silu(gate) * up, layer.w_down, residual=x)
 
@@ -598,7 +619,7 @@ def read_out(model: Model, x: torch.Tensor, logits_index: torch.Tensor | None,
     B, _, E = x.shape
     # The final norm is per row: norm then gather equals gather then norm, bit for bit; norm
     # every row only when they are all returned.
-    hidden = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps) if return_hidden else None  # (B, T, E)
+    hidden = rms_norm(x, model.norm, cfg.rms_norm_eps) if return_hidden else None  # (B, T, E)
     if hidden is not None:
         x = hidden
     if logits_index is not None:
@@ -606,6 +627,6 @@ def read_out(model: Model, x: torch.Tensor, logits_index: torch.Tensor | None,
         index = logits_index.to(x.device).unsqueeze(-1).expand(-1, -1, E)
         x = x.gather(1, index)                                       # (B, M, E)
     if hidden is None:
-        x = F.rms_norm(x, (E,), model.norm, cfg.rms_norm_eps)
+        x = rms_norm(x, model.norm, cfg.rms_norm_eps)
     logits = linear(x.reshape(-1, E), model.lm_head).view(*x.shape[:2], cfg.vocab_size)
     return (logits, hidden) if return_hidden else logits

@@ -56,7 +56,7 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client
 
-from schemas.config import CLIENT_ENV_FILE
+from schemas.config import CLIENT_ENV_FILE, DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, default_target_model
 from schemas.config import ROLES as CONFIGS
 from schemas.control import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
@@ -162,23 +162,51 @@ def usable_cores() -> int:
 
 
 MAX_DRAFTER_THREADS = 4  # a small draft's forward is mostly per-call overhead past a few threads
+# A model with fewer bytes of weights on disk than this runs on one thread: its forward is mostly
+# per-op overhead, and a second thread only spins at every op's barrier, on the cores the other
+# processes of the stack need (ops/bench/RESULTS.md "Fewer ops a layer, threads by model size").
+SMALL_MODEL_BYTES = 16 << 20
+
+
+def role_model(role: str, config: StackConfig) -> Path | None:
+    """The model directory a verifier or drafter of this stack loads (the config's, else the
+    service's own default: its SPECBUS_ setting or the shipped one); None for an ngram drafter."""
+    def setting(name: str, default) -> Path:
+        return Path(getattr(config, name) or os.environ.get(ENV_PREFIX + name.upper()) or default)
+    if role == "verifier":
+        return setting("target_model", default_target_model())
+    method = config.draft_method or os.environ.get(ENV_PREFIX + "DRAFT_METHOD") or "model"
+    if method == "ngram":
+        return None
+    return setting("eagle_head", DEFAULT_EAGLE_HEAD) if method == "eagle" else setting("draft_model", DEFAULT_DRAFT)
+
+
+def is_small_model(path: Path | None) -> bool:
+    """True for no model (prompt lookup) or a directory whose *.safetensors hold < SMALL_MODEL_BYTES."""
+    if path is None:
+        return True
+    files = list(path.glob("*.safetensors")) if path.is_dir() else []
+    return bool(files) and sum(f.stat().st_size for f in files) < SMALL_MODEL_BYTES
 
 
 def role_threads(role: str, config: StackConfig, cores: int) -> int | None:
     """torch threads for one process of role; None for roles without torch.
 
-    Given (config.verifier_threads / drafter_threads) wins. Else, from the machine's cores: the
-    verifiers share every core (cores // verifiers), the drafters too, each at most
+    Given (config.verifier_threads / drafter_threads) wins. A small model (`is_small_model`: the
+    tiny pair, the shipped EAGLE head, prompt lookup) gets 1. Else, from the machine's
+    cores: the verifiers share every core (cores // verifiers), the drafters too, each at most
     MAX_DRAFTER_THREADS, each at least 1: 2 cores -> verifier 2, drafter 2; 4 -> 4, 4; 16 -> 16, 4.
     A request's draft and verify run one after the other, so each has the cores while it runs,
     and the torch-free processes' work between steps is a small part of a step. The measurements
-    behind the rule: ops/bench/RESULTS.md "Threads per role".
+    behind the rule: ops/bench/RESULTS.md "Threads per role" and "Fewer ops a layer, threads by model size".
     """
     if role not in ("verifier", "drafter"):
         return None
     given = getattr(config, f"{role}_threads")
     if given:
         return given
+    if is_small_model(role_model(role, config)):
+        return 1
     if role == "drafter":
         return max(1, min(cores // max(1, config.drafters), MAX_DRAFTER_THREADS))
     return max(1, cores // max(1, config.verifiers))

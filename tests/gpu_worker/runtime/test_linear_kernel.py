@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.runtime import linear_kernel
-from gpu_worker.runtime.model import amx_rows, linear, pack_weight
+from gpu_worker.runtime.model import amx_rows, linear, pack_weight, rms_norm, rope
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -188,3 +188,36 @@ def test_specbus_amx_0_keeps_bfloat16_weights_on_the_avx_code(kernel, monkeypatc
         monkeypatch.delenv("SPECBUS_AMX")
         linear_kernel.load.cache_clear()
         linear_kernel.load()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E", [576, 37])
+def test_rms_norm_is_llamas_and_a_rows_bits_do_not_depend_on_the_rows_or_threads(kernel, dtype, E):
+    """Llama's RMSNorm (float32 statistics, x * rstd rounded to the dtype, then the weight), each
+    row in one fixed order: the same bits for a row in every sub-batch of 70 rows (past the 64
+    from which rows are split between threads), at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(70, E, generator=g).to(dtype), (torch.rand(E, generator=g) + 0.5).to(dtype)
+    full = rms_norm(x, w, 1e-5)
+    xf = x.float()
+    llama = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * w
+    torch.testing.assert_close(full, llama, atol=0, rtol=1e-6 if dtype == torch.float32 else 8e-3)
+    assert torch.equal(rms_norm(x.view(7, 10, E), w, 1e-5), full.view(7, 10, E))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start in range(0, 70, 3):
+                for stop in (start + 1, start + 2, start + 13, 70):
+                    assert torch.equal(rms_norm(x[start:stop], w, 1e-5), full[start:stop]), (count, start, stop)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_the_kernel_gives_the_bits_of_the_torch_ops_it_replaces(kernel, dtype):
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(3, 5, 7, 64, generator=g).to(dtype)              # (B, T, H + 2 Hkv, D)
+    cos, sin = (torch.randn(3, 5, 1, 64, generator=g).to(dtype) for _ in range(2))
+    x = qkv[:, :, :5]
+    assert torch.equal(rope(qkv, cos, sin, 5), x * cos + x.roll(32, -1) * sin)

@@ -7,7 +7,7 @@ import pytest
 
 from schemas.config import NATS_PORT, ROLES, load_config
 from services.cli import build_parser
-from services.launch.stack import StackConfig, make_log_dir, port_args, role_threads, serve_command
+from services.launch.stack import SMALL_MODEL_BYTES, StackConfig, make_log_dir, port_args, role_threads, serve_command
 
 
 @pytest.mark.parametrize("cores, verifiers, drafters, expected", [
@@ -18,10 +18,29 @@ from services.launch.stack import StackConfig, make_log_dir, port_args, role_thr
     (16, 4, 8, (4, 2)),
     (1, 3, 1, (1, 1)),    # never 0
 ])
-def test_threads_from_the_machine(cores, verifiers, drafters, expected):
-    config = StackConfig(verifiers=verifiers, drafters=drafters)
+def test_threads_from_the_machine(tmp_path, cores, verifiers, drafters, expected):
+    large = big_model_dir(tmp_path)
+    config = StackConfig(verifiers=verifiers, drafters=drafters, target_model=str(large), draft_model=str(large))
     assert (role_threads("verifier", config, cores), role_threads("drafter", config, cores)) == expected
     assert all(role_threads(role, config, cores) is None for role in ("scheduler", "postprocessor", "gateway"))
+
+
+def big_model_dir(tmp_path):
+    """A directory whose safetensors file is SMALL_MODEL_BYTES long (sparse: nothing is written)."""
+    (tmp_path / "big").mkdir()
+    with open(tmp_path / "big" / "model.safetensors", "wb") as file:
+        file.truncate(SMALL_MODEL_BYTES)
+    return tmp_path / "big"
+
+
+def test_small_models_and_prompt_lookup_get_one_thread(tmp_path):
+    """Their forward is per-op overhead; a second thread would spin on the stack's shared cores."""
+    tiny = StackConfig(target_model="models/tiny/target", draft_model="models/tiny/draft")
+    assert (role_threads("verifier", tiny, 16), role_threads("drafter", tiny, 16)) == (1, 1)
+    large = str(big_model_dir(tmp_path))
+    for method, expected in (("ngram", 1), ("eagle", 1), ("model", 4)):  # the shipped head is small
+        config = StackConfig(target_model=large, draft_model=large, draft_method=method)
+        assert (role_threads("verifier", config, 16), role_threads("drafter", config, 16)) == (16, expected)
 
 
 def test_given_threads_win():
