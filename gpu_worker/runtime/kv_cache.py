@@ -36,9 +36,11 @@ from typing import Protocol
 
 import torch
 
+from gpu_worker.runtime import linear_kernel
+
 # Attention windows are whole blocks of KEY_BLOCK keys: model.attention reduces each block with
 # one shape wherever a row's keys end and combines the blocks in a fixed order. Much less than the
-# 512 of torch's CPU flash kernel's own split, so a short context reads fewer padding keys; not
+# 512 of torch's CPU flash kernel's own split (its fallback), so a short context reads fewer padding keys; not
 # 64 or 128, because at one token a step costs more per block combined (a few small ops per
 # layer) than per padding key read (ops/bench/RESULTS.md, Batch-invariant forward: the key block).
 KEY_BLOCK = 256
@@ -90,6 +92,7 @@ class ForwardPlan:
     keys: list[tuple[torch.Tensor, ...]]    # per row, its slot's storage per layer: (Hkv, C + 1, D)
     values: list[tuple[torch.Tensor, ...]]
     write_index: list[tuple[torch.Tensor, torch.Tensor]]  # per row, (heads, columns) -> (T, Hkv)
+    write_columns: list[torch.Tensor]  # per row, its write_pos (T,)
     groups: list[WindowGroup]        # the rows by window, each row in one
 
 
@@ -354,12 +357,19 @@ class KVCache:
         keys, values = [self._layers[s][0] for s in slot_list], [self._layers[s][1] for s in slot_list]
         return ForwardPlan(write_pos=index[0], rope_pos=index[1], keys=keys, values=values,
                            write_index=[(self._heads, pos) for pos in index[0].view(B, T, 1).unbind(0)],
+                           write_columns=list(index[0].unbind(0)),
                            groups=window_groups(self, slot_list, ends, keys, values))
 
     def update(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (B, T, Hkv, D) of `layer` into the plan's slots at its write_pos (B, T).
         All on the cache's device; a slot's last column is its scratch column for padding."""
         assert len(plan.keys) == k.shape[0] == plan.write_pos.shape[0], (len(plan.keys), k.shape)
+        kernel = linear_kernel.load() if k.is_cpu and k.dtype in (torch.float32, torch.bfloat16) else None
+        if kernel is not None:  # one call a row instead of two index_put_ (each op costs microseconds)
+            for keys, values, columns, k_row, v_row in zip(plan.keys, plan.values, plan.write_columns,
+                                                           k.unbind(0), v.unbind(0)):
+                kernel.kv_write(keys[layer], values[layer], k_row, v_row, columns)
+            return
         for keys, values, index, k_row, v_row in zip(plan.keys, plan.values, plan.write_index,
                                                      k.unbind(0), v.unbind(0)):
             keys[layer].index_put_(index, k_row)

@@ -751,6 +751,14 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 }
 
+// f(T{}) for t's dtype T, float or at::BFloat16 (the dtypes these kernels take)
+template <typename F>
+static void on_dtype(const torch::Tensor& t, const char* what, F&& f) {
+  if (t.scalar_type() == torch::kFloat) return f(float{});
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, what, ": float32 or bfloat16");
+  f(at::BFloat16{});
+}
+
 // RMS_LANES partial sums of squares per row, then added as a tree: the fixed order of `rms_norm`
 constexpr int RMS_LANES = 16;
 
@@ -797,13 +805,212 @@ torch::Tensor fixed_rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     if (M >= 64) shared_for(M, f);
     else f(0, M);
   };
-  if (x.scalar_type() == torch::kFloat) rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());
-  else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "fixed_rms_norm: float32 or bfloat16");
-    using B = at::BFloat16;
-    rows(x.data_ptr<B>(), w.data_ptr<B>(), y.data_ptr<B>());
-  }
+  on_dtype(x, "fixed_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rows(x.data_ptr<T>(), w.data_ptr<T>(), y.data_ptr<T>());
+  });
   return y;
+}
+
+// exp(x) on 8 lanes for x <= 0 (a softmax weight): Cephes' expf, x = n ln2 + r with
+// |r| <= ln2/2, e^r by a degree-6 polynomial in Horner form (one FMA a coefficient), times 2^n by
+// the exponent bits; below -87.3 exactly 0. The same instructions on every CPU kind with AVX2.
+static inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.33654f);
+  __m256 zero = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// the lanes of acc[0..7] each added as `finish` adds a dot product's lanes,
+// ((0+1)+(2+3))+((4+5)+(6+7)): the 8 sums, one a lane, in one register (hadd pairs neighbours
+// within each 128-bit half; the halves' sums are added last)
+static inline __m256 hsum8x8(const __m256* acc) {
+  __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// s[j] = q·k_j for keys j0..j0+7, D a multiple of 8: lane l of key j's sum takes d = 8c + l, c in
+// order (one FMA each), the lanes then added as `finish` adds them
+template <typename T>
+static inline __m256 dots8(const T* q, const T* k, int64_t k_row, int64_t D) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qv = load8(q + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k + j * k_row + d), acc[j]);
+  }
+  return hsum8x8(acc);
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8(at::BFloat16* p, __m256 v) {  // round to nearest even, as torch rounds
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(f[i]);
+}
+
+// The additive mask's value for a key a row may not see (model.py MASKED, as float32)
+constexpr float MASKED = -1e30f;
+
+// One (query rows, key block) pair of `block_attention`: R rows of q (D values each) against S
+// keys. Per row: s_j = q·k_j * scale + mask_j (`dots8`); m = max_j s_j; p_j = exp(s_j - m);
+// l = sum of p_j and o = sum of p_j v_j, both over j in order (o on D lanes, one FMA a key);
+// out = o / l, lse = m + log(l). Each row's operations are its own, whatever the rows beside it.
+// Work whose result is known is skipped, the bits unchanged: a group of 8 keys the row may not
+// see at all scores MASKED exactly (s_j = q·k_j * scale + MASKED rounds to MASKED while
+// |q·k_j * scale| < 1e22), and keys whose p_j is 0 for every row add exactly nothing to l and o.
+template <int R, typename T>
+static void attend_rows(const T* const* q, const T* k, const T* v, int64_t k_row, int64_t v_row,
+                        const float* const* mask, int64_t S, int64_t D, float scale, T* const* out, float* lse,
+                        float* p, uint8_t* live) {  // scratch: p (R, S), live (S / 8)
+  const __m256 sc = _mm256_set1_ps(scale), masked = _mm256_set1_ps(MASKED), zero = _mm256_setzero_ps();
+  for (int64_t g = 0; g < S / 8; ++g) live[g] = 0;
+  for (int r = 0; r < R; ++r) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < S; j += 8) {
+      __m256 mk = _mm256_loadu_ps(mask[r] + j);
+      __m256 s = _mm256_movemask_ps(_mm256_cmp_ps(mk, masked, _CMP_EQ_OQ)) == 0xFF ? masked :
+                 _mm256_add_ps(_mm256_mul_ps(dots8(q[r], k + j * k_row, k_row, D), sc), mk);
+      _mm256_storeu_ps(p + r * S + j, s);
+      mx = _mm256_max_ps(mx, s);
+    }
+    const float m = hmax8(mx);
+    lse[r] = m;
+    const __m256 mv = _mm256_set1_ps(m);
+    for (int64_t j = 0; j < S; j += 8) {
+      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + r * S + j), mv));
+      _mm256_storeu_ps(p + r * S + j, e);
+      live[j / 8] |= _mm256_movemask_ps(_mm256_cmp_ps(e, zero, _CMP_NEQ_UQ)) != 0;
+    }
+  }
+  float l[R];
+  for (int r = 0; r < R; ++r) l[r] = 0.0f;
+  for (int64_t j = 0; j < S; ++j)  // the rows' chains side by side: each still in order of j
+    if (live[j / 8])
+      for (int r = 0; r < R; ++r) l[r] += p[r * S + j];
+  for (int r = 0; r < R; ++r) lse[r] += std::log(l[r]);
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 o[R];
+    for (int r = 0; r < R; ++r) o[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < S; ++j) {
+      if (!live[j / 8]) {
+        j += 7;
+        continue;
+      }
+      __m256 vj = load8(v + j * v_row + d);
+      for (int r = 0; r < R; ++r) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * S + j]), vj, o[r]);
+    }
+    for (int r = 0; r < R; ++r) store8(out[r] + d, _mm256_div_ps(o[r], _mm256_set1_ps(l[r])));
+  }
+}
+
+// q (A, H, L, D), k and v (A or 1, H, S, D) (A == 1: shared by every a), mask (A, H, L, S)
+// float32, the last dim of each contiguous, q, k, v of one dtype (float32 or bfloat16) on the CPU
+// -> (out (A, H, L, D) in q's dtype and memory order, lse (A, H, L) float32): softmax(q k^T *
+// scale + mask) v per row, in `attend_rows`' fixed order (L rows at a time, up to 4; S and D
+// multiples of 8). Pairs (a, h) go to threads whole.
+std::vector<torch::Tensor> block_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                                           double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "block_attention: 4-D q, k, v, mask");
+  const int64_t A = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && (k.size(0) == A || k.stride(0) == 0 || k.size(0) == 1) && k.size(1) == H &&
+              k.size(3) == D && mask.size(0) == A && mask.size(1) == H && mask.size(2) == L && mask.size(3) == S,
+              "block_attention: q (A, H, L, D), k and v (A, H, S, D), mask (A, H, L, S)");
+  TORCH_CHECK(D % 8 == 0 && S % 8 == 0 && S > 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 &&
+              mask.stride(3) == 1 && mask.scalar_type() == torch::kFloat && q.scalar_type() == k.scalar_type() &&
+              k.scalar_type() == v.scalar_type() && q.device().is_cpu() && k.device().is_cpu(),
+              "block_attention: D and S multiples of 8, last dims contiguous, mask float32, one dtype on the CPU");
+  auto out = torch::empty_like(q, torch::MemoryFormat::Preserve);
+  const bool transposed = q.stride(0) < q.stride(1);  // (H, A, ...) in memory: keep that order
+  auto lse = transposed ? torch::empty({H, A, L}, q.options().dtype(torch::kFloat)).transpose(0, 1)
+                        : torch::empty({A, H, L}, q.options().dtype(torch::kFloat));
+  const int64_t k_a = k.size(0) == 1 ? 0 : k.stride(0), v_a = v.size(0) == 1 ? 0 : v.stride(0);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    using T = std::remove_pointer_t<decltype(qp)>;
+    const float* mp = mask.data_ptr<float>();
+    float* lp = lse.data_ptr<float>();
+    shared_for(A * H, [&](int64_t first, int64_t last) {
+      std::vector<float> scratch(4 * S);
+      std::vector<uint8_t> live(S / 8);
+      for (int64_t pair = first; pair < last; ++pair) {
+        const int64_t a = pair / H, h = pair % H;
+        const T* kb = kp + a * k_a + h * k.stride(1);
+        const T* vb = vp + a * v_a + h * v.stride(1);
+        for (int64_t r0 = 0; r0 < L; r0 += 4) {
+          const int R = int(std::min<int64_t>(4, L - r0));
+          const T* qr[4];
+          T* orow[4];
+          const float* mr[4];
+          float ls[4];
+          for (int r = 0; r < R; ++r) {
+            qr[r] = qp + a * q.stride(0) + h * q.stride(1) + (r0 + r) * q.stride(2);
+            orow[r] = op + a * out.stride(0) + h * out.stride(1) + (r0 + r) * out.stride(2);
+            mr[r] = mp + a * mask.stride(0) + h * mask.stride(1) + (r0 + r) * mask.stride(2);
+          }
+          switch (R) {
+            case 4: attend_rows<4>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data()); break;
+            case 3: attend_rows<3>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data()); break;
+            case 2: attend_rows<2>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data()); break;
+            default: attend_rows<1>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
+          }
+          for (int r = 0; r < R; ++r) lp[a * lse.stride(0) + h * lse.stride(1) + (r0 + r) * lse.stride(2)] = ls[r];
+        }
+      }
+    });
+  };
+  on_dtype(q, "block_attention", [&](auto tag) {
+    using T = decltype(tag);
+    run(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>());
+  });
+  return {out, lse};
+}
+
+// keys and values (Hkv, C, D) of one slot and layer, k and v (T, Hkv, D) (last dims contiguous),
+// columns (T,) int64: keys[h][columns[t]] = k[t][h] and values likewise, a plain copy (the two
+// index_put_ calls it replaces, in one call)
+void kv_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::Tensor v, torch::Tensor columns) {
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && k.dim() == 3 && k.sizes() == v.sizes() &&
+              k.size(1) == keys.size(0) && k.size(2) == keys.size(2) && columns.dim() == 1 &&
+              columns.size(0) == k.size(0) && columns.scalar_type() == torch::kLong && columns.device().is_cpu() &&
+              keys.scalar_type() == k.scalar_type() && values.scalar_type() == v.scalar_type() &&
+              keys.stride(2) == 1 && values.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
+              keys.device().is_cpu() && k.device().is_cpu(),
+              "kv_write: keys, values (Hkv, C, D), k, v (T, Hkv, D) of their dtype, columns (T,) int64, on the CPU");
+  const int64_t T = k.size(0), H = k.size(1), C = keys.size(1), bytes = k.size(2) * k.element_size();
+  const int64_t* col = columns.contiguous().data_ptr<int64_t>();
+  auto* kd = static_cast<char*>(keys.data_ptr());
+  auto* vd = static_cast<char*>(values.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t e = k.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(col[t] >= 0 && col[t] < C, "kv_write: column ", col[t], " outside [0, ", C, ")");
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(kd + (h * keys.stride(0) + col[t] * keys.stride(1)) * e, ks + (t * k.stride(0) + h * k.stride(1)) * e, bytes);
+      std::memcpy(vd + (h * values.stride(0) + col[t] * values.stride(1)) * e, vs + (t * v.stride(0) + h * v.stride(1)) * e, bytes);
+    }
+  }
 }
 
 // qkv (M, S, D) (S >= heads), cos and signed sin (M, D), one dtype on the CPU -> the first `heads`
@@ -832,13 +1039,10 @@ torch::Tensor fixed_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
           yr[d] = T(widen(T(widen(xr[d]) * widen(cr[d]))) + widen(T(widen(xr[(d + half) % D]) * widen(sr[d]))));
       }
   };
-  if (qkv.scalar_type() == torch::kFloat)
-    rotate(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>());
-  else {
-    TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16, "fixed_rope: float32 or bfloat16");
-    using B = at::BFloat16;
-    rotate(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), y.data_ptr<B>());
-  }
+  on_dtype(qkv, "fixed_rope", [&](auto tag) {
+    using T = decltype(tag);
+    rotate(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), y.data_ptr<T>());
+  });
   return y;
 }
 
@@ -865,6 +1069,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fixed_rms_norm", &fixed_rms_norm, "x / sqrt(mean(x^2) + eps) * w per row, one fixed order per row",
         py::call_guard<py::gil_scoped_release>());
+  m.def("block_attention", &block_attention, "softmax(q k^T * scale + mask) v and its log-sum-exp, one fixed order per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("kv_write", &kv_write, "a row's new keys and values copied into its slot's columns");
   m.def("fixed_rope", &fixed_rope, "the first heads of qkv rotated by RoPE's cos and signed sin, torch's bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear", &quant_linear, "residual + (x @ dequant(blocks)^T + b), fixed_linear's order",

@@ -26,8 +26,13 @@ of w in small ranges as they free up (`shared_for`).
 The module also holds the decoder layer's other pieces that are cheaper as one call than as
 several torch ops (each op costs microseconds of dispatch, a few hundred of them a forward):
 `fixed_rms_norm(x, w, eps)`, Llama's RMSNorm with a row's sum of squares in one fixed order
-(16 lanes, then a pairwise tree), and `fixed_rope(qkv, cos, sin, heads)`, the rotate-half RoPE with
-the bits of the torch ops it replaces.
+(16 lanes, then a pairwise tree), `fixed_rope(qkv, cos, sin, heads)`, the rotate-half RoPE with
+the bits of the torch ops it replaces, `kv_write`, a row's new keys and values copied into its
+slot, and `block_attention(q, k, v, mask, scale)`, `model.attention`'s kernel: each query row's
+softmax over one block of keys in a fixed order (scores by the projection's dot-product order,
+exp by one polynomial on 8 lanes, the sums over keys in key order), so a row's bits depend on
+neither its neighbours nor the threads; it skips work whose result is known exactly (key groups
+the row may not see, keys whose weight is 0 for every row).
 
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's

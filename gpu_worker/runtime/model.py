@@ -353,8 +353,8 @@ class AttentionPlan:
     nq units) against the window's nb blocks of KEY_BLOCK keys; built by `attention_plan`."""
     nq: int
     nb: int
-    mask: torch.Tensor                    # float32, 0 = may attend, MASKED = may not, in the flash
-                                          # kernel's layout: (B*Hkv, nb, QT, KB) if nq == 1, else
+    mask: torch.Tensor                    # float32, 0 = may attend, MASKED = may not, in the
+                                          # block kernel's layout: (B*Hkv, nb, QT, KB) if nq == 1, else
                                           # (nq, B*Hkv*nb, QT, KB)
     unit_rows: tuple[torch.Tensor, ...]   # (b, t, head) of each unit row, broadcasting to
                                           # (B, Hkv, nb, nq*QT): a copy per block; padding rows
@@ -416,7 +416,8 @@ def block_sum(x: torch.Tensor) -> torch.Tensor:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `attention` takes from torch's CPU flash kernel, in plain ops for other devices:
+    """What `attention` takes from its block kernel (linear_kernel.cpp `block_attention`, or torch's CPU
+    flash kernel where ours cannot run), in plain ops for other devices:
     q (..., L, D), k, v (..., S, D), mask (..., L, S) additive -> out (..., L, D) float32, the
     softmax-weighted values, and lse (..., L) float32, the log-sum-exp of the row's scores.
     Batch-invariant only where the device's matmuls are (on a GPU: fixed tiles, no split-K
@@ -437,10 +438,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
     lengths, and a call without a mask takes another path. Here every piece of work has one
     shape: a unit of QUERY_TILE query rows (the G query heads of a key/value head fold into
     rows, so K/V are never repeated) against one block of KEY_BLOCK keys. All pairs go to one
-    call of torch's CPU flash kernel, which reduces a block of fewer than 512 keys in one piece
-    and returns each pair's softmax-weighted values out_j and log-sum-exp lse_j. (Four rows, not
-    G: the kernel's per-thread buffers are then 32-byte aligned on every thread, and its
-    matmuls' bits depend on that alignment.) A row's blocks are then combined as in
+    call of our block kernel (linear_kernel.cpp `block_attention`: each row's scores, softmax and
+    weighted sum over the block's keys in one fixed order, keys in order), which returns each
+    pair's softmax-weighted values out_j and log-sum-exp lse_j; where it cannot run (no AVX2,
+    SPECBUS_LINEAR_KERNEL=0, D not a multiple of 8), torch's CPU flash kernel, which reduces a
+    block of fewer than 512 keys in one piece. (Four rows, not G: flash's per-thread buffers are
+    then 32-byte aligned on every thread, and its matmuls' bits depend on that alignment.) A row's blocks are then combined as in
     FlashAttention's blockwise softmax (Dao et al. 2022, sec. 3.1; Flash-Decoding's combine of
     split keys): out = sum_j exp(lse_j - m) out_j / sum_j exp(lse_j - m), m = max_j lse_j, the
     sums in `block_sum`'s fixed tree. A block the row cannot see at all has lse_j near MASKED,
@@ -472,7 +475,10 @@ def block_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
         units = units.view(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
         k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))
-    if q.is_cpu:  # the flash kernel itself: no dispatch to another backend
+    kernel = fixed_kernel(q) if D % 8 == 0 else None
+    if kernel is not None:  # our fixed-order kernel (linear_kernel.cpp `attend_rows`)
+        out, lse = kernel.block_attention(units, k, v, plan.mask, D ** -0.5)
+    elif q.is_cpu:  # torch's flash kernel itself: no dispatch to another backend
         out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
             units, k, v, attn_mask=plan.mask, scale=D ** -0.5)[:2]
     else:

@@ -164,7 +164,8 @@ def usable_cores() -> int:
 MAX_DRAFTER_THREADS = 4  # a small draft's forward is mostly per-call overhead past a few threads
 # A model with fewer bytes of weights on disk than this runs on one thread: its forward is mostly
 # per-op overhead, and a second thread only spins at every op's barrier, on the cores the other
-# processes of the stack need (ops/bench/RESULTS.md "Fewer ops a layer, threads by model size").
+# processes of the stack need (ops/bench/RESULTS.md "Fewer ops a layer, our own block attention,
+# threads by model size").
 SMALL_MODEL_BYTES = 16 << 20
 
 
@@ -198,7 +199,8 @@ def role_threads(role: str, config: StackConfig, cores: int) -> int | None:
     MAX_DRAFTER_THREADS, each at least 1: 2 cores -> verifier 2, drafter 2; 4 -> 4, 4; 16 -> 16, 4.
     A request's draft and verify run one after the other, so each has the cores while it runs,
     and the torch-free processes' work between steps is a small part of a step. The measurements
-    behind the rule: ops/bench/RESULTS.md "Threads per role" and "Fewer ops a layer, threads by model size".
+    behind the rule: ops/bench/RESULTS.md "Threads per role" and "Fewer ops a layer, our own block
+    attention, threads by model size".
     """
     if role not in ("verifier", "drafter"):
         return None

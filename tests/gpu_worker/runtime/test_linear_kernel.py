@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.runtime import linear_kernel
-from gpu_worker.runtime.model import amx_rows, linear, pack_weight, rms_norm, rope
+from gpu_worker.runtime.model import MASKED, amx_rows, linear, pack_weight, rms_norm, rope
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -221,3 +221,55 @@ def test_rope_in_the_kernel_gives_the_bits_of_the_torch_ops_it_replaces(kernel, 
     cos, sin = (torch.randn(3, 5, 1, 64, generator=g).to(dtype) for _ in range(2))
     x = qkv[:, :, :5]
     assert torch.equal(rope(qkv, cos, sin, 5), x * cos + x.roll(32, -1) * sin)
+
+
+def attention_reference(q, k, v, mask, scale):
+    """float64 softmax(q k^T * scale + mask) v and log-sum-exp."""
+    scores = q.double() @ k.double().transpose(-1, -2) * scale + mask.double()
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v.double(), lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_attention_is_softmax_attention_and_a_rows_bits_are_its_own(kernel, dtype):
+    """Each row against its block of keys, in one fixed order: right against float64, and a
+    row's bits the same in any sub-batch, alone, and at 1 or 2 threads; a row that may see no key
+    gets the mean of the values (and lse near MASKED: the block then weighs 0 in the combine)."""
+    g = torch.Generator().manual_seed(3)
+    A, H, L, S, D = 3, 2, 4, 256, 64
+    q, k, v = (torch.randn(A, H, n, D, generator=g).to(dtype) for n in (L, S, S))
+    mask = torch.zeros(A, H, L, S)
+    mask[..., 129:] = MASKED                                   # whole groups of 8 keys and a part of one
+    mask[1, :, :, 50:60] = MASKED
+    mask[0, 0, 1] = MASKED                                     # a row that sees nothing
+    out, lse = kernel.block_attention(q, k, v, mask, D ** -0.5)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    want, want_lse = attention_reference(q, k, v, mask, D ** -0.5)
+    seen = torch.ones(A, H, L, dtype=torch.bool)
+    seen[0, 0, 1] = False
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double()[seen], want[seen], atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 0, 1].double(), v[0, 0].double().mean(0), atol=tolerance, rtol=tolerance)
+    assert lse[0, 0, 1] < MASKED / 2
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            part = kernel.block_attention(q[1:], k[1:], v[1:], mask[1:], D ** -0.5)
+            assert torch.equal(part[0], out[1:]) and torch.equal(part[1], lse[1:])
+            for r in range(L):
+                one = kernel.block_attention(q[:, :, r:r + 1].contiguous(), k, v, mask[:, :, r:r + 1].contiguous(), D ** -0.5)
+                assert torch.equal(one[0], out[:, :, r:r + 1]) and torch.equal(one[1], lse[:, :, r:r + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kv_write_copies_a_rows_keys_and_values_into_its_columns(kernel):
+    keys, values = torch.zeros(3, 10, 8), torch.zeros(3, 10, 8)
+    k, v = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    kernel.kv_write(keys, values, k, v, torch.tensor([4, 9]))
+    assert torch.equal(keys[:, [4, 9]], k.transpose(0, 1)) and torch.equal(values[:, [4, 9]], v.transpose(0, 1))
+    assert not keys[:, :4].any() and not values[:, 5:9].any()
+    with pytest.raises(RuntimeError, match="outside"):
+        kernel.kv_write(keys, values, k, v, torch.tensor([4, 10]))
