@@ -13,8 +13,10 @@ s = l / temperature (s = l for greedy rows), candidate set K:
   (vLLM's raw_logprobs too are taken before any processing).
 - logZ_K = log sum_{j in K} softmax(s)_j: log of the mass K holds under the
   temperature-scaled distribution (0 when K is the whole vocabulary).
-- processed logprob: log of the distribution the token was sampled from,
-  log_softmax(s)[x] - logZ_K on K, -inf outside K. Normalised exactly once, from the logits,
+- processed logprob: log of the distribution the token was sampled from, log_softmax of s over
+  K at x (= log_softmax(s)[x] - logZ_K), -inf outside K; computed over the whole row with -inf
+  outside K, so a row's bits do not depend on the K sizes of the rows beside it, and logZ_K as
+  log_softmax(s)[j] less it at a j in K. Normalised exactly once, from the logits,
   not by renormalising already-rounded probabilities. For a speculative token this is the
   target's processed distribution at that position (the marginal the rejection sampler
   preserves), so it equals what a plain forward pass gives. Greedy rows sample from the
@@ -99,21 +101,21 @@ def token_logprobs(
     width = max(1, min(candidate_ids.shape[1], int(num_candidates.masked_fill(everything, 0).max()) if N else 1))
     listed_ids = candidate_ids[:, :width]
     listed = (torch.arange(width, device=logits.device) < num_candidates[:, None]) & ~everything[:, None]
-    listed_scaled = scaled.gather(1, listed_ids).masked_fill(~listed, float("-inf"))
-    logz_k = torch.where(everything, 0.0, listed_scaled.logsumexp(-1))
+    in_k_vocab = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, listed_ids, listed) | everything[:, None]
+    # The processed distribution: log_softmax of s over K, a reduction over all V entries of the
+    # row (-inf outside K). Not a logsumexp over the listed width: that width is the batch's
+    # largest K, and a reduction's grouping of terms follows its length, so a row's bits would
+    # depend on the rows emitted beside it.
+    processed = torch.where(everything[:, None], scaled, scaled.masked_fill(~in_k_vocab, float("-inf")).log_softmax(-1))
+    first = listed_ids[:, :1]  # a member of K where K is listed
+    logz_k = torch.where(everything, 0.0, (scaled.gather(1, first) - processed.gather(1, first)).squeeze(1))
 
     token = token_ids[:, None]
-    in_k = everything | ((listed_ids == token) & listed).any(-1)
     raw_logprobs = raw.gather(1, token).squeeze(1)
-    processed_logprobs = torch.where(in_k, scaled.gather(1, token).squeeze(1) - logz_k, float("-inf"))
+    processed_logprobs = processed.gather(1, token).squeeze(1)                    # -inf outside K
 
-    if mode == "raw":
-        values, norm = raw, torch.zeros_like(logz_k)
-    else:
-        in_k_vocab = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, listed_ids, listed)
-        in_k_vocab |= everything[:, None]
-        values, norm = scaled.masked_fill(~in_k_vocab, float("-inf")), logz_k
-    top_ids, top_logprobs, requested_logprobs = _top_and_requested(values, norm, top_n, requested_ids)
+    values = raw if mode == "raw" else processed
+    top_ids, top_logprobs, requested_logprobs = _top_and_requested(values, top_n, requested_ids)
 
     shown = min(width, mask_cap)
     mask_ids = listed_ids[:, :shown].masked_fill(~listed[:, :shown], V).sort(-1).values
@@ -156,16 +158,15 @@ def _check_inputs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: to
         check_shape(raw_logits, (N, V), "raw_logits")
 
 
-def _top_and_requested(values: torch.Tensor, norm: torch.Tensor, top_n: int, requested_ids: torch.Tensor | None):
-    """From values (N, V), logprobs in the chosen mode before subtracting norm (N,): top_ids
-    (N, top_n) (-1 where the value is -inf), top_logprobs (N, top_n) and the logprobs of
-    requested_ids (N, R) (-inf at -1 padding; None without requested_ids)."""
-    top_values, top_ids = values.topk(top_n, dim=-1)
-    top_logprobs = top_values - norm[:, None]
-    top_ids = top_ids.masked_fill(top_values == float("-inf"), PAD_TOKEN_ID)
+def _top_and_requested(values: torch.Tensor, top_n: int, requested_ids: torch.Tensor | None):
+    """From values (N, V), logprobs in the chosen mode: top_ids (N, top_n) (-1 where the value
+    is -inf), top_logprobs (N, top_n) and the logprobs of requested_ids (N, R) (-inf at -1
+    padding; None without requested_ids)."""
+    top_logprobs, top_ids = values.topk(top_n, dim=-1)
+    top_ids = top_ids.masked_fill(top_logprobs == float("-inf"), PAD_TOKEN_ID)
     requested_logprobs = None
     if requested_ids is not None:
-        requested_logprobs = values.gather(1, requested_ids.clamp_min(0)) - norm[:, None]
+        requested_logprobs = values.gather(1, requested_ids.clamp_min(0))
         requested_logprobs = requested_logprobs.masked_fill(requested_ids < 0, float("-inf"))
     return top_ids, top_logprobs, requested_logprobs
 

@@ -4,7 +4,9 @@ of decoding its path, and keeping the accepted path leaves the cache decoding wo
 References are plain `forward`s on a second cache holding the same prefixes: the root and a
 node's path fed one token at a time, and as one chain. Batches of rows with different prefix
 lengths and trees (padded), in one window group and in several, a group whose rows have
-different numbers of whole key blocks before the root, trees that cross a key block boundary;
+different numbers of whole key blocks before the root, trees inside their root's key block
+(attended in place) and trees that cross a key block boundary (attended over copies; with
+torch's flash kernel, every tree);
 two models: Hkv = 1 with G = 3 (the shipped tiny target) and Hkv = 2 with G = 5 (a node's
 query heads need two units); float32 and bfloat16; torch.equal throughout.
 """
@@ -15,7 +17,8 @@ import torch
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, KVCache, SlotError
 from gpu_worker.runtime.model import forward
-from gpu_worker.runtime.tree_forward import ROOT, keep_path, tree_forward
+from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime.tree_forward import ROOT, keep_path, tree_forward, tree_group_plan, tree_paths
 from schemas.config import TINY_TARGET
 from tests.tiny_checkpoints import write_hf_model
 
@@ -117,6 +120,39 @@ def decode_each_column(model, cache, slot, start, tokens, parents):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_each_node_gets_the_bits_of_decoding_its_path(family, dtype):
     model, config = load_model(family, dtype=dtype, max_seq_len=MAX_SEQ_LEN)
+    assert_decode_bits(model, config, dtype)
+
+
+def test_with_torchs_flash_kernel_the_copied_tails_give_decode_bits(monkeypatch):
+    """Where our kernel does not run (here turned off), attention is torch's flash kernel, whose
+    bits depend on where a key sits in its block: every tail is then a copy of its path."""
+    monkeypatch.setenv("SPECBUS_LINEAR_KERNEL", "0")
+    linear_kernel.load.cache_clear()
+    try:
+        model, config = load_model(TINY_TARGET, dtype=torch.float32, max_seq_len=MAX_SEQ_LEN)
+        assert_decode_bits(model, config, torch.float32)
+    finally:
+        linear_kernel.load.cache_clear()
+
+
+def test_a_tree_inside_its_roots_key_block_is_attended_in_place_else_by_copies():
+    _, config = load_model(TINY_TARGET, dtype=torch.float32, max_seq_len=MAX_SEQ_LEN)
+    cache = KVCache(config, max_slots=2, max_seq_len=MAX_SEQ_LEN)
+    slots = torch.tensor([cache.allocate(), cache.allocate()])
+    parents = torch.tensor([TREES["bushy"]] * 2)
+    for starts, in_place in (([12, 300], True), ([12, KEY_BLOCK - 3], False)):
+        plan = cache.plan(slots, torch.tensor([9, 9]), 9)
+        paths = tree_paths(parents, torch.tensor([8, 8]))
+        groups = [tree_group_plan(g, [starts[b] for b in (range(2) if g.rows is None else g.rows.tolist())],
+                                  [paths[b] for b in (range(2) if g.rows is None else g.rows.tolist())],
+                                  config.num_kv_heads, config.num_heads // config.num_kv_heads, cache.device,
+                                  in_place=True) for g in plan.groups]
+        assert [g.tail_rows is None for g in groups] == [in_place] * len(groups), starts
+
+
+def assert_decode_bits(model, config, dtype):
+    """Every batch of BATCHES through tree_forward: each column's logits and hidden state equal
+    decoding its path one token at a time, and each leaf's path as one chain step."""
     for seed, rows in enumerate(BATCHES):
         prefixes, token_ids, parents, num_nodes = make_batch(config, rows, seed)
         tree, ref = prefilled(model, config, dtype, prefixes), prefilled(model, config, dtype, prefixes)

@@ -69,6 +69,35 @@ def test_processed_logprobs_are_the_sampled_distribution_normalised_once():
     assert torch.allclose(lp.processed_logprobs, requested.gather(1, token_ids.flatten()[:, None]).squeeze(1))
 
 
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_a_rows_logprobs_do_not_depend_on_the_rows_emitted_beside_it(mode):
+    """Each row's values bit for bit the same alone and beside a row whose candidate set is of
+    another size (a vocabulary of 4,096; top-k from 3 to 931, top-p 0.9,
+    greedy, everything), as a verify step's rows and a scoring prefill's positions are grouped
+    differently. (A logsumexp over the listed candidates would not be: its length is the
+    batch's largest K, and torch's sum groups terms by the length.)"""
+    vocab, top_k = 4096, [0, 3, 13, 29, 50, 77, 131, 260, 517, 931, 0, 0]
+    rows = len(top_k)
+    params = SamplingTensors.build([0.8] * (rows - 2) + [0.0, 1.0], top_k=top_k,
+                                   top_p=[0.9] + [1.0] * (rows - 1), min_p=[0.0] * rows)
+    logits = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(2)) * 4
+    processed, token_ids = sample(logits, params, make_uniforms(torch.arange(rows), torch.zeros(rows, 1, dtype=torch.long),
+                                                               STREAM_TARGET))
+    requested = torch.arange(0, vocab, 97).expand(rows, -1)
+
+    def run(index):
+        return token_logprobs(logits[index, 0], token_ids[index, 0], params.temperature[index],
+                              processed.candidate_ids[index, 0], processed.num_candidates[index, 0],
+                              mode=mode, top_n=3, requested_ids=requested[index])
+
+    alone = [run(torch.tensor([n])) for n in range(rows)]
+    for n in range(rows):
+        for other in range(rows):
+            pair = run(torch.tensor([n, other]))
+            for field in ("raw_logprobs", "processed_logprobs", "top_logprobs", "requested_logprobs", "logz_k"):
+                assert torch.equal(getattr(pair, field)[0], getattr(alone[n], field)[0]), (field, n, other)
+
+
 def test_greedy_rows_report_the_point_mass_they_sampled_from():
     logits = torch.tensor([[[0.0, 2.0, 1.0, 2.0]]])
     params = SamplingTensors.build([0.0])
