@@ -91,7 +91,6 @@ class ForwardPlan:
                                      # token attends to the keys at positions <= its rope_pos
     keys: list[tuple[torch.Tensor, ...]]    # per row, its slot's storage per layer: (Hkv, C + 1, D)
     values: list[tuple[torch.Tensor, ...]]
-    write_index: list[tuple[torch.Tensor, torch.Tensor]]  # per row, (heads, columns) -> (T, Hkv)
     write_columns: list[torch.Tensor]  # per row, its write_pos (T,)
     groups: list[WindowGroup]        # the rows by window, each row in one
 
@@ -353,10 +352,9 @@ class KVCache:
                      for s, start, n in zip(slot_list, starts, new_list)]
         rope_pos = [[min(start + t, last) for t in range(T)] for start in starts]
         index = torch.tensor([write_pos, rope_pos]).to(self.device)  # (2, B, T)
-        # Index tuples and window views made once here, not in each layer's update and window.
+        # Index rows and window views made once here, not in each layer's update and window.
         keys, values = [self._layers[s][0] for s in slot_list], [self._layers[s][1] for s in slot_list]
         return ForwardPlan(write_pos=index[0], rope_pos=index[1], keys=keys, values=values,
-                           write_index=[(self._heads, pos) for pos in index[0].view(B, T, 1).unbind(0)],
                            write_columns=list(index[0].unbind(0)),
                            groups=window_groups(self, slot_list, ends, keys, values))
 
@@ -364,16 +362,14 @@ class KVCache:
         """Write k, v (B, T, Hkv, D) of `layer` into the plan's slots at its write_pos (B, T).
         All on the cache's device; a slot's last column is its scratch column for padding."""
         assert len(plan.keys) == k.shape[0] == plan.write_pos.shape[0], (len(plan.keys), k.shape)
-        kernel = linear_kernel.load() if k.is_cpu and k.dtype in (torch.float32, torch.bfloat16) else None
-        if kernel is not None:  # one call a row instead of two index_put_ (each op costs microseconds)
-            for keys, values, columns, k_row, v_row in zip(plan.keys, plan.values, plan.write_columns,
-                                                           k.unbind(0), v.unbind(0)):
+        kernel = linear_kernel.fixed_kernel(k)
+        for keys, values, columns, k_row, v_row in zip(plan.keys, plan.values, plan.write_columns,
+                                                       k.unbind(0), v.unbind(0)):
+            if kernel is not None:  # one call a row instead of two index_put_ (each op costs microseconds)
                 kernel.kv_write(keys[layer], values[layer], k_row, v_row, columns)
-            return
-        for keys, values, index, k_row, v_row in zip(plan.keys, plan.values, plan.write_index,
-                                                     k.unbind(0), v.unbind(0)):
-            keys[layer].index_put_(index, k_row)
-            values[layer].index_put_(index, v_row)
+            else:
+                keys[layer].index_put_((self._heads, columns.view(-1, 1)), k_row)
+                values[layer].index_put_((self._heads, columns.view(-1, 1)), v_row)
 
     def window(self, layer: int, group: WindowGroup):
         """Keys and values at positions 0..W-1 of a window group's slots: two (Bg, Hkv, W, D)

@@ -998,7 +998,8 @@ void kv_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::
               keys.device().is_cpu() && k.device().is_cpu(),
               "kv_write: keys, values (Hkv, C, D), k, v (T, Hkv, D) of their dtype, columns (T,) int64, on the CPU");
   const int64_t T = k.size(0), H = k.size(1), C = keys.size(1), bytes = k.size(2) * k.element_size();
-  const int64_t* col = columns.contiguous().data_ptr<int64_t>();
+  columns = columns.contiguous();  // held: a temporary's data would be freed at the statement's end
+  const int64_t* col = columns.data_ptr<int64_t>();
   auto* kd = static_cast<char*>(keys.data_ptr());
   auto* vd = static_cast<char*>(values.data_ptr());
   const auto* ks = static_cast<const char*>(k.data_ptr());

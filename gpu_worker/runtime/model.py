@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime.linear_kernel import fixed_kernel
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
 from gpu_worker.runtime.quantized import QuantizedWeight, fuse, quant_linear, usable
 
@@ -240,12 +240,10 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
                  rope_cos=cos, rope_sin=sin)
 
 
-def fixed_kernel(t: torch.Tensor):
-    """The fixed-order projection kernel (gpu_worker/runtime/linear_kernel.py) when it serves t's device
-    and dtype here, else None."""
-    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16):
-        return linear_kernel.load()
-    return None
+def block_kernel(t: torch.Tensor, head_dim: int):
+    """The kernel module whose `block_attention` serves attention over t's device and dtype with
+    heads of head_dim (a multiple of 8), else None (torch's flash kernel, or plain ops off the CPU)."""
+    return fixed_kernel(t) if head_dim % 8 == 0 else None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -386,13 +384,21 @@ def attention_plan(pos: torch.Tensor, Hkv: int, G: int, W: int) -> AttentionPlan
     heads each. Always a mask, even where a decode step could attend to everything: one
     attention path for every step."""
     B, T = pos.shape
-    nq, nb, U = -(-T * G // QUERY_TILE), W // KEY_BLOCK, B * Hkv
+    nq, nb = -(-T * G // QUERY_TILE), W // KEY_BLOCK
     row_token, unit_rows, out_rows, keys = unit_layout(B, T, Hkv, G, nb, pos.device)
     row_pos = F.pad(pos, (0, 1), value=W).index_select(1, row_token)     # padding rows see all
     mask = torch.zeros(nq, B, Hkv, nb, QUERY_TILE, KEY_BLOCK, device=pos.device)
     mask.masked_fill_(keys > row_pos.view(B, nq, 1, 1, QUERY_TILE, 1).transpose(0, 1), MASKED)
-    mask = mask.view(U, nb, QUERY_TILE, KEY_BLOCK) if nq == 1 else mask.view(nq, U * nb, QUERY_TILE, KEY_BLOCK)
-    return AttentionPlan(nq=nq, nb=nb, mask=mask, unit_rows=unit_rows, out_rows=out_rows)
+    return AttentionPlan(nq=nq, nb=nb, mask=kernel_mask(mask), unit_rows=unit_rows, out_rows=out_rows)
+
+
+def kernel_mask(mask: torch.Tensor) -> torch.Tensor:
+    """An additive mask (nq, B, Hkv, nb, QT, KB) in the block kernel's layout (AttentionPlan.mask):
+    (B*Hkv, nb, QT, KB) if nq == 1, else (nq, B*Hkv*nb, QT, KB)."""
+    nq, B, Hkv, nb = mask.shape[:4]
+    if nq == 1:
+        return mask.reshape(B * Hkv, nb, QUERY_TILE, KEY_BLOCK)
+    return mask.reshape(nq, B * Hkv * nb, QUERY_TILE, KEY_BLOCK)
 
 
 def block_sum(x: torch.Tensor) -> torch.Tensor:
@@ -475,7 +481,7 @@ def block_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
         units = units.view(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
         k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))
-    kernel = fixed_kernel(q) if D % 8 == 0 else None
+    kernel = block_kernel(q, D)
     if kernel is not None:  # our fixed-order kernel (linear_kernel.cpp `attend_rows`)
         out, lse = kernel.block_attention(units, k, v, plan.mask, D ** -0.5)
     elif q.is_cpu:  # torch's flash kernel itself: no dispatch to another backend

@@ -49,8 +49,9 @@ from gpu_worker.runtime.model import (
     block_outputs,
     by_group,
     check_cache,
+    block_kernel,
     combine_blocks,
-    fixed_kernel,
+    kernel_mask,
     read_out,
     rope_rows,
     run_layers,
@@ -174,9 +175,8 @@ def tree_block_plan(starts: list[int], paths: list[list[list[int]]], Hkv: int, G
     nq = row_token.numel() // QUERY_TILE
     rows = visible[:, row_token.cpu().clamp_max(J - 1)]                       # (Bg, nq*QT, KB); padding rows: the last column's
     mask = torch.zeros(Bg, nq * QUERY_TILE, KB).masked_fill_(~rows, MASKED)
-    mask = mask.view(Bg, 1, nq, QUERY_TILE, KB).expand(-1, Hkv, -1, -1, -1).permute(2, 0, 1, 3, 4)
-    mask = mask.reshape(Bg * Hkv, 1, QUERY_TILE, KB) if nq == 1 else mask.reshape(nq, Bg * Hkv, QUERY_TILE, KB)
-    return AttentionPlan(nq=nq, nb=1, mask=mask.to(device), unit_rows=unit_rows, out_rows=out_rows)
+    mask = mask.view(Bg, 1, 1, nq, QUERY_TILE, KB).expand(-1, Hkv, -1, -1, -1, -1).permute(3, 0, 1, 2, 4, 5)
+    return AttentionPlan(nq=nq, nb=1, mask=kernel_mask(mask).to(device), unit_rows=unit_rows, out_rows=out_rows)
 
 
 def output_rows(plan: AttentionPlan, block: torch.Tensor) -> torch.Tensor:
@@ -253,7 +253,7 @@ def tree_forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: t
     depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])
     plan = replace(plan, rope_pos=(torch.tensor(starts).view(B, 1) + depth).to(cache.device))
     G = cfg.num_heads // cfg.num_kv_heads
-    in_place = fixed_kernel(model.embed) is not None and cfg.head_dim % 8 == 0  # `block_outputs` runs our kernel
+    in_place = block_kernel(model.embed, cfg.head_dim) is not None  # `block_outputs` runs our kernel
     groups = [tree_group_plan(g, starts if g.rows is None else [starts[b] for b in g.rows.tolist()],
                               paths if g.rows is None else [paths[b] for b in g.rows.tolist()],
                               cfg.num_kv_heads, G, cache.device, in_place) for g in plan.groups]

@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from ops.bench.bench_gateway import cpu_s
 from ops.bench.bench_pipeline import held_out_prompts
 from ops.distill_draft import held_out_chat_prompts
 from schemas.config import DEFAULT_DRAFT, TINY_TARGET, default_target_model
@@ -39,12 +40,6 @@ from text.tokenizer import load_tokenizer
 
 MODEL_ROLES = ("verifier", "drafter")
 CPU_COLUMNS = ("nats-server", "scheduler", "verifier", "drafter", "postprocessor", "client")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds (fields 14 and 15 of /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_ids(stack: Stack) -> dict[str, int]:
@@ -76,13 +71,13 @@ async def run_requests(client, requests: list) -> tuple[int, int]:
 async def measure(stack: Stack, client, requests: list, totals: dict) -> None:
     """Run requests once, adding wall, tokens, steps, CPU and batch seconds to totals."""
     pids = process_ids(stack)
-    cpu_before, batch_before = {n: cpu_seconds(p) for n, p in pids.items()}, await batch_seconds(stack)
+    cpu_before, batch_before = {n: cpu_s(p) for n, p in pids.items()}, await batch_seconds(stack)
     start = time.perf_counter()
     tokens, steps = await run_requests(client, requests)
     totals["wall"] += time.perf_counter() - start
     batch_after = await batch_seconds(stack)
     for name, pid in pids.items():
-        totals[f"cpu {name}"] += cpu_seconds(pid) - cpu_before[name]
+        totals[f"cpu {name}"] += cpu_s(pid) - cpu_before[name]
     for role in MODEL_ROLES:
         totals[f"{role} batch"] += batch_after[role] - batch_before[role]
     totals["tokens"] += tokens

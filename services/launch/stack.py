@@ -56,7 +56,7 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client
 
-from schemas.config import CLIENT_ENV_FILE, DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, default_target_model
+from schemas.config import CLIENT_ENV_FILE, load_config
 from schemas.config import ROLES as CONFIGS
 from schemas.control import Heartbeat
 from schemas.subjects import DEFAULT_PREFIX, Subjects
@@ -169,17 +169,20 @@ MAX_DRAFTER_THREADS = 4  # a small draft's forward is mostly per-call overhead p
 SMALL_MODEL_BYTES = 16 << 20
 
 
+MODEL_SETTINGS = ("target_model", "draft_model", "draft_method", "eagle_head")
+
+
 def role_model(role: str, config: StackConfig) -> Path | None:
-    """The model directory a verifier or drafter of this stack loads (the config's, else the
-    service's own default: its SPECBUS_ setting or the shipped one); None for an ngram drafter."""
-    def setting(name: str, default) -> Path:
-        return Path(getattr(config, name) or os.environ.get(ENV_PREFIX + name.upper()) or default)
+    """The model directory a verifier or drafter of this stack loads, resolved as the service
+    resolves it (`load_config`: the stack's setting, else its SPECBUS_ one, else the default);
+    None for an ngram drafter."""
+    fields = {f.name for f in dataclasses.fields(CONFIGS[role])}
+    service = load_config(CONFIGS[role], **{name: getattr(config, name) for name in MODEL_SETTINGS if name in fields})
     if role == "verifier":
-        return setting("target_model", default_target_model())
-    method = config.draft_method or os.environ.get(ENV_PREFIX + "DRAFT_METHOD") or "model"
-    if method == "ngram":
+        return Path(service.target_model)
+    if service.draft_method == "ngram":
         return None
-    return setting("eagle_head", DEFAULT_EAGLE_HEAD) if method == "eagle" else setting("draft_model", DEFAULT_DRAFT)
+    return Path(service.eagle_head if service.draft_method == "eagle" else service.draft_model)
 
 
 def is_small_model(path: Path | None) -> bool:
