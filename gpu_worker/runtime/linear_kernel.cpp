@@ -845,8 +845,8 @@ static inline __m256 hsum8x8(const __m256* acc) {
 
 // s[j] = q·k_j for keys j0..j0+7, D a multiple of 8: lane l of key j's sum takes d = 8c + l, c in
 // order (one FMA each), the lanes then added as `finish` adds them
-template <typename T>
-static inline __m256 dots8(const T* q, const T* k, int64_t k_row, int64_t D) {
+template <typename TQ, typename TK>
+static inline __m256 dots8(const TQ* q, const TK* k, int64_t k_row, int64_t D) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
@@ -873,6 +873,31 @@ static inline void store8(at::BFloat16* p, __m256 v) {  // round to nearest even
 // The additive mask's value for a key a row may not see (model.py MASKED, as float32)
 constexpr float MASKED = -1e30f;
 
+// out[r][d .. d + 8 DC) = (sum over live keys j, in order, of p[r][j] v_j) / l[r], one FMA a key
+// and lane; with sum_l, first adds l[r] += p[r][j] over the same keys in the same order (so l is
+// complete before any division: the division waits for the loop)
+template <int R, int DC, typename TV, typename TO>
+static inline void pv_chunks(const float* p, const TV* v, int64_t v_row, int64_t S, const uint8_t* live, int64_t d,
+                             bool sum_l, float* l, TO* const* out) {
+  __m256 o[R][DC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) o[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < S / 8; ++g) {
+    if (!live[g]) continue;
+    for (int64_t j = 8 * g; j < 8 * g + 8; ++j) {
+      __m256 vj[DC];
+      for (int c = 0; c < DC; ++c) vj[c] = load8(v + j * v_row + d + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pr = _mm256_set1_ps(p[r * S + j]);
+        for (int c = 0; c < DC; ++c) o[r][c] = _mm256_fmadd_ps(pr, vj[c], o[r][c]);
+        if (sum_l) l[r] += p[r * S + j];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) store8(out[r] + d + 8 * c, _mm256_div_ps(o[r][c], _mm256_set1_ps(l[r])));
+}
+
 // One (query rows, key block) pair of `block_attention`: R rows of q (D values each) against S
 // keys. Per row: s_j = q·k_j * scale + mask_j (`dots8`); m = max_j s_j; p_j = exp(s_j - m);
 // l = sum of p_j and o = sum of p_j v_j, both over j in order (o on D lanes, one FMA a key);
@@ -880,9 +905,9 @@ constexpr float MASKED = -1e30f;
 // Work whose result is known is skipped, the bits unchanged: a group of 8 keys the row may not
 // see at all scores MASKED exactly (s_j = q·k_j * scale + MASKED rounds to MASKED while
 // |q·k_j * scale| < 1e22), and keys whose p_j is 0 for every row add exactly nothing to l and o.
-template <int R, typename T>
-static void attend_rows(const T* const* q, const T* k, const T* v, int64_t k_row, int64_t v_row,
-                        const float* const* mask, int64_t S, int64_t D, float scale, T* const* out, float* lse,
+template <int R, typename TQ, typename TK, typename TV, typename TO>
+static void attend_rows(const TQ* const* q, const TK* k, const TV* v, int64_t k_row, int64_t v_row,
+                        const float* const* mask, int64_t S, int64_t D, float scale, TO* const* out, float* lse,
                         float* p, uint8_t* live) {  // scratch: p (R, S), live (S / 8)
   const __m256 sc = _mm256_set1_ps(scale), masked = _mm256_set1_ps(MASKED), zero = _mm256_setzero_ps();
   for (int64_t g = 0; g < S / 8; ++g) live[g] = 0;
@@ -906,84 +931,155 @@ static void attend_rows(const T* const* q, const T* k, const T* v, int64_t k_row
   }
   float l[R];
   for (int r = 0; r < R; ++r) l[r] = 0.0f;
-  for (int64_t j = 0; j < S; ++j)  // the rows' chains side by side: each still in order of j
-    if (live[j / 8])
-      for (int r = 0; r < R; ++r) l[r] += p[r * S + j];
+  // o on D lanes, DC chunks of 8 at once: R * DC chains of FMAs side by side (one chain a row
+  // would wait on its own FMA's latency every key); l's chains ride along in the first pass
+  constexpr int DC = R >= 3 ? 2 : 8 / R;
+  int64_t d = 0;
+  for (; d + 8 * DC <= D; d += 8 * DC) pv_chunks<R, DC>(p, v, v_row, S, live, d, d == 0, l, out);
+  for (; d < D; d += 8) pv_chunks<R, 1>(p, v, v_row, S, live, d, d == 0, l, out);
   for (int r = 0; r < R; ++r) lse[r] += std::log(l[r]);
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 o[R];
-    for (int r = 0; r < R; ++r) o[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < S; ++j) {
-      if (!live[j / 8]) {
-        j += 7;
-        continue;
-      }
-      __m256 vj = load8(v + j * v_row + d);
-      for (int r = 0; r < R; ++r) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * S + j]), vj, o[r]);
-    }
-    for (int r = 0; r < R; ++r) store8(out[r] + d, _mm256_div_ps(o[r], _mm256_set1_ps(l[r])));
+}
+
+// rows n of src (n, D), row stride `stride`, as float32 into dst (n, D) contiguous: exact
+template <typename T>
+static void widen_rows(const T* src, int64_t stride, int64_t n, int64_t D, float* dst) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + i * D + d, load8(src + i * stride + d));
+}
+
+// attend_rows over tiles of up to 4 unit rows: rows r0.. of the pair's M, pointers from the caller
+template <typename TQ, typename TK, typename TV, typename TO>
+static void attend_tile(int R, const TQ* const* q, const TK* k, const TV* v, int64_t k_row, int64_t v_row,
+                        const float* const* mask, int64_t S, int64_t D, float scale, TO* const* out, float* lse,
+                        float* p, uint8_t* live) {
+  switch (R) {
+    case 4: return attend_rows<4>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
+    case 3: return attend_rows<3>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
+    case 2: return attend_rows<2>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
+    default: return attend_rows<1>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
   }
 }
 
-// q (A, H, L, D), k and v (A or 1, H, S, D) (A == 1: shared by every a), mask (A, H, L, S)
-// float32, the last dim of each contiguous, q, k, v of one dtype (float32 or bfloat16) on the CPU
-// -> (out (A, H, L, D) in q's dtype and memory order, lse (A, H, L) float32): softmax(q k^T *
-// scale + mask) v per row, in `attend_rows`' fixed order (L rows at a time, up to 4; S and D
-// multiples of 8). Pairs (a, h) go to threads whole.
-std::vector<torch::Tensor> block_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
-                                           double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "block_attention: 4-D q, k, v, mask");
-  const int64_t A = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes() && (k.size(0) == A || k.stride(0) == 0 || k.size(0) == 1) && k.size(1) == H &&
-              k.size(3) == D && mask.size(0) == A && mask.size(1) == H && mask.size(2) == L && mask.size(3) == S,
-              "block_attention: q (A, H, L, D), k and v (A, H, S, D), mask (A, H, L, S)");
-  TORCH_CHECK(D % 8 == 0 && S % 8 == 0 && S > 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 &&
-              mask.stride(3) == 1 && mask.scalar_type() == torch::kFloat && q.scalar_type() == k.scalar_type() &&
-              k.scalar_type() == v.scalar_type() && q.device().is_cpu() && k.device().is_cpu(),
-              "block_attention: D and S multiples of 8, last dims contiguous, mask float32, one dtype on the CPU");
-  auto out = torch::empty_like(q, torch::MemoryFormat::Preserve);
-  const bool transposed = q.stride(0) < q.stride(1);  // (H, A, ...) in memory: keep that order
-  auto lse = transposed ? torch::empty({H, A, L}, q.options().dtype(torch::kFloat)).transpose(0, 1)
-                        : torch::empty({A, H, L}, q.options().dtype(torch::kFloat));
-  const int64_t k_a = k.size(0) == 1 ? 0 : k.stride(0), v_a = v.size(0) == 1 ? 0 : v.stride(0);
+// Attention's block kernel (model.py `block_outputs`). q (N, H, D): N H query rows, row i = q[i / H, i % H]; k, v (B, Hkv, W, D);
+// mask (B, nb, M, KB) float32 (0 or MASKED), W >= nb * KB; unit_q (B * Hkv, M) int64, rows of q.
+// Unit u = (b, h), its rows m, block j: attend_rows of q[unit_q[u, m]] over keys j KB .. (j + 1) KB - 1
+// of k[b, h], v[b, h] under mask[b, j, m] -> out (B * Hkv, nb, M, D) in q's dtype, lse (B * Hkv, nb, M)
+// float32. Pairs (u, j) go to threads whole, their rows 4 at a time; bfloat16 keys (and values, for
+// more than one tile of rows) are widened to float32 once a pair, which changes no value.
+std::vector<torch::Tensor> unit_blocks(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                                       torch::Tensor unit_q, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && mask.dim() == 4 && unit_q.dim() == 2,
+              "unit_blocks: q (N, H, D), k and v (B, Hkv, W, D), mask (B, nb, M, KB), unit_q (B*Hkv, M)");
+  const int64_t D = q.size(2), H = q.size(1), B = k.size(0), Hkv = k.size(1), nb = mask.size(1), M = mask.size(2), S = mask.size(3);
+  TORCH_CHECK(k.size(3) == D && mask.size(0) == B && k.size(2) >= nb * S && unit_q.size(0) == B * Hkv &&
+              unit_q.size(1) == M && D % 8 == 0 && S % 8 == 0 && S > 0 && q.stride(2) == 1 && k.stride(3) == 1 &&
+              v.stride(3) == 1 && mask.stride(3) == 1 && mask.scalar_type() == torch::kFloat &&
+              unit_q.scalar_type() == torch::kLong && unit_q.is_contiguous() && q.scalar_type() == k.scalar_type() &&
+              k.scalar_type() == v.scalar_type() && q.device().is_cpu() && k.device().is_cpu() &&
+              mask.device().is_cpu() && unit_q.device().is_cpu(),
+              "unit_blocks: D and KB multiples of 8, W >= nb*KB, last dims contiguous, mask float32, unit_q int64, "
+              "one dtype, on the CPU");
+  auto out = torch::empty({B * Hkv, nb, M, D}, q.options());
+  auto lse = torch::empty({B * Hkv, nb, M}, q.options().dtype(torch::kFloat));
+  const int64_t* rows = unit_q.data_ptr<int64_t>();
   auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_pointer_t<decltype(qp)>;
+    constexpr bool widen = std::is_same_v<T, at::BFloat16>;
     const float* mp = mask.data_ptr<float>();
     float* lp = lse.data_ptr<float>();
-    shared_for(A * H, [&](int64_t first, int64_t last) {
-      std::vector<float> scratch(4 * S);
+    shared_for(B * Hkv * nb, [&](int64_t first, int64_t last) {
+      std::vector<float> scratch(4 * S), kw(widen ? S * D : 0), vw(widen ? S * D : 0);
       std::vector<uint8_t> live(S / 8);
       for (int64_t pair = first; pair < last; ++pair) {
-        const int64_t a = pair / H, h = pair % H;
-        const T* kb = kp + a * k_a + h * k.stride(1);
-        const T* vb = vp + a * v_a + h * v.stride(1);
-        for (int64_t r0 = 0; r0 < L; r0 += 4) {
-          const int R = int(std::min<int64_t>(4, L - r0));
+        const int64_t u = pair / nb, j = pair % nb, b = u / Hkv, h = u % Hkv;
+        const T* kb = kp + b * k.stride(0) + h * k.stride(1) + j * S * k.stride(2);
+        const T* vb = vp + b * v.stride(0) + h * v.stride(1) + j * S * v.stride(2);
+        const bool widen_v = widen && M > 4;
+        if (widen) widen_rows(kb, k.stride(2), S, D, kw.data());
+        if (widen_v) widen_rows(vb, v.stride(2), S, D, vw.data());
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {
+          const int R = int(std::min<int64_t>(4, M - r0));
           const T* qr[4];
           T* orow[4];
           const float* mr[4];
-          float ls[4];
           for (int r = 0; r < R; ++r) {
-            qr[r] = qp + a * q.stride(0) + h * q.stride(1) + (r0 + r) * q.stride(2);
-            orow[r] = op + a * out.stride(0) + h * out.stride(1) + (r0 + r) * out.stride(2);
-            mr[r] = mp + a * mask.stride(0) + h * mask.stride(1) + (r0 + r) * mask.stride(2);
+            const int64_t row = rows[u * M + r0 + r];
+            qr[r] = qp + row / H * q.stride(0) + row % H * q.stride(1);
+            orow[r] = op + ((u * nb + j) * M + r0 + r) * D;
+            mr[r] = mp + b * mask.stride(0) + j * mask.stride(1) + (r0 + r) * mask.stride(2);
           }
-          switch (R) {
-            case 4: attend_rows<4>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data()); break;
-            case 3: attend_rows<3>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data()); break;
-            case 2: attend_rows<2>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data()); break;
-            default: attend_rows<1>(qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
+          float* ls = lp + (u * nb + j) * M + r0;
+          if constexpr (widen) {
+            if (widen_v) attend_tile(R, qr, kw.data(), vw.data(), D, D, mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
+            else attend_tile(R, qr, kw.data(), vb, D, v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
+          } else {
+            attend_tile(R, qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
           }
-          for (int r = 0; r < R; ++r) lp[a * lse.stride(0) + h * lse.stride(1) + (r0 + r) * lse.stride(2)] = ls[r];
         }
       }
     });
   };
-  on_dtype(q, "block_attention", [&](auto tag) {
+  on_dtype(q, "unit_blocks", [&](auto tag) {
     using T = decltype(tag);
     run(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>());
   });
   return {out, lse};
+}
+
+// FlashAttention's blockwise softmax combine (model.py `attention`) of each unit row's nb blocks:
+// out (U, nb, M, D) in q's dtype and lse (U, nb, M) float32 (`unit_blocks`), unit_out (U, M) int64
+// -> y (n_out, D) in out's dtype, y[unit_out[u, m]] = sum_j w_j out_j / sum_j w_j, w_j =
+// exp(lse_j - max_j lse_j) (`exp_nonpositive`), both sums a pairwise tree over block positions
+// ((0 + 1) + (2 + 3)) + ..., blocks past nb counting as zeros, so a row's bits do not depend on
+// nb past its last visible block (whose weight is exactly 0); unit_out -1 (a padding row): not
+// written. One block: w = 1 exactly, y = out.
+torch::Tensor combine_units(torch::Tensor out, torch::Tensor lse, torch::Tensor unit_out, int64_t n_out) {
+  TORCH_CHECK(out.dim() == 4 && out.is_contiguous() && lse.dim() == 3 && lse.is_contiguous() &&
+              lse.scalar_type() == torch::kFloat && lse.size(0) == out.size(0) && lse.size(1) == out.size(1) &&
+              lse.size(2) == out.size(2) && unit_out.dim() == 2 && unit_out.is_contiguous() &&
+              unit_out.scalar_type() == torch::kLong && unit_out.size(0) == out.size(0) &&
+              unit_out.size(1) == out.size(2) && out.size(3) % 8 == 0 && out.device().is_cpu(),
+              "combine_units: out (U, nb, M, D) contiguous, D a multiple of 8, lse (U, nb, M) float32, unit_out (U, M) int64");
+  const int64_t U = out.size(0), nb = out.size(1), M = out.size(2), D = out.size(3);
+  TORCH_CHECK(unit_out.numel() == 0 || unit_out.max().item<int64_t>() < n_out, "combine_units: unit_out past n_out");
+  int64_t P = 1;
+  while (P < nb) P *= 2;
+  auto y = torch::empty({n_out, D}, out.options());
+  const int64_t* dst = unit_out.data_ptr<int64_t>();
+  const float* lp = lse.data_ptr<float>();
+  auto run = [&](auto* op, auto* yp) {
+    shared_for(U * M, [&](int64_t first, int64_t last) {
+      std::vector<float> w(P + 8), den(P);
+      std::vector<__m256> x(P);
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t u = row / M, m = row % M, to = dst[row];
+        if (to < 0) continue;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < nb; ++j) mx = std::max(mx, lp[(u * nb + j) * M + m]);
+        for (int64_t j = 0; j < nb; j += 8) {
+          alignas(32) float diff[8];
+          for (int i = 0; i < 8; ++i) diff[i] = j + i < nb ? lp[(u * nb + j + i) * M + m] - mx : 0.0f;
+          _mm256_storeu_ps(w.data() + j, exp_nonpositive(_mm256_load_ps(diff)));
+        }
+        for (int64_t j = 0; j < P; ++j) den[j] = j < nb ? w[j] : 0.0f;
+        for (int64_t s = 1; s < P; s *= 2)
+          for (int64_t i = 0; i < P; i += 2 * s) den[i] += den[i + s];
+        for (int64_t d = 0; d < D; d += 8) {
+          for (int64_t j = 0; j < P; ++j)
+            x[j] = j < nb ? _mm256_mul_ps(load8(op + ((u * nb + j) * M + m) * D + d), _mm256_set1_ps(w[j]))
+                          : _mm256_setzero_ps();
+          for (int64_t s = 1; s < P; s *= 2)
+            for (int64_t i = 0; i < P; i += 2 * s) x[i] = _mm256_add_ps(x[i], x[i + s]);
+          store8(yp + to * D + d, _mm256_div_ps(x[0], _mm256_set1_ps(den[0])));
+        }
+      }
+    });
+  };
+  on_dtype(out, "combine_units", [&](auto tag) {
+    using T = decltype(tag);
+    run(out.data_ptr<T>(), y.data_ptr<T>());
+  });
+  return y;
 }
 
 // keys and values (Hkv, C, D) of one slot and layer, k and v (T, Hkv, D) (last dims contiguous),
@@ -1070,7 +1166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fixed_rms_norm", &fixed_rms_norm, "x / sqrt(mean(x^2) + eps) * w per row, one fixed order per row",
         py::call_guard<py::gil_scoped_release>());
-  m.def("block_attention", &block_attention, "softmax(q k^T * scale + mask) v and its log-sum-exp, one fixed order per row",
+  m.def("unit_blocks", &unit_blocks, "each unit row's softmax(q k^T * scale + mask) v and log-sum-exp per key block, one fixed order per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("combine_units", &combine_units, "each unit row's key blocks combined by their log-sum-exps, in a fixed tree",
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_write", &kv_write, "a row's new keys and values copied into its slot's columns");
   m.def("fixed_rope", &fixed_rope, "the first heads of qkv rotated by RoPE's cos and signed sin, torch's bits",

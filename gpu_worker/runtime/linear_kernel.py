@@ -28,11 +28,14 @@ several torch ops (each op costs microseconds of dispatch, a few hundred of them
 `fixed_rms_norm(x, w, eps)`, Llama's RMSNorm with a row's sum of squares in one fixed order
 (16 lanes, then a pairwise tree), `fixed_rope(qkv, cos, sin, heads)`, the rotate-half RoPE with
 the bits of the torch ops it replaces, `kv_write`, a row's new keys and values copied into its
-slot, and `block_attention(q, k, v, mask, scale)`, `model.attention`'s kernel: each query row's
-softmax over one block of keys in a fixed order (scores by the projection's dot-product order,
-exp by one polynomial on 8 lanes, the sums over keys in key order), so a row's bits depend on
-neither its neighbours nor the threads; it skips work whose result is known exactly (key groups
-the row may not see, keys whose weight is 0 for every row).
+slot, and `model.attention`'s two calls a layer: `unit_blocks(q, k, v, mask, unit_q, scale)`, each
+query row's softmax over each block of keys in a fixed order (scores by the projection's
+dot-product order, exp by one polynomial on 8 lanes, the sums over keys in key order), so a row's
+bits depend on neither its neighbours nor the threads (it skips work whose result is known
+exactly: key groups the row may not see, keys whose weight is 0 for every row), and
+`combine_units(out, lse, unit_out, n)`, a row's blocks combined by their log-sum-exps in a fixed
+tree, written where the row goes (the query rows gathered and scattered in the kernel, not by
+torch ops around it).
 
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's

@@ -241,7 +241,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
 
 
 def block_kernel(t: torch.Tensor, head_dim: int):
-    """The kernel module whose `block_attention` serves attention over t's device and dtype with
+    """The kernel module whose `unit_blocks` and `combine_units` serve attention over t's device and dtype with
     heads of head_dim (a multiple of 8), else None (torch's flash kernel, or plain ops off the CPU)."""
     return fixed_kernel(t) if head_dim % 8 == 0 else None
 
@@ -348,34 +348,35 @@ EXP_LANES = 16
 class AttentionPlan:
     """How `attention` lays out one forward's batch, the same for all its layers: units of
     QUERY_TILE query rows of one key/value head (a head's T*G rows in (t, g) order, padded to
-    nq units) against the window's nb blocks of KEY_BLOCK keys; built by `attention_plan`."""
+    nq units, M = nq*QT rows) against the window's nb blocks of KEY_BLOCK keys; built by
+    `attention_plan`."""
     nq: int
     nb: int
-    mask: torch.Tensor                    # float32, 0 = may attend, MASKED = may not, in the
-                                          # block kernel's layout: (B*Hkv, nb, QT, KB) if nq == 1, else
-                                          # (nq, B*Hkv*nb, QT, KB)
-    unit_rows: tuple[torch.Tensor, ...]   # (b, t, head) of each unit row, broadcasting to
-                                          # (B, Hkv, nb, nq*QT): a copy per block; padding rows
-                                          # repeat a real row (their outputs are dropped)
-    out_rows: torch.Tensor                # (B*T*H,) the unit row, among (B*Hkv, nq*QT), that
-                                          # holds query row (b, t, head)
+    mask: torch.Tensor       # (B, nb, M, KB) float32, 0 = may attend, MASKED = may not: a unit
+                             # row's keys in each block (the same for every key/value head)
+    unit_q: torch.Tensor     # (B*Hkv, M) int64 the query row, of q viewed (B*T*H, D), of each unit
+                             # row; padding rows repeat a real row (their outputs are dropped)
+    unit_out: torch.Tensor   # (B*Hkv, M) int64 the same row as the output's, -1 for padding rows
+    out_rows: torch.Tensor   # (B*T*H,) the unit row, among (B*Hkv, M), that holds query row
+                             # (b, t, head)
 
 
 @functools.lru_cache(maxsize=64)
-def unit_layout(B: int, T: int, Hkv: int, G: int, nb: int, device: torch.device) -> tuple:
+def unit_layout(B: int, T: int, Hkv: int, G: int, device: torch.device) -> tuple:
     """The part of an AttentionPlan that positions do not change, cached: every step of a batch
-    shape has the same (callers must not modify the tensors). Returns (row_token, unit_rows,
-    out_rows, keys): row_token (nq*QT,) the token of each unit row of a head, T for padding
-    rows; unit_rows and out_rows as in AttentionPlan; keys (nb, 1, KEY_BLOCK) key positions."""
+    shape has the same (callers must not modify the tensors). Returns (row_token, unit_q,
+    unit_out, out_rows): row_token (M,) the token of each unit row of a head, T for padding
+    rows; the others as in AttentionPlan."""
     R, nq = T * G, -(-T * G // QUERY_TILE)
     n = torch.arange(nq * QUERY_TILE, device=device)                    # a head's unit rows
     t = n // G
-    batch = torch.arange(B, device=device).view(B, 1, 1, 1).expand(-1, -1, nb, -1)
-    head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1) * G + n % G
+    head = torch.arange(Hkv, device=device).view(1, Hkv, 1) * G + n % G   # (1, Hkv, M)
+    batch = torch.arange(B, device=device).view(B, 1, 1)
+    unit_q = ((batch * T + t.clamp_max(T - 1)) * Hkv * G + head).view(B * Hkv, -1)
+    unit_out = torch.where(n < R, unit_q, -1)
     out_rows = torch.arange(B * Hkv, device=device).view(B, 1, Hkv, 1) * (nq * QUERY_TILE) + \
         torch.arange(R, device=device).view(1, T, 1, G)                 # (B, T, Hkv, G)
-    keys = torch.arange(nb * KEY_BLOCK, device=device).view(nb, 1, KEY_BLOCK)
-    return t.clamp_max(T), (batch, t.clamp_max(T - 1), head), out_rows.flatten(), keys
+    return t.clamp_max(T), unit_q, unit_out, out_rows.flatten()
 
 
 def attention_plan(pos: torch.Tensor, Hkv: int, G: int, W: int) -> AttentionPlan:
@@ -385,20 +386,22 @@ def attention_plan(pos: torch.Tensor, Hkv: int, G: int, W: int) -> AttentionPlan
     attention path for every step."""
     B, T = pos.shape
     nq, nb = -(-T * G // QUERY_TILE), W // KEY_BLOCK
-    row_token, unit_rows, out_rows, keys = unit_layout(B, T, Hkv, G, nb, pos.device)
-    row_pos = F.pad(pos, (0, 1), value=W).index_select(1, row_token)     # padding rows see all
-    mask = torch.zeros(nq, B, Hkv, nb, QUERY_TILE, KEY_BLOCK, device=pos.device)
-    mask.masked_fill_(keys > row_pos.view(B, nq, 1, 1, QUERY_TILE, 1).transpose(0, 1), MASKED)
-    return AttentionPlan(nq=nq, nb=nb, mask=kernel_mask(mask), unit_rows=unit_rows, out_rows=out_rows)
+    row_token, unit_q, unit_out, out_rows = unit_layout(B, T, Hkv, G, pos.device)
+    row_pos = F.pad(pos, (0, 1), value=W).index_select(1, row_token)     # (B, M); padding rows see all
+    keys = torch.arange(W, device=pos.device).view(1, nb, 1, KEY_BLOCK)
+    mask = torch.zeros(B, nb, nq * QUERY_TILE, KEY_BLOCK, device=pos.device)
+    mask.masked_fill_(keys > row_pos.view(B, 1, -1, 1), MASKED)
+    return AttentionPlan(nq=nq, nb=nb, mask=mask, unit_q=unit_q, unit_out=unit_out, out_rows=out_rows)
 
 
-def kernel_mask(mask: torch.Tensor) -> torch.Tensor:
-    """An additive mask (nq, B, Hkv, nb, QT, KB) in the block kernel's layout (AttentionPlan.mask):
-    (B*Hkv, nb, QT, KB) if nq == 1, else (nq, B*Hkv*nb, QT, KB)."""
-    nq, B, Hkv, nb = mask.shape[:4]
+def flash_mask(plan: AttentionPlan, Hkv: int) -> torch.Tensor:
+    """plan.mask in `block_outputs`' layout for torch's flash kernel: (B*Hkv, nb, QT, KB) if
+    nq == 1, else (nq, B*Hkv*nb, QT, KB)."""
+    B, nb, nq = plan.mask.shape[0], plan.nb, plan.nq
+    mask = plan.mask.view(B, 1, nb, nq, QUERY_TILE, KEY_BLOCK).expand(-1, Hkv, -1, -1, -1, -1)
     if nq == 1:
         return mask.reshape(B * Hkv, nb, QUERY_TILE, KEY_BLOCK)
-    return mask.reshape(nq, B * Hkv * nb, QUERY_TILE, KEY_BLOCK)
+    return mask.permute(3, 0, 1, 2, 4, 5).reshape(nq, B * Hkv * nb, QUERY_TILE, KEY_BLOCK)
 
 
 def block_sum(x: torch.Tensor) -> torch.Tensor:
@@ -422,7 +425,7 @@ def block_sum(x: torch.Tensor) -> torch.Tensor:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `attention` takes from its block kernel (linear_kernel.cpp `block_attention`, or torch's CPU
+    """What `attention` takes from its block kernel (linear_kernel.cpp `unit_blocks`, or torch's CPU
     flash kernel where ours cannot run), in plain ops for other devices:
     q (..., L, D), k, v (..., S, D), mask (..., L, S) additive -> out (..., L, D) float32, the
     softmax-weighted values, and lse (..., L) float32, the log-sum-exp of the row's scores.
@@ -443,24 +446,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
     SDPA's reductions over keys follow its split of the work, chosen from the query and key
     lengths, and a call without a mask takes another path. Here every piece of work has one
     shape: a unit of QUERY_TILE query rows (the G query heads of a key/value head fold into
-    rows, so K/V are never repeated) against one block of KEY_BLOCK keys. All pairs go to one
-    call of our block kernel (linear_kernel.cpp `block_attention`: each row's scores, softmax and
-    weighted sum over the block's keys in one fixed order, keys in order), which returns each
-    pair's softmax-weighted values out_j and log-sum-exp lse_j; where it cannot run (no AVX2,
-    SPECBUS_LINEAR_KERNEL=0, D not a multiple of 8), torch's CPU flash kernel, which reduces a
-    block of fewer than 512 keys in one piece. (Four rows, not G: flash's per-thread buffers are
-    then 32-byte aligned on every thread, and its matmuls' bits depend on that alignment.) A row's blocks are then combined as in
-    FlashAttention's blockwise softmax (Dao et al. 2022, sec. 3.1; Flash-Decoding's combine of
-    split keys): out = sum_j exp(lse_j - m) out_j / sum_j exp(lse_j - m), m = max_j lse_j, the
-    sums in `block_sum`'s fixed tree. A block the row cannot see at all has lse_j near MASKED,
-    so weight exactly 0: wherever the window ends, the row's bits are the same. Each weight's
-    exp runs on EXP_LANES lanes of a broadcast, so on every row in a loop of its own, never in
-    the scalar tail of a long run (whose rounding may differ from the vector code's).
+    rows, so K/V are never repeated) against one block of KEY_BLOCK keys. Where our kernel
+    runs (AVX2, D a multiple of 8, SPECBUS_LINEAR_KERNEL not 0), two calls a layer:
+    linear_kernel.cpp `unit_blocks` (each unit row's scores, softmax and weighted sum over a
+    block's keys in one fixed order, keys in order: each pair's softmax-weighted values out_j and
+    log-sum-exp lse_j) and `combine_units`; elsewhere torch's CPU flash kernel, which reduces a
+    block of fewer than 512 keys in one piece (four rows, not G: flash's per-thread buffers are
+    then 32-byte aligned on every thread, and its matmuls' bits depend on that alignment), and
+    `combine_blocks`. A row's blocks are combined as in FlashAttention's blockwise softmax (Dao
+    et al. 2022, sec. 3.1; Flash-Decoding's combine of split keys): out = sum_j exp(lse_j - m)
+    out_j / sum_j exp(lse_j - m), m = max_j lse_j, the sums in `block_sum`'s fixed tree. A block
+    the row cannot see at all has lse_j near MASKED, so weight exactly 0: wherever the window
+    ends, the row's bits are the same. In torch's combine each weight's exp runs on EXP_LANES
+    lanes of a broadcast, so on every row in a loop of its own, never in the scalar tail of a
+    long run (whose rounding may differ from the vector code's); ours has one exp for all.
 
     On a GPU this is where a fixed-split attention kernel goes (FlashInfer / FlexAttention with
     a fixed KV split size); `block_attention` there is only as invariant as the GPU's matmuls.
     """
     B, T, H, D = q.shape
+    kernel = block_kernel(q, D)
+    if kernel is not None:
+        out, lse = kernel.unit_blocks(q.flatten(0, 1), k, v, plan.mask, plan.unit_q, D ** -0.5)
+        return kernel.combine_units(out, lse, plan.unit_out, B * T * H).view(B * T, H * D)
     out, lse = block_outputs(q, k, v, plan)
     if plan.nb > 1:  # nb == 1: the one block's weight is exp(0) = 1, the same bits as combining
         out = combine_blocks(out, lse, q.dtype)
@@ -469,26 +477,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
 
 def block_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention`'s kernel call: each unit against each key block, not yet combined. q, k, v,
-    plan as `attention`; returns out (U, nb, nq, QT, D) in the kernel's dtype (q's on the CPU)
-    and lse (U, nb, nq, QT, 1) float32, U = B*Hkv, QT = QUERY_TILE (views of the kernel's
-    output; unit row n of (U, nq*QT) is plan.out_rows' numbering)."""
+    """`attention`'s block kernel: each unit against each key block, not yet combined. q, k, v,
+    plan as `attention`; returns out (U, nb, nq, QT, D) in q's dtype (on the CPU) and lse
+    (U, nb, nq, QT, 1) float32, U = B*Hkv, QT = QUERY_TILE (unit row n of (U, nq*QT) is
+    plan.out_rows' numbering)."""
     B, D = q.shape[0], q.shape[-1]
     U, nq, nb = B * k.shape[1], plan.nq, plan.nb
-    units = q[plan.unit_rows]                                          # (B, Hkv, nb, nq*QT, D)
-    if nq == 1:  # kernel (batch, heads) = (unit, block): the keys as they are
-        units, k, v = units.view(U, nb, QUERY_TILE, D), k.view(U, nb, KEY_BLOCK, D), v.view(U, nb, KEY_BLOCK, D)
-    else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
-        units = units.view(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
-        k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))
     kernel = block_kernel(q, D)
-    if kernel is not None:  # our fixed-order kernel (linear_kernel.cpp `attend_rows`)
-        out, lse = kernel.block_attention(units, k, v, plan.mask, D ** -0.5)
-    elif q.is_cpu:  # torch's flash kernel itself: no dispatch to another backend
-        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
-            units, k, v, attn_mask=plan.mask, scale=D ** -0.5)[:2]
+    if kernel is not None:  # our fixed-order kernel (linear_kernel.cpp `unit_blocks`)
+        out, lse = kernel.unit_blocks(q.flatten(0, 1), k, v, plan.mask, plan.unit_q, D ** -0.5)
+        return out.view(U, nb, nq, QUERY_TILE, D), lse.view(U, nb, nq, QUERY_TILE, 1)
+    units = q.reshape(-1, D)[plan.unit_q].view(B, -1, 1, nq * QUERY_TILE, D).expand(-1, -1, nb, -1, -1)
+    mask = flash_mask(plan, k.shape[1])
+    if nq == 1:  # (batch, heads) = (unit, block): the keys as they are
+        units, k, v = units.reshape(U, nb, QUERY_TILE, D), k.reshape(U, nb, KEY_BLOCK, D), v.reshape(U, nb, KEY_BLOCK, D)
+    else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
+        units = units.reshape(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
+        k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))
+    if q.is_cpu:  # torch's flash kernel itself: no dispatch to another backend
+        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(units, k, v, attn_mask=mask, scale=D ** -0.5)[:2]
     else:
-        out, lse = block_attention(units, k, v, plan.mask, D ** -0.5)
+        out, lse = block_attention(units, k, v, mask, D ** -0.5)
     if nq > 1:  # back to (U*nb, nq, QT, ...), the kernel's memory order here
         out, lse = out.transpose(0, 1), lse.transpose(0, 1)
     return out.reshape(U, nb, nq, QUERY_TILE, D), lse.reshape(U, nb, nq, QUERY_TILE, 1)
@@ -498,7 +507,17 @@ def combine_blocks(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     """FlashAttention's blockwise softmax combine (see `attention`): out (U, nb, ..., D) and lse
     (U, nb, ..., 1) of each row's nb key blocks -> (U, ..., D) in dtype. Every op is per element
     (a block's weight, its exp on EXP_LANES lanes, sums over size-2 dims in `block_sum`'s tree),
-    so a row's bits depend only on its own blocks, in their order, whatever the layout of the rows."""
+    so a row's bits depend only on its own blocks, in their order, whatever the layout of the rows.
+    Where our block kernel serves, its `combine_units` (the same tree, its own exp): the bits of
+    `attention`'s combine there."""
+    U, nb, D = out.shape[0], out.shape[1], out.shape[-1]
+    kernel = block_kernel(out, D)
+    if kernel is not None:
+        rows = out[0, 0].numel() // D
+        own = torch.arange(U * rows, device=out.device).view(U, rows)
+        combined = kernel.combine_units(out.reshape(U, nb, rows, D).contiguous(), lse.reshape(U, nb, rows).contiguous(),
+                                        own, U * rows)
+        return combined.view(U, *out.shape[2:]).to(dtype)
     weight = (lse - lse.amax(1, keepdim=True)).expand(*lse.shape[:-1], EXP_LANES).exp()[..., :1]
     return (block_sum(out * weight) / block_sum(weight)).to(dtype)
 

@@ -51,7 +51,6 @@ from gpu_worker.runtime.model import (
     check_cache,
     block_kernel,
     combine_blocks,
-    kernel_mask,
     read_out,
     rope_rows,
     run_layers,
@@ -171,12 +170,11 @@ def tree_block_plan(starts: list[int], paths: list[list[list[int]]], Hkv: int, G
         visible[b, :, :start % KB] = True                                   # the prefix in this block
         for j, path in enumerate(row):
             visible[b, j, [start % KB + c for c in path]] = True
-    row_token, unit_rows, out_rows, _ = unit_layout(Bg, J, Hkv, G, 1, device)
+    row_token, unit_q, unit_out, out_rows = unit_layout(Bg, J, Hkv, G, device)
     nq = row_token.numel() // QUERY_TILE
     rows = visible[:, row_token.cpu().clamp_max(J - 1)]                       # (Bg, nq*QT, KB); padding rows: the last column's
-    mask = torch.zeros(Bg, nq * QUERY_TILE, KB).masked_fill_(~rows, MASKED)
-    mask = mask.view(Bg, 1, 1, nq, QUERY_TILE, KB).expand(-1, Hkv, -1, -1, -1, -1).permute(3, 0, 1, 2, 4, 5)
-    return AttentionPlan(nq=nq, nb=1, mask=kernel_mask(mask).to(device), unit_rows=unit_rows, out_rows=out_rows)
+    mask = torch.zeros(Bg, 1, nq * QUERY_TILE, KB).masked_fill_(~rows.unsqueeze(1), MASKED)
+    return AttentionPlan(nq=nq, nb=1, mask=mask.to(device), unit_q=unit_q, unit_out=unit_out, out_rows=out_rows)
 
 
 def output_rows(plan: AttentionPlan, block: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ async def run_stack(target: str, draft: str, adaptive: bool, prompts: list[list[
                                "--max-tokens-cap", "4096"]}
     if draft_dtype:
         role_args["drafter"] = ["--dtype", draft_dtype]
-    config = StackConfig(target_model=target, draft_model=draft, dtype=dtype, role_args=role_args)
+    # prefix caching off: the k=0 and k=4 runs of a prompt would otherwise share one prefill
+    config = StackConfig(target_model=target, draft_model=draft, dtype=dtype, role_args=role_args, prefix_caching=False)
     totals = {k: {"tokens": 0, "wall_s": 0.0, "proposed": 0, "accepted": 0, "lengths": []} for k in (0, 4)}
     async with Stack(config) as stack, stack.client() as client:
         async def one(prompt, k):

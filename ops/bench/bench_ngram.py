@@ -14,7 +14,7 @@ Runs through the real stack (services.launch.stack.Stack: nats-server, one proce
 service; the drafter runs --draft-method ngram, no draft model), batch 1, greedy, the model's
 own ending (EOS) or --max-tokens. Per prompt, k=0 and then k=--k on the same prompt next to
 each other in time (the cores are shared; load from other processes would otherwise decide the
-ratio). Greedy outputs must be identical (checked: exit 1 otherwise).
+ratio), prefix caching off (each run prefills its prompt). Greedy outputs must be identical (checked: exit 1 otherwise).
 
 Printed per configuration: completion tokens, wall seconds, tokens/s (completion tokens / the
 requests' end-to-end time, prefill included), decode tokens/s ((tokens - 1) / (end-to-end - time
@@ -28,6 +28,7 @@ prints that table for a saved --json result without running anything.
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import re
 import sys
@@ -114,9 +115,11 @@ async def paired_runs(config: StackConfig, prompts: list[tuple[str, dict]], k: i
                       json_path: Path | None = None) -> dict[int, list[dict]]:
     """Through a stack of config, batch 1, greedy: each prompt (an id, make_request's prompt
     arguments) at k=0 and then at k, next to each other in time (the cores are shared); the
-    `timed` figures of each run, by k. Kept in json_path as it goes."""
+    `timed` figures of each run, by k. Kept in json_path as it goes. Prefix caching is off: the
+    second run of a prompt would otherwise find the first one's prompt cached and skip its prefill,
+    which is not speculation's doing."""
     runs: dict[int, list[dict]] = {0: [], k: []}
-    async with Stack(config) as stack, stack.client() as client:
+    async with Stack(dataclasses.replace(config, prefix_caching=False)) as stack, stack.client() as client:
         warm = make_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
         await client.generate(warm)  # first-call costs (allocations, page faults) out of the figures
         for index, (prompt_id, prompt) in enumerate(prompts):

@@ -16,7 +16,9 @@ Python outside the model thread (decode, validate, encode), the scheduler's plan
 and waiting for a core. CPU per process per step over wall per step above 1 for a model service
 means its torch threads spin (OpenMP) while another process needs the core. Default model pair:
 the pulled SmolLM2-135M-Instruct with the shipped draft, chat prompts; `--target-model
-models/tiny/target --draft-model models/tiny/draft` is the tiny pair (stdlib windows).
+models/tiny/target --draft-model models/tiny/draft` is the tiny pair (stdlib windows);
+`--input-grounded` sends bench_ngram's prompts (for `--draft-method ngram`). Prefix caching is
+off (the rounds repeat the prompts).
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_step.py
     PYTHONPATH=. .venv/bin/python ops/bench/bench_step.py --target-model models/tiny/target --draft-model models/tiny/draft
@@ -32,7 +34,8 @@ from pathlib import Path
 
 from ops.bench.bench_gateway import cpu_s
 from ops.bench.bench_pipeline import held_out_prompts
-from ops.distill_draft import held_out_chat_prompts
+from ops.bench.bench_ngram import input_grounded_prompts
+from ops.distill_draft import chat_ids, held_out_chat_prompts
 from schemas.config import DEFAULT_DRAFT, TINY_TARGET, default_target_model
 from services.client import make_request
 from services.launch.stack import Stack, StackConfig, role_threads, usable_cores
@@ -101,10 +104,15 @@ def table(rows: list[list[str]]) -> str:
 
 async def run(args: argparse.Namespace) -> str:
     tiny = Path(args.target_model).resolve() == Path(TINY_TARGET).resolve()
-    prompts = held_out_prompts(args.target_model, args.prompts, 64) if tiny else \
-        held_out_chat_prompts(load_tokenizer(args.target_model), args.prompts)
+    if args.input_grounded:
+        tokenizer = load_tokenizer(args.target_model)
+        prompts = [chat_ids(tokenizer, prompt) for _, prompt in input_grounded_prompts(args.prompts)]
+    elif tiny:
+        prompts = held_out_prompts(args.target_model, args.prompts, 64)
+    else:
+        prompts = held_out_chat_prompts(load_tokenizer(args.target_model), args.prompts)
     config = StackConfig(target_model=args.target_model, draft_model=args.draft_model, draft_method=args.draft_method,
-                         log_level="warning",
+                         log_level="warning", dtype=args.dtype, prefix_caching=False,
                          verifier_threads=args.verifier_threads, drafter_threads=args.drafter_threads,
                          role_args={"scheduler": ["--adaptive-k", "false"]})
     totals = {k: defaultdict(float) for k in args.ks}
@@ -130,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the drafter's: the draft model, the shipped EAGLE head over the target's features, "
                              "or prompt lookup")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--input-grounded", action="store_true",
+                        help="ops/bench/bench_ngram.py's prompts (a text to fix, rewrite, translate) as chats")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)

@@ -230,19 +230,31 @@ def attention_reference(q, k, v, mask, scale):
     return (scores - lse.unsqueeze(-1)).exp() @ v.double(), lse
 
 
+def unit_blocks(kernel, q, k, v, mask, scale):
+    """kernel.unit_blocks with each (a, h) of q (A, H, L, D), k, v (A, H, S, D), mask (A, H, L, S)
+    a unit of one key block: (out (A, H, L, D), lse (A, H, L))."""
+    A, H, L, D = q.shape
+    S = k.shape[2]
+    out, lse = kernel.unit_blocks(q.reshape(A * H * L, 1, D), k.reshape(A * H, 1, S, D), v.reshape(A * H, 1, S, D),
+                                  mask.reshape(A * H, 1, L, S), torch.arange(A * H * L).view(A * H, L), scale)
+    return out.view(A, H, L, D), lse.view(A, H, L)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_block_attention_is_softmax_attention_and_a_rows_bits_are_its_own(kernel, dtype):
+@pytest.mark.parametrize("L", [4, 9])
+def test_unit_blocks_is_softmax_attention_and_a_rows_bits_are_its_own(kernel, dtype, L):
     """Each row against its block of keys, in one fixed order: right against float64, and a
     row's bits the same in any sub-batch, alone, and at 1 or 2 threads; a row that may see no key
-    gets the mean of the values (and lse near MASKED: the block then weighs 0 in the combine)."""
+    gets the mean of the values (and lse near MASKED: the block then weighs 0 in the combine).
+    L = 9: three tiles of rows, bfloat16 values widened once for all of them."""
     g = torch.Generator().manual_seed(3)
-    A, H, L, S, D = 3, 2, 4, 256, 64
+    A, H, S, D = 3, 2, 256, 64
     q, k, v = (torch.randn(A, H, n, D, generator=g).to(dtype) for n in (L, S, S))
     mask = torch.zeros(A, H, L, S)
     mask[..., 129:] = MASKED                                   # whole groups of 8 keys and a part of one
     mask[1, :, :, 50:60] = MASKED
     mask[0, 0, 1] = MASKED                                     # a row that sees nothing
-    out, lse = kernel.block_attention(q, k, v, mask, D ** -0.5)
+    out, lse = unit_blocks(kernel, q, k, v, mask, D ** -0.5)
     assert out.dtype == dtype and lse.dtype == torch.float32
     want, want_lse = attention_reference(q, k, v, mask, D ** -0.5)
     seen = torch.ones(A, H, L, dtype=torch.bool)
@@ -256,13 +268,48 @@ def test_block_attention_is_softmax_attention_and_a_rows_bits_are_its_own(kernel
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            part = kernel.block_attention(q[1:], k[1:], v[1:], mask[1:], D ** -0.5)
+            part = unit_blocks(kernel, q[1:], k[1:], v[1:], mask[1:], D ** -0.5)
             assert torch.equal(part[0], out[1:]) and torch.equal(part[1], lse[1:])
             for r in range(L):
-                one = kernel.block_attention(q[:, :, r:r + 1].contiguous(), k, v, mask[:, :, r:r + 1].contiguous(), D ** -0.5)
+                one = unit_blocks(kernel, q[:, :, r:r + 1], k, v, mask[:, :, r:r + 1], D ** -0.5)
                 assert torch.equal(one[0], out[:, :, r:r + 1]) and torch.equal(one[1], lse[:, :, r:r + 1])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_units_is_attention_over_all_blocks_and_ignores_blocks_past_a_row(kernel, dtype):
+    """unit_blocks over 3 key blocks then combine_units: softmax attention over all the keys
+    (float64 reference); a row that sees only block 0 has the bits of a one-block call, and more
+    blocks it cannot see (a wider window) change no row; padding rows (unit_out -1) write nothing."""
+    g = torch.Generator().manual_seed(5)
+    B, Hkv, M, KB, D, nb = 2, 3, 8, 256, 64, 3
+    q = torch.randn(B * M, Hkv, D, generator=g).to(dtype)               # unit (b, h)'s row m: q[b*M + m, h]
+    k, v = (torch.randn(B, Hkv, (nb + 2) * KB, D, generator=g).to(dtype) for _ in range(2))
+    ends = torch.tensor([[700, 300, 100, 20, 600, 256, 257, 1], [5, 768, 512, 511, 400, 100, 30, 9]])
+    keys = torch.arange((nb + 2) * KB).view(1, nb + 2, 1, KB)
+    wide = torch.zeros(B, nb + 2, M, KB).masked_fill_(keys >= ends.view(B, 1, M, 1), MASKED)
+    unit_q = (torch.arange(B).view(B, 1, 1) * M + torch.arange(M).view(1, 1, M)) * Hkv + torch.arange(Hkv).view(1, Hkv, 1)
+    unit_q = unit_q.view(B * Hkv, M)
+
+    def attend(blocks, unit_out):
+        out, lse = kernel.unit_blocks(q, k, v, wide[:, :blocks].contiguous(), unit_q, D ** -0.5)
+        return kernel.combine_units(out, lse, unit_out, B * M * Hkv)
+
+    got = attend(nb, unit_q)                                            # (B*M*Hkv, D): row (b, m, h)
+    for b in range(B):
+        for m in range(M):
+            n = int(ends[b, m])
+            want, _ = attention_reference(q[b * M + m].unsqueeze(1), k[b, :, :n], v[b, :, :n], torch.zeros(Hkv, 1, n), D ** -0.5)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.view(B, M, Hkv, D)[b, m].double(), want.squeeze(1), atol=tolerance, rtol=tolerance)
+    assert torch.equal(attend(nb + 2, unit_q), got)                     # two more masked blocks: the same bits
+    short = ends <= KB                                                  # rows inside block 0
+    one = attend(1, unit_q).view(B, M, Hkv, D)
+    assert torch.equal(one[short], got.view(B, M, Hkv, D)[short])
+    padded = torch.where(torch.arange(M) < M - 2, unit_q, -1)           # the last two rows padding
+    part = attend(nb, padded).view(B, M, Hkv, D)
+    assert torch.equal(part[:, :M - 2], got.view(B, M, Hkv, D)[:, :M - 2])
 
 
 def test_kv_write_copies_a_rows_keys_and_values_into_its_columns(kernel):
