@@ -947,6 +947,162 @@ static void widen_rows(const T* src, int64_t stride, int64_t n, int64_t D, float
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + i * D + d, load8(src + i * stride + d));
 }
 
+// AVX-512F (`use_avx512`): `attend_rows` with the same operations per lane on 16 lanes, so the
+// same bits. Scores: keys in pairs, key 2P's chunk of 8 values in lanes 0-7 and key 2P + 1's in
+// 8-15 (`key_pairs` lays a block out so), each lane its chain of FMAs over d = 8c + lane, then
+// `hsum8x8` on the halves; R rows at once share the keys' loads. Values: 16 lanes of d a register.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+static inline __m512 exp_nonpositive16(__m512 x) {  // `exp_nonpositive` on 16 lanes
+  const __m512 low = _mm512_set1_ps(-87.33654f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, low);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(_mm512_knot(zero), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+static inline void store16(T* p, __m512 v) {
+  store8(p, _mm512_castps512_ps256(v));
+  store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// keys 0..S-1 of src (row stride `stride`) as float32 pairs into dst: pair P, chunk c at
+// dst + (P D / 8 + c) 16, key 2P's values 8c..8c+7 then key 2P + 1's (S even)
+template <typename T>
+static void key_pairs(const T* src, int64_t stride, int64_t S, int64_t D, float* dst) {
+  for (int64_t j = 0; j < S; ++j)
+    for (int64_t c = 0; c < D / 8; ++c)
+      _mm256_storeu_ps(dst + ((j / 2) * (D / 8) + c) * 16 + (j % 2) * 8, load8(src + j * stride + 8 * c));
+}
+
+// `dots8` of R rows (float32, D values) against keys 8g..8g+7 of key_pairs' kp: s[r]
+template <int R>
+static inline void dots8_rows(const float* const* q, const float* kp, int64_t g, int64_t D, __m256* s) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  const float* base = kp + g * 4 * D * 2;
+  for (int64_t c = 0; c < D / 8; ++c) {
+    __m512 kv[4];
+    for (int i = 0; i < 4; ++i) kv[i] = _mm512_loadu_ps(base + (i * (D / 8) + c) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = twice8(q[r] + 8 * c);
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(qv, kv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 a[8];
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i] = _mm512_castps512_ps256(acc[r][i]);
+      a[2 * i + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][i]), 1));
+    }
+    s[r] = hsum8x8(a);
+  }
+}
+
+// `pv_chunks` on DC chunks of 16 lanes
+template <int R, int DC, typename TV, typename TO>
+static inline void pv_chunks16(const float* p, const TV* v, int64_t v_row, int64_t S, const uint8_t* live, int64_t d,
+                               bool sum_l, float* l, TO* const* out) {
+  __m512 o[R][DC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) o[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < S / 8; ++g) {
+    if (!live[g]) continue;
+    for (int64_t j = 8 * g; j < 8 * g + 8; ++j) {
+      __m512 vj[DC];
+      for (int c = 0; c < DC; ++c) vj[c] = load16(v + j * v_row + d + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[r * S + j]);
+        for (int c = 0; c < DC; ++c) o[r][c] = _mm512_fmadd_ps(pr, vj[c], o[r][c]);
+        if (sum_l) l[r] += p[r * S + j];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) store16(out[r] + d + 16 * c, _mm512_div_ps(o[r][c], _mm512_set1_ps(l[r])));
+}
+
+// `attend_rows` on AVX-512: q R rows widened to float32, the block's keys as `key_pairs`
+template <int R, typename TV, typename TO>
+static void attend_rows16(const float* const* q, const float* kp, const TV* v, int64_t v_row,
+                          const float* const* mask, int64_t S, int64_t D, float scale, TO* const* out, float* lse,
+                          float* p, uint8_t* live) {
+  const __m256 sc = _mm256_set1_ps(scale), masked = _mm256_set1_ps(MASKED), zero = _mm256_setzero_ps();
+  __m256 mx[R];
+  for (int r = 0; r < R; ++r) mx[r] = _mm256_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < S / 8; ++g) {
+    live[g] = 0;
+    __m256 mk[R], dot[R];
+    bool hidden[R], any = false;
+    for (int r = 0; r < R; ++r) {
+      mk[r] = _mm256_loadu_ps(mask[r] + 8 * g);
+      hidden[r] = _mm256_movemask_ps(_mm256_cmp_ps(mk[r], masked, _CMP_EQ_OQ)) == 0xFF;
+      any = any || !hidden[r];
+    }
+    if (any) dots8_rows<R>(q, kp, g, D, dot);
+    for (int r = 0; r < R; ++r) {
+      __m256 s = hidden[r] ? masked : _mm256_add_ps(_mm256_mul_ps(dot[r], sc), mk[r]);
+      _mm256_storeu_ps(p + r * S + 8 * g, s);
+      mx[r] = _mm256_max_ps(mx[r], s);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float m = hmax8(mx[r]);
+    lse[r] = m;
+    int64_t j = 0;
+    for (; j + 16 <= S; j += 16) {
+      __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p + r * S + j), _mm512_set1_ps(m)));
+      _mm512_storeu_ps(p + r * S + j, e);
+      const __mmask16 nonzero = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      live[j / 8] |= (nonzero & 0xFF) != 0;
+      live[j / 8 + 1] |= (nonzero >> 8) != 0;
+    }
+    for (; j < S; j += 8) {
+      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + r * S + j), _mm256_set1_ps(m)));
+      _mm256_storeu_ps(p + r * S + j, e);
+      live[j / 8] |= _mm256_movemask_ps(_mm256_cmp_ps(e, zero, _CMP_NEQ_UQ)) != 0;
+    }
+  }
+  float l[R];
+  for (int r = 0; r < R; ++r) l[r] = 0.0f;
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) pv_chunks16<R, 4>(p, v, v_row, S, live, d, d == 0, l, out);
+  for (; d + 16 <= D; d += 16) pv_chunks16<R, 1>(p, v, v_row, S, live, d, d == 0, l, out);
+  for (; d < D; d += 8) pv_chunks<R, 1>(p, v, v_row, S, live, d, d == 0, l, out);
+  for (int r = 0; r < R; ++r) lse[r] += std::log(l[r]);
+}
+
+template <typename TV, typename TO>
+static void attend_tile16(int R, const float* const* q, const float* kp, const TV* v, int64_t v_row,
+                          const float* const* mask, int64_t S, int64_t D, float scale, TO* const* out, float* lse,
+                          float* p, uint8_t* live) {
+  switch (R) {
+    case 4: return attend_rows16<4>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
+    case 3: return attend_rows16<3>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
+    case 2: return attend_rows16<2>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
+    default: return attend_rows16<1>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
+  }
+}
+#pragma GCC pop_options
+
 // attend_rows over tiles of up to 4 unit rows: rows r0.. of the pair's M, pointers from the caller
 template <typename TQ, typename TK, typename TV, typename TO>
 static void attend_tile(int R, const TQ* const* q, const TK* k, const TV* v, int64_t k_row, int64_t v_row,
@@ -988,14 +1144,16 @@ std::vector<torch::Tensor> unit_blocks(torch::Tensor q, torch::Tensor k, torch::
     const float* mp = mask.data_ptr<float>();
     float* lp = lse.data_ptr<float>();
     shared_for(B * Hkv * nb, [&](int64_t first, int64_t last) {
-      std::vector<float> scratch(4 * S), kw(widen ? S * D : 0), vw(widen ? S * D : 0);
+      const bool wide = avx512_on;  // AVX-512: every block's keys as key_pairs, q rows widened
+      std::vector<float> scratch(4 * S), kw(widen || wide ? S * D : 0), vw(widen ? S * D : 0), qw(wide ? 4 * D : 0);
       std::vector<uint8_t> live(S / 8);
       for (int64_t pair = first; pair < last; ++pair) {
         const int64_t u = pair / nb, j = pair % nb, b = u / Hkv, h = u % Hkv;
         const T* kb = kp + b * k.stride(0) + h * k.stride(1) + j * S * k.stride(2);
         const T* vb = vp + b * v.stride(0) + h * v.stride(1) + j * S * v.stride(2);
         const bool widen_v = widen && M > 4;
-        if (widen) widen_rows(kb, k.stride(2), S, D, kw.data());
+        if (wide) key_pairs(kb, k.stride(2), S, D, kw.data());
+        else if (widen) widen_rows(kb, k.stride(2), S, D, kw.data());
         if (widen_v) widen_rows(vb, v.stride(2), S, D, vw.data());
         for (int64_t r0 = 0; r0 < M; r0 += 4) {
           const int R = int(std::min<int64_t>(4, M - r0));
@@ -1009,7 +1167,15 @@ std::vector<torch::Tensor> unit_blocks(torch::Tensor q, torch::Tensor k, torch::
             mr[r] = mp + b * mask.stride(0) + j * mask.stride(1) + (r0 + r) * mask.stride(2);
           }
           float* ls = lp + (u * nb + j) * M + r0;
-          if constexpr (widen) {
+          if (wide) {
+            const float* qf[4];
+            for (int r = 0; r < R; ++r) {
+              widen_rows(qr[r], 0, 1, D, qw.data() + r * D);
+              qf[r] = qw.data() + r * D;
+            }
+            if (widen_v) attend_tile16(R, qf, kw.data(), vw.data(), D, mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
+            else attend_tile16(R, qf, kw.data(), vb, v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
+          } else if constexpr (widen) {
             if (widen_v) attend_tile(R, qr, kw.data(), vw.data(), D, D, mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
             else attend_tile(R, qr, kw.data(), vb, D, v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
           } else {

@@ -278,6 +278,29 @@ def test_unit_blocks_is_softmax_attention_and_a_rows_bits_are_its_own(kernel, dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_blocks_on_avx512_gives_the_avx2_codes_bits(kernel, dtype):
+    """Where the CPU has AVX-512F, attention's block kernel runs there (keys in pairs a register,
+    16 lanes of values): the AVX2 code's bits, for head sizes with 16-lane chunks and 8-lane
+    tails, one to three tiles of rows, and masks that hide groups of keys from some rows only."""
+    if not kernel.use_avx512(True):
+        pytest.skip("no AVX-512F on this CPU: its AVX2 code is the one that runs")
+    g = torch.Generator().manual_seed(7)
+    try:
+        for D, S, L in ((64, 256, 4), (64, 256, 9), (24, 64, 3), (8, 64, 5), (128, 128, 1)):
+            q, k, v = (torch.randn(2, 3, n, D, generator=g).to(dtype) for n in (L, S, S))
+            mask = torch.zeros(2, 3, L, S)
+            mask.masked_fill_(torch.arange(S) > torch.randint(0, S, (2, 3, L, 1), generator=g), MASKED)
+            mask[0, 1, 0, :40] = MASKED
+            kernel.use_avx512(False)
+            want = unit_blocks(kernel, q, k, v, mask, D ** -0.5)
+            kernel.use_avx512(True)
+            got = unit_blocks(kernel, q, k, v, mask, D ** -0.5)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (D, S, L)
+    finally:
+        kernel.use_avx512(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_combine_units_is_attention_over_all_blocks_and_ignores_blocks_past_a_row(kernel, dtype):
     """unit_blocks over 3 key blocks then combine_units: softmax attention over all the keys
     (float64 reference); a row that sees only block 0 has the bits of a one-block call, and more
