@@ -1,4 +1,4 @@
-"""Adaptive speculation length through a real stack: greedy k=4 against k=0, batch 1, for a model
+"""Adaptive speculation length through a real stack: k=4 against k=0, batch 1, for a model
 pair and the same pair with a useless draft (its embedding rows shuffled, so nothing it proposes
 is accepted), with the scheduler's adaptive_k on and off.
 
@@ -11,6 +11,8 @@ a k=4 request, alternating which goes first, one at a time; tokens/s = completio
 request wall time of that k. Prints per stack tokens/s at k=0 and k=4, their ratio, the acceptance
 and the speculative lengths the k=4 requests ran with (usage.speculative_lengths, summed).
 Prompts: --prompt-tokens tokens of held-out stdlib files (tiny), held-out chat questions (smollm2).
+Greedy unless --temperature (then seeded per prompt, the same seed at k=0 and k=4, --top-p, and
+--coupling: adaptive k serves rejection-sampled rows their k as asked, docs/PROTOCOL.md#adaptive-k).
 """
 
 import argparse
@@ -50,7 +52,8 @@ def write_useless_draft(draft_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 
 
 async def run_stack(target: str, draft: str, adaptive: bool, prompts: list[list[int]], max_tokens: int,
-                    warmup: int, dtype: str, draft_dtype: str | None = None) -> dict:
+                    warmup: int, dtype: str, draft_dtype: str | None = None, temperature: float = 0.0,
+                    top_p: float = 1.0, coupling: str = "rejection") -> dict:
     role_args = {"scheduler": ["--adaptive-k", str(adaptive).lower(), "--draft-timeout-s", "5",
                                "--max-tokens-cap", "4096"]}
     if draft_dtype:
@@ -59,8 +62,9 @@ async def run_stack(target: str, draft: str, adaptive: bool, prompts: list[list[
     config = StackConfig(target_model=target, draft_model=draft, dtype=dtype, role_args=role_args, prefix_caching=False)
     totals = {k: {"tokens": 0, "wall_s": 0.0, "proposed": 0, "accepted": 0, "lengths": []} for k in (0, 4)}
     async with Stack(config) as stack, stack.client() as client:
-        async def one(prompt, k):
-            request = make_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+        async def one(prompt, k, seed=0):
+            request = make_request(prompt, max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                   top_p=top_p, seed=seed if temperature else None, coupling=coupling,
                                    num_speculative_tokens=k, timeout_s=REQUEST_TIMEOUT_S)
             start = time.perf_counter()
             result = await client.generate(request)
@@ -71,7 +75,7 @@ async def run_stack(target: str, draft: str, adaptive: bool, prompts: list[list[
             await one(prompts[i % len(prompts)], 0)
         for index, prompt in enumerate(prompts):
             for k in ((0, 4) if index % 2 == 0 else (4, 0)):
-                result, wall_s = await one(prompt, k)
+                result, wall_s = await one(prompt, k, seed=index)
                 total, usage = totals[k], result.usage
                 total["tokens"] += usage.completion_tokens
                 total["wall_s"] += wall_s
@@ -99,6 +103,9 @@ async def main() -> None:
     parser.add_argument("--draft-dtype", default=None, help="the drafter's --dtype (default: --dtype)")
     parser.add_argument("--adaptive", choices=("both", "on", "off"), default="both")
     parser.add_argument("--drafts", choices=("both", "shipped", "useless"), default="both")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--coupling", choices=("rejection", "gumbel"), default="rejection")
     args = parser.parse_args()
     configure_logging(level="warning")
     target, draft = (TINY_TARGET, TINY_DRAFT) if args.pair == "tiny" else (default_target_model(), DEFAULT_DRAFT)
@@ -107,7 +114,10 @@ async def main() -> None:
         else held_out_chat_prompts(tokenizer, args.prompts)
     settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.adaptive]
     print(f"pair {args.pair}, dtype {args.dtype}, draft dtype {args.draft_dtype or args.dtype}, {args.prompts} "
-          f"prompts x {args.max_tokens} tokens, greedy, batch 1, {args.warmup} warm-up pairs per stack")
+          f"prompts x {args.max_tokens} tokens, "
+          f"{f'temperature {args.temperature}, top-p {args.top_p}, {args.coupling}' if args.temperature else 'greedy'}, "
+          f"batch 1, "
+          f"{args.warmup} warm-up pairs per stack")
     print("| draft | adaptive_k | k=0 tok/s | k=4 tok/s | k=4 / k=0 | acceptance | k=4 speculative_lengths |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
@@ -117,7 +127,7 @@ async def main() -> None:
                 continue
             for adaptive in settings:
                 row = await run_stack(str(target), str(draft_dir), adaptive, prompts, args.max_tokens, args.warmup,
-                                      args.dtype, args.draft_dtype)
+                                      args.dtype, args.draft_dtype, args.temperature, args.top_p, args.coupling)
                 print(f"| {name} | {'on' if adaptive else 'off'} | {row['k0_tokens_per_s']:.1f} | "
                       f"{row['k4_tokens_per_s']:.1f} | {row['ratio']:.2f}x | {row['acceptance']:.2f} | "
                       f"{row['speculative_lengths']} |", flush=True)
