@@ -131,13 +131,15 @@ def batch_tensors(rows: list[dict], device: str):
 
 
 def chain_losses(weights, config, embed, lm_rows, other_id: int, ids, feats, lengths, starts, steps: int,
-                 out_scale: float = 1.0):
+                 out_scale: float = 1.0, first_input: torch.Tensor | None = None):
     """Per chain step j: (smooth L1 of the predicted feature, cross-entropy against the target's
     distribution over the draft vocabulary, top-1 agreement, positions), averaged over the
     positions whose target feature f_{t+j} exists and lies at or after the row's loss start.
-    out_scale multiplies the predictions (`calibrate_out_norm` tries a few)."""
+    out_scale multiplies the predictions (`calibrate_out_norm` tries a few). first_input: what the
+    chain's first step reads instead of feats (B, T, E) (a fused head's projected layers); feats
+    stay the teacher."""
     B, T, _ = feats.shape
-    predictions = unrolled_forward(weights, config, embed, feats, ids, steps)
+    predictions = unrolled_forward(weights, config, embed, feats if first_input is None else first_input, ids, steps)
     position = torch.arange(T, device=feats.device).view(1, T)
     labelled = (position < lengths.view(B, 1)) & (position >= starts.view(B, 1))    # (B, T)
     # the target's distribution at every labelled position, once for all steps, in float32 (also

@@ -21,6 +21,8 @@ run may start from a head directory (--init-head; --init-convs: the conversation
 ShareGPT's: shard n of FILE answers the prompts of ShareGPT's shard n, so the data position
 counts alike; its features go to $SPECBUS_HOME/eagle-data/regen-<stem of FILE>.
 
+A head may read EAGLE-3's fused target layers (ops/eagle_fused.py); `eval` runs either kind.
+
 Design (gpu_worker/runtime/eagle.py has the head):
 - Data: ShareGPT's train split only (services/commands/bench_serve_core.load_sharegpt; the
   held-out tenth, sha1(id) % 10 == 0, is for `eval` alone), every conversation rendered with the
@@ -56,7 +58,7 @@ from gpu_worker.roles.slots import resolve_dtype
 from gpu_worker.runtime.checkpoint import D2T, load_model, our_name, read_config, weight_files
 from gpu_worker.runtime.eagle import EagleConfig, load_head_weights, weight_names
 from gpu_worker.runtime.kv_cache import KVCache
-from gpu_worker.runtime.model import forward
+from gpu_worker.runtime.model import forward, forward_layers
 from text.tokenizer import load_tokenizer
 from schemas.config import default_target_model, specbus_home
 from services.commands.bench_serve_core import load_sharegpt
@@ -508,7 +510,8 @@ def speculative_greedy(target, tconfig, head, prompt: list[int], max_new: int, k
     """Greedy decoding of up to max_new tokens after prompt (stopping after an eos id): k = 0 is
     plain decoding, one target forward per token; k > 0 drafts k tokens with the head, verifies
     them in one target forward of k + 1 tokens and keeps the longest agreeing prefix plus the
-    target's own next token. Features reach the head as bf16, as the serving path ships them.
+    target's own next token. Features reach the head as bf16, as the serving path ships them; a
+    fused head's (its config's feature_layers) are the target layers' inputs (model.forward_layers).
     Returns (token ids, {"steps": target forwards after the prefill, "tried": (k,) drafts at each
     position that were verified, "accepted": (k,) of those accepted})."""
     from gpu_worker.runtime.eagle import draft_chain, new_cache
@@ -516,8 +519,16 @@ def speculative_greedy(target, tconfig, head, prompt: list[int], max_new: int, k
     length = len(prompt) + max_new + k + 1
     cache = KVCache(tconfig, max_slots=1, max_seq_len=length, device=target.embed.device, dtype=target.embed.dtype)
     slot = torch.tensor([cache.allocate()])
-    P = len(prompt)
-    logits, hidden = forward(target, cache, slot, torch.tensor([prompt]), torch.tensor([P]), return_hidden=True)
+    layers = head.config.feature_layers if k else ()
+
+    def verify(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward over tokens: (logits (1, T, V), what the head reads (1, T, E or F*E))."""
+        ids, n = torch.tensor([tokens]), torch.tensor([len(tokens)])
+        if layers:
+            return forward_layers(target, cache, slot, ids, n, layers)[::2]
+        return forward(target, cache, slot, ids, n, return_hidden=True)
+
+    logits, hidden = verify(prompt)
     out = [int(logits[0, -1].argmax())]
     stats = {"steps": 0, "tried": [0] * k, "accepted": [0] * k}
     if k:
@@ -532,8 +543,7 @@ def speculative_greedy(target, tconfig, head, prompt: list[int], max_new: int, k
             continue
         drafts, _ = draft_chain(head, head_cache, head_slot, feats, pair_tokens, torch.tensor([feats.shape[1]]), k)
         drafts = drafts[0].tolist()
-        tokens = torch.tensor([[out[-1]] + drafts])
-        logits, hidden = forward(target, cache, slot, tokens, torch.tensor([k + 1]), return_hidden=True)
+        logits, hidden = verify([out[-1]] + drafts)
         greedy = logits[0].argmax(-1).tolist()                          # (k + 1,)
         j = 0
         while j < k and drafts[j] == greedy[j]:

@@ -124,6 +124,10 @@ def load_eagle_drafter(config: DrafterConfig) -> EagleDrafter:
              dtype=str(dtype).removeprefix("torch."))
     target = load_target_pieces(config.target_model, config.device, dtype)
     head_config, weights, maps = load_head_weights(config.eagle_head)
+    if head_config.feature_layers:  # the verifier ships the last layer's features only (docs/PROTOCOL.md)
+        raise SpecbusError(ErrorCode.invalid_field, f"eagle_head {config.eagle_head} reads fused target layers "
+                                                    f"{list(head_config.feature_layers)}, which the serving path "
+                                                    "does not ship yet; serve a last-layer head", "eagle_head")
     try:
         head = build_head(head_config, weights, maps, target, config.max_seq_len)
     except ConfigError as exc:

@@ -12,6 +12,12 @@ token are the next position's input (EAGLE-1, Li et al. 2024, arXiv:2401.15077).
              f^_{t+1} = rms(h_t) * out_norm
              draft_logits = f^_{t+1} @ embed[d2t]^T    (tied target embedding rows, frozen)
 
+A fused head (`EagleConfig.feature_layers`, EAGLE-3, Li et al. 2025, arXiv:2503.01840) reads
+instead of f_t the residual streams g_t entering three of the target's layers (a low, a middle
+and a high one), projected: f_t := fuse(rms(g_t) * fuse_norm), fuse (E, 3E). It predicts no
+feature: at chain steps after the first its input is its own output rms(h) * out_norm, as a
+last-feature head's is, but that output is trained by the cross-entropy alone.
+
 The target's embedding and lm_head are reused, not stored in the head's file. The decoder
 layer is the target's layer shape (`model.Layer`), run by the same batch-invariant kernels as
 the target (`model.linear`, `model.attention`) over a `KVCache` with one layer.
@@ -46,9 +52,12 @@ LAYER_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up"
 @dataclass(frozen=True)
 class EagleConfig(DecoderShape):
     """The head's shape: its one layer's fields are the target's (`model.DecoderShape`);
-    num_layers is 1, so a KVCache can be built from it."""
+    num_layers is 1, so a KVCache can be built from it. feature_layers: empty for a head that
+    reads the target's final-normed last hidden state; else the target layers whose incoming
+    residual stream it reads, concatenated (a fused head)."""
     target_vocab_size: int
     num_layers: int = 1
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,6 +65,14 @@ class EagleConfig(DecoderShape):
             raise ConfigError(f"target_vocab_size must be positive, got {self.target_vocab_size}")
         if self.num_layers != 1:
             raise ConfigError(f"num_layers must be 1, got {self.num_layers}")
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))  # a JSON list reads back as a tuple
+        if any(i < 0 for i in self.feature_layers) or len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ConfigError(f"feature_layers must be distinct layer indices, got {list(self.feature_layers)}")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head reads at verified positions: E, or E per fused layer."""
+        return self.hidden_size * max(1, len(self.feature_layers))
 
     @classmethod
     def from_target(cls, target_config: ModelConfig, intermediate_size: int | None = None) -> "EagleConfig":
@@ -67,16 +84,18 @@ class EagleConfig(DecoderShape):
     def from_json(cls, path) -> "EagleConfig":
         data = json.loads(Path(path).read_text())
         fields = set(cls.__dataclass_fields__)
-        unknown, missing = set(data) - fields - {"architecture"}, fields - set(data) - {"num_layers"}
+        unknown, missing = set(data) - fields - {"architecture"}, fields - set(data) - {"num_layers", "feature_layers"}
         if unknown or missing:
             raise ConfigError(f"{path}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in fields})
 
 
-def weight_names() -> list[str]:
-    """The head's own tensors (the target's embedding is not among them)."""
+def weight_names(config: EagleConfig | None = None) -> list[str]:
+    """The head's own tensors (the target's embedding is not among them); a fused head's config
+    adds its projection of the fused layers."""
+    fused = ["fuse_norm", "fuse.weight"] if config is not None and config.feature_layers else []
     return (["fc.weight", "fc.bias", "feature_norm", "embed_norm", "out_norm"]
-            + [f"layer.{n}" for n in LAYER_NAMES])
+            + [f"layer.{n}" for n in LAYER_NAMES] + fused)
 
 
 def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
@@ -87,8 +106,8 @@ def load_head_weights(path) -> tuple[EagleConfig, dict[str, torch.Tensor], D2T]:
     config = EagleConfig.from_json(path / CONFIG_FILE)
     with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
         weights = {n: f.get_tensor(n).float() for n in f.keys()}  # noqa: SIM118 (safe_open, not a dict)
-    if set(weights) != set(weight_names()):
-        raise ConfigError(f"{path / WEIGHTS_FILE}: expected tensors {weight_names()}, found {sorted(weights)}")
+    if set(weights) != set(weight_names(config)):
+        raise ConfigError(f"{path / WEIGHTS_FILE}: expected tensors {weight_names(config)}, found {sorted(weights)}")
     maps = load_d2t(path)
     if maps is None or maps.target_vocab_size != config.target_vocab_size:
         raise ConfigError(f"{path}: d2t.safetensors missing or not for a {config.target_vocab_size}-token target")
@@ -150,6 +169,8 @@ class EagleHead:
     other_id: int                  # draft id never proposed (its logit is -inf)
     rope_cos: torch.Tensor         # (P, D)
     rope_sin: torch.Tensor         # (P, D) sign folded in (model.rope_tables)
+    fuse_norm: torch.Tensor | None = None   # (F, E) a fused head's: per fused layer, F of them
+    fuse: torch.Tensor | None = None        # (E, F*E) packed
 
 
 def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T, target: Model | TargetPieces,
@@ -170,18 +191,24 @@ def build_head(config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T,
                   w_gate_up=pack_weight(torch.cat([get("layer.w_gate"), get("layer.w_up")])),
                   w_down=pack_weight(get("layer.w_down")))
     cos, sin = rope_tables(config, max_seq_len or config.max_position_embeddings, device, dtype)
+    fused = bool(config.feature_layers)
     return EagleHead(config=config, fc=pack_weight(get("fc.weight")), fc_bias=get("fc.bias"),
                      feature_norm=get("feature_norm"), embed_norm=get("embed_norm"), layer=layer,
                      out_norm=get("out_norm"), embed=target.embed,
                      lm_rows=pack_weight(target.embed[maps.d2t.to(device)].contiguous()),
                      d2t=maps.d2t.to(device), other_id=maps.other_id,
-                     rope_cos=cos, rope_sin=sin)
+                     rope_cos=cos, rope_sin=sin,
+                     fuse_norm=get("fuse_norm").view(len(config.feature_layers), -1) if fused else None,
+                     fuse=pack_weight(get("fuse.weight")) if fused else None)
 
 
 def head_misfit(config: EagleConfig, target_config: ModelConfig) -> str | None:
     """Why a head cannot serve a target, naming both shapes, or None when it can."""
     if not target_config.tie_word_embeddings:
         return "the EAGLE head needs a target with tied embeddings (tie_word_embeddings)"
+    if any(i >= target_config.num_layers for i in config.feature_layers):
+        return (f"the EAGLE head reads target layers {list(config.feature_layers)}; the target has "
+                f"{target_config.num_layers}")
     if target_config.hidden_size != config.hidden_size or target_config.vocab_size != config.target_vocab_size:
         return (f"the EAGLE head is for a target of hidden size {config.hidden_size} and vocabulary "
                 f"{config.target_vocab_size}; the target has hidden size {target_config.hidden_size} and vocabulary "
@@ -204,7 +231,7 @@ def new_cache(head: EagleHead, max_slots: int, max_seq_len: int, memory_bytes: i
 @torch.inference_mode()
 def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: torch.Tensor,
                  token_ids: torch.Tensor, num_new: torch.Tensor,
-                 logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 logits_index: torch.Tensor | None = None, own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Append pairs (features[b, t], token_ids[b, t]) to each row's slot; return the draft logits
     and the predicted next features at the selected pairs.
 
@@ -212,18 +239,28 @@ def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features:
     final-normed hidden states f at the slot's next positions (any float dtype); token_ids:
     (B, T) int64 target ids, token_ids[b, t] the token that followed features[b, t]; num_new:
     (B,) int64 CPU, row b's pairs are its first num_new[b] (the rest padding). logits_index:
-    (B, M) int64 pairs to read out, or None for all. Returns draft logits (B, M, Vd) with
+    (B, M) int64 pairs to read out, or None for all. A fused head's features are (B, T, F*E), the
+    target's layers `config.feature_layers` concatenated, unless own: the head's own predictions
+    (B, T, E) at a chain's later steps. Returns draft logits (B, M, Vd) with
     other_id at -inf, and predicted features (B, M, E) (the next pair's input in a chain). The
     slot's length advances by num_new (`KVCache.truncate` rolls drafted pairs back).
     """
     cfg = head.config
     B, T = token_ids.shape
     E = cfg.hidden_size
-    assert features.shape == (B, T, E) and slots.shape == (B,) and num_new.shape == (B,), \
-        (features.shape, token_ids.shape, slots.shape, num_new.shape)
+    fused = head.fuse is not None and not own
+    width = cfg.feature_size if fused else E
+    assert features.shape == (B, T, width) and slots.shape == (B,) and num_new.shape == (B,), \
+        (features.shape, token_ids.shape, slots.shape, num_new.shape, width)
     step = plan_step(cache, head.rope_cos, head.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
     device, dtype = head.embed.device, head.embed.dtype
-    f = rms_norm(features.to(device=device, dtype=dtype).reshape(B * T, E), head.feature_norm, cfg.rms_norm_eps)
+    features = features.to(device=device, dtype=dtype)
+    if fused:  # a fused head's target layers: each normed (their scales differ by depth), projected
+        flat = features.reshape(B * T, -1)
+        parts = [rms_norm(flat[:, i * E:(i + 1) * E].contiguous(), w, cfg.rms_norm_eps)
+                 for i, w in enumerate(head.fuse_norm)]
+        features = linear(torch.cat(parts, -1), head.fuse)
+    f = rms_norm(features.reshape(B * T, E), head.feature_norm, cfg.rms_norm_eps)
     e = rms_norm(head.embed[token_ids.to(device).view(-1)], head.embed_norm, cfg.rms_norm_eps)
     x = linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
     x = decoder_layer(cfg, head.layer, 0, x, cache, step)
@@ -251,8 +288,9 @@ def draft_chain(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: 
     """Feed each row's newly verified pairs, then draft k tokens as a chain; the drafted pairs are
     rolled back, so the slots end holding exactly the verified pairs.
 
-    slots (B,), features (B, T, E), token_ids (B, T), num_new (B,) >= 1: as `head_forward` (the
-    last pair of a row is its newest target feature and the token the target emitted from it).
+    slots (B,), features (B, T, E) (a fused head's (B, T, F*E)), token_ids (B, T), num_new (B,)
+    >= 1: as `head_forward` (the last pair of a row is its newest target feature and the token
+    the target emitted from it).
     choose(logits (B, Vd), step) -> draft ids (B,): greedy by default; a sampled drafter draws
     there with its own uniforms. Returns draft token ids (B, k) as target ids and the draft logits
     (B, k, Vd) each was chosen from (float32; map draft ids to target ids with head.d2t).
@@ -268,7 +306,8 @@ def draft_chain(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: 
         all_logits.append(logits[:, 0].float())
         drafts.append(choose(logits[:, 0], step))
         if step + 1 < k:
-            logits, predicted = head_forward(head, cache, slots, predicted, head.d2t[drafts[-1]].view(B, 1), one)
+            logits, predicted = head_forward(head, cache, slots, predicted, head.d2t[drafts[-1]].view(B, 1), one,
+                                             own=True)
     for b, slot in enumerate(slots.tolist()):
         cache.truncate(slot, int(committed[b]))
     draft_ids = torch.stack(drafts, 1)                                # (B, k) draft ids

@@ -614,14 +614,36 @@ def forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.
     a scratch column). On return cache.lengths[slots] has advanced by num_new. Raises
     CacheCapacityError (nothing written) when a row would pass cache.max_seq_len.
     """
+    B, T = token_ids.shape
+    x = forward_rows(model, cache, slots, token_ids, num_new)
+    return read_out(model, x.view(B, T, model.config.hidden_size), logits_index, return_hidden)
+
+
+@torch.inference_mode()
+def forward_layers(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor, num_new: torch.Tensor,
+                   layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`forward(..., return_hidden=True)` (its logits and hidden, bit for bit) that also returns
+    the residual stream entering each of `layers` (0-based; 0 is the embedding), concatenated:
+    (logits (B, T, V), hidden (B, T, E), (B, T, len(layers) * E)): the low, middle and high target
+    features an EAGLE-3 head fuses."""
+    B, T = token_ids.shape
+    kept = dict.fromkeys(layers)
+    x = forward_rows(model, cache, slots, token_ids, num_new, kept)
+    logits, hidden = read_out(model, x.view(B, T, model.config.hidden_size), None, True)
+    return logits, hidden, torch.cat([kept[i] for i in layers], -1).view(B, T, -1)
+
+
+def forward_rows(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor, num_new: torch.Tensor,
+                 kept: dict | None = None) -> torch.Tensor:
+    """`forward` up to the read-out: plan, every layer, commit; (B*T, E), not normed."""
     cfg = model.config
     B, T = token_ids.shape
     assert slots.shape == (B,) and num_new.shape == (B,), (slots.shape, num_new.shape, B)
     check_cache(model, cache)
     step = plan_step(cache, model.rope_cos, model.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
-    x = run_layers(model, cache, step, token_ids)
+    x = run_layers(model, cache, step, token_ids, kept)
     cache.commit(slots, num_new)
-    return read_out(model, x.view(B, T, cfg.hidden_size), logits_index, return_hidden)
+    return x
 
 
 def check_cache(model: Model, cache: KVCache) -> None:
@@ -634,10 +656,14 @@ def check_cache(model: Model, cache: KVCache) -> None:
                          f"{model.embed.dtype} on {model.embed.device}")
 
 
-def run_layers(model: Model, cache: KVCache, step: Step, token_ids: torch.Tensor) -> torch.Tensor:
-    """Embed token_ids (B, T) and run every decoder layer of a planned step: (B*T, E), not normed."""
+def run_layers(model: Model, cache: KVCache, step: Step, token_ids: torch.Tensor,
+               kept: dict | None = None) -> torch.Tensor:
+    """Embed token_ids (B, T) and run every decoder layer of a planned step: (B*T, E), not normed.
+    kept: {layer index: ...} set to the (B*T, E) stream entering each of those layers."""
     x = model.embed[token_ids.to(model.embed.device).reshape(-1)]    # (B*T, E)
     for i, layer in enumerate(model.layers):
+        if kept is not None and i in kept:
+            kept[i] = x
         x = decoder_layer(model.config, layer, i, x, cache, step)
     return x
 
