@@ -465,11 +465,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
     a fixed KV split size); `block_attention` there is only as invariant as the GPU's matmuls.
     """
     B, T, H, D = q.shape
+    out, lse = block_outputs(q, k, v, plan)
     kernel = block_kernel(q, D)
     if kernel is not None:
-        out, lse = kernel.unit_blocks(q.flatten(0, 1), k, v, plan.mask, plan.unit_q, D ** -0.5)
-        return kernel.combine_units(out, lse, plan.unit_out, B * T * H).view(B * T, H * D)
-    out, lse = block_outputs(q, k, v, plan)
+        U, nb, M = out.shape[0], plan.nb, plan.nq * QUERY_TILE
+        out = kernel.combine_units(out.view(U, nb, M, D), lse.view(U, nb, M), plan.unit_out, B * T * H)
+        return out.view(B * T, H * D)
     if plan.nb > 1:  # nb == 1: the one block's weight is exp(0) = 1, the same bits as combining
         out = combine_blocks(out, lse, q.dtype)
     return out.reshape(-1, D).index_select(0, plan.out_rows).view(B * T, H * D)
@@ -490,7 +491,8 @@ def block_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     units = q.reshape(-1, D)[plan.unit_q].view(B, -1, 1, nq * QUERY_TILE, D).expand(-1, -1, nb, -1, -1)
     mask = flash_mask(plan, k.shape[1])
     if nq == 1:  # (batch, heads) = (unit, block): the keys as they are
-        units, k, v = units.reshape(U, nb, QUERY_TILE, D), k.reshape(U, nb, KEY_BLOCK, D), v.reshape(U, nb, KEY_BLOCK, D)
+        units = units.reshape(U, nb, QUERY_TILE, D)
+        k, v = k.reshape(U, nb, KEY_BLOCK, D), v.reshape(U, nb, KEY_BLOCK, D)
     else:  # (unit, head*block): keys shared by the units (copied where the heads are apart)
         units = units.reshape(U * nb, nq, QUERY_TILE, D).transpose(0, 1)
         k, v = (t.reshape(1, U * nb, KEY_BLOCK, D).expand(nq, -1, -1, -1) for t in (k, v))

@@ -313,7 +313,7 @@ def test_combine_units_is_attention_over_all_blocks_and_ignores_blocks_past_a_ro
     keys = torch.arange((nb + 2) * KB).view(1, nb + 2, 1, KB)
     wide = torch.zeros(B, nb + 2, M, KB).masked_fill_(keys >= ends.view(B, 1, M, 1), MASKED)
     unit_q = (torch.arange(B).view(B, 1, 1) * M + torch.arange(M).view(1, 1, M)) * Hkv + torch.arange(Hkv).view(1, Hkv, 1)
-    unit_q = unit_q.view(B * Hkv, M)
+    unit_q = unit_q.view(B * Hkv, M)                                    # unit (b, h), row m: q row (b*M + m)*Hkv + h
 
     def attend(blocks, unit_out):
         out, lse = kernel.unit_blocks(q, k, v, wide[:, :blocks].contiguous(), unit_q, D ** -0.5)
@@ -323,9 +323,11 @@ def test_combine_units_is_attention_over_all_blocks_and_ignores_blocks_past_a_ro
     for b in range(B):
         for m in range(M):
             n = int(ends[b, m])
-            want, _ = attention_reference(q[b * M + m].unsqueeze(1), k[b, :, :n], v[b, :, :n], torch.zeros(Hkv, 1, n), D ** -0.5)
+            want, _ = attention_reference(q[b * M + m].unsqueeze(1), k[b, :, :n], v[b, :, :n], torch.zeros(Hkv, 1, n),
+                                          D ** -0.5)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got.view(B, M, Hkv, D)[b, m].double(), want.squeeze(1), atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(got.view(B, M, Hkv, D)[b, m].double(), want.squeeze(1), atol=tolerance,
+                                       rtol=tolerance)
     assert torch.equal(attend(nb + 2, unit_q), got)                     # two more masked blocks: the same bits
     short = ends <= KB                                                  # rows inside block 0
     one = attend(1, unit_q).view(B, M, Hkv, D)
