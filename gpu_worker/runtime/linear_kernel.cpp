@@ -896,7 +896,7 @@ static inline void pv_chunks(const float* p, const TV* v, int64_t v_row, int64_t
     for (int c = 0; c < DC; ++c) store8(out[r] + d + 8 * c, _mm256_div_ps(o[r][c], _mm256_set1_ps(l[r])));
 }
 
-// One (query rows, key block) pair of `block_attention`: R rows of q (D values each) against S
+// One (query rows, key block) pair of `unit_blocks`: R rows of q (D values each) against S
 // keys. Per row: s_j = q·k_j * scale + mask_j (`dots8`); m = max_j s_j; p_j = exp(s_j - m);
 // l = sum of p_j and o = sum of p_j v_j, both over j in order (o on D lanes, one FMA a key);
 // out = o / l, lse = m + log(l). Each row's operations are its own, whatever the rows beside it.
@@ -1084,29 +1084,16 @@ static void attend_rows16(const float* const* q, const float* kp, const TV* v, i
   for (int r = 0; r < R; ++r) lse[r] += std::log(l[r]);
 }
 
-template <typename TV, typename TO>
-static void attend_tile16(int R, const float* const* q, const float* kp, const TV* v, int64_t v_row,
-                          const float* const* mask, int64_t S, int64_t D, float scale, TO* const* out, float* lse,
-                          float* p, uint8_t* live) {
-  switch (R) {
-    case 4: return attend_rows16<4>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
-    case 3: return attend_rows16<3>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
-    case 2: return attend_rows16<2>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
-    default: return attend_rows16<1>(q, kp, v, v_row, mask, S, D, scale, out, lse, p, live);
-  }
-}
 #pragma GCC pop_options
 
-// attend_rows over tiles of up to 4 unit rows: rows r0.. of the pair's M, pointers from the caller
-template <typename TQ, typename TK, typename TV, typename TO>
-static void attend_tile(int R, const TQ* const* q, const TK* k, const TV* v, int64_t k_row, int64_t v_row,
-                        const float* const* mask, int64_t S, int64_t D, float scale, TO* const* out, float* lse,
-                        float* p, uint8_t* live) {
+// f(std::integral_constant<int, R>{}) for a tile of R = 1..4 rows: the count as a template argument
+template <typename F>
+static void by_rows(int R, F&& f) {
   switch (R) {
-    case 4: return attend_rows<4>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
-    case 3: return attend_rows<3>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
-    case 2: return attend_rows<2>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
-    default: return attend_rows<1>(q, k, v, k_row, v_row, mask, S, D, scale, out, lse, p, live);
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
   }
 }
 
@@ -1141,17 +1128,18 @@ std::vector<torch::Tensor> unit_blocks(torch::Tensor q, torch::Tensor k, torch::
       const bool wide = avx512_on;  // AVX-512: every block's keys as key_pairs, q rows widened
       std::vector<float> scratch(4 * S), kw(widen || wide ? S * D : 0), vw(widen ? S * D : 0), qw(wide ? 4 * D : 0);
       std::vector<uint8_t> live(S / 8);
+      const bool widen_v = widen && M > 4;
       for (int64_t pair = first; pair < last; ++pair) {
         const int64_t u = pair / nb, j = pair % nb, b = u / Hkv, h = u % Hkv;
         const T* kb = kp + b * k.stride(0) + h * k.stride(1) + j * S * k.stride(2);
         const T* vb = vp + b * v.stride(0) + h * v.stride(1) + j * S * v.stride(2);
-        const bool widen_v = widen && M > 4;
         if (wide) key_pairs(kb, k.stride(2), S, D, kw.data());
         else if (widen) widen_rows(kb, k.stride(2), S, D, kw.data());
         if (widen_v) widen_rows(vb, v.stride(2), S, D, vw.data());
         for (int64_t r0 = 0; r0 < M; r0 += 4) {
           const int R = int(std::min<int64_t>(4, M - r0));
           const T* qr[4];
+          const float* qf[4];
           T* orow[4];
           const float* mr[4];
           for (int r = 0; r < R; ++r) {
@@ -1159,22 +1147,21 @@ std::vector<torch::Tensor> unit_blocks(torch::Tensor q, torch::Tensor k, torch::
             qr[r] = qp + row / H * q.stride(0) + row % H * q.stride(1);
             orow[r] = op + ((u * nb + j) * M + r0 + r) * D;
             mr[r] = mp + b * mask.stride(0) + j * mask.stride(1) + (r0 + r) * mask.stride(2);
+            qf[r] = wide ? qw.data() + r * D : nullptr;
+            if (wide) widen_rows(qr[r], 0, 1, D, qw.data() + r * D);
           }
           float* ls = lp + (u * nb + j) * M + r0;
-          if (wide) {
-            const float* qf[4];
-            for (int r = 0; r < R; ++r) {
-              widen_rows(qr[r], 0, 1, D, qw.data() + r * D);
-              qf[r] = qw.data() + r * D;
-            }
-            if (widen_v) attend_tile16(R, qf, kw.data(), vw.data(), D, mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
-            else attend_tile16(R, qf, kw.data(), vb, v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
-          } else if constexpr (widen) {
-            if (widen_v) attend_tile(R, qr, kw.data(), vw.data(), D, D, mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
-            else attend_tile(R, qr, kw.data(), vb, D, v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
-          } else {
-            attend_tile(R, qr, kb, vb, k.stride(2), v.stride(2), mr, S, D, float(scale), orow, ls, scratch.data(), live.data());
-          }
+          auto tile = [&](auto* vt, int64_t v_row) {  // the block's values as stored or widened
+            by_rows(R, [&](auto n) {
+              constexpr int N = decltype(n)::value;
+              const float sc = float(scale);
+              if (wide) attend_rows16<N>(qf, kw.data(), vt, v_row, mr, S, D, sc, orow, ls, scratch.data(), live.data());
+              else if constexpr (widen) attend_rows<N>(qr, kw.data(), vt, D, v_row, mr, S, D, sc, orow, ls, scratch.data(), live.data());
+              else attend_rows<N>(qr, kb, vt, k.stride(2), v_row, mr, S, D, sc, orow, ls, scratch.data(), live.data());
+            });
+          };
+          if (widen_v) tile(vw.data(), D);
+          else tile(vb, v.stride(2));
         }
       }
     });

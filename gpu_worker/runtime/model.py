@@ -515,7 +515,7 @@ def combine_blocks(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     U, nb, D = out.shape[0], out.shape[1], out.shape[-1]
     kernel = block_kernel(out, D)
     if kernel is not None:
-        rows = out[0, 0].numel() // D
+        rows = out.shape[2:-1].numel()
         own = torch.arange(U * rows, device=out.device).view(U, rows)
         combined = kernel.combine_units(out.reshape(U, nb, rows, D).contiguous(), lse.reshape(U, nb, rows).contiguous(),
                                         own, U * rows)
