@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.roles.slots import resolve_dtype
-from gpu_worker.runtime.checkpoint import D2T, load_d2t, read_config
+from gpu_worker.runtime.checkpoint import load_d2t, read_config
 from gpu_worker.runtime.eagle import EagleConfig, load_head_weights, weight_names
 from gpu_worker.runtime.model import forward_layers
 from schemas.config import default_target_model
@@ -39,11 +39,10 @@ from services.commands.bench_serve_core import load_sharegpt
 from text.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_draft import COPIED_FILES  # noqa: E402
 from eagle_training import (BETAS, OUT_SCALES, batch_tensors, chain_losses, init_weights, load_shards,  # noqa: E402
                              regenerated_shards, round_plan, write_shard)
-from train_eagle import (OUT, SEED, SELECT_CONVS, WARMUP, data_dir, encode_conversation, prefill_target,  # noqa: E402
-                         shard_path, target_weights)
+from train_eagle import (OUT, SEED, SELECT_CONVS, WARMUP, data_dir, encode_conversation, export,  # noqa: E402
+                         prefill_target, shard_path, target_weights)
 
 
 def fused_layer_choice(num_layers: int) -> tuple[int, int, int]:
@@ -192,27 +191,6 @@ def fused_rows(directory: Path, n: int, features: str) -> list[dict]:
     return rows
 
 
-def save_fused_head(out: Path, target: Path, config: EagleConfig, weights: dict[str, torch.Tensor], maps: D2T) -> None:
-    """save_head for either kind of head (its tensors are weight_names(config)), with the
-    target's tokenizer files, as export writes them."""
-    import shutil
-    from dataclasses import asdict
-
-    from safetensors.torch import save_file
-
-    from gpu_worker.runtime.checkpoint import save_d2t
-    from gpu_worker.runtime.eagle import CONFIG_FILE, WEIGHTS_FILE
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps({"architecture": "EagleHead", **asdict(config)}, indent=2) + "\n")
-    save_file({n: weights[n].detach().to(torch.bfloat16).contiguous() for n in weight_names(config)},
-              str(out / WEIGHTS_FILE))
-    save_d2t(out, maps.d2t, maps.t2d, maps.other_id)
-    for name in COPIED_FILES:
-        if (target / name).exists():
-            shutil.copyfile(target / name, out / name)
-
-
 def train_fused(target: Path, data: Path, features: str, goal_tokens: int, batch: int, lr: float, unroll: int,
                 held_out: int, shard_convs: int, device: str, out: Path, vocab_head: Path = OUT) -> dict:
     """A fresh head (seed SEED) reading `features` ("last" or "fused"), one pass over the answers
@@ -274,7 +252,7 @@ def train_fused(target: Path, data: Path, features: str, goal_tokens: int, batch
                 print(f"{time.strftime('%H:%M:%S')} step {steps} shard {n} tokens {tokens} "
                       f"({tokens / (time.time() - t0):.0f}/s) " + " ".join(f"{k}={v:.3f}" for k, v in ema.items()),
                       flush=True)
-    save_fused_head(out, target, config, {k: t.detach().cpu() for k, t in weights.items()}, maps)
+    export(target, config, {k: t.detach().cpu() for k, t in weights.items()}, maps, out)
     wall = time.time() - t0
     result = {"features": features, "feature_layers": list(config.feature_layers), "tokens": tokens, "steps": steps,
               "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 1),

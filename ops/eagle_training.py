@@ -52,7 +52,7 @@ def save_head(path, config: EagleConfig, weights: dict[str, torch.Tensor], maps:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps({"architecture": "EagleHead", **asdict(config)}, indent=2) + "\n")
-    save_file({n: weights[n].detach().to(torch.bfloat16).contiguous() for n in weight_names()},
+    save_file({n: weights[n].detach().to(torch.bfloat16).contiguous() for n in weight_names(config)},
               str(path / WEIGHTS_FILE))
     save_d2t(path, maps.d2t, maps.t2d, maps.other_id)
 

@@ -100,7 +100,7 @@ def test_a_last_feature_head_has_chain_losses(ops, target):
 def test_a_fused_head_round_trips_and_decodes_losslessly(ops, target, tmp_path):
     model, tconfig = target
     config, weights, maps = fused_parts(ops, tconfig)
-    ops.save_fused_head(tmp_path / "head", Path(TINY_TARGET), config, weights, maps)
+    ops.export(Path(TINY_TARGET), config, weights, maps, tmp_path / "head")
     assert json.loads((tmp_path / "head" / "eagle_config.json").read_text())["feature_layers"] == list(LAYERS)
     loaded_config, loaded, _ = load_head_weights(tmp_path / "head")
     assert loaded_config == config and set(loaded) == set(weights)
