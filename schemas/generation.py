@@ -168,9 +168,9 @@ class RowSampling(WireModel):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="a grammar the output follows (docs/PROTOCOL.md#structured-outputs); None = free text")
     coupling: Literal["rejection", "gumbel"] = Field(
-        "rejection", description="how a sampled row's drafts are accepted: rejection sampling, or Gumbel-max "
-                                 "coupling, whose output depends on (seed, prompt, sampling) only, not on k or the "
-                                 "draft (docs/PROTOCOL.md#drafter-invariant-sampling); greedy rows ignore it")
+        "gumbel", description="how a sampled row's drafts are accepted: Gumbel-max coupling, whose output depends on "
+                              "(seed, prompt, sampling) only, not on k or the draft, or rejection sampling "
+                              "(docs/PROTOCOL.md#drafter-invariant-sampling); greedy rows ignore it")
 
     @field_validator("logit_bias", mode="before")
     @classmethod

@@ -225,7 +225,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              help="which drafters this request may use (default auto: whichever kind is live; with "
                                   "several, the better one for this request)")
     speculative.add_argument("--coupling", choices=["rejection", "gumbel"], default=None,
-                             help="gumbel: a seeded sampled output independent of k and the draft (default rejection)")
+                             help="how sampled drafts are accepted (default gumbel: a seeded sampled output independent of k and the "
+                                  "draft; rejection: rejection sampling, every step at k)")
     logprobs = parser.add_argument_group("logprobs and masks")
     logprobs.add_argument("--logprobs", type=int, default=None, metavar="N", help="top-N logprobs per token (0: its own)")
     logprobs.add_argument("--logprobs-mode", choices=["raw", "processed"], default=None)

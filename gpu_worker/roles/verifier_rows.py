@@ -135,10 +135,15 @@ def output_before(row: VerifyRow, state: VerifierSlot | None) -> list[int]:
     return (held + row.new_token_ids.tolist())[row.prompt_len:]
 
 
-def point_mass_after(draft_probs: torch.Tensor | None, forced: list[int], vocab_size: int) -> torch.Tensor | None:
-    """draft_probs (k, V) followed by the one-hot laws of the forced tokens (point-mass drafts);
+def point_mass_after(draft_probs: torch.Tensor | None, kept: int, forced: list[int],
+                     vocab_size: int) -> torch.Tensor | None:
+    """The laws of the kept drafts, draft_probs[:kept] of (k, V) (a Gumbel-coupled row's grammar
+    may replace the rest), followed by the one-hot laws of the forced tokens (point-mass drafts);
     None stays None (the sampler then takes every draft as a point mass)."""
-    if draft_probs is None or not forced:
+    if draft_probs is None:
+        return None
+    draft_probs = draft_probs[:kept]
+    if not forced:
         return draft_probs
     one_hot = torch.zeros(len(forced), vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
     one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
@@ -191,7 +196,7 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
     work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
                          num_draft=len(drafts) + len(forced), num_prompt=num_prompt,
-                         params=params, draft_probs=point_mass_after(draft_probs, forced, verifier.vocab_size),
+                         params=params, draft_probs=point_mass_after(draft_probs, len(drafts), forced, verifier.vocab_size),
                          penalties=penalties, allowed=None if grammar is None else grammar.allowed,
                          num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts),
                          parents=None if row.parents is None else torch.from_numpy(row.parents).long())

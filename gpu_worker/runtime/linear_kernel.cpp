@@ -1304,6 +1304,54 @@ bool use_amx(bool on) {
   return amx_on;
 }
 
+// Gumbel-max candidates (gpu_worker/sampling/coupling.py `gumbel_argmax`): for each row of probs
+// (R, N) float32 and its stream key (R,) int64, the m tokens with the least exponential-race key
+// (1 - u) / p, u = (top 53 bits of splitmix64(key ^ token_ids[v]) + 0.5) / 2^53, in ascending
+// order of key (the same double operations as the torch code, so the same keys); tokens with
+// p <= 0 never enter. Returns (keys (R, m) float64, inf where a row has fewer than m tokens with
+// mass, ids (R, m) int64, 0 there). coupling.py scores these in torch and checks that no other
+// token can win, so the draw does not depend on this function's rounding.
+static inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static std::tuple<torch::Tensor, torch::Tensor> gumbel_candidates(torch::Tensor probs, torch::Tensor keys,
+                                                                  torch::Tensor token_ids, int64_t m) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.is_contiguous(), "probs: (R, N) float32");
+  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == torch::kInt64 && keys.size(0) == probs.size(0), "keys: (R,) int64");
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == torch::kInt64 && token_ids.size(0) == probs.size(1)
+              && token_ids.is_contiguous(), "token_ids: (N,) int64");
+  TORCH_CHECK(m >= 1, "m >= 1");
+  const int64_t R = probs.size(0), N = probs.size(1);
+  auto out_keys = torch::full({R, m}, INFINITY, torch::kFloat64);
+  auto out_ids = torch::zeros({R, m}, torch::kInt64);
+  const float* p = probs.data_ptr<float>();
+  const uint64_t* key = reinterpret_cast<const uint64_t*>(keys.data_ptr<int64_t>());
+  const uint64_t* ids = reinterpret_cast<const uint64_t*>(token_ids.data_ptr<int64_t>());
+  double* ok = out_keys.data_ptr<double>();
+  int64_t* oi = out_ids.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* pr = p + r * N;
+      double* best = ok + r * m;  // ascending; best[m - 1] the bar a token must pass
+      int64_t* at = oi + r * m;
+      for (int64_t v = 0; v < N; ++v) {
+        if (!(pr[v] > 0.0f)) continue;
+        const double u = (double(splitmix64(key[r] ^ ids[v]) >> 11) + 0.5) * 0x1p-53;
+        const double race = (1.0 - u) / double(pr[v]);
+        if (!(race < best[m - 1])) continue;
+        int64_t j = m - 1;  // insertion, keeping equal keys in token order
+        for (; j > 0 && best[j - 1] > race; --j) { best[j] = best[j - 1]; at[j] = at[j - 1]; }
+        best[j] = race; at[j] = v;
+      }
+    }
+  });
+  return {out_keys, out_ids};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_amx", &use_amx, "bfloat16 weights in AMX tiles where the CPU has them; returns whether it is on");
   m.def("amx", &amx_runs, "whether bfloat16 weights go to AMX tiles (`use_amx`)");
@@ -1319,6 +1367,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_write", &kv_write, "a row's new keys and values copied into its slot's columns");
   m.def("fixed_rope", &fixed_rope, "the first heads of qkv rotated by RoPE's cos and signed sin, torch's bits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gumbel_candidates", &gumbel_candidates, "each row's m tokens of least (1 - u) / p, Gumbel-max's candidates",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear", &quant_linear, "residual + (x @ dequant(blocks)^T + b), fixed_linear's order",
         py::call_guard<py::gil_scoped_release>());

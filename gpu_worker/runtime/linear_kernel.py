@@ -36,6 +36,9 @@ exactly: key groups the row may not see, keys whose weight is 0 for every row), 
 `combine_units(out, lse, unit_out, n)`, a row's blocks combined by their log-sum-exps in a fixed
 tree, written where the row goes (the query rows gathered and scattered in the kernel, not by
 torch ops around it).
+Outside the forward, `gumbel_candidates(probs, keys, token_ids, m)` hashes a vocabulary row's
+Gumbel noise uniforms in one pass and keeps the m tokens that could win the Gumbel-max draw
+(gpu_worker/sampling/coupling.py scores those and proves the rest out).
 
 Built with torch's C++ extension loader (the compiler and headers that build torch extensions,
 ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries the source's

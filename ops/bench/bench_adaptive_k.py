@@ -12,7 +12,8 @@ request wall time of that k. Prints per stack tokens/s at k=0 and k=4, their rat
 and the speculative lengths the k=4 requests ran with (usage.speculative_lengths, summed).
 Prompts: --prompt-tokens tokens of held-out stdlib files (tiny), held-out chat questions (smollm2).
 Greedy unless --temperature (then seeded per prompt, the same seed at k=0 and k=4, --top-p, and
---coupling: adaptive k serves rejection-sampled rows their k as asked, docs/PROTOCOL.md#adaptive-k).
+--coupling, default the server's, "gumbel": adaptive k serves rejection-sampled rows their k as asked,
+docs/PROTOCOL.md#adaptive-k).
 """
 
 import argparse
@@ -53,7 +54,7 @@ def write_useless_draft(draft_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 
 async def run_stack(target: str, draft: str, adaptive: bool, prompts: list[list[int]], max_tokens: int,
                     warmup: int, dtype: str, draft_dtype: str | None = None, temperature: float = 0.0,
-                    top_p: float = 1.0, coupling: str = "rejection") -> dict:
+                    top_p: float = 1.0, coupling: str | None = None) -> dict:
     role_args = {"scheduler": ["--adaptive-k", str(adaptive).lower(), "--draft-timeout-s", "5",
                                "--max-tokens-cap", "4096"]}
     if draft_dtype:
@@ -105,7 +106,8 @@ async def main() -> None:
     parser.add_argument("--drafts", choices=("both", "shipped", "useless"), default="both")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--coupling", choices=("rejection", "gumbel"), default="rejection")
+    parser.add_argument("--coupling", choices=("rejection", "gumbel"), default=None,
+                        help="default: the request's default (gumbel)")
     args = parser.parse_args()
     configure_logging(level="warning")
     target, draft = (TINY_TARGET, TINY_DRAFT) if args.pair == "tiny" else (default_target_model(), DEFAULT_DRAFT)
@@ -113,9 +115,10 @@ async def main() -> None:
     prompts = held_out_prompts(target, args.prompts, args.prompt_tokens) if args.pair == "tiny" \
         else held_out_chat_prompts(tokenizer, args.prompts)
     settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.adaptive]
+    coupling = args.coupling or "default (gumbel)"
     print(f"pair {args.pair}, dtype {args.dtype}, draft dtype {args.draft_dtype or args.dtype}, {args.prompts} "
           f"prompts x {args.max_tokens} tokens, "
-          f"{f'temperature {args.temperature}, top-p {args.top_p}, {args.coupling}' if args.temperature else 'greedy'}, "
+          f"{f'temperature {args.temperature}, top-p {args.top_p}, coupling {coupling}' if args.temperature else 'greedy'}, "
           f"batch 1, "
           f"{args.warmup} warm-up pairs per stack")
     print("| draft | adaptive_k | k=0 tok/s | k=4 tok/s | k=4 / k=0 | acceptance | k=4 speculative_lengths |")

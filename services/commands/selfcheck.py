@@ -9,9 +9,10 @@ Checks, one row each in the report (services/commands/selfcheck_core.py holds th
 1. greedy identity: every prompt (built in, plus --prompts) greedy with k = 0, 2, 4, 8
    speculative tokens gives the same token ids as k = 0.
 2. distribution: M seeded samples per cell (context x temperature 0.7 / 1.0 x draft mode greedy /
-   sample, top-p 0.9, k = 4) against the target's exact distribution after the sampling
-   transforms, from scoring requests (processed prompt logprobs, top-20 plus every sampled
-   token's own). Positions: completion token 0 is drawn by the target alone (the prefill step
+   sample, top-p 0.9, k = 4, `coupling: "rejection"`: the sampler whose draws the drafts shape;
+   the default Gumbel coupling's are those of k = 0: the coupling check) against the target's
+   exact distribution after the sampling transforms, from scoring requests (processed prompt
+   logprobs, top-20 plus every sampled token's own). Positions: completion token 0 is drawn by the target alone (the prefill step
    proposes no drafts); token 1 is the first one that went through the rejection sampler, and
    token 2 the second, drawn either after an accepted first draft or, when the first was
    rejected, in the next step. A token is a sample from the target's distribution given the
@@ -37,8 +38,8 @@ Checks, one row each in the report (services/commands/selfcheck_core.py holds th
    raw and processed; greedy and sampled) against a scoring request over prompt + completion,
    position by position: bit for bit (LOGPROB_TOLERANCE = 0: the forward gives a position the
    same logits in a verify step as in a prefill, docs/PROTOCOL.md#bitwise-guarantee).
-4. seed reproducibility: one seeded sampled request alone twice, then among concurrent requests
-   (another batch composition): the same tokens. A run flagged degraded (e.g. a late drafter
+4. seed reproducibility: one seeded sampled request (rejection-sampled, as in check 2) alone
+   twice, then among concurrent requests (another batch composition): the same tokens. A run flagged degraded (e.g. a late drafter
    makes a step run with k = 0, which takes another path through the seeds) is run again, and
    left uncompared if it stays degraded.
 5. degradation honesty: over every request the checks ran to its end (the distribution samples are
@@ -322,7 +323,7 @@ async def check_distribution(runner: Runner, plan: CheckPlan, alpha: float) -> l
     keys = [(c, t, mode) for c in contexts for t in DIST_TEMPERATURES for mode in DIST_DRAFT_MODES]
     samples = await runner.generate_all([
         request(contexts[c], max_tokens=DIST_MAX_TOKENS, temperature=t, top_p=DIST_TOP_P, seed=SEED_BASE + i,
-                ignore_eos=True, num_speculative_tokens=DIST_K, draft_mode=mode)
+                ignore_eos=True, num_speculative_tokens=DIST_K, draft_mode=mode, coupling="rejection")
         for c, t, mode in keys for i in range(plan.samples)], num_tokens=len(DIST_POSITIONS))
     by_key = {key: samples[i * plan.samples:(i + 1) * plan.samples] for i, key in enumerate(keys)}
     cells, drafts = [], defaultdict(Counter)  # (context, temperature, prefix) -> accepted greedy drafts
@@ -437,7 +438,7 @@ async def check_seeds(runner: Runner, prompts: Sequence[str], plan: CheckPlan) -
     flagged degraded is run again (SEED_RETRIES times); a pair still degraded is not compared
     (a k=0 step takes another path through the seeds: a correct sample, not the same one)."""
     subjects = [request(prompts[0], max_tokens=plan.seed_tokens, temperature=1.0, top_p=0.95, seed=SEED_BASE + 7,
-                        ignore_eos=True, num_speculative_tokens=DIST_K, draft_mode=mode)
+                        ignore_eos=True, num_speculative_tokens=DIST_K, draft_mode=mode, coupling="rejection")
                 for mode in DIST_DRAFT_MODES[-plan.seed_draft_modes:]]
 
     async def run(subject: GenerateRequest, with_traffic: bool) -> GenerationResult:

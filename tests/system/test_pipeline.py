@@ -248,7 +248,8 @@ async def test_gumbel_coupled_sampling_is_the_same_at_every_k_and_still_accepts_
         if k:  # the draft proposes with the target's noise: some proposals must be accepted
             assert sum(r.usage.draft_tokens_accepted for r in results) > 0
     assert outputs[4] == outputs[0] and outputs[8] == outputs[0]
-    rejection = await generate_all(client, [sampled(prompt, seed=30 + i, k=0) for i, prompt in enumerate(prompts[:6])])
+    rejection = await generate_all(client, [sampled(prompt, seed=30 + i, k=0, coupling="rejection")
+                                            for i, prompt in enumerate(prompts[:6])])
     assert [r.token_ids for r in rejection] != outputs[0]  # another coupling, other draws: the test can fail
 
 

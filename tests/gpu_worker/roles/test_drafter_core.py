@@ -30,6 +30,7 @@ def pair(tmp_path_factory):
 
 
 def drafts(drafter, num_draft=4, mode="greedy", **sampling):
+    sampling.setdefault("coupling", "rejection")  # draft_mode's rows; a Gumbel-coupled one drafts by its noise
     row = DraftRow(request_id="r", row=0, step=0, cached_len=0, new_token_ids=PROMPT + OUTPUT, num_draft=num_draft,
                    draft_mode=mode, sampling=RowSampling(**sampling), prompt_len=len(PROMPT))
     request = DraftRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 30, rows=[row], release=["r"])

@@ -124,7 +124,8 @@ def test_masked_logits_keep_raw_and_processed_apart(target):
 
 def test_refused_drafts_give_way_to_forced_tokens_only_where_the_proposal_allows(target):
     """A greedy row's draft the grammar refuses is replaced by the forced token (accepted: it is
-    the only one allowed); a sampled row's drafted law must stay whole, so it keeps its drafts."""
+    the only one allowed), and a Gumbel-coupled row's likewise (its draft law plays no part); a
+    rejection-sampled row's drafted law must stay whole, so it keeps its drafts."""
     tokenizer = load_tokenizer(target)
     verifier = verifier_of(target)
     spec = {"choice": ["abcdef"]}
@@ -133,13 +134,14 @@ def test_refused_drafts_give_way_to_forced_tokens_only_where_the_proposal_allows
     assert (greedy.num_draft, greedy.num_replaced, greedy.num_forced, greedy.num_accepted) == (1, 1, 1, 1)
     assert tokenizer.decode(greedy.token_ids.tolist()).startswith("ab")
     proposal = Proposal(kind="sparse", ids=np.array([[refused]], dtype=np.int32), probs=np.array([[1.0]], np.float32))
-    row = VerifyRow(request_id="s", row=0, step=0, cached_len=0, new_token_ids=[5, 6, 7], draft_token_ids=[refused],
-                    proposal=proposal, sampling=RowSampling(temperature=1.0, seed=3, structured_outputs=spec),
-                    prompt_len=3, max_forced=2)
-    sampled = verify_batch(verifier, VerifyRequest(batch_id=9, scheduler_id="s", deadline=time.time() + 60,
-                                                   rows=[row]))[0].rows[0]
-    assert (sampled.num_replaced, sampled.num_forced, sampled.num_accepted) == (0, 0, 0)
-    assert tokenizer.decode(sampled.token_ids.tolist()).startswith("a")
+    for coupling, expected in (("gumbel", (1, 2, 2)), ("rejection", (0, 0, 0))):
+        row = VerifyRow(request_id=coupling, row=0, step=0, cached_len=0, new_token_ids=[5, 6, 7],
+                        draft_token_ids=[refused], proposal=proposal, prompt_len=3, max_forced=2,
+                        sampling=RowSampling(temperature=1.0, seed=3, structured_outputs=spec, coupling=coupling))
+        sampled = verify_batch(verifier, VerifyRequest(batch_id=9, scheduler_id="s", deadline=time.time() + 60,
+                                                       rows=[row]))[0].rows[0]
+        assert (sampled.num_replaced, sampled.num_forced, sampled.num_accepted) == expected, coupling
+        assert tokenizer.decode(sampled.token_ids.tolist()).startswith("ab" if coupling == "gumbel" else "a")
 
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])

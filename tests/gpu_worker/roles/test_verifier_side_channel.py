@@ -52,7 +52,7 @@ def test_processed_logprobs_are_those_of_the_penalised_distribution(target, mode
         return [favoured[(len(history) + i) % 3] for i in range(k)]
 
     tokens, records, steps = generate(new_verifier(target), "lp", PROMPT, 10, drafts_for, k=3, logprobs=options,
-                                      temperature=0.9, seed=5, **penalties)
+                                      temperature=0.9, seed=5, coupling="rejection", **penalties)  # the seed accepts
     assert steps < 9  # drafts were accepted: positions after them in a step counted them
     got = {name: np.concatenate([getattr(r.logprobs, name) for r in records])[:10]
            for name in ("token_logprobs", "top_ids", "top_logprobs", "requested_logprobs")}

@@ -3,7 +3,9 @@ keyed by (seed, position, token id) only, and the coupled acceptance rate."""
 
 import torch
 
-from gpu_worker.sampling.coupling import gumbel_argmax, gumbel_noise
+import pytest
+
+from gpu_worker.sampling.coupling import _scores_argmax, _uniforms, gumbel_argmax, gumbel_noise, stream_keys
 from gpu_worker.sampling.sampler import SamplingTensors, sample
 from tests.gpu_worker.sampling.test_rejection import assert_counts_match
 
@@ -49,3 +51,23 @@ def test_coupled_proposals_are_accepted_within_the_known_bounds():
     tv = 0.5 * (target - draft).abs().sum().item()
     slack = 4.5 * (0.25 / rows) ** 0.5
     assert (1 - tv) / (1 + tv) - slack <= accepted <= 1 - tv + slack
+
+
+@pytest.mark.parametrize("candidates", [16, 2, 1])
+def test_the_kernels_candidates_draw_what_scoring_every_token_draws(candidates):
+    """gumbel_argmax scores a few tokens a row where the kernel serves (the exponential race),
+    and the whole row where it cannot rule the others out (few candidates force that often):
+    the draw is always argmax(log p + G) over all N, filtered rows and rows without mass included."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, V = 4, 3, 5000
+    for scale in (0.3, 1.0, 4.0, 30.0):
+        probs = (torch.randn(B, T, V, generator=gen) * scale).softmax(-1)
+        probs[0] = torch.where(probs[0] > probs[0].amax(-1, keepdim=True) * 1e-2, probs[0], 0.0)  # top-p-like
+        probs[1, 0] = 0.0
+        probs[1, 1] = 0.0
+        probs[1, 1, 17] = 1.0
+        seeds, positions = torch.randint(0, 2**40, (B,), generator=gen), torch.randint(0, 9000, (B, T), generator=gen)
+        uniforms = _uniforms(stream_keys(seeds, positions).reshape(B * T, 1), torch.arange(V))
+        full = _scores_argmax(probs.reshape(B * T, V), uniforms)[1]
+        drawn = gumbel_argmax(probs, seeds, positions, candidates=candidates)
+        assert torch.equal(drawn.flatten(), full) and drawn[1, 0] == -1 and drawn[1, 1] == 17

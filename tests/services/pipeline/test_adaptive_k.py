@@ -290,8 +290,8 @@ def test_a_greedy_request_with_a_perfect_draft_keeps_its_k(tokenizer):
 def test_rejection_sampled_rows_keep_their_k_and_gumbel_rows_adapt(tokenizer):
     state = new_state(tokenizer)
     sampled = {"temperature": 1.0, "max_tokens": 300, "seed": 3}
-    submit(state, "rej", sampling=sampled, speculative={"num_speculative_tokens": 4})
-    submit(state, "gum", sampling={**sampled, "coupling": "gumbel"}, speculative={"num_speculative_tokens": 4})
+    submit(state, "rej", sampling={**sampled, "coupling": "rejection"}, speculative={"num_speculative_tokens": 4})
+    submit(state, "gum", sampling=sampled, speculative={"num_speculative_tokens": 4})  # gumbel: the default
     steps = [timed_step(state, never, verify_s=lambda t: 0.030 + 0.003 * t) for _ in range(60)]
     assert {s["rej"] for s in steps[1:]} == {4}  # a seeded stream of rejection sampling depends on k
     assert [s["gum"] for s in steps[-30:]].count(0) >= 27  # at most the probes take a draft

@@ -135,7 +135,7 @@ def test_a_tree_answer_over_the_plan_is_dropped_and_counted(tokenizer, drafts, p
 
 
 @pytest.mark.parametrize("sampling, speculative", [
-    ({"temperature": 1.0, "seed": 3}, {}),  # rejection-sampled: its draws depend on the drafts' shape
+    ({"temperature": 1.0, "seed": 3, "coupling": "rejection"}, {}),  # rejection-sampled: its draws depend on the drafts' shape
     ({"structured_outputs": {"regex": "[a-z]+"}}, {}),  # the verifier follows a grammar along one path
     ({}, {"num_speculative_tokens": 0}),  # no drafts at all
 ])

@@ -72,6 +72,7 @@ def draft_request(*rows, release=(), batch_id=1, deadline_s=30.0):
 
 
 def row(request_id, new_token_ids, num_draft=4, cached_len=0, mode="greedy", index=0, **sampling):
+    sampling.setdefault("coupling", "rejection")  # draft_mode's rows; a Gumbel-coupled one drafts by its noise
     return DraftRow(request_id=request_id, row=index, step=0, cached_len=cached_len, new_token_ids=new_token_ids,
                     num_draft=num_draft, draft_mode=mode, sampling=RowSampling(**sampling))
 
