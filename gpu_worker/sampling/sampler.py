@@ -23,10 +23,14 @@ before top-k/top-p):
 1. temperature: scaled = logits / temperature. Greedy rows (temperature 0) skip 2-5: their
    distribution is the one-hot of argmax(logits), lowest id on ties, and K = {argmax}.
 2. one stable descending sort of the scaled logits; rank r = position in that order, so tied
-   logits are ordered by lower token id first. Everything below is decided on this order.
+   logits are ordered by lower token id first. Everything below is decided on this order, with
+   p the softmax of the scaled logits (in vocabulary order). Only the ranks K can reach are
+   sorted (`select_candidates`: the same K as a sort of all V).
 3. top-k (0 = off): keep ranks r < top_k. A tie at the boundary keeps the lower ids only.
 4. top-p (1 = off): renormalise over the top-k survivors, keep rank r while the mass of the
-   ranks before it is < top_p (the smallest prefix reaching top_p; rank 0 is always kept).
+   ranks before it is < top_p (the smallest prefix reaching top_p; rank 0 is always kept). The
+   masses are float64 running sums rounded to float32: before rank r, in rank order; the top-k
+   survivors' in rank order; without top-k the whole vocabulary's, in vocabulary order.
 5. min-p (0 = off): keep tokens with prob >= min_p * max prob (a ratio, so it does not matter
    whether it is taken before or after renormalising).
    K = the kept prefix of the sorted order: `candidate_ids[..., :num_candidates]`.
@@ -295,11 +299,35 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return logits.float() / temperature.view(-1, *([1] * (logits.dim() - 1)))
 
 
-def select_candidates(scaled: torch.Tensor, params: SamplingTensors):
+# Ranks a partial sort orders first (`ranked`); a row whose K may reach past them is sorted whole.
+RANK_WINDOW = 256
+
+
+def ranked(scaled: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` largest scaled logits of each row [B, T, V], descending, tied ones by lower id
+    first (step 2's order): (logits, ids) [B, T, width]. Which of the ones tied with the last
+    kept value come in is not defined (`select_candidates` does not rely on them)."""
+    if width >= scaled.shape[-1]:
+        return scaled.sort(dim=-1, descending=True, stable=True)
+    top = scaled.topk(width, dim=-1, sorted=False)
+    ids, order = top.indices.sort(dim=-1)
+    logits, order = top.values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return logits, ids.gather(-1, order)
+
+
+def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int = RANK_WINDOW):
     """Steps 2-5 of the pipeline on scaled logits [B, T, V].
 
-    Returns candidate_ids [B, T, C], num_candidates [B, T] and in_k [B, T, V] bool, or None for
-    in_k when no row filters (then K is everything for sampled rows and C == 1).
+    Returns candidate_ids [B, T, C] (each row's first num_candidates are K in rank order; what
+    follows is not read), num_candidates [B, T] and in_k [B, T, V] bool, or None for in_k when no
+    row filters (then K is everything for sampled rows and C == 1).
+
+    Every quantity is one a row computes alone and whatever its rank cut: the probs are its
+    softmax in vocabulary order, the mass before a rank their float64 running sum in rank order,
+    the mass top-p renormalises over the top-k survivors' sum (without top-k: the running sum over
+    the vocabulary). So ranking only the `window` largest logits (`ranked`) gives the same K as
+    ranking all V wherever K ends inside the window, before its last value (no logit left out
+    ties one in K); the other rows are ranked whole.
     """
     B, T, V = scaled.shape
     greedy = params.greedy
@@ -309,23 +337,63 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors):
         num_candidates = torch.where(greedy, 1, V).view(B, 1).expand(B, T).contiguous()
         return argmax[..., None], num_candidates, None
 
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # (B, T, V)
-    sorted_probs = sorted_logits.softmax(-1)
-    rank = torch.arange(V, device=scaled.device)
-    top_k = torch.where(params.top_k > 0, params.top_k, V).view(B, 1, 1)
-    keep = rank < top_k
-    probs_k = sorted_probs.masked_fill(~keep, 0.0)
-    cum = probs_k.cumsum(-1)
-    # mass before rank r, over the renormalised top-k survivors: (cum - p) / cum[-1] < top_p
-    before_ok = (cum - probs_k) < params.top_p.view(B, 1, 1) * cum[..., -1:]
-    keep = keep & (before_ok | (params.top_p >= 1).view(B, 1, 1))
-    keep &= sorted_probs >= params.min_p.view(B, 1, 1) * sorted_probs[..., :1]
-    keep |= ~filters.view(B, 1, 1)
-    num_candidates = torch.where(greedy.view(B, 1), 1, keep.sum(-1))
-    # greedy rows: K = {argmax}; the stable sort already put argmax first
-    keep &= rank < num_candidates[..., None]
-    in_k = torch.zeros_like(keep).scatter_(-1, sorted_ids, keep)
-    return sorted_ids, num_candidates, in_k
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # (B,) -> (B * T,)
+        return x.view(B, 1).expand(B, T).reshape(-1)
+
+    rows = scaled.reshape(B * T, V)
+    probs = rows.softmax(-1)
+    top_k = per_row(torch.where((params.top_k > 0) & (params.top_k < V), params.top_k, V))
+    cut = RankCut(probs, top_k, per_row(params.top_p), per_row(params.min_p), per_row(greedy), per_row(filters),
+                  torch.where(top_k < V, 0.0, probs.cumsum(-1)[:, -1]))
+    ids, num_candidates, exact = cut.take(rows, torch.arange(B * T, device=rows.device), min(window, V))
+    wide = ~exact & (per_row(filters) | per_row(greedy))
+    in_k = torch.zeros_like(rows, dtype=torch.bool)
+    in_k[~wide] = in_k[~wide].scatter_(-1, ids[~wide], torch.arange(ids.shape[-1]) < num_candidates[~wide, None])
+    if bool(wide.any()):  # ranked whole; the window's rows keep their ids, 0 after them (not read)
+        at = wide.nonzero()[:, 0]
+        wide_ids, num_candidates[at], _ = cut.take(rows[at], at, V)
+        in_k[at] = in_k[at].scatter_(-1, wide_ids, torch.arange(V) < num_candidates[at, None])
+        ids = torch.cat([ids, ids.new_zeros(B * T, V - ids.shape[-1])], -1)
+        ids[at] = wide_ids
+    in_k |= (per_row(~filters & ~greedy))[:, None]
+    return ids.view(B, T, -1), num_candidates.view(B, T), in_k.view(B, T, V)
+
+
+@dataclass(frozen=True)
+class RankCut:
+    """Steps 3-5 over rows (N, V): probs (their softmax), top_k (N,) (V = off), top_p, min_p,
+    greedy, filters (N,), and total (N,), the mass top-p renormalises over where top-k is off."""
+
+    probs: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    greedy: torch.Tensor
+    filters: torch.Tensor
+    total: torch.Tensor
+
+    def take(self, scaled: torch.Tensor, at: torch.Tensor, width: int):
+        """For rows `at` (scaled (n, V) their logits): candidate ids (n, width) in rank order,
+        num_candidates (n,), and whether that K is the one of ranking all V (n,) bool."""
+        V = scaled.shape[-1]
+        logits, ids = ranked(scaled, width)
+        ranked_probs = self.probs[at].gather(-1, ids)
+        top_k = self.top_k[at, None]
+        keep = torch.arange(width, device=scaled.device) < top_k
+        probs_k = ranked_probs.masked_fill(~keep, 0.0)
+        cum = probs_k.cumsum(-1)
+        mass = torch.where(top_k < V, cum.gather(-1, top_k.clamp(max=width) - 1), self.total[at, None])
+        # mass before rank r, over the renormalised top-k survivors: (cum - p) / mass < top_p
+        before_ok = (cum - probs_k) < self.top_p[at, None] * mass
+        keep = keep & (before_ok | (self.top_p[at] >= 1)[:, None])
+        keep &= ranked_probs >= self.min_p[at, None] * ranked_probs[:, :1]
+        # keep is a prefix (each test fails from some rank on); greedy rows: K = {argmax}, ranked first
+        num = torch.where(self.greedy[at], 1, torch.where(self.filters[at], keep.sum(-1), V))
+        last_in_k = logits.gather(-1, (num.clamp(1, width) - 1)[:, None])[:, 0]
+        # K ends inside the window, before any logit the window may have left out, and the top-k
+        # survivors' mass was summed whole
+        exact = (num < width) & (last_in_k > logits[:, -1]) & ((top_k[:, 0] <= width) | (top_k[:, 0] >= V))
+        return ids, num, exact | (width == V)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingTensors) -> ProcessedLogits:

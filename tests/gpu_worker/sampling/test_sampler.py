@@ -18,6 +18,8 @@ from gpu_worker.sampling.sampler import (
     process_logits,
     sample,
     sample_from_probs,
+    scale_logits,
+    select_candidates,
     splitmix64,
 )
 
@@ -110,6 +112,31 @@ def test_filters_keep_the_hand_worked_candidate_set(top_k, top_p, min_p, expecte
     probs = torch.zeros(4)
     probs[expected_k] = torch.tensor([0.5, 0.25, 0.125, 0.125])[expected_k]
     assert torch.allclose(processed.probs[0, 0], probs / probs.sum())
+
+
+@pytest.mark.parametrize("window", [4, 64])
+def test_ranking_a_window_gives_the_candidates_of_ranking_everything(window):
+    """select_candidates ranks only the largest logits where K ends inside them, and the rest
+    whole: K, its order and the masks are those of a sort of all V, for top-k inside and past
+    the window, top-p, min-p, greedy and unfiltered rows side by side, bf16-rounded logits (ties,
+    the window's edge among them) and -inf ones."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, V = 6, 3, 500
+    settings = dict(temperature=[0.0, 0.8, 1.0, 1.3, 0.7, 1.0], top_k=[0, 0, 3, 200, 0, 0],
+                    top_p=[1.0, 0.9, 1.0, 0.95, 0.5, 1.0], min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.0])
+    params = SamplingTensors.build(**settings)
+    for scale in (0.5, 3.0, 12.0):
+        logits = (torch.randn(B, T, V, generator=gen) * scale).bfloat16().float()
+        logits[1, 2, 100:] = float("-inf")
+        logits[4, 0] = logits[4, 0].round()  # a few distinct values, each tied many times
+        scaled = scale_logits(logits, params.temperature)
+        ids, num, in_k = select_candidates(scaled, params, window=window)
+        all_ids, all_num, all_in_k = select_candidates(scaled, params, window=V)
+        assert torch.equal(num, all_num) and torch.equal(in_k, all_in_k)
+        for b in range(B):
+            for t in range(T):
+                n = int(num[b, t])  # V: K is everything, the ids are not read
+                assert n == V or torch.equal(ids[b, t, :n], all_ids[b, t, :n])
 
 
 def test_top_p_works_on_the_renormalised_top_k_distribution():
