@@ -11,10 +11,13 @@ improve, or correct / edit "this" / "the following" / "my", and it is 300-3000 c
 one-turn chat (the target's chat template).
 
 Runs through the real stack (services.launch.stack.Stack: nats-server, one process per
-service; the drafter runs --draft-method ngram, no draft model), batch 1, greedy, the model's
-own ending (EOS) or --max-tokens. Per prompt, k=0 and then k=--k on the same prompt next to
-each other in time (the cores are shared; load from other processes would otherwise decide the
-ratio), prefix caching off (each run prefills its prompt). Greedy outputs must be identical (checked: exit 1 otherwise).
+service; the drafter runs --draft-method ngram, no draft model), batch 1, greedy (--temperature:
+sampled, Gumbel-coupled, seeded per prompt; --max-tree-nodes: the scheduler may ask trees), the
+model's own ending (EOS) or --max-tokens. Per prompt, k=0 and then k=--k on the same prompt next
+to each other in time (the cores are shared; load from other processes would otherwise decide
+the ratio), prefix caching off (each run prefills its prompt). The outputs must be identical
+(greedy, and Gumbel-coupled sampled: checked, exit 1 otherwise), so the offline replay below is
+exact for both.
 
 Printed per configuration: completion tokens, wall seconds, tokens/s (completion tokens / the
 requests' end-to-end time, prefill included), decode tokens/s ((tokens - 1) / (end-to-end - time
@@ -112,19 +115,22 @@ def totals(runs: list[dict]) -> dict:
 
 
 async def paired_runs(config: StackConfig, prompts: list[tuple[str, dict]], k: int, max_tokens: int,
-                      json_path: Path | None = None) -> dict[int, list[dict]]:
-    """Through a stack of config, batch 1, greedy: each prompt (an id, make_request's prompt
-    arguments) at k=0 and then at k, next to each other in time (the cores are shared); the
-    `timed` figures of each run, by k. Kept in json_path as it goes. Prefix caching is off: the
-    second run of a prompt would otherwise find the first one's prompt cached and skip its prefill,
-    which is not speculation's doing."""
+                      json_path: Path | None = None, temperature: float = 0.0,
+                      top_p: float = 1.0) -> dict[int, list[dict]]:
+    """Through a stack of config, batch 1, greedy (or sampled at temperature, top_p, seeded by the
+    prompt's index, Gumbel-coupled: the output does not depend on k either): each prompt (an id,
+    make_request's prompt arguments) at k=0 and then at k, next to each other in time (the cores
+    are shared); the `timed` figures of each run, by k. Kept in json_path as it goes. Prefix
+    caching is off: the second run of a prompt would otherwise find the first one's prompt cached
+    and skip its prefill, which is not speculation's doing."""
     runs: dict[int, list[dict]] = {0: [], k: []}
     async with Stack(dataclasses.replace(config, prefix_caching=False)) as stack, stack.client() as client:
         warm = make_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
         await client.generate(warm)  # first-call costs (allocations, page faults) out of the figures
         for index, (prompt_id, prompt) in enumerate(prompts):
             for num_draft in (0, k):
-                request = make_request(**prompt, max_tokens=max_tokens, temperature=0.0,
+                request = make_request(**prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                       seed=index if temperature else None, coupling="gumbel",
                                        num_speculative_tokens=num_draft, timeout_s=1800)
                 runs[num_draft].append(await timed(client, request))
             plain, spec = runs[0][-1], runs[k][-1]
@@ -153,14 +159,17 @@ async def bench(args: argparse.Namespace) -> dict:
     config = StackConfig(target_model=args.target_model, draft_method="ngram", dtype=args.dtype,
                          log_dir=args.log_dir or tempfile.mkdtemp(prefix="bench-ngram-"),
                          # batch 1 needs few slots; the default 64 x 2048 tokens is a 6 GB fp32 KV cache
-                         role_args={"scheduler": ["--draft-timeout-s", "5", "--verify-timeout-s", "120"],
+                         role_args={"scheduler": ["--draft-timeout-s", "5", "--verify-timeout-s", "120",
+                                                  "--max-tree-nodes", str(args.max_tree_nodes)],
                                     "verifier": ["--max-slots", "4"],
                                     "drafter": ["--max-slots", "4", "--ngram-max", str(args.ngram_max),
                                                 "--ngram-min", str(args.ngram_min)]})
     runs = await paired_runs(config, [(cid, {"messages": [{"role": "user", "content": prompt}]})
-                                      for cid, prompt in prompts], args.k, args.max_tokens, args.json)
+                                      for cid, prompt in prompts], args.k, args.max_tokens, args.json,
+                             args.temperature, args.top_p)
     return summary(runs, args.k, prompts=[cid for cid, _ in prompts], max_tokens=args.max_tokens, dtype=args.dtype,
-                   ngram=[args.ngram_min, args.ngram_max])
+                   ngram=[args.ngram_min, args.ngram_max], temperature=args.temperature, top_p=args.top_p,
+                   max_tree_nodes=args.max_tree_nodes)
 
 
 def report(result: dict, label: str = "ngram") -> str:
@@ -171,7 +180,7 @@ def report(result: dict, label: str = "ngram") -> str:
     lines += [f"| {name} | {r['tokens']} | {r['e2e_s']:.1f} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} "
               f"| {r['tokens_per_step']:.2f} | {r['acceptance']:.2f} |" for name, r in rows]
     lines.append(f"ratio k={k} / k=0: tokens/s {result['ratio_tokens_per_s']:.2f}x, decode tokens/s "
-                 f"{result['ratio_decode_tokens_per_s']:.2f}x; greedy outputs identical: {result['identical']}")
+                 f"{result['ratio_decode_tokens_per_s']:.2f}x; outputs identical: {result['identical']}")
     return "\n".join(lines)
 
 
@@ -197,6 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; else sampled, Gumbel-coupled (outputs still identical at every k)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tree-nodes", type=int, default=0, help="the scheduler's (0: chains only)")
     parser.add_argument("--log-dir", default=None, help="the stack's logs (default: a new temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument("--replay", type=Path, default=None,
