@@ -196,7 +196,8 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
     work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
                          num_draft=len(drafts) + len(forced), num_prompt=num_prompt,
-                         params=params, draft_probs=point_mass_after(draft_probs, len(drafts), forced, verifier.vocab_size),
+                         params=params,
+                         draft_probs=point_mass_after(draft_probs, len(drafts), forced, verifier.vocab_size),
                          penalties=penalties, allowed=None if grammar is None else grammar.allowed,
                          num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts),
                          parents=None if row.parents is None else torch.from_numpy(row.parents).long())

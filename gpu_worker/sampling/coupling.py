@@ -95,7 +95,7 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
         return _scores_argmax(rows, _uniforms(keys, token_ids.to(keys.device)))[1].reshape(B, T)
     race, picked = kernel.gumbel_candidates(rows.contiguous(), keys[:, 0].contiguous(), token_ids.contiguous(),
                                             candidates + 1)
-    picked, order = picked[:, :candidates].sort(-1)  # vocabulary order: ties go as over all N
+    picked, order = picked[:, :candidates].sort(dim=-1)  # vocabulary order: ties go as over all N
     has_mass = torch.isfinite(race[:, :candidates].gather(-1, order))  # else a filler id, scored -inf
     best, at = _scores_argmax(torch.where(has_mass, rows.gather(-1, picked), 0.0),
                               _uniforms(keys, token_ids[picked]))

@@ -347,12 +347,17 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int
                   torch.where(top_k < V, 0.0, probs.cumsum(-1)[:, -1]))
     ids, num_candidates, exact = cut.take(rows, torch.arange(B * T, device=rows.device), min(window, V))
     wide = ~exact & (per_row(filters) | per_row(greedy))
-    in_k = torch.zeros_like(rows, dtype=torch.bool)
-    in_k[~wide] = in_k[~wide].scatter_(-1, ids[~wide], torch.arange(ids.shape[-1]) < num_candidates[~wide, None])
+
+    def first(ids: torch.Tensor, num: torch.Tensor) -> torch.Tensor:  # (n, V) bool: ids' first num
+        ranks = torch.arange(ids.shape[-1], device=ids.device)
+        return torch.zeros(ids.shape[0], V, dtype=torch.bool, device=ids.device).scatter_(-1, ids, ranks < num[:, None])
+
+    in_k = torch.empty_like(rows, dtype=torch.bool)
+    in_k[~wide] = first(ids[~wide], num_candidates[~wide])
     if bool(wide.any()):  # ranked whole; the window's rows keep their ids, 0 after them (not read)
         at = wide.nonzero()[:, 0]
         wide_ids, num_candidates[at], _ = cut.take(rows[at], at, V)
-        in_k[at] = in_k[at].scatter_(-1, wide_ids, torch.arange(V) < num_candidates[at, None])
+        in_k[at] = first(wide_ids, num_candidates[at])
         ids = torch.cat([ids, ids.new_zeros(B * T, V - ids.shape[-1])], -1)
         ids[at] = wide_ids
     in_k |= (per_row(~filters & ~greedy))[:, None]
