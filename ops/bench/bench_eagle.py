@@ -6,13 +6,14 @@
 Workload: ops/train_eagle.py `eval`'s, so the figures compare with models/smollm2-eagle/eval.json:
 the first human turn of held-out ShareGPT conversations (the sha1(id) % 10 == 0 split, which the
 head never trained on; seeded order), in the target's chat template, at most --max-prompt tokens,
-sent as token ids; greedy, up to --max-tokens, ending at the model's EOS.
+sent as token ids; greedy (--temperature: sampled, Gumbel-coupled, seeded per prompt), up to
+--max-tokens, ending at the model's EOS.
 
 Runs through the real stack (services.launch.stack.Stack: nats-server, one process per service;
 the drafter runs --draft-method eagle with --eagle-head, the verifier returns the target's
 features with every step), batch 1; per prompt k=0 and then k=--k next to each other in time (the
 cores are shared). The scheduler's adaptive k is off unless --adaptive-k: every step drafts k, as
-the offline eval does. Greedy outputs must be identical (checked: exit 1 otherwise).
+the offline eval does. The outputs must be identical (checked: exit 1 otherwise).
 
 Printed (ops/bench/bench_ngram.py's table): completion tokens, wall seconds, tokens/s, decode
 tokens/s, tokens per target step (usage.completion_tokens / usage.steps, the prefill step
@@ -49,9 +50,10 @@ async def bench(args: argparse.Namespace) -> dict:
                                                   "--adaptive-k", str(args.adaptive_k).lower()],
                                     "verifier": ["--max-slots", "4"], "drafter": ["--max-slots", "4"]})
     runs = await paired_runs(config, [(f"held-out-{i}", {"prompt": ids}) for i, ids in enumerate(prompts)], args.k,
-                             args.max_tokens, args.json)
+                             args.max_tokens, args.json, args.temperature, args.top_p)
     result = summary(runs, args.k, prompts=len(prompts), max_tokens=args.max_tokens, dtype=args.dtype,
-                     head=str(args.eagle_head), adaptive_k=args.adaptive_k)
+                     head=str(args.eagle_head), adaptive_k=args.adaptive_k, temperature=args.temperature,
+                     top_p=args.top_p)
     result["decode_tokens_per_step"] = {"k0": decode_tokens_per_step(runs[0]),
                                         "spec": decode_tokens_per_step(runs[args.k])}
     return result
@@ -67,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--adaptive-k", action="store_true", help="the scheduler's adaptive k on (default off)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--log-dir", default=None, help="the stack's logs (default: a new temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     return parser.parse_args(argv)
