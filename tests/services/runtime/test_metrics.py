@@ -39,10 +39,17 @@ def decodable_model_dirs(tmp_path_factory):
     return {name: str(path) for name, path in write_model_dirs(tmp_path_factory.mktemp("models"), VOCAB).items()}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """count distinct free ports: each socket stays bound until all are taken, since a port
+    released at once may be handed out again by the next bind."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def scrape_once(port: int) -> dict[str, float]:
@@ -85,7 +92,7 @@ class Services:
 
     def __init__(self, nats_url, model_dirs):
         self.nats_url, self.model_dirs = nats_url, model_dirs
-        self.ports = {role: free_port() for role in RUNNERS}
+        self.ports = dict(zip(RUNNERS, free_ports(len(RUNNERS))))
         self.running: list[tuple[asyncio.Event, asyncio.Task]] = []
 
     def start(self):
