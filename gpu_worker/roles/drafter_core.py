@@ -47,11 +47,11 @@ import structlog
 import torch
 
 from gpu_worker.runtime.checkpoint import load_d2t, model_id
-from gpu_worker.sampling.coupling import gumbel_argmax
+from gpu_worker.sampling.coupling import coupled_sample
 from gpu_worker.runtime.kv_cache import CacheMemoryError
 from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
-                                         row_seed, sample)
+                                         row_seed)
 from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.roles.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import receiver_rule
@@ -478,12 +478,10 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
     if choice.params is None:
         ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
     else:
-        processed, ids = sample(logits.view(B, 1, -1), choice.params, choice.uniforms[:, j:j + 1])
+        # Gumbel-coupled rows: the target's noise at the same position, keyed by target ids
+        processed, ids = coupled_sample(logits.view(B, 1, -1), choice.params, choice.uniforms[:, j:j + 1],
+                                        choice.gumbel, choice.seeds, choice.starts.view(-1, 1) + j, drafter.d2t)
         ids = ids[:, 0]
-        gumbel = choice.gumbel
-        if gumbel.any():  # the target's noise at the same position, keyed by target ids
-            ids[gumbel] = gumbel_argmax(processed.probs[gumbel], choice.seeds[gumbel],
-                                        choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
         choice.step_probs.append(processed.probs[:, 0])
     choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, PAD_TOKEN_ID)
     for b, matcher in list(choice.grammars.items()):  # the next position's mask follows this draft

@@ -15,11 +15,11 @@ import torch
 
 from gpu_worker.roles.grammar_masks import mask_logits
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
-from gpu_worker.sampling.coupling import gumbel_argmax
+from gpu_worker.sampling.coupling import coupled_sample
 from gpu_worker.sampling.rejection import RejectionResult, greedy_accepted, rejection_sample
 from gpu_worker.sampling.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, Penalties, ProcessedLogits,
                                          SamplingInputError, SamplingTensors, check_finite_logits, make_uniforms,
-                                         penalise, row_seed, sample)
+                                         penalise, row_seed)
 from schemas.arrays import PAD_TOKEN_ID
 from schemas.errors import ErrorCode
 from schemas.generation import RowSampling
@@ -148,12 +148,11 @@ def target_draws(works: list[VerifyRowWork], logits: torch.Tensor, seeds: torch.
     (B, T), STREAM_TARGET): (processed, target_ids (B, T), greedy (B,) bool: the rows the
     acceptance takes by the greedy rule, greedy and Gumbel-coupled ones)."""
     params = SamplingTensors.cat([w.params for w in works])
-    processed, target_ids = sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET))
     # Gumbel-coupled rows: the target's draw is the Gumbel-max one and a draft is accepted iff it
     # equals it, which is the greedy rule over these draws (gpu_worker/sampling/coupling.py)
     gumbel = torch.tensor([w.row.sampling.gumbel for w in works], device=logits.device)
-    if bool(gumbel.any()):
-        target_ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel])
+    processed, target_ids = coupled_sample(logits, params, make_uniforms(seeds, positions, STREAM_TARGET), gumbel,
+                                           seeds, positions)
     return processed, target_ids, params.greedy | gumbel
 
 

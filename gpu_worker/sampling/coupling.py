@@ -21,7 +21,7 @@ Drafter-Invariant Speculative Decoding", 2024).
 import torch
 
 from gpu_worker.runtime.linear_kernel import fixed_kernel
-from gpu_worker.sampling.sampler import _shr, check, check_shape, splitmix64
+from gpu_worker.sampling.sampler import ProcessedLogits, SamplingTensors, _shr, check, check_shape, sample, splitmix64
 
 STREAM_GUMBEL = 4  # after sampling.py's STREAM_DRAFT .. STREAM_RESIDUAL (0..3)
 COUPLINGS = ("rejection", "gumbel")
@@ -105,3 +105,15 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
     if not bool(certain.all()):
         drawn[~certain] = _scores_argmax(rows[~certain], _uniforms(keys[~certain], token_ids))[1]
     return drawn.reshape(B, T)
+
+
+def coupled_sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor, gumbel: torch.Tensor,
+                   seeds: torch.Tensor, positions: torch.Tensor,
+                   token_ids: torch.Tensor | None = None) -> tuple[ProcessedLogits, torch.Tensor]:
+    """`sample`'s processed laws and draws [B, T] for logits [B, T, N], except that the rows with
+    gumbel [B] bool draw by `gumbel_argmax` at (seeds [B], positions [B, T]), token_ids as there:
+    how the verifier draws the target's tokens and the drafter its proposals."""
+    processed, ids = sample(logits, params, uniforms)
+    if bool(gumbel.any()):
+        ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel], token_ids)
+    return processed, ids
