@@ -28,6 +28,10 @@ lm_head rows, frozen); a head that does not fit the target is refused, naming bo
    lost) feeds its last pair again, whose feature the drafter keeps per slot. A row short of
    pairs (its features are still on their way: the scheduler sends a large block in pieces)
    feeds what it has and proposes nothing this step.
+5. a row that asks a tree gets one where drafter_core's step 7 says (`tree_plan`), drafted by
+   `eagle.draft_tree`: one head step a level over the tree's columns, each node's pair its
+   parent's predicted feature and its token. Tree rows draft one at a time after the feed; the
+   other rows draft chains.
 
 Its heartbeat's model_ids: {"draft": "eagle:<head dir name>", "draft_method": "eagle",
 "tokenizer": the target's tokenizer hash, "target": the target's model id, "hidden_size",
@@ -45,9 +49,9 @@ import torch
 
 from gpu_worker.runtime.checkpoint import model_id
 from gpu_worker.roles.drafter_core import (SHORT_FEED, DraftRowWork, choose, draft_batch, draft_results,
-                                     feed_groups, receive_row, start_choice)
-from gpu_worker.runtime.eagle import (EagleHead, build_head, draft_chain, head_forward, load_head_weights, load_target_pieces,
-                              new_cache, unpack_features)
+                                          feed_groups, receive_row, start_choice, tree_plan, tree_result)
+from gpu_worker.runtime.eagle import (EagleHead, build_head, draft_chain, draft_tree, head_forward, load_head_weights,
+                                      load_target_pieces, new_cache, tree_columns_needed, unpack_features)
 from gpu_worker.runtime.model import ConfigError
 from gpu_worker.roles.slots import SlotOwner, free_request, model_settings
 from text.tokenizer import tokenizer_id
@@ -218,6 +222,26 @@ def feed_pairs(drafter: EagleDrafter, items: list[tuple[PairWork, int]]) -> None
         drafter.counters["fed_pairs"] += int(num_new.sum())
 
 
+def draft_trees(drafter: EagleDrafter, trees: list[tuple[PairWork, int, int, int]]) -> dict[str, DraftResult]:
+    """Each (item, first pair, max_nodes, topk): its remaining pairs fed, then its tree drafted
+    (`eagle.draft_tree`), one row at a time."""
+    results = {}
+    for item, begin, max_nodes, topk in trees:
+        work = item.work
+        tokens, parents = draft_tree(drafter.head, drafter.cache, work.state.slot, item.features[begin:],
+                                     item.tokens[begin:], work.num_draft, max_nodes, topk)
+        drafter.counters["fed_pairs"] += len(item.tokens) - begin
+        results[work.row.request_id] = tree_result(drafter, work, tokens, parents)
+    return results
+
+
+def tree_shape(drafter: EagleDrafter, item: PairWork, begin: int) -> tuple[int, int] | None:
+    """drafter_core.tree_plan for a row whose first `begin` pairs are fed."""
+    held = int(drafter.cache.lengths[item.work.state.slot]) + len(item.tokens) - begin
+    return tree_plan(item.work, drafter.cache.max_seq_len - item.work.start, drafter.cache.max_seq_len - held + 1,
+                     tree_columns_needed)
+
+
 @torch.inference_mode()
 def run_head(drafter: EagleDrafter, items: list[PairWork]) -> dict[str, DraftResult]:
     """Step 4 of the module docstring: feed every row's pairs, draft for the rows that can."""
@@ -226,8 +250,12 @@ def run_head(drafter: EagleDrafter, items: list[PairWork]) -> dict[str, DraftRes
     feed_pairs(drafter, [(item, chained.get(id(item), len(item.tokens))) for item in items])
     for item in items:
         keep_last_feature(drafter, item)
+    shapes = {id(item): tree_shape(drafter, item, chained[id(item)]) for item in drafting}
+    results = draft_trees(drafter, [(item, chained[id(item)], *shapes[id(item)]) for item in drafting
+                                    if shapes[id(item)] is not None])
+    drafting = [item for item in drafting if shapes[id(item)] is None]
     if not drafting:
-        return {}
+        return results
     features, tokens, num_new = padded([(item, chained[id(item)], len(item.tokens)) for item in drafting],
                                        drafter.hidden_size)
     works = [item.work for item in drafting]
@@ -236,7 +264,7 @@ def run_head(drafter: EagleDrafter, items: list[PairWork]) -> dict[str, DraftRes
                 max(work.num_draft for work in works),
                 choose=lambda logits, j: choose(drafter, choice, logits.float().cpu(), j))
     drafter.counters["fed_pairs"] += int(num_new.sum())
-    return draft_results(drafter, works, choice.draft_ids, choice.probs)
+    return results | draft_results(drafter, works, choice.draft_ids, choice.probs)
 
 
 def eagle_draft_batch(drafter: EagleDrafter, request: DraftRequest, now: float | None = None) -> DraftResponse:

@@ -41,8 +41,11 @@ from safetensors import safe_open
 
 from gpu_worker.runtime.checkpoint import D2T, HF_TO_OURS, CheckpointError, load_d2t, read_config, weight_files
 from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.tree_draft import DraftNode, best_first_tree, column_parents, preorder
+from gpu_worker.runtime.tree_forward import tree_step
 from gpu_worker.runtime.model import (ConfigError, DecoderShape, Layer, Model, ModelConfig, decoder_layer, linear,
                                      pack_weight, plan_step, rms_norm, rope_tables)
+from schemas.arrays import ROOT_PARENT
 
 CONFIG_FILE = "eagle_config.json"  # not config.json: load_d2t reads that one as a target config
 WEIGHTS_FILE = "model.safetensors"
@@ -247,12 +250,26 @@ def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features:
     """
     cfg = head.config
     B, T = token_ids.shape
+    assert slots.shape == (B,) and num_new.shape == (B,), (slots.shape, token_ids.shape, num_new.shape)
+    step = plan_step(cache, head.rope_cos, head.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
+    x = decoder_layer(cfg, head.layer, 0, pair_inputs(head, features, token_ids, own), cache, step)
+    cache.commit(slots, num_new)
+    x = x.view(B, T, cfg.hidden_size)
+    if logits_index is not None:
+        assert logits_index.dim() == 2 and logits_index.shape[0] == B, logits_index.shape
+        x = x.gather(1, logits_index.to(x.device).unsqueeze(-1).expand(-1, -1, cfg.hidden_size))   # (B, M, E)
+    return read_head(head, x)
+
+
+def pair_inputs(head: EagleHead, features: torch.Tensor, token_ids: torch.Tensor, own: bool = False) -> torch.Tensor:
+    """The decoder layer's input u of pairs (features[b, t], token_ids[b, t]) (module docstring):
+    features (B, T, E) (a fused head's (B, T, F*E) unless own), token_ids (B, T) -> (B*T, E)."""
+    cfg = head.config
+    B, T = token_ids.shape
     E = cfg.hidden_size
     fused = head.fuse is not None and not own
     width = cfg.feature_size if fused else E
-    assert features.shape == (B, T, width) and slots.shape == (B,) and num_new.shape == (B,), \
-        (features.shape, token_ids.shape, slots.shape, num_new.shape, width)
-    step = plan_step(cache, head.rope_cos, head.rope_sin, slots, num_new, T, cfg.num_heads, cfg.num_kv_heads)
+    assert features.shape == (B, T, width), (features.shape, token_ids.shape, width)
     device, dtype = head.embed.device, head.embed.dtype
     features = features.to(device=device, dtype=dtype)
     if fused:  # a fused head's target layers: each normed (their scales differ by depth), projected
@@ -262,16 +279,14 @@ def head_forward(head: EagleHead, cache: KVCache, slots: torch.Tensor, features:
         features = linear(torch.cat(parts, -1), head.fuse)
     f = rms_norm(features.reshape(B * T, E), head.feature_norm, cfg.rms_norm_eps)
     e = rms_norm(head.embed[token_ids.to(device).view(-1)], head.embed_norm, cfg.rms_norm_eps)
-    x = linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
-    x = decoder_layer(cfg, head.layer, 0, x, cache, step)
-    cache.commit(slots, num_new)
+    return linear(torch.cat([f, e], -1), head.fc, head.fc_bias)            # (B*T, E)
 
-    x = x.view(B, T, E)
-    if logits_index is not None:
-        assert logits_index.dim() == 2 and logits_index.shape[0] == B, logits_index.shape
-        x = x.gather(1, logits_index.to(device).unsqueeze(-1).expand(-1, -1, E))   # (B, M, E)
-    predicted = rms_norm(x, head.out_norm, cfg.rms_norm_eps)
-    logits = linear(predicted.reshape(-1, E), head.lm_rows).view(*predicted.shape[:2], -1)
+
+def read_head(head: EagleHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output x (B, M, E) -> draft logits (B, M, Vd) with other_id at -inf, and the
+    predicted features (B, M, E)."""
+    predicted = rms_norm(x, head.out_norm, head.config.rms_norm_eps)
+    logits = linear(predicted.reshape(-1, x.shape[-1]), head.lm_rows).view(*predicted.shape[:2], -1)
     logits[..., head.other_id] = -math.inf
     return logits, predicted
 
@@ -312,3 +327,52 @@ def draft_chain(head: EagleHead, cache: KVCache, slots: torch.Tensor, features: 
         cache.truncate(slot, int(committed[b]))
     draft_ids = torch.stack(drafts, 1)                                # (B, k) draft ids
     return head.d2t[draft_ids], torch.stack(all_logits, 1)
+
+
+def tree_columns_needed(topk: int, depth: int) -> int:
+    """Columns of draft_tree's widest head step: the root and topk expanded nodes a level."""
+    return 1 + topk * (depth - 1)
+
+
+@torch.inference_mode()
+def draft_tree(head: EagleHead, cache: KVCache, slot: int, features: torch.Tensor, token_ids: torch.Tensor,
+               depth: int, max_nodes: int, topk: int) -> tuple[list[int], list[int]]:
+    """Feed one row's newly verified pairs, then draft an EAGLE-2 tree (gpu_worker/runtime/
+    tree_draft.py `best_first_tree`): a level is one head step over the root pair and every
+    expanded node's pair so far, a tree of columns (`tree_forward.tree_step`: each sees the slot's
+    pairs and its path), a node's pair being its parent's predicted feature and its token.
+
+    slot: an allocated slot of cache; features (T, E) (a fused head's (T, F*E)), token_ids (T,)
+    int64, T >= 1: the slot's next pairs, as a row of `draft_chain`; the slot has room for
+    tree_columns_needed(topk, depth) - 1 positions past them. Returns (target ids, parents) in
+    depth-first preorder (`tree_draft.preorder`): at most max_nodes nodes, none deeper than depth.
+    The slot ends holding exactly the verified pairs.
+    """
+    assert token_ids.dim() == 1 and len(token_ids) >= 1
+    slots, T = torch.tensor([slot]), len(token_ids)
+    logits, predicted = head_forward(head, cache, slots, features[None], token_ids[None], torch.tensor([T]),
+                                     logits_index=torch.tensor([[T - 1]]))
+    committed = int(cache.lengths[slot])
+    if depth > 1:  # the tree steps write the last pair again at its place, as their root column
+        cache.truncate(slot, committed - 1)
+    inputs = [pair_inputs(head, features[None, -1:], token_ids[None, -1:])]   # per column, (1, E)
+    predicted_at = {ROOT_PARENT: predicted[0, 0]}                              # node -> the feature it predicted
+    columns: list[int] = []
+
+    def grow(chosen: list[int], nodes: list[DraftNode]) -> torch.Tensor:
+        parents_features = torch.stack([predicted_at[nodes[n].parent] for n in chosen])[:, None]   # (n, 1, E)
+        tokens = head.d2t[torch.tensor([[nodes[n].draft_id] for n in chosen])]
+        u = pair_inputs(head, parents_features, tokens, own=True)
+        inputs.extend(u.split(1))
+        columns.extend(chosen)
+        step = tree_step(head.config, cache, slots, column_parents(columns, nodes), torch.tensor([len(columns)]),
+                         len(columns) + 1, head.rope_cos, head.rope_sin, head.embed)
+        x = decoder_layer(head.config, head.layer, 0, torch.cat(inputs), cache, step)
+        logits, predicted = read_head(head, x[len(inputs) - len(chosen):].view(1, len(chosen), -1))
+        predicted_at.update(zip(chosen, predicted[0]))
+        return logits[0]
+
+    nodes, kept = best_first_tree(logits[0, 0], grow, depth, max_nodes, topk)
+    if depth > 1:
+        cache.commit(slots, torch.tensor([1]))           # the root pair, rewritten in place by the steps
+    return preorder(nodes, kept, head.d2t)

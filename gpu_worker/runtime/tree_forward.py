@@ -216,6 +216,25 @@ def tree_group_attention(q: torch.Tensor, cache: KVCache, index: int, group: Win
     return out.view(Bg * J, H * D)
 
 
+def tree_step(cfg, cache: KVCache, slots: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, J: int,
+              rope_cos: torch.Tensor, rope_sin: torch.Tensor, weights: torch.Tensor) -> TreeStep:
+    """The planned step of a batch of trees over cache (slots, parents, num_nodes as `tree_forward`'s,
+    J columns a row) for decoder layers of shape cfg (`model.DecoderShape`: the target's, or an
+    EAGLE head's) whose weights are like `weights` (dtype and device pick the attention kernel).
+    Raises ValueError for a malformed tree, CacheCapacityError (nothing written) past max_seq_len."""
+    paths = tree_paths(parents, num_nodes)
+    plan = cache.plan(slots, num_nodes.cpu() + 1, J)                   # checks the slots, grows them
+    starts = cache.lengths[slots.cpu()].tolist()
+    depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])
+    plan = replace(plan, rope_pos=(torch.tensor(starts).view(-1, 1) + depth).to(cache.device))
+    G = cfg.num_heads // cfg.num_kv_heads
+    in_place = block_kernel(weights, cfg.head_dim) is not None  # `block_outputs` runs our kernel
+    groups = [tree_group_plan(g, starts if g.rows is None else [starts[b] for b in g.rows.tolist()],
+                              paths if g.rows is None else [paths[b] for b in g.rows.tolist()],
+                              cfg.num_kv_heads, G, cache.device, in_place) for g in plan.groups]
+    return TreeStep(plan, *rope_rows(rope_cos, rope_sin, plan.rope_pos), attention=groups)
+
+
 @torch.inference_mode()
 def tree_forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: torch.Tensor,
                  parents: torch.Tensor, num_nodes: torch.Tensor,
@@ -244,18 +263,8 @@ def tree_forward(model: Model, cache: KVCache, slots: torch.Tensor, token_ids: t
     if slots.shape != (B,) or parents.shape != (B, J - 1):
         raise ValueError(f"token_ids (B, J) = {tuple(token_ids.shape)} needs slots (B,) and parents "
                          f"(B, J - 1), got {tuple(slots.shape)} and {tuple(parents.shape)}")
-    paths = tree_paths(parents, num_nodes)
     check_cache(model, cache)
-    plan = cache.plan(slots, num_nodes.cpu() + 1, J)                   # checks the slots, grows them
-    starts = cache.lengths[slots.cpu()].tolist()
-    depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])
-    plan = replace(plan, rope_pos=(torch.tensor(starts).view(B, 1) + depth).to(cache.device))
-    G = cfg.num_heads // cfg.num_kv_heads
-    in_place = block_kernel(model.embed, cfg.head_dim) is not None  # `block_outputs` runs our kernel
-    groups = [tree_group_plan(g, starts if g.rows is None else [starts[b] for b in g.rows.tolist()],
-                              paths if g.rows is None else [paths[b] for b in g.rows.tolist()],
-                              cfg.num_kv_heads, G, cache.device, in_place) for g in plan.groups]
-    step = TreeStep(plan, *rope_rows(model.rope_cos, model.rope_sin, plan.rope_pos), attention=groups)
+    step = tree_step(cfg, cache, slots, parents, num_nodes, J, model.rope_cos, model.rope_sin, model.embed)
     x = run_layers(model, cache, step, token_ids)
     return read_out(model, x.view(B, J, cfg.hidden_size), None, return_hidden)
 

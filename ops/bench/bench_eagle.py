@@ -7,7 +7,9 @@ Workload: ops/train_eagle.py `eval`'s, so the figures compare with models/smollm
 the first human turn of held-out ShareGPT conversations (the sha1(id) % 10 == 0 split, which the
 head never trained on; seeded order), in the target's chat template, at most --max-prompt tokens,
 sent as token ids; greedy (--temperature: sampled, Gumbel-coupled, seeded per prompt), up to
---max-tokens, ending at the model's EOS.
+--max-tokens, ending at the model's EOS. --max-tree-nodes N: the scheduler asks trees of N nodes
+as deep as k (every step with adaptive k off; where it expects them to pay with it on), which the
+head answers as EAGLE-2 trees (gpu_worker/runtime/eagle.py `draft_tree`).
 
 Runs through the real stack (services.launch.stack.Stack: nats-server, one process per service;
 the drafter runs --draft-method eagle with --eagle-head, the verifier returns the target's
@@ -47,13 +49,14 @@ async def bench(args: argparse.Namespace) -> dict:
                          dtype=args.dtype, log_dir=args.log_dir or tempfile.mkdtemp(prefix="bench-eagle-"),
                          # batch 1 needs few slots; the default 64 x 2048 tokens is a 6 GB fp32 KV cache
                          role_args={"scheduler": ["--draft-timeout-s", "5", "--verify-timeout-s", "120",
-                                                  "--adaptive-k", str(args.adaptive_k).lower()],
+                                                  "--adaptive-k", str(args.adaptive_k).lower(),
+                                                  "--max-tree-nodes", str(args.max_tree_nodes)],
                                     "verifier": ["--max-slots", "4"], "drafter": ["--max-slots", "4"]})
     runs = await paired_runs(config, [(f"held-out-{i}", {"prompt": ids}) for i, ids in enumerate(prompts)], args.k,
                              args.max_tokens, args.json, args.temperature, args.top_p)
     result = summary(runs, args.k, prompts=len(prompts), max_tokens=args.max_tokens, dtype=args.dtype,
                      head=str(args.eagle_head), adaptive_k=args.adaptive_k, temperature=args.temperature,
-                     top_p=args.top_p)
+                     top_p=args.top_p, max_tree_nodes=args.max_tree_nodes)
     result["decode_tokens_per_step"] = {"k0": decode_tokens_per_step(runs[0]),
                                         "spec": decode_tokens_per_step(runs[args.k])}
     return result
@@ -71,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--adaptive-k", action="store_true", help="the scheduler's adaptive k on (default off)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tree-nodes", type=int, default=0,
+                        help="the scheduler's (0: chains only); the head answers EAGLE-2 trees of that many nodes")
     parser.add_argument("--log-dir", default=None, help="the stack's logs (default: a new temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     return parser.parse_args(argv)

@@ -114,7 +114,7 @@ async def run(args: argparse.Namespace) -> str:
     config = StackConfig(target_model=args.target_model, draft_model=args.draft_model, draft_method=args.draft_method,
                          log_level="warning", dtype=args.dtype, prefix_caching=False,
                          verifier_threads=args.verifier_threads, drafter_threads=args.drafter_threads,
-                         role_args={"scheduler": ["--adaptive-k", "false"]})
+                         role_args={"scheduler": ["--adaptive-k", "false", "--max-tree-nodes", str(args.max_tree_nodes)]})
     totals = {k: defaultdict(float) for k in args.ks}
     async with Stack(config) as stack:
         async with stack.client() as client:
@@ -144,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tree-nodes", type=int, default=0, help="the scheduler's: every k > 0 step asks a tree")
     parser.add_argument("--verifier-threads", type=int, default=0, help="0: the stack's rule (role_threads)")
     parser.add_argument("--drafter-threads", type=int, default=0, help="0: the stack's rule (role_threads)")
     return parser.parse_args(argv)

@@ -5,7 +5,9 @@ one prefill's features) to a periodic text whose continuation the target repeats
 it are accepted: the test sees the features travel verifier -> scheduler -> drafter and drafts
 come back verified. Speculation must change no output: greedy k=4 equals k=0 token for token with
 the same logprobs, a seeded Gumbel-coupled sample is the same at k=0 and k=4, and so is a stream
-whose drafter is killed (SIGKILL) and restarted mid-way, which then drafts again."""
+whose drafter is killed (SIGKILL) and restarted mid-way, which then drafts again. The bfloat16 stack
+asks trees (`--max-tree-nodes 12`: the head answers EAGLE-2 trees, gpu_worker/runtime/eagle.py
+`draft_tree`), so all of that holds with trees too, and steps verify more nodes than a path is deep."""
 
 import asyncio
 import signal
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT_TOKENS = 32
 PERIOD = "def f(a, b):\n    return a + b\n\n"  # the tiny target continues it by repeating it
 FIT_STEPS = 40
+MAX_TREE_NODES = 12
 KILL_MAX_TOKENS = 1500  # the stream whose drafter is killed: cancelled once drafts are accepted again
 
 
@@ -69,12 +72,22 @@ def head(tiny_pair, tokenizer, tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "bfloat16"])
 async def stack(request, start_stack, tiny_pair, head):
-    # adaptive k off: every step drafts the k it names. A generous draft timeout: a late answer
-    # would run the step k=0 (the same output, but the acceptance asserted would measure the load)
+    # adaptive k off: every step drafts the k it names (and in bf16 asks a tree of MAX_TREE_NODES).
+    # A generous draft timeout: a late answer would run the step k=0 (the same output, but the
+    # acceptance asserted would measure the load)
     scheduler = ["--draft-timeout-s", "5", "--adaptive-k", "false"]
+    trees = request.param == "bfloat16"
+    if trees:
+        scheduler += ["--max-tree-nodes", str(MAX_TREE_NODES)]
     async with start_stack(tiny_pair[0], draft_method="eagle", eagle_head=str(head), dtype=request.param,
                            role_args={"scheduler": scheduler}) as running:
+        running.asks_trees = trees
         yield running
+
+
+def tree_steps(usage) -> int:
+    """Decode steps that verified more drafts than a path may be deep (k = 4): trees that branched."""
+    return sum(usage.speculative_lengths[5:])
 
 
 async def test_the_eagle_drafter_serves_the_stacks_target(stack):
@@ -84,7 +97,7 @@ async def test_the_eagle_drafter_serves_the_stacks_target(stack):
     assert drafter.model_ids["hidden_size"] == verifier.model_ids["hidden_size"] == "192"
 
 
-async def test_greedy_with_eagle_drafts_equals_plain_greedy_with_the_same_logprobs(client, prompts):
+async def test_greedy_with_eagle_drafts_equals_plain_greedy_with_the_same_logprobs(stack, client, prompts):
     plain = await generate_all(client, [greedy(prompt, 0, logprobs=2) for prompt in prompts])
     speculative = await generate_all(client, [greedy(prompt, 4, logprobs=2) for prompt in prompts])
     for index, (a, b) in enumerate(zip(plain, speculative)):
@@ -95,13 +108,16 @@ async def test_greedy_with_eagle_drafts_equals_plain_greedy_with_the_same_logpro
     assert sum(r.usage.draft_tokens_proposed for r in speculative) > 0
     assert sum(r.usage.draft_tokens_accepted for r in speculative) > 0  # the head's drafts were verified
     assert sum(r.usage.steps for r in speculative) < sum(r.usage.steps for r in plain)
+    assert (sum(tree_steps(r.usage) for r in speculative) > 0) == stack.asks_trees, \
+        [r.usage.speculative_lengths for r in speculative]
 
 
-async def test_gumbel_coupled_sampling_with_eagle_drafts_equals_k0(client, prompts):
+async def test_gumbel_coupled_sampling_with_eagle_drafts_equals_k0(stack, client, prompts):
     plain = await generate_all(client, [gumbel(prompt, 70 + i, 0) for i, prompt in enumerate(prompts)])
     speculative = await generate_all(client, [gumbel(prompt, 70 + i, 4) for i, prompt in enumerate(prompts)])
     assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
     assert sum(r.usage.draft_tokens_proposed for r in speculative) > 0
+    assert (sum(tree_steps(r.usage) for r in speculative) > 0) == stack.asks_trees
 
 
 async def test_a_drafter_killed_mid_stream_changes_nothing_and_speculation_comes_back(stack, client, prompts):

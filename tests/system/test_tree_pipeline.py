@@ -2,7 +2,10 @@
 real nats-server, the tiny target) whose scheduler asks for trees (`--max-tree-nodes 16`,
 adaptive k off so every greedy and Gumbel-coupled decode step asks one) and whose drafter runs
 `--draft-method ngram`, on prompts that repeat themselves, so prompt lookup finds several earlier
-matches with different continuations and answers trees. The verifier takes them on its tree path:
+matches with different continuations and answers trees; then the same with the tiny draft model
+(`--draft-method model`), which answers EAGLE-2 trees (gpu_worker/runtime/tree_draft.py) of its
+best continuations. (The eagle drafter's trees: tests/system/test_eagle_pipeline.py.) The
+verifier takes them on its tree path:
 greedy output must be the token ids of k=0, a seeded Gumbel-coupled request its k=0 stream, and
 the usage must show steps that verified more nodes than a path can be deep."""
 
@@ -35,12 +38,12 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(text) for text in TEXTS]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(start_stack, tiny_pair):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["ngram", "model"])
+async def stack(request, start_stack, tiny_pair):
     # a generous draft timeout: a late answer would make a step run k=0 (the same output, but the
     # assertions on tree steps would then measure the machine's load)
     scheduler = ["--draft-timeout-s", "5", "--adaptive-k", "false", "--max-tree-nodes", str(MAX_TREE_NODES)]
-    async with start_stack(tiny_pair[0], draft_method="ngram", role_args={"scheduler": scheduler}) as running:
+    async with start_stack(*tiny_pair, draft_method=request.param, role_args={"scheduler": scheduler}) as running:
         yield running
 
 

@@ -1,6 +1,7 @@
 """The drafter applies a row's logit_bias and penalties to its own proposal (gpu_worker/roles/drafter_core.py),
 on the tiny pair (a draft over 1024 ids with an "other" id): not needed for exactness, but a
-draft that ignored them would propose tokens the verifier rejects."""
+draft that ignored them would propose tokens the verifier rejects; and a row that asks a tree gets
+the draft's EAGLE-2 tree."""
 
 import time
 
@@ -8,7 +9,11 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.roles.drafter_core import draft_batch, load_drafter
+from gpu_worker.roles.drafter_core import draft_batch, load_drafter, mask_other
+from gpu_worker.runtime.kv_cache import KVCache
+from gpu_worker.runtime.model import forward
+from gpu_worker.runtime.tree_draft import best_first_tree, preorder
+from schemas.arrays import ROOT_PARENT
 from schemas.config import DrafterConfig, load_config
 from schemas.generation import RowSampling
 from schemas.steps import DraftRequest, DraftRow
@@ -107,3 +112,33 @@ def test_a_row_stops_drafting_where_its_grammar_forces_the_next_token(pair, mode
     assert len(result.draft_token_ids) == num_drafts
     if num_drafts:
         assert load_tokenizer(drafter.tokenizer_dir).decode(result.draft_token_ids).isdigit()
+
+
+def test_a_row_that_asks_a_tree_gets_the_drafts_eagle2_tree(pair):
+    """The tree drafted by one tree_forward a level is the tree of feeding every path alone
+    (gpu_worker/runtime/tree_draft.py's search over `forward`'s logits), and the slot keeps the history."""
+    _, drafter = pair
+    history = PROMPT + OUTPUT                        # ids < VD - 1: draft ids are the target ids
+    row = DraftRow(request_id="t", row=0, step=0, cached_len=0, new_token_ids=history, num_draft=4, max_nodes=12,
+                   sampling=RowSampling(temperature=0), prompt_len=len(PROMPT))
+    result = draft_batch(drafter, DraftRequest(batch_id=2, scheduler_id="s", deadline=time.time() + 30,
+                                               rows=[row])).rows[0]
+    model = drafter.model
+    cache = KVCache(model.config, 1, 64)
+
+    def logits_after(path: list[int]) -> torch.Tensor:
+        slot = cache.allocate()
+        tokens = history + path
+        logits = forward(model, cache, torch.tensor([slot]), torch.tensor([tokens]), torch.tensor([len(tokens)]))
+        cache.free(slot)
+        return mask_other(drafter, logits[:, -1].float().clone())[0]
+
+    def path_of(n, nodes):
+        return ([] if nodes[n].parent == ROOT_PARENT else path_of(nodes[n].parent, nodes)) + [nodes[n].draft_id]
+
+    nodes, kept = best_first_tree(logits_after([]), lambda chosen, nodes: torch.stack(
+        [logits_after(path_of(n, nodes)) for n in chosen]), 4, 12, 3)
+    assert (result.draft_token_ids.tolist(), result.parents.tolist()) == preorder(nodes, kept, drafter.d2t)
+    assert len(kept) == 12 and result.proposal.kind == "point_mass"
+    state = drafter.requests[("s", "t")]
+    assert int(drafter.cache.lengths[state.slot]) == len(state.token_ids) == len(history)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.runtime.checkpoint import load_d2t, read_config
-from gpu_worker.runtime.eagle import EagleConfig, draft_chain, load_head, new_cache, unpack_features
+from gpu_worker.runtime.eagle import EagleConfig, draft_chain, draft_tree, load_head, new_cache, unpack_features
 from ops.eagle_training import init_weights, save_head
 from gpu_worker.roles.eagle_drafter import eagle_draft_batch, load_eagle_drafter
 from gpu_worker.runtime.kv_cache import KVCache
@@ -20,7 +20,7 @@ from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import TINY_DRAFT, TINY_TARGET, DrafterConfig, VerifierConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import RowSampling
-from schemas.steps import DraftRequest, DraftRow, FeatureBlock, VerifyRequest, VerifyRow
+from schemas.steps import DraftRequest, DraftRow, FeatureBlock, VerifyRequest, VerifyRow, check_drafts
 
 PROMPT = [(i * 37 + 11) % 4000 + 3 for i in range(40)]  # 40 tokens: a feed longer than SHORT_FEED
 SHORT_PROMPT = PROMPT[:9]
@@ -159,6 +159,40 @@ def test_sampled_rows_propose_the_head_distribution_and_gumbel_rows_the_coupled_
     # the same seed and history draw the same drafts again (uniforms keyed by position)
     again = draft(new_drafter(head_dir), *[r.model_copy(update={"draft_mode": "sample"}) for r in rows])
     assert all(again[k].draft_token_ids.tolist() == results[k].draft_token_ids.tolist() for k in results)
+
+
+def asks(row: DraftRow, max_nodes: int, draft_mode: str = "greedy") -> DraftRow:
+    return DraftRow.model_validate({**row.model_dump(), "max_nodes": max_nodes, "draft_mode": draft_mode})
+
+
+def test_a_row_that_asks_a_tree_gets_the_heads_eagle2_tree_and_the_verifier_takes_it(head_dir, tiny_target_model):
+    verifier, drafter = new_verifier(), new_drafter(head_dir)
+    history, block = prefill(verifier, "t", PROMPT)
+    results = draft(drafter, asks(drow("t", history, features=block), 12))
+    tree = results["t"]
+    head = load_head(head_dir, tiny_target_model, MAX_SEQ_LEN)
+    cache = new_cache(head, 1, MAX_SEQ_LEN)
+    N = len(history)
+    expected = draft_tree(head, cache, cache.allocate(), hidden_states(tiny_target_model, history)[:N - 1],
+                          torch.tensor(history[1:]), 4, 12, 3)           # topk ceil(12 / 4)
+    assert (tree.draft_token_ids.tolist(), tree.parents.tolist()) == expected
+    assert len(expected[0]) == 12 and tree.proposal.kind == "point_mass" and drafter.counters["rows_tree"] == 1
+    check_drafts(tree.draft_token_ids, tree.proposal, tree.parents)
+    slot = drafter.requests[("sched-test", "t")].slot
+    assert int(drafter.cache.lengths[slot]) == N - 1                       # the drafted pairs rolled back
+    again = draft(drafter, asks(drow("t", history, cached_len=N), 12))    # the step repeated
+    assert again["t"].draft_token_ids.tolist() == expected[0] and again["t"].parents.tolist() == expected[1]
+    # the verifier's tree path takes it: greedy accepts the path the target's argmax follows
+    result, _ = verify(verifier, "t", history, N, drafts=expected[0], parents=np.array(expected[1], dtype=np.int32))
+    assert 1 <= len(result.token_ids) <= 5
+    # a Gumbel-coupled row asks a tree too; a rejection-sampled or penalised row, or max_nodes == num_draft, a chain
+    sampled = dict(features=block, temperature=0.8, seed=3)
+    rows = [drow("g", history, coupling="gumbel", **sampled), drow("s", history, coupling="rejection", **sampled),
+            drow("p", history, features=block, repetition_penalty=1.2), drow("c", history, features=block)]
+    answers = draft(new_drafter(head_dir), *[asks(r, 4 if r.request_id == "c" else 12, "sample" if
+                                                   r.sampling.temperature else "greedy") for r in rows])
+    assert answers["g"].parents is not None and len(answers["g"].draft_token_ids) == 12
+    assert all(answers[k].parents is None and len(answers[k].draft_token_ids) == 4 for k in "spc")
 
 
 def test_a_head_for_another_target_is_refused_naming_both(tmp_path, head_dir):

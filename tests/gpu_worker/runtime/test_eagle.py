@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from gpu_worker.runtime.checkpoint import load_d2t, load_model
-from gpu_worker.runtime.eagle import (EagleConfig, build_head, draft_chain, head_forward, load_head, load_head_weights,
-                                      new_cache, pack_features, unpack_features)
+from gpu_worker.runtime.eagle import (EagleConfig, build_head, draft_chain, draft_tree, head_forward, load_head,
+                                      load_head_weights, new_cache, pack_features, unpack_features)
+from gpu_worker.runtime.tree_draft import DraftNode, preorder
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import ConfigError
 from ops.eagle_training import init_weights, save_head, unrolled_forward
+from schemas.arrays import ROOT_PARENT
 from schemas.config import TINY_DRAFT, TINY_TARGET
+from schemas.steps import tree_depths
 from tests.ops_scripts import load_train_eagle
 
 
@@ -77,6 +80,72 @@ def test_draft_chain_rolls_back_and_a_row_does_not_depend_on_its_neighbour(targe
     # a second step continues from the verified pairs, as after an all-accepted verify
     more, _ = draft_chain(head, alone, slot, feats[1:, 4:6], ids[1:, 4:6], torch.tensor([2]), k=2)
     assert more.shape == (1, 2) and int(alone.lengths[int(slot)]) == 6
+
+
+def tree_by_paths(head, cache, slot, feats, ids, depth, max_nodes, topk):
+    """draft_tree's EAGLE-2 tree the slow way: every expanded node's path fed again as a chain of
+    its own pairs (head_forward), then rolled back."""
+    slots = torch.tensor([slot])
+    logits, predicted = head_forward(head, cache, slots, feats[None], ids[None], torch.tensor([len(ids)]),
+                                     logits_index=torch.tensor([[len(ids) - 1]]))
+    committed, nodes, inputs = int(cache.lengths[slot]), [], []
+
+    def expand(parent, logits, predicted, score, level):
+        logprobs, draft = torch.log_softmax(logits.float(), -1).topk(topk)
+        start = len(nodes)
+        for lp, i in zip(logprobs.tolist(), draft.tolist()):
+            nodes.append(DraftNode(score + lp, level, parent, i))
+            inputs.append(predicted)                     # the feature of the node's own pair
+        return list(range(start, len(nodes)))
+
+    children = expand(ROOT_PARENT, logits[0, 0], predicted[0, 0], 0.0, 1)
+    for level in range(2, depth + 1):
+        chosen, children = sorted(sorted(children, key=lambda n: -nodes[n].score)[:topk]), []
+        for n in chosen:
+            path = [n]
+            while nodes[path[-1]].parent != ROOT_PARENT:
+                path.append(nodes[path[-1]].parent)
+            path.reverse()
+            logits, predicted = head_forward(head, cache, slots, torch.stack([inputs[m] for m in path])[None],
+                                             head.d2t[torch.tensor([[nodes[m].draft_id for m in path]])],
+                                             torch.tensor([len(path)]), logits_index=torch.tensor([[len(path) - 1]]),
+                                             own=True)
+            cache.truncate(slot, committed)
+            children += expand(n, logits[0, 0], predicted[0, 0], nodes[n].score, level)
+    kept = sorted(sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))[:max_nodes])
+    return preorder(nodes, kept, head.d2t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("topk, depth, max_nodes", [(1, 4, 4), (2, 4, 8), (3, 4, 12), (4, 5, 16), (2, 1, 3)])
+def test_draft_tree_is_eagle2_by_paths_and_rolls_back(target, head_parts, dtype, topk, depth, max_nodes):
+    """One head step a level over the tree's columns gives the tree of feeding every path alone
+    (the same ids and parents), the slot ends with the verified pairs, and topk 1 is the chain."""
+    model = target[0] if dtype == torch.float32 else load_model(TINY_TARGET, dtype=dtype, max_seq_len=256)[0]
+    config, weights, maps = head_parts
+    head = build_head(config, weights, maps, model, max_seq_len=256)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(7, config.hidden_size, generator=g)
+    ids = torch.randint(0, config.target_vocab_size, (7,), generator=g)
+    cache, reference = new_cache(head, 2, 64), new_cache(head, 2, 64)
+    slot, other = cache.allocate(), reference.allocate()
+    # a history first, so the tree's columns attend over pairs of earlier steps too
+    head_forward(head, cache, torch.tensor([slot]), feats[None, :3], ids[None, :3], torch.tensor([3]))
+    head_forward(head, reference, torch.tensor([other]), feats[None, :3], ids[None, :3], torch.tensor([3]))
+    tokens, parents = draft_tree(head, cache, slot, feats[3:], ids[3:], depth, max_nodes, topk)
+    assert (tokens, parents) == tree_by_paths(head, reference, other, feats[3:], ids[3:], depth, max_nodes, topk)
+    assert int(cache.lengths[slot]) == 7 and len(tokens) == min(max_nodes, topk * depth)
+    assert int(tree_depths(torch.tensor(parents, dtype=torch.int32).numpy()).max()) <= depth
+    if topk == 1:
+        again = new_cache(head, 1, 64)
+        one = again.allocate()
+        chain, _ = draft_chain(head, again, torch.tensor([one]), feats[None], ids[None], torch.tensor([7]), k=depth)
+        assert tokens == chain[0].tolist() and parents == [ROOT_PARENT] + list(range(depth - 1))
+    # the next step continues from the verified pairs: the same tree as a fresh slot fed them all
+    more = draft_tree(head, cache, slot, feats[:1], ids[:1], depth, max_nodes, topk)
+    fresh = new_cache(head, 1, 64)
+    assert more == draft_tree(head, fresh, fresh.allocate(), torch.cat([feats, feats[:1]]),
+                              torch.cat([ids, ids[:1]]), depth, max_nodes, topk)
 
 
 def test_save_and_load_round_trip_in_bf16(tmp_path, target, head_parts):
