@@ -18,17 +18,18 @@ one key block (a row's blocks are combined by their log-sum-exps). So:
 - Projections, norms and the MLP run on all J columns at once (`linear` is row-invariant).
 - K/V: column c is written at cache position L + c, as `forward` writes a chain; nothing is
   committed (`keep_path` commits the root and the accepted path).
-- Attention, per layer and window group, in two calls of `model.block_outputs`, then
-  `model.combine_blocks` over each query row's blocks in the order a decode step has them:
-  - the prefix: the slot's whole key blocks before the root's block, shared as they are by
-    the row's nodes, which are the T = J rows of a step that sees keys up to there;
-  - the tail, in place (our kernel, and every row's columns inside its root's block): the
-    columns as T = J rows over that block as stored, column j seeing the prefix below L and the
-    columns of its path, which come in depth order (parents before children): the same nonzero
-    terms in the same order as a decode step's over L..L + depth (`tree_block_plan`);
-  - else the tail by copies: each node a T = 1 row over its own copy of the blocks from the
-    root's on, its path's keys and values gathered to positions L..L + depth, where decoding
-    puts them.
+- Attention, per layer and window group:
+  - in place (our kernel, and every row's columns inside its root's block): `model.attention`
+    itself, the columns as T = J rows over the window as stored, the blocks before the root's
+    all seen, in the root's block column j seeing the prefix below L and the columns of its
+    path, which come in depth order (parents before children): the same nonzero terms in the
+    same order as a decode step's over L..L + depth (`tree_window_plan`);
+  - else in two calls of `model.block_outputs`, then `model.combine_blocks` over each query
+    row's blocks in the order a decode step has them: the prefix, the slot's whole key blocks
+    before the root's block, shared as they are by the row's nodes (the T = J rows of a step
+    that sees keys up to there); and the tail by copies, each node a T = 1 row over its own copy
+    of the blocks from the root's on, its path's keys and values gathered to positions
+    L..L + depth, where decoding puts them.
   A query row's kernel bits depend neither on T, B or its unit neighbours, nor on keys it
   cannot see, and blocks past its last weigh exactly 0: each node gets a decode step's bits.
 tests/gpu_worker/runtime/test_tree_forward.py checks it with torch.equal.
@@ -45,6 +46,7 @@ from gpu_worker.runtime.model import (
     AttentionPlan,
     Model,
     Step,
+    attention,
     attention_plan,
     block_outputs,
     by_group,
@@ -95,14 +97,15 @@ class TreeGroupPlan:
     for every layer; built by `tree_group_plan`."""
     prefix_blocks: int                # nbp: the group's most whole key blocks before a root's block
     prefix: AttentionPlan | None      # the columns as T = J rows over keys 0..nbp*KEY_BLOCK - 1, row b
-                                      # seeing its own whole blocks; None when nbp = 0
+                                      # seeing its own whole blocks; None when nbp = 0 or in place
     tail: AttentionPlan               # each column a T = 1 row over its tail window of nbt blocks, or
-                                      # (in_place) the columns as T = J rows over their row's root block
+                                      # (in place) the columns as T = J rows over the window of nbp + 1
+                                      # blocks as stored (`tree_window_plan`)
     tail_rows: list[torch.Tensor] | None  # per row, (J*Hkv*nbt*KEY_BLOCK,) rows of its slot's layer storage
-                                      # viewed (Hkv*(C + 1), D) that form its columns' tail windows; None in_place
+                                      # viewed (Hkv*(C + 1), D) that form its columns' tail windows; None in place
     bases: list[int]                  # per row, the first position of its root's key block
-    blocks: torch.Tensor              # (R*nb,) each query row's nb = nbp + nbt blocks in decode order, as
-                                      # rows of the prefix's then the tail's `block_outputs`
+    blocks: torch.Tensor | None       # (R*nb,) each query row's nb = nbp + nbt blocks in decode order, as
+                                      # rows of the prefix's then the tail's `block_outputs`; None in place
 
 
 @dataclass
@@ -119,8 +122,9 @@ def tree_group_plan(group: WindowGroup, starts: list[int], paths: list[list[list
                     group_size: int, device: torch.device, in_place: bool = False) -> TreeGroupPlan:
     """The TreeGroupPlan of a window group whose rows have committed lengths starts (Bg) and
     trees `paths` (tree_paths' rows), for Hkv = num_kv_heads heads of G = group_size. in_place:
-    the tail is each row's root block as stored, masked per column (`tree_block_plan`), where
-    every row's columns lie in that block; else each column's tail is a copy of its path."""
+    the columns attend over the window as stored, masked per column in the root's block
+    (`tree_window_plan`), where every row's columns lie in that block; else each column's tail is
+    a copy of its path."""
     Bg, J, Hkv, G, KB = len(starts), len(paths[0]), num_kv_heads, group_size, KEY_BLOCK
     depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])               # (Bg, J)
     Dm = int(depth.max()) + 1
@@ -129,20 +133,21 @@ def tree_group_plan(group: WindowGroup, starts: list[int], paths: list[list[list
     base = whole * KB                                    # a row's tail window starts here
     qpos = L - base + depth                              # (Bg, J) each column's position in it
     in_place = in_place and all(start % KB + J - 1 < KB for start in starts)
-    nbp, nbt = int(whole.max()), 1 if in_place else int(qpos.max()) // KB + 1
     if in_place:
-        tail, tail_rows = tree_block_plan(starts, paths, Hkv, G, device), None
-    else:
-        # Tail window position w of column j holds position base + w: the prefix below L, the path's
-        # column at L + d for d <= depth(j); past that masked, so any column (the root's) will do.
-        ancestors = torch.tensor([[p + p[-1:] * (Dm - len(p)) for p in row] for row in paths])  # (Bg, J, Dm)
-        rel = (base - L + torch.arange(nbt * KB)).view(Bg, 1, -1).expand(-1, J, -1)      # (Bg, J, Wt) pos - L
-        on_path = (rel >= 0) & (rel <= depth.unsqueeze(-1))
-        column = L.unsqueeze(-1) + torch.where(rel < 0, rel, ancestors.gather(2, rel.clamp(0, Dm - 1)) * on_path)
-        heads = torch.arange(Hkv).view(1, Hkv, 1)
-        tail_rows = [(heads * keys[0].shape[1] + cols.unsqueeze(1)).flatten().to(device)  # (J, Hkv, Wt)
-                     for keys, cols in zip(group.keys, column)]
-        tail = attention_plan(qpos.view(Bg * J, 1).to(device), Hkv, G, nbt * KB)
+        return TreeGroupPlan(prefix_blocks=int(whole.max()), prefix=None,
+                             tail=tree_window_plan(starts, paths, Hkv, G, int(whole.max()) + 1, device),
+                             tail_rows=None, bases=base.flatten().tolist(), blocks=None)
+    nbp, nbt = int(whole.max()), int(qpos.max()) // KB + 1
+    # Tail window position w of column j holds position base + w: the prefix below L, the path's
+    # column at L + d for d <= depth(j); past that masked, so any column (the root's) will do.
+    ancestors = torch.tensor([[p + p[-1:] * (Dm - len(p)) for p in row] for row in paths])  # (Bg, J, Dm)
+    rel = (base - L + torch.arange(nbt * KB)).view(Bg, 1, -1).expand(-1, J, -1)      # (Bg, J, Wt) pos - L
+    on_path = (rel >= 0) & (rel <= depth.unsqueeze(-1))
+    column = L.unsqueeze(-1) + torch.where(rel < 0, rel, ancestors.gather(2, rel.clamp(0, Dm - 1)) * on_path)
+    heads = torch.arange(Hkv).view(1, Hkv, 1)
+    tail_rows = [(heads * keys[0].shape[1] + cols.unsqueeze(1)).flatten().to(device)  # (J, Hkv, Wt)
+                 for keys, cols in zip(group.keys, column)]
+    tail = attention_plan(qpos.view(Bg * J, 1).to(device), Hkv, G, nbt * KB)
     prefix = attention_plan((base - 1).expand(Bg, J).to(device), Hkv, G, nbp * KB) if nbp else None
     # Query row r (b, j, head) has block p at: prefix p below its row's whole blocks, then its
     # nbt tail blocks, then the group's masked prefix blocks past the row's (weight exactly 0).
@@ -156,14 +161,15 @@ def tree_group_plan(group: WindowGroup, starts: list[int], paths: list[list[list
                          bases=base.flatten().tolist(), blocks=blocks.flatten())
 
 
-def tree_block_plan(starts: list[int], paths: list[list[list[int]]], Hkv: int, G: int,
-                    device: torch.device) -> AttentionPlan:
-    """The columns of each row as T = J query rows over the row's root key block as stored
-    (positions base..base + KEY_BLOCK - 1, the columns' K/V where the tree forward wrote them,
-    at L + c), column j seeing the prefix below L and the columns of its path, every other key
-    masked. The block kernel sums a row's keys in key order and a masked key adds exact zeros, and
-    the path's columns come in the order of their depths (parents before children), so each
-    column gets the bits of a decode step over its path at L..L + depth in the same block."""
+def tree_window_plan(starts: list[int], paths: list[list[list[int]]], Hkv: int, G: int, nb: int,
+                     device: torch.device) -> AttentionPlan:
+    """The columns of each row as T = J query rows over the group's window of nb key blocks as
+    stored, the columns' K/V where the tree forward wrote them (at L + c, all inside the root's
+    block): the blocks before the root's all visible, in the root's block the prefix below L and
+    the columns of the column's path, the blocks after masked. The block kernel sums a row's keys
+    in key order and a masked key adds exact zeros, and the path's columns come in the order of
+    their depths (parents before children), so each column gets the bits of a decode step over
+    its path at L..L + depth: `attention` itself, one block call and one combine a layer."""
     Bg, J, KB = len(starts), len(paths[0]), KEY_BLOCK
     visible = torch.zeros(Bg, J, KB, dtype=torch.bool)
     for b, (start, row) in enumerate(zip(starts, paths)):
@@ -173,8 +179,11 @@ def tree_block_plan(starts: list[int], paths: list[list[list[int]]], Hkv: int, G
     row_token, unit_q, unit_out, out_rows = unit_layout(Bg, J, Hkv, G, device)
     nq = row_token.numel() // QUERY_TILE
     rows = visible[:, row_token.cpu().clamp_max(J - 1)]                       # (Bg, nq*QT, KB); padding rows: the last column's
-    mask = torch.zeros(Bg, 1, nq * QUERY_TILE, KB).masked_fill_(~rows.unsqueeze(1), MASKED)
-    return AttentionPlan(nq=nq, nb=1, mask=mask.to(device), unit_q=unit_q, unit_out=unit_out, out_rows=out_rows)
+    root = torch.tensor(starts).view(Bg, 1, 1, 1) // KB                       # each row's root block
+    block = torch.arange(nb).view(1, nb, 1, 1)
+    seen = (block < root) | ((block == root) & rows.unsqueeze(1))             # (Bg, nb, nq*QT, KB)
+    mask = torch.zeros(Bg, nb, nq * QUERY_TILE, KB).masked_fill_(~seen, MASKED)
+    return AttentionPlan(nq=nq, nb=nb, mask=mask.to(device), unit_q=unit_q, unit_out=unit_out, out_rows=out_rows)
 
 
 def output_rows(plan: AttentionPlan, block: torch.Tensor) -> torch.Tensor:
@@ -190,6 +199,9 @@ def tree_group_attention(q: torch.Tensor, cache: KVCache, index: int, group: Win
     K/V written at L + c: (Bg*J, H*D), each column's rows the bits of a decode step at its
     position after its path."""
     Bg, J, H, D = q.shape
+    if plan.tail_rows is None:  # in place: `attention` over the window with the tree's mask
+        k, v = (t[:, :, :plan.tail.nb * KEY_BLOCK] for t in cache.window(index, group))
+        return attention(q, k, v, plan.tail)
     outs, lses = [], []
     if plan.prefix is not None:
         k, v = (t[:, :, :plan.prefix_blocks * KEY_BLOCK] for t in cache.window(index, group))
@@ -197,16 +209,10 @@ def tree_group_attention(q: torch.Tensor, cache: KVCache, index: int, group: Win
         outs.append(out.reshape(-1, D))
         lses.append(lse.reshape(-1))
     Hkv, Wt = group.keys[0][index].shape[0], plan.tail.nb * KEY_BLOCK
-    if plan.tail_rows is None:  # in place: each row's root block as stored, one call for its columns
-        k, v = ([storage[index][:, base:base + KEY_BLOCK] for storage, base in zip(stored, plan.bases)]
-                for stored in (group.keys, group.values))
-        k, v = (t[0].unsqueeze(0) if len(t) == 1 else torch.stack(t) for t in (k, v))   # (Bg, Hkv, KB, D)
-        out, lse = block_outputs(q, k, v, plan.tail)
-    else:
-        k, v = ([storage[index].view(-1, D).index_select(0, rows) for storage, rows in zip(stored, plan.tail_rows)]
-                for stored in (group.keys, group.values))
-        k, v = ((t[0] if len(t) == 1 else torch.cat(t)).view(Bg * J, Hkv, Wt, D) for t in (k, v))
-        out, lse = block_outputs(q.reshape(Bg * J, 1, H, D), k, v, plan.tail)
+    k, v = ([storage[index].view(-1, D).index_select(0, rows) for storage, rows in zip(stored, plan.tail_rows)]
+            for stored in (group.keys, group.values))
+    k, v = ((t[0] if len(t) == 1 else torch.cat(t)).view(Bg * J, Hkv, Wt, D) for t in (k, v))
+    out, lse = block_outputs(q.reshape(Bg * J, 1, H, D), k, v, plan.tail)
     outs.append(out.reshape(-1, D))
     lses.append(lse.reshape(-1))
     nb = plan.prefix_blocks + plan.tail.nb
