@@ -94,11 +94,16 @@ async def stop_in_order(processes: Iterable[ServiceProcess], timeout_s: float) -
         await asyncio.gather(*(stop_service_process(p, timeout_s) for p in processes if p.role in roles))
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (the OS picks it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def free_port(taken: frozenset[int] | set[int] = frozenset()) -> int:
+    """A TCP port free on loopback now (the OS picks it), none of `taken`: the ports handed out
+    before and not bound yet, which the OS may pick again once their probe is closed."""
+    for _ in range(64):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in taken:
+            return port
+    raise StackError(f"no free loopback port outside the {len(taken)} handed out")
 
 
 async def build_linear_kernel() -> None:

@@ -244,7 +244,7 @@ def port_args(role: str, instance_id: str, config: StackConfig, metrics_ports: d
         argv += ["--metrics-port", str(port)]
     if role == "gateway":
         port = gateway_ports.get(instance_id) or (
-            config.http_port + len(gateway_ports) if config.http_port else free_port())
+            config.http_port + len(gateway_ports) if config.http_port else free_port(set(gateway_ports.values())))
         gateway_ports[instance_id] = port
         argv += ["--http-port", str(port)]
     return argv
