@@ -152,11 +152,12 @@ class SchedulerConfig(InstanceConfig):
     adaptive_k: bool = True
     adaptive_k_probe_steps: int = 16
     # Trees of drafts (docs/PROTOCOL.md#tree-drafts): 0, chains only; N > 0 lets a greedy or
-    # Gumbel-coupled decode row without structured outputs ask its drafter for a tree of up to N
-    # nodes, as deep as its k, in the steps where its measured tokens per second beat the chain's
-    # (services/pipeline/tree_choice.py; with adaptive_k off, in every such step). Off by default: a
-    # tree verifies a target position per node, and on the CPUs measured its extra accepted tokens
-    # did not pay for that at batch 1 with the drafters that answer trees (docs/PROTOCOL.md#tree-drafts).
+    # Gumbel-coupled decode row without structured outputs ask its drafter for a tree of N nodes
+    # (or N/2, N/4, ... while those still branch), as deep as its k, in the steps where its measured
+    # tokens per second beat the chain's (services/pipeline/tree_choice.py; with adaptive_k off, N
+    # in every such step). Off by default: a tree verifies a target position per node, and on the
+    # CPUs measured its extra accepted tokens paid for that at best evenly at batch 1
+    # (docs/PROTOCOL.md#tree-drafts).
     max_tree_nodes: int = 0
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids
     tokenizer: str = dataclasses.field(default_factory=default_target_model)

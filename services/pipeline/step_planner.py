@@ -40,7 +40,7 @@ from services.pipeline.adaptive_k import AdaptiveK
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
 from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
-from services.pipeline.tree_choice import RowPlace, TreeChoice
+from services.pipeline.tree_choice import RowPlace, TreeChoice, tree_sizes
 
 
 class StepPlanner:
@@ -145,11 +145,11 @@ class StepPlanner:
         return row
 
     def tree_nodes(self, request: Request, wanted: int, budget: int, place: RowPlace) -> int:
-        """The nodes of the tree a decode row asks, 0 for a chain: max_tree_nodes within the step's
-        budget and the verifiers' max_seq_len (a verifier refuses a tree past it, where a chain's
-        drafts stay within max_tokens), for a greedy or Gumbel-coupled row that wants drafts and has
-        no structured outputs (the verifier follows a grammar along one path), where tree_choice.py
-        prefers a tree (with adaptive_k off, always)."""
+        """The nodes of the tree a decode row asks, 0 for a chain: the size tree_choice.py prefers
+        among `tree_sizes` (with adaptive_k off, max_tree_nodes), within the step's budget and the
+        verifiers' max_seq_len (a verifier refuses a tree past it, where a chain's drafts stay
+        within max_tokens), for a greedy or Gumbel-coupled row that wants drafts and has no
+        structured outputs (the verifier follows a grammar along one path)."""
         sampling = request.sampling
         if not (wanted and (sampling.greedy or sampling.gumbel)) or sampling.structured_outputs is not None:
             return 0
@@ -158,10 +158,11 @@ class StepPlanner:
         nodes = min(self.config.max_tree_nodes, room)
         if nodes <= 0:
             return 0
-        if self.trees is not None and not self.trees.choose(request.adaptive, request.tree, self.prior_key(request),
-                                                             min(wanted, nodes), nodes, place):
-            return 0
-        return nodes
+        if self.trees is None:
+            return nodes
+        sizes = tree_sizes(self.config.max_tree_nodes, request.speculative.num_speculative_tokens)
+        return min(self.trees.choose(request.adaptive, request.tree, self.prior_key(request), min(wanted, nodes),
+                                     sizes, place), nodes)
 
     def adaptive_row(self, request: Request) -> bool:
         """Whether the request's k per step is adaptive_k's: greedy and Gumbel-coupled rows, whose
@@ -181,8 +182,8 @@ class StepPlanner:
             return
         if self.trees is not None and planned.decode:
             nodes = None if planned.drafted_by is None else planned.num_draft
-            self.trees.verified(request.tree, self.prior_key(request), planned.max_nodes > 0, nodes,
-                                result.drafts_accepted)
+            self.trees.verified(request.tree, self.prior_key(request), request.tree.asked if planned.max_nodes else 0,
+                                nodes, result.drafts_accepted)
         if planned.num_draft and not planned.max_nodes:
             self.adaptive.verified(request.adaptive, self.prior_key(request), planned.num_draft, result.drafts_accepted)
 

@@ -11,7 +11,7 @@ from schemas.errors import SpecbusError
 from schemas.protocol import MAX_TREE_NODES
 from schemas.steps import DraftResponse, DraftResult, VerifyResponse, VerifyResult
 from services.pipeline.adaptive_k import MIN_SAMPLES, AdaptiveK, RowState
-from services.pipeline.tree_choice import RowPlace, TreeChoice, TreeCounts, TreeRow
+from services.pipeline.tree_choice import RowPlace, TreeChoice, TreeCounts, TreeRow, tree_sizes
 from tests.services.pipeline.scheduler_harness import acceptance_history as chain_history
 from tests.services.pipeline.scheduler_harness import new_state, submit
 
@@ -33,9 +33,9 @@ def costs(chain_s, tree_s, k_max=4) -> AdaptiveK:
     return adaptive
 
 
-def chooser(adaptive, tokens_per_step, nodes_per_step=16, steps=40) -> TreeChoice:
+def chooser(adaptive, tokens_per_step, nodes_per_step=16, steps=40, size=16) -> TreeChoice:
     trees = TreeChoice(adaptive, probe_steps=16)
-    trees.priors[KEY] = TreeCounts(steps, steps * tokens_per_step, steps * nodes_per_step)
+    trees.priors[KEY] = {size: TreeCounts(steps, steps * tokens_per_step, steps * nodes_per_step)}
     return trees
 
 
@@ -48,13 +48,14 @@ def per_node(tokens):
     return 0.030 * (1 + 0.08 * (tokens - 1))
 
 
-def choices(trees, own, steps, depth=4, nodes=16, tree_tokens=2.0):
-    """steps scheduler steps of one row, each verified (a tree step emits tree_tokens, a chain step 1)."""
+def choices(trees, own, steps, depth=4, sizes=(16,), tree_tokens=2.0):
+    """steps scheduler steps of one row, each verified (a tree step emits tree_tokens, a chain step
+    1): the tree size each asked, 0 for a chain."""
     row, picked = TreeRow(), []
     for step in range(steps):
-        tree = trees.choose(RowState(acceptance=own), row, KEY, depth, nodes, RowPlace("v", "d", step=step))
+        tree = trees.choose(RowState(acceptance=own), row, KEY, depth, list(sizes), RowPlace("v", "d", step=step))
         picked.append(tree)
-        trees.verified(row, KEY, tree, nodes if tree else depth, int(tree_tokens) - 1 if tree else 0)
+        trees.verified(row, KEY, tree, tree or depth, int(tree_tokens) - 1 if tree else 0)
     return picked
 
 
@@ -76,29 +77,29 @@ def test_a_drafter_and_rule_ask_trees_first_until_measured():
     trees = TreeChoice(costs(flat, per_node), probe_steps=16)
     row = TreeRow()
     for _ in range(MIN_SAMPLES):
-        assert trees.choose(RowState(acceptance=chain_history(0.9)), row, KEY, 4, 16, PLACE)
-        trees.verified(row, KEY, True, 16, 0)
-    assert not trees.choose(RowState(acceptance=chain_history(0.9)), row, KEY, 4, 16, PLACE)  # a good chain now
+        assert trees.choose(RowState(acceptance=chain_history(0.9)), row, KEY, 4, [16], PLACE)
+        trees.verified(row, KEY, 16, 16, 0)
+    assert not trees.choose(RowState(acceptance=chain_history(0.9)), row, KEY, 4, [16], PLACE)  # a good chain now
 
 
 def test_a_tree_that_emits_more_for_its_cost_wins_and_one_that_does_not_loses():
     own = RowState(acceptance=chain_history(0.5))  # a chain of 4 emits 1.94 tokens a step
-    assert chooser(costs(flat, flat), tokens_per_step=3.0).choose(own, TreeRow(), KEY, 4, 16, PLACE)
+    assert chooser(costs(flat, flat), tokens_per_step=3.0).choose(own, TreeRow(), KEY, 4, [16], PLACE)
     # the same tree at 2.2x a step's cost: 3 tokens for 2.2 steps' time is less than 1.94 for one
-    assert not chooser(costs(flat, per_node), tokens_per_step=3.0).choose(own, TreeRow(), KEY, 4, 16, PLACE)
+    assert not chooser(costs(flat, per_node), tokens_per_step=3.0).choose(own, TreeRow(), KEY, 4, [16], PLACE)
     # the tree's cost is read at its measured size: small trees cost less than full ones
-    assert chooser(costs(flat, per_node), tokens_per_step=2.5, nodes_per_step=2).choose(own, TreeRow(), KEY, 4, 16,
+    assert chooser(costs(flat, per_node), tokens_per_step=2.5, nodes_per_step=2).choose(own, TreeRow(), KEY, 4, [16],
                                                                                            PLACE)
 
 
 def test_until_adaptive_k_has_timed_its_chains_a_measured_drafter_takes_them():
     adaptive = AdaptiveK(probe_steps=16)
     trees = chooser(adaptive, tokens_per_step=3.0)
-    assert not trees.choose(RowState(), TreeRow(), KEY, 4, 16, RowPlace("v", "d", alone=False))  # nothing timed
+    assert not trees.choose(RowState(), TreeRow(), KEY, 4, [16], RowPlace("v", "d", alone=False))  # nothing timed
     adaptive.verify_timed("v", 17, 0.030, 0.0, tree=True)
-    assert not trees.choose(RowState(), TreeRow(), KEY, 4, 16, PLACE)  # alone: adaptive k measures its chain sizes
+    assert not trees.choose(RowState(), TreeRow(), KEY, 4, [16], PLACE)  # alone: adaptive k measures its chain sizes
     measured = chooser(costs(flat, flat), tokens_per_step=3.0)
-    assert measured.choose(RowState(), TreeRow(), KEY, 4, 16, PLACE)
+    assert measured.choose(RowState(), TreeRow(), KEY, 4, [16], PLACE)
 
 
 def test_a_losing_tree_is_probed_and_a_failed_probe_doubles_the_wait():
@@ -116,8 +117,32 @@ def test_a_losing_chain_is_probed_too():
 def test_a_step_counts_once_towards_the_probe_however_many_rows_choose_in_it():
     trees = chooser(costs(flat, per_node), tokens_per_step=2.0)
     own = RowState(acceptance=chain_history(0.5))
-    picked = [trees.choose(own, TreeRow(), KEY, 4, 16, RowPlace("v", "d", step=step // 4)) for step in range(64)]
-    assert picked.count(True) == 1 and picked.index(True) == 4 * 15
+    picked = [trees.choose(own, TreeRow(), KEY, 4, [16], RowPlace("v", "d", step=step // 4)) for step in range(64)]
+    assert sum(map(bool, picked)) == 1 and picked.index(16) == 4 * 15
+
+
+def test_tree_sizes_halve_while_a_tree_still_branches():
+    assert tree_sizes(16, 4) == [16, 8] and tree_sizes(32, 4) == [32, 16, 8] and tree_sizes(8, 4) == [8]
+    assert tree_sizes(64, 8) == [64, 32, 16] and tree_sizes(3, 4) == [3]
+
+
+def test_every_size_is_measured_first_then_the_best_rate_is_asked():
+    trees = TreeChoice(costs(flat, per_node), probe_steps=16)
+    own, row = RowState(acceptance=chain_history(0.3)), TreeRow()
+    asked = []
+    for _ in range(2 * MIN_SAMPLES):
+        asked.append(trees.choose(own, row, KEY, 4, [16, 8], PLACE))
+        trees.verified(row, KEY, asked[-1], asked[-1], 2)  # both emit 3 tokens: the tree of 8 costs less
+
+    assert asked == [16] * MIN_SAMPLES + [8] * MIN_SAMPLES
+    assert trees.choose(own, row, KEY, 4, [16, 8], PLACE) == 8
+
+
+def test_a_probe_of_trees_asks_the_least_measured_size():
+    trees = chooser(costs(flat, per_node), tokens_per_step=2.0)   # trees of 16 lose to the chain
+    trees.priors[KEY][8] = TreeCounts(2 * MIN_SAMPLES, 2 * MIN_SAMPLES * 2.0, 2 * MIN_SAMPLES * 8)
+    picked = choices(trees, chain_history(0.5), 16, sizes=(16, 8))
+    assert [size for size in picked if size] == [8]               # the probe: 8 has fewer steps than 16's 40
 
 
 # ------------------------------------------------------------------ in the scheduler core
