@@ -38,9 +38,9 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
    greedy or Gumbel-coupled request without penalties or structured outputs gets an EAGLE-2 tree
    instead of step 5 (`tree_plan`, `draft_model_tree`; gpu_worker/runtime/tree_draft.py): each
    level expands the best topk = min(MAX_TREE_TOPK, ceil(max_nodes / num_draft)) nodes by
-   cumulative draft log-probability into their topk best children, one `tree_forward` a level,
-   and the max_nodes best nodes go as point masses (a Gumbel-coupled row's acceptance reads no
-   draft law), no deeper than num_draft, within the verifier's room; a tree that is one path
+   cumulative draft log-probability into their topk best children (a Gumbel-coupled row: by
+   log q + G with the target's noise, `tree_rank`), one `tree_forward` a level, and the max_nodes
+   best nodes go as point masses (a Gumbel-coupled row's acceptance reads no draft law), no deeper than num_draft, within the verifier's room; a tree that is one path
    goes as a chain. Tree rows draft one at a time; their drafts are not kept in the slot.
 """
 
@@ -56,13 +56,13 @@ import structlog
 import torch
 
 from gpu_worker.runtime.checkpoint import load_d2t, model_id
-from gpu_worker.sampling.coupling import coupled_sample
+from gpu_worker.sampling.coupling import coupled_sample, gumbel_noise
 from gpu_worker.runtime.kv_cache import CacheMemoryError
 from gpu_worker.runtime.model import Model, forward
 from gpu_worker.runtime.tree_draft import DraftNode, best_first_tree, column_parents, preorder
 from gpu_worker.runtime.tree_forward import tree_forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
-                                         row_seed)
+                                         process_logits, row_seed)
 from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.roles.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import receiver_rule
@@ -623,10 +623,31 @@ def draft_model_tree(drafter: Drafter, work: DraftRowWork, first_logits: torch.T
         return mask_other(drafter, logits)
 
     nodes, kept = best_first_tree(mask_other(drafter, first_logits.view(1, -1))[0], grow, work.num_draft, max_nodes,
-                                  topk)
+                                  topk, tree_rank(drafter, work))
     if work.num_draft > 1:
         drafter.cache.commit(slots, torch.tensor([1]))
     return tree_result(drafter, work, *preorder(nodes, kept, drafter.d2t))
+
+
+def tree_rank(drafter, work: DraftRowWork):
+    """What a row's tree ranks children by (`best_first_tree`'s rank): a greedy row its draft
+    logits (None); a Gumbel-coupled row log q + G, q its processed draft law (as `choose` draws
+    from) and G the target's noise at the children's stream position, keyed by target ids: a
+    node's first child is what the chain would propose, the next the runner-up under the same
+    noise, which the target's draw there picks when its law differs enough from the draft's.
+    drafter: a Drafter or an EagleDrafter."""
+    if work.greedy:
+        return None
+    params = row_params(work.row.sampling, top_k_cap=MAX_DRAFT_SUPPORT)
+    seed = torch.tensor([row_seed(work.row.sampling)], dtype=torch.int64)
+
+    def rank(logits: torch.Tensor, depth: int) -> torch.Tensor:
+        n = logits.shape[0]
+        probs = process_logits(logits.float().view(1, n, -1), params).probs[0]                   # (n, Vd)
+        noise = gumbel_noise(seed, torch.tensor([[work.start + depth - 1]]), drafter.d2t)[0, 0]   # (Vd,)
+        return probs.double().log() + noise
+
+    return rank
 
 
 def mask_other(drafter, logits: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ import torch
 
 from gpu_worker.runtime.checkpoint import model_id
 from gpu_worker.roles.drafter_core import (SHORT_FEED, DraftRowWork, choose, draft_batch, draft_results,
-                                          feed_groups, receive_row, start_choice, tree_plan, tree_result)
+                                          feed_groups, receive_row, start_choice, tree_plan, tree_rank, tree_result)
 from gpu_worker.runtime.eagle import (EagleHead, build_head, draft_chain, draft_tree, head_forward, load_head_weights,
                                       load_target_pieces, new_cache, tree_columns_needed, unpack_features)
 from gpu_worker.runtime.model import ConfigError
@@ -229,7 +229,7 @@ def draft_trees(drafter: EagleDrafter, trees: list[tuple[PairWork, int, int, int
     for item, begin, max_nodes, topk in trees:
         work = item.work
         tokens, parents = draft_tree(drafter.head, drafter.cache, work.state.slot, item.features[begin:],
-                                     item.tokens[begin:], work.num_draft, max_nodes, topk)
+                                     item.tokens[begin:], work.num_draft, max_nodes, topk, tree_rank(drafter, work))
         drafter.counters["fed_pairs"] += len(item.tokens) - begin
         results[work.row.request_id] = tree_result(drafter, work, tokens, parents)
     return results

@@ -36,6 +36,9 @@ def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verifi
     logits = padded_logits(works, K)  # (B, K+1, V)
     draft_ids = padded_drafts(works, K, device)
     raw_logits, logits = logits, penalised_logits(works, logits, draft_ids)
+    if greedy_rule(works) and not all(w.row.sampling.greedy for w in works):
+        parents = chain_parents_of(works, K)
+        return walked_rows(works, logits, raw_logits, draft_ids, parents, tree=False)
     if all(w.row.sampling.greedy for w in works):
         token_ids, num_accepted = verify_greedy(logits, draft_ids)
         residual_fallback, processed = [False] * len(works), None
@@ -133,6 +136,85 @@ def verify_sampled(works: list[VerifyRowWork], logits: torch.Tensor,
                               uniforms=make_uniforms(seeds, positions[:, :K], STREAM_ACCEPT),
                               residual_uniforms=make_uniforms(seeds, positions[:, :K], STREAM_RESIDUAL))
     return result, processed
+
+
+def greedy_rule(works: list[VerifyRowWork]) -> bool:
+    """Whether every row accepts by the greedy rule (greedy and Gumbel-coupled rows): then only
+    the positions the acceptance walks need the target's law (`walk_draws`)."""
+    return all(w.row.sampling.greedy or w.row.sampling.gumbel for w in works)
+
+
+def chain_parents_of(works: list[VerifyRowWork], K: int) -> torch.Tensor:
+    """Chains as trees: parents (B, K) int64, node j's parent j - 1 (-1 for the first)."""
+    return (torch.arange(K) - 1).expand(len(works), K)
+
+
+def walk_draws(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torch.Tensor,
+               parents: torch.Tensor) -> tuple[list[list[int]], list[list[int]], list[ProcessedLogits]]:
+    """The greedy rule's walk (docs/PROTOCOL.md#tree-drafts) with the target's laws and draws
+    taken only where it reads them: at the root, then at the child equal to the draw there, and
+    so on, a batched `coupled_sample` a depth over the rows still walking, where `target_draws`
+    takes every column. Each column's law and draw is computed alone (`process_logits` is per
+    position, the noise and uniforms keyed by the stream position root + depth), so both give
+    the same bits where the walk goes; the columns it never reaches cost nothing.
+
+    logits (B, J, V) per column (0 the root, c node c - 1); draft_ids (B, N), -1 past a row's
+    nodes; parents (B, N) int64 (-1: a child of the root; a chain's node j has parent j - 1).
+    Returns per row the accepted nodes, the emitted tokens (the path's drafts, then the draw
+    after it) and the laws they were drawn from, ProcessedLogits [1, n, ...]."""
+    B, device = len(works), logits.device
+    seeds, first = seeds_and_first(works, device)
+    kids = [{} for _ in range(B)]                                    # per row: parent node -> its nodes, in order
+    for b, (row_parents, row_drafts) in enumerate(zip(parents.tolist(), draft_ids.tolist())):
+        for node, (parent, token) in enumerate(zip(row_parents, row_drafts)):
+            if token >= 0:
+                kids[b].setdefault(parent, []).append((node, token))
+    paths, tokens, laws = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+    walking = list(range(B))
+    while walking:
+        rows = torch.tensor(walking, device=device)
+        at = torch.tensor([paths[b][-1] + 1 if paths[b] else 0 for b in walking], device=device)
+        positions = first[rows, None] + torch.tensor([[len(paths[b])] for b in walking], device=device)
+        processed, draws = coupled_sample(logits[rows, at][:, None], SamplingTensors.cat([works[b].params for b in walking]),
+                                          make_uniforms(seeds[rows], positions, STREAM_TARGET),
+                                          torch.tensor([works[b].row.sampling.gumbel for b in walking], device=device),
+                                          seeds[rows], positions)
+        still = []
+        for i, (b, draw) in enumerate(zip(walking, draws[:, 0].tolist())):
+            tokens[b].append(draw)
+            laws[b].append(ProcessedLogits(processed.probs[i:i + 1], processed.candidate_ids[i:i + 1],
+                                           processed.num_candidates[i:i + 1]))
+            child = next((node for node, token in kids[b].get(paths[b][-1] if paths[b] else -1, ()) if token == draw),
+                         None)
+            if child is not None:
+                paths[b].append(child)
+                still.append(b)
+        walking = still
+    return paths, tokens, [joined_laws(row) for row in laws]
+
+
+def joined_laws(laws: list[ProcessedLogits]) -> ProcessedLogits:
+    """ProcessedLogits [1, 1, ...] of consecutive positions joined along T (candidate ids padded
+    with 0 past each one's width: past num_candidates they are not read)."""
+    width = max(law.candidate_ids.shape[-1] for law in laws)
+    return ProcessedLogits(torch.cat([law.probs for law in laws], 1),
+                           torch.cat([torch.nn.functional.pad(law.candidate_ids, (0, width - law.candidate_ids.shape[-1]))
+                                      for law in laws], 1),
+                           torch.cat([law.num_candidates for law in laws], 1))
+
+
+def walked_rows(works: list[VerifyRowWork], logits: torch.Tensor, raw_logits: torch.Tensor, draft_ids: torch.Tensor,
+                parents: torch.Tensor, tree: bool) -> list[Verified]:
+    """Each row's Verified from `walk_draws` (tree: with its accepted nodes)."""
+    paths, tokens, laws = walk_draws(works, logits, draft_ids, parents)
+    verified = []
+    for b, (path, emitted, law) in enumerate(zip(paths, tokens, laws)):
+        cols = torch.tensor([0] + [node + 1 for node in path], device=logits.device)
+        verified.append(Verified(
+            token_ids=torch.tensor(emitted, dtype=torch.long), num_accepted=len(path), residual_fallback=False,
+            logits=logits[b, cols], raw_logits=None if works[b].penalties is None else raw_logits[b, cols],
+            processed=law, accepted_nodes=path if tree else None))
+    return verified
 
 
 def seeds_and_first(works: list[VerifyRowWork], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,8 @@ from array import array
 
 import torch
 
-from gpu_worker.roles.verifier_drafts import (padded_drafts, padded_logits, seeds_and_first, stacked_draft_probs,
-                                              target_draws, verified_rows)
+from gpu_worker.roles.verifier_drafts import (greedy_rule, padded_drafts, padded_logits, seeds_and_first,
+                                              stacked_draft_probs, target_draws, verified_rows, walked_rows)
 from gpu_worker.roles.verifier_features import store_features
 from gpu_worker.roles.verifier_forwards import forward_each, pack_chunks
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
@@ -74,6 +74,8 @@ def verify_trees(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verifie
     draft_ids = padded_drafts(works, N, device)  # (B, N)
     parents, num_nodes = tree_parents(works, N)
     raw_logits, logits = logits, path_penalised(works, logits, draft_ids, parents, num_nodes)
+    if greedy_rule(works) and not all(w.row.sampling.greedy for w in works):
+        return walked_rows(works, logits, raw_logits, draft_ids, parents, tree=True)
     parents, num_nodes = parents.to(device), num_nodes.to(device)
     if all(w.row.sampling.greedy for w in works):  # the argmaxes; greedy rows read no law and no uniform
         check_finite_logits(logits)

@@ -336,7 +336,7 @@ def tree_columns_needed(topk: int, depth: int) -> int:
 
 @torch.inference_mode()
 def draft_tree(head: EagleHead, cache: KVCache, slot: int, features: torch.Tensor, token_ids: torch.Tensor,
-               depth: int, max_nodes: int, topk: int) -> tuple[list[int], list[int]]:
+               depth: int, max_nodes: int, topk: int, rank=None) -> tuple[list[int], list[int]]:
     """Feed one row's newly verified pairs, then draft an EAGLE-2 tree (gpu_worker/runtime/
     tree_draft.py `best_first_tree`): a level is one head step over the root pair and every
     expanded node's pair so far, a tree of columns (`tree_forward.tree_step`: each sees the slot's
@@ -346,7 +346,7 @@ def draft_tree(head: EagleHead, cache: KVCache, slot: int, features: torch.Tenso
     int64, T >= 1: the slot's next pairs, as a row of `draft_chain`; the slot has room for
     tree_columns_needed(topk, depth) - 1 positions past them. Returns (target ids, parents) in
     depth-first preorder (`tree_draft.preorder`): at most max_nodes nodes, none deeper than depth.
-    The slot ends holding exactly the verified pairs.
+    rank: as `best_first_tree`'s. The slot ends holding exactly the verified pairs.
     """
     assert token_ids.dim() == 1 and len(token_ids) >= 1
     slots, T = torch.tensor([slot]), len(token_ids)
@@ -372,7 +372,7 @@ def draft_tree(head: EagleHead, cache: KVCache, slot: int, features: torch.Tenso
         predicted_at.update(zip(chosen, predicted[0]))
         return logits[0]
 
-    nodes, kept = best_first_tree(logits[0, 0], grow, depth, max_nodes, topk)
+    nodes, kept = best_first_tree(logits[0, 0], grow, depth, max_nodes, topk, rank)
     if depth > 1:
         cache.commit(slots, torch.tensor([1]))           # the root pair, rewritten in place by the steps
     return preorder(nodes, kept, head.d2t)

@@ -31,16 +31,20 @@ class DraftNode:
 
 
 def best_first_tree(first_logits: torch.Tensor, grow: Callable[[list[int], list[DraftNode]], torch.Tensor],
-                    depth: int, max_nodes: int, topk: int) -> tuple[list[DraftNode], list[int]]:
+                    depth: int, max_nodes: int, topk: int,
+                    rank: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> tuple[list[DraftNode], list[int]]:
     """The search (module docstring). first_logits (Vd,): the drafter's logits after the root;
     grow(chosen, nodes) -> (n, Vd) logits after each chosen node's path (chosen: indices into
-    nodes, ascending: parents come before children). Returns every drafted node and the kept
-    ones' indices, ascending (parents before children)."""
+    nodes, ascending: parents come before children). rank(logits (n, Vd), depth) -> (n, Vd): what
+    the children at that depth are ranked and scored by, as logits (None: the logits themselves).
+    Returns every drafted node and the kept ones' indices, ascending (parents before children)."""
     assert depth >= 1 and max_nodes >= 1 and topk >= 1
     nodes: list[DraftNode] = []
 
     def add(parents: list[int], logits: torch.Tensor, level: int) -> list[int]:
-        logprobs, ids = torch.log_softmax(logits.float(), -1).topk(topk)          # (n, topk)
+        if rank is not None:
+            logits = rank(logits, level)
+        logprobs, ids = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), -1).topk(topk)
         start = len(nodes)
         for parent, row_lp, row_ids in zip(parents, logprobs.tolist(), ids.tolist()):
             score = 0.0 if parent == ROOT_PARENT else nodes[parent].score

@@ -192,6 +192,9 @@ def test_a_row_that_asks_a_tree_gets_the_heads_eagle2_tree_and_the_verifier_take
     answers = draft(new_drafter(head_dir), *[asks(r, 4 if r.request_id == "c" else 12, "sample" if
                                                    r.sampling.temperature else "greedy") for r in rows])
     assert answers["g"].parents is not None and len(answers["g"].draft_token_ids) == 12
+    # a Gumbel-coupled row's tree ranks by log q + the target's noise: its first path starts as its chain
+    chain = draft(new_drafter(head_dir), asks(rows[0], 0, "sample"))["g"].draft_token_ids
+    assert answers["g"].draft_token_ids[:2].tolist() == chain[:2].tolist() and answers["g"].parents[1] == 0
     assert all(answers[k].parents is None and len(answers[k].draft_token_ids) == 4 for k in "spc")
 
 

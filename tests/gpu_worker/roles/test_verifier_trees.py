@@ -141,6 +141,28 @@ def test_trees_emit_the_k0_stream_with_its_logprobs_and_leave_its_slot(target, d
     assert_same_slot(verifier, reference, "tree", "plain")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gumbel_chains_emit_the_k0_stream_with_its_logprobs(target, dtype):
+    """A Gumbel-coupled chain takes the target's laws only along the accepted drafts and the draw
+    after them (verifier_drafts.walk_draws): the same tokens, logprobs and masks as k = 0."""
+    reference = new_verifier(target, dtype=dtype)
+    stream, reference_records, _ = generate(reference, "plain", PROMPT, 22, logprobs=OPTIONS, **GUMBEL)
+    accepted = []
+
+    def chain_for(output):  # three drafts of the stream, the second wrong every other step
+        drafts = stream[len(output):len(output) + 3]
+        if len(accepted) % 2:
+            drafts[1] = (drafts[1] + 50) % V
+        accepted.append(3 if len(accepted) % 2 == 0 else 1)
+        return drafts, None
+
+    tokens, records, results = decode(new_verifier(target, dtype=dtype), "chain", PROMPT, 16, chain_for,
+                                      logprobs=OPTIONS, **GUMBEL)
+    assert tokens == stream[:len(tokens)]
+    assert [result.num_accepted for result in results[1:]] == accepted
+    assert_same_logprobs(records, reference_records, len(tokens))
+
+
 def test_penalties_count_each_columns_own_path(target, penalised_tokens):
     expected = []
     tokens, _, results = decode(new_verifier(target), "tree", PROMPT, 12, trees_along(penalised_tokens, expected),
