@@ -36,7 +36,7 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
 6. draft ids -> target ids with d2t (the sparse support too, many-to-one ids summed);
 7. a row that asks a tree (DraftRow.max_nodes > num_draft, docs/PROTOCOL.md#tree-drafts) of a
    greedy or Gumbel-coupled request without penalties or structured outputs gets an EAGLE-2 tree
-   instead of step 5 (`tree_plan`, `draft_model_tree`; gpu_worker/runtime/tree_draft.py): each
+   instead of step 5 (gpu_worker/roles/draft_trees.py; gpu_worker/runtime/tree_draft.py): each
    level expands the best topk = min(MAX_TREE_TOPK, ceil(max_nodes / num_draft)) nodes by
    cumulative draft log-probability into their topk best children (a Gumbel-coupled row: by
    log q + G with the target's noise, `tree_rank`), one `tree_forward` a level, and the max_nodes
@@ -51,18 +51,16 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 import torch
 
 from gpu_worker.runtime.checkpoint import load_d2t, model_id
-from gpu_worker.sampling.coupling import coupled_sample, gumbel_noise
+from gpu_worker.sampling.coupling import coupled_sample
 from gpu_worker.runtime.kv_cache import CacheMemoryError
 from gpu_worker.runtime.model import Model, forward
-from gpu_worker.runtime.tree_draft import DraftNode, best_first_tree, column_parents, preorder
-from gpu_worker.runtime.tree_forward import tree_forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
-                                         process_logits, row_seed)
+                                         row_seed)
+from gpu_worker.roles.draft_trees import draft_model_tree, mask_other, model_tree_columns, tree_plan
 from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.roles.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.roles.receiver_rule import receiver_rule
@@ -75,7 +73,7 @@ from schemas.control import Heartbeat
 from schemas.generation import draft_is_sampled
 from schemas.protocol import MAX_DRAFT_SUPPORT
 from schemas.errors import SpecbusError
-from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow, Proposal, chain_parents
+from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow, Proposal
 from text.grammar import OutputMatcher
 
 log = structlog.get_logger(__name__)
@@ -83,9 +81,6 @@ log = structlog.get_logger(__name__)
 # A row whose feed is at most this long is a decode row (new tokens of one step); longer feeds
 # (a resync prefill) go through their own forwards so decode rows are not padded to their length.
 SHORT_FEED = 32
-# The most children a tree node expands into (step 7 of the module docstring): a tree of N nodes
-# as deep as k expands ceil(N / k) a level, at most this many; SGLang's EAGLE default top-k is 4.
-MAX_TREE_TOPK = 4
 
 
 @dataclass
@@ -572,89 +567,6 @@ def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
                                              draft_token_ids=target_ids[b, :work.num_draft],
                                              proposal=proposals.get(b, Proposal()))
             for b, work in enumerate(works)}
-
-
-def tree_plan(work: DraftRowWork, verifier_room: int, own_room: int, columns_needed) -> tuple[int, int] | None:
-    """(max_nodes, topk) of the EAGLE-2 tree a row that asked one gets (step 7 of the module
-    docstring), or None: it gets a chain. verifier_room: positions the verifier has past the
-    row's history; own_room: positions the drafter's slot has past what it holds;
-    columns_needed(topk, depth): the positions the drafter's tree steps write there."""
-    sampling = work.row.sampling
-    max_nodes = min(work.row.max_nodes, verifier_room)
-    if work.num_draft == 0 or max_nodes <= work.num_draft or not (work.greedy or sampling.gumbel) or \
-            sampling.penalised or sampling.structured_outputs is not None:
-        return None
-    topk = min(MAX_TREE_TOPK, -(-max_nodes // work.num_draft))
-    return (max_nodes, topk) if columns_needed(topk, work.num_draft) <= own_room else None
-
-
-def tree_result(drafter, work: DraftRowWork, tokens: list[int], parents: list[int]) -> DraftResult:
-    """A drafted tree's DraftResult (point masses); a tree that is one path goes as that chain."""
-    chain = parents == chain_parents(len(parents)).tolist()
-    drafter.counters["rows_tree"] += not chain
-    drafter.counters["draft_tokens"] += len(tokens)
-    return DraftResult(request_id=work.row.request_id, draft_token_ids=np.array(tokens, dtype=np.int32),
-                       parents=None if chain else np.array(parents, dtype=np.int32), proposal=Proposal())
-
-
-def model_tree_columns(topk: int, depth: int) -> int:
-    """Positions a draft model's tree steps write past its history: the root again and topk
-    expanded nodes a level."""
-    return topk * (depth - 1)
-
-
-@torch.inference_mode()
-def draft_model_tree(drafter: Drafter, work: DraftRowWork, first_logits: torch.Tensor, max_nodes: int,
-                     topk: int) -> DraftResult:
-    """An EAGLE-2 tree from the draft model (gpu_worker/runtime/tree_draft.py): a level is one
-    `tree_forward` over the root (the history's last token, written again at its place) and every
-    expanded node so far. first_logits (V_draft,): after the history. The slot ends as it was."""
-    slot, history = work.state.slot, work.state.token_ids
-    slots, columns = torch.tensor([slot]), []
-    if work.num_draft > 1:
-        drafter.cache.truncate(slot, len(history) - 1)
-
-    def grow(chosen: list[int], nodes: list[DraftNode]) -> torch.Tensor:
-        columns.extend(chosen)
-        tokens = torch.tensor([[history[-1]] + [nodes[n].draft_id for n in columns]])
-        logits = tree_forward(drafter.model, drafter.cache, slots, tokens, column_parents(columns, nodes),
-                              torch.tensor([len(columns)]))[0, len(columns) + 1 - len(chosen):].float()
-        drafter.counters["fed_tokens"] += len(columns) + 1
-        return mask_other(drafter, logits)
-
-    nodes, kept = best_first_tree(mask_other(drafter, first_logits.view(1, -1))[0], grow, work.num_draft, max_nodes,
-                                  topk, tree_rank(drafter, work))
-    if work.num_draft > 1:
-        drafter.cache.commit(slots, torch.tensor([1]))
-    return tree_result(drafter, work, *preorder(nodes, kept, drafter.d2t))
-
-
-def tree_rank(drafter, work: DraftRowWork):
-    """What a row's tree ranks children by (`best_first_tree`'s rank): a greedy row its draft
-    logits (None); a Gumbel-coupled row log q + G, q its processed draft law (as `choose` draws
-    from) and G the target's noise at the children's stream position, keyed by target ids: a
-    node's first child is what the chain would propose, the next the runner-up under the same
-    noise, which the target's draw there picks when its law differs enough from the draft's.
-    drafter: a Drafter or an EagleDrafter."""
-    if work.greedy:
-        return None
-    params = row_params(work.row.sampling, top_k_cap=MAX_DRAFT_SUPPORT)
-    seed = torch.tensor([row_seed(work.row.sampling)], dtype=torch.int64)
-
-    def rank(logits: torch.Tensor, depth: int) -> torch.Tensor:
-        n = logits.shape[0]
-        probs = process_logits(logits.float().view(1, n, -1), params).probs[0]                   # (n, Vd)
-        noise = gumbel_noise(seed, torch.tensor([[work.start + depth - 1]]), drafter.d2t)[0, 0]   # (Vd,)
-        return probs.double().log() + noise
-
-    return rank
-
-
-def mask_other(drafter, logits: torch.Tensor) -> torch.Tensor:
-    """logits (n, V_draft) with other_id at -inf ("not in my vocabulary": never proposed)."""
-    if drafter.other_id is not None:
-        logits[:, drafter.other_id] = float("-inf")
-    return logits
 
 
 @torch.inference_mode()

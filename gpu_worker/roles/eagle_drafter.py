@@ -28,7 +28,7 @@ lm_head rows, frozen); a head that does not fit the target is refused, naming bo
    lost) feeds its last pair again, whose feature the drafter keeps per slot. A row short of
    pairs (its features are still on their way: the scheduler sends a large block in pieces)
    feeds what it has and proposes nothing this step.
-5. a row that asks a tree gets one where drafter_core's step 7 says (`tree_plan`), drafted by
+5. a row that asks a tree gets one where drafter_core's step 7 says (draft_trees.py), drafted by
    `eagle.draft_tree`: one head step a level over the tree's columns, each node's pair its
    parent's predicted feature and its token. Tree rows draft one at a time after the feed; the
    other rows draft chains.
@@ -48,8 +48,9 @@ import structlog
 import torch
 
 from gpu_worker.runtime.checkpoint import model_id
+from gpu_worker.roles.draft_trees import tree_plan, tree_rank, tree_result
 from gpu_worker.roles.drafter_core import (SHORT_FEED, DraftRowWork, choose, draft_batch, draft_results,
-                                          feed_groups, receive_row, start_choice, tree_plan, tree_rank, tree_result)
+                                          feed_groups, receive_row, start_choice)
 from gpu_worker.runtime.eagle import (EagleHead, build_head, draft_chain, draft_tree, head_forward, load_head_weights,
                                       load_target_pieces, new_cache, tree_columns_needed, unpack_features)
 from gpu_worker.runtime.model import ConfigError

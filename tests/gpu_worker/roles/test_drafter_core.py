@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.roles.drafter_core import draft_batch, load_drafter, mask_other
+from gpu_worker.roles.draft_trees import mask_other
+from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
 from gpu_worker.runtime.tree_draft import best_first_tree, preorder
