@@ -20,14 +20,14 @@ from gpu_worker.sampling.sampler import process_logits, row_seed
 from schemas.protocol import MAX_DRAFT_SUPPORT
 from schemas.steps import DraftResult, Proposal, chain_parents
 
-# The most children a tree node expands into (step 7 of the module docstring): a tree of N nodes
+# The most children a tree node expands into (drafter_core.py's step 7): a tree of N nodes
 # as deep as k expands ceil(N / k) a level, at most this many; SGLang's EAGLE default top-k is 4.
 MAX_TREE_TOPK = 4
 
 
 def tree_plan(work, verifier_room: int, own_room: int, columns_needed) -> tuple[int, int] | None:
-    """(max_nodes, topk) of the EAGLE-2 tree a row that asked one gets (step 7 of the module
-    docstring), or None: it gets a chain. verifier_room: positions the verifier has past the
+    """(max_nodes, topk) of the EAGLE-2 tree a row that asked one gets (drafter_core.py's step 7),
+    or None: it gets a chain. verifier_room: positions the verifier has past the
     row's history; own_room: positions the drafter's slot has past what it holds;
     columns_needed(topk, depth): the positions the drafter's tree steps write there."""
     sampling = work.row.sampling

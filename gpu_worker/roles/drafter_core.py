@@ -546,13 +546,15 @@ def sparse_supports(drafter, probs: torch.Tensor):
 def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
                   probs: torch.Tensor | None) -> dict[str, DraftResult]:
     """request_id -> DraftResult for rows that drafted: draft_ids (B, K) in draft ids (-1 past a
-    row's num_draft) mapped to target ids with d2t; greedy rows send a point mass, sampled rows
-    the sparse support (target ids) of the probs (B, K, V_draft) they were drawn from. A row that
+    row's num_draft) mapped to target ids with d2t; greedy and Gumbel-coupled rows send a point
+    mass, sampled rows the sparse support (target ids) of the probs (B, K, V_draft) they were drawn
+    from. A row that
     stopped early (mask_by_grammar) delivers the drafts it has: its work's num_draft is set to them."""
     for work, row_ids in zip(works, draft_ids):
         work.num_draft = int((row_ids[:work.num_draft] != PAD_TOKEN_ID).sum())
     target_ids = drafter.d2t[draft_ids.clamp_min(0)].to(torch.int32).numpy()  # (B, K)
-    sampled = [b for b, work in enumerate(works) if not work.greedy and work.num_draft]
+    # Gumbel-coupled rows send point masses: their acceptance reads no draft law (coupling.py)
+    sampled = [b for b, work in enumerate(works) if not work.greedy and not work.row.sampling.gumbel and work.num_draft]
     proposals = {}
     if sampled:
         B, K, V = probs[sampled].shape

@@ -148,10 +148,11 @@ def test_sampled_rows_propose_the_head_distribution_and_gumbel_rows_the_coupled_
     verifier, drafter = new_verifier(), new_drafter(head_dir)
     history, block = prefill(verifier, "r", PROMPT)
     sampled = dict(temperature=0.8, top_p=0.9, seed=7)
-    rows = [drow("s", history, features=block, **sampled), drow("g", history, features=block, coupling="gumbel",
-                                                                  **sampled)]
+    rows = [drow("s", history, features=block, coupling="rejection", **sampled),
+            drow("g", history, features=block, coupling="gumbel", **sampled)]
     results = draft(drafter, *[r.model_copy(update={"draft_mode": "sample"}) for r in rows])
-    for result in results.values():
+    assert results["g"].proposal.kind == "point_mass" and len(results["g"].draft_token_ids) == 4  # read by no one
+    for result in [results["s"]]:
         proposal, drafts = result.proposal, result.draft_token_ids
         assert proposal.kind == "sparse" and len(drafts) == 4
         assert np.allclose(proposal.probs.sum(1), 1.0, atol=1e-5)
