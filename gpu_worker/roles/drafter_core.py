@@ -40,8 +40,9 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
    level expands the best topk = min(MAX_TREE_TOPK, ceil(max_nodes / num_draft)) nodes by
    cumulative draft log-probability into their topk best children (a Gumbel-coupled row: by
    log q + G with the target's noise, `tree_rank`), one `tree_forward` a level, and the max_nodes
-   best nodes go as point masses (a Gumbel-coupled row's acceptance reads no draft law), no deeper than num_draft, within the verifier's room; a tree that is one path
-   goes as a chain. Tree rows draft one at a time; their drafts are not kept in the slot.
+   best nodes go as point masses (a Gumbel-coupled row's acceptance reads no draft law), no
+   deeper than num_draft, within the verifier's room; a tree that is one path goes as a chain.
+   Tree rows draft one at a time; their drafts are not kept in the slot.
 """
 
 from __future__ import annotations

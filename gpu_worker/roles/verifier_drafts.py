@@ -12,6 +12,7 @@ from typing import Callable
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.roles.grammar_masks import mask_logits
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
@@ -175,7 +176,8 @@ def walk_draws(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torc
         rows = torch.tensor(walking, device=device)
         at = torch.tensor([paths[b][-1] + 1 if paths[b] else 0 for b in walking], device=device)
         positions = first[rows, None] + torch.tensor([[len(paths[b])] for b in walking], device=device)
-        processed, draws = coupled_sample(logits[rows, at][:, None], SamplingTensors.cat([works[b].params for b in walking]),
+        params = SamplingTensors.cat([works[b].params for b in walking])
+        processed, draws = coupled_sample(logits[rows, at][:, None], params,
                                           make_uniforms(seeds[rows], positions, STREAM_TARGET),
                                           torch.tensor([works[b].row.sampling.gumbel for b in walking], device=device),
                                           seeds[rows], positions)
@@ -198,7 +200,7 @@ def joined_laws(laws: list[ProcessedLogits]) -> ProcessedLogits:
     with 0 past each one's width: past num_candidates they are not read)."""
     width = max(law.candidate_ids.shape[-1] for law in laws)
     return ProcessedLogits(torch.cat([law.probs for law in laws], 1),
-                           torch.cat([torch.nn.functional.pad(law.candidate_ids, (0, width - law.candidate_ids.shape[-1]))
+                           torch.cat([F.pad(law.candidate_ids, (0, width - law.candidate_ids.shape[-1]))
                                       for law in laws], 1),
                            torch.cat([law.num_candidates for law in laws], 1))
 

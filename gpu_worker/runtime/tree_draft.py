@@ -30,9 +30,12 @@ class DraftNode:
     draft_id: int
 
 
-def best_first_tree(first_logits: torch.Tensor, grow: Callable[[list[int], list[DraftNode]], torch.Tensor],
-                    depth: int, max_nodes: int, topk: int,
-                    rank: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> tuple[list[DraftNode], list[int]]:
+Grow = Callable[[list[int], list[DraftNode]], torch.Tensor]
+Rank = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def best_first_tree(first_logits: torch.Tensor, grow: Grow, depth: int, max_nodes: int, topk: int,
+                    rank: Rank | None = None) -> tuple[list[DraftNode], list[int]]:
     """The search (module docstring). first_logits (Vd,): the drafter's logits after the root;
     grow(chosen, nodes) -> (n, Vd) logits after each chosen node's path (chosen: indices into
     nodes, ascending: parents come before children). rank(logits (n, Vd), depth) -> (n, Vd): what

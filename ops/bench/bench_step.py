@@ -114,7 +114,8 @@ async def run(args: argparse.Namespace) -> str:
     config = StackConfig(target_model=args.target_model, draft_model=args.draft_model, draft_method=args.draft_method,
                          log_level="warning", dtype=args.dtype, prefix_caching=False,
                          verifier_threads=args.verifier_threads, drafter_threads=args.drafter_threads,
-                         role_args={"scheduler": ["--adaptive-k", "false", "--max-tree-nodes", str(args.max_tree_nodes)]})
+                         role_args={"scheduler": ["--adaptive-k", "false",
+                                                  "--max-tree-nodes", str(args.max_tree_nodes)]})
     totals = {k: defaultdict(float) for k in args.ks}
     async with Stack(config) as stack:
         async with stack.client() as client:

@@ -28,7 +28,8 @@ def drafter_of(draft_dir, dtype, prefix_caching):
 
 
 def draft(drafter, request_id, history, mode, salt="user:a", release=()):
-    sampling = RowSampling(temperature=1.0, seed=7, coupling="rejection") if mode == "sample" else RowSampling(temperature=0)
+    sampling = RowSampling(temperature=1.0, seed=7, coupling="rejection") if mode == "sample" else \
+        RowSampling(temperature=0)
     row = DraftRow(request_id=request_id, row=0, step=0, cached_len=0, new_token_ids=history, num_draft=4,
                    draft_mode=mode, sampling=sampling, prompt_len=len(history) - 3, cache_salt=salt)
     request = DraftRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 30, rows=[row], release=list(release))
