@@ -151,7 +151,7 @@ def chain_parents_of(works: list[VerifyRowWork], K: int) -> torch.Tensor:
 
 
 def walk_draws(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torch.Tensor,
-               parents: torch.Tensor) -> tuple[list[list[int]], list[list[int]], list[ProcessedLogits]]:
+               parents: torch.Tensor) -> tuple[list[list[int]], list[list[int]], list[ProcessedLogits | None]]:
     """The greedy rule's walk (docs/PROTOCOL.md#tree-drafts) with the target's laws and draws
     taken only where it reads them: at the root, then at the child equal to the draw there, and
     so on, a batched `coupled_sample` a depth over the rows still walking, where `target_draws`
@@ -162,8 +162,10 @@ def walk_draws(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torc
     logits (B, J, V) per column (0 the root, c node c - 1); draft_ids (B, N), -1 past a row's
     nodes; parents (B, N) int64 (-1: a child of the root; a chain's node j has parent j - 1).
     Returns per row the accepted nodes, the emitted tokens (the path's drafts, then the draw
-    after it) and the laws they were drawn from, ProcessedLogits [1, n, ...]."""
+    after it) and the laws they were drawn from, ProcessedLogits [1, n, ...]; for a batch of
+    greedy rows the argmaxes alone and no laws (None), as `verify_greedy`."""
     B, device = len(works), logits.device
+    greedy = all(w.row.sampling.greedy for w in works)
     seeds, first = seeds_and_first(works, device)
     kids = [{} for _ in range(B)]                                    # per row: parent node -> its nodes, in order
     for b, (row_parents, row_drafts) in enumerate(zip(parents.tolist(), draft_ids.tolist())):
@@ -176,23 +178,29 @@ def walk_draws(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torc
         rows = torch.tensor(walking, device=device)
         at = torch.tensor([paths[b][-1] + 1 if paths[b] else 0 for b in walking], device=device)
         positions = first[rows, None] + torch.tensor([[len(paths[b])] for b in walking], device=device)
-        params = SamplingTensors.cat([works[b].params for b in walking])
-        processed, draws = coupled_sample(logits[rows, at][:, None], params,
-                                          make_uniforms(seeds[rows], positions, STREAM_TARGET),
-                                          torch.tensor([works[b].row.sampling.gumbel for b in walking], device=device),
-                                          seeds[rows], positions)
+        if greedy:
+            column = logits[rows, at][:, None]
+            check_finite_logits(column)  # the same check (and error) as process_logits
+            processed, draws = None, column.argmax(-1)
+        else:
+            params = SamplingTensors.cat([works[b].params for b in walking])
+            processed, draws = coupled_sample(logits[rows, at][:, None], params,
+                                              make_uniforms(seeds[rows], positions, STREAM_TARGET),
+                                              torch.tensor([works[b].row.sampling.gumbel for b in walking],
+                                                           device=device), seeds[rows], positions)
         still = []
         for i, (b, draw) in enumerate(zip(walking, draws[:, 0].tolist())):
             tokens[b].append(draw)
-            laws[b].append(ProcessedLogits(processed.probs[i:i + 1], processed.candidate_ids[i:i + 1],
-                                           processed.num_candidates[i:i + 1]))
+            if processed is not None:
+                laws[b].append(ProcessedLogits(processed.probs[i:i + 1], processed.candidate_ids[i:i + 1],
+                                               processed.num_candidates[i:i + 1]))
             child = next((node for node, token in kids[b].get(paths[b][-1] if paths[b] else -1, ()) if token == draw),
                          None)
             if child is not None:
                 paths[b].append(child)
                 still.append(b)
         walking = still
-    return paths, tokens, [joined_laws(row) for row in laws]
+    return paths, tokens, [joined_laws(row) if row else None for row in laws]
 
 
 def joined_laws(laws: list[ProcessedLogits]) -> ProcessedLogits:

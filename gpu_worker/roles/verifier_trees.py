@@ -10,8 +10,10 @@ at position L = cached_len) and its k nodes come in depth-first preorder, node i
    its path's tokens (`path_penalised`, what `penalise` counts at a chain's position t: drafts
    0..t-1); the target's laws and draws keyed at `node_positions` (L + 1 + depth; a chain's are
    its positions), Gumbel-coupled rows' draws the Gumbel-max ones there; draft laws from the
-   proposal as a chain's; `tree_rejection_sample` with `tree_uniforms` (a batch of greedy rows:
-   argmaxes only, no law or uniform). Its Verified carries the accepted path, and its logits the
+   proposal as a chain's; `tree_rejection_sample` with `tree_uniforms`. A batch of greedy and
+   Gumbel-coupled rows walks instead (verifier_drafts.walk_draws): the law and draw of the root,
+   then of the child equal to the draw there, and so on, no other column's (greedy rows: the
+   argmax alone). Its Verified carries the accepted path, and its logits the
    root's column then the path's: the laws its emitted tokens were drawn from.
    `keep_tree_path` (from finish_row): `keep_path` moves the path's K/V next to the root and
    commits root + path, the slot's ids become the root then the path's tokens (no rejected
@@ -30,7 +32,7 @@ from gpu_worker.roles.verifier_features import store_features
 from gpu_worker.roles.verifier_forwards import forward_each, pack_chunks
 from gpu_worker.roles.verifier_state import Verified, Verifier, VerifyRowWork
 from gpu_worker.runtime.tree_forward import ROOT, keep_path, tree_forward, tree_paths
-from gpu_worker.sampling.sampler import Penalties, check_finite_logits, penalise
+from gpu_worker.sampling.sampler import Penalties, penalise
 from gpu_worker.sampling.tree_acceptance import node_positions, tree_rejection_sample, tree_uniforms
 
 
@@ -69,27 +71,20 @@ def forward_trees(verifier: Verifier, group: list[tuple[VerifyRowWork, int, int]
 def verify_trees(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verified]:
     """Step 4 for emitting tree rows, batched (module docstring), in works' order."""
     V, device = verifier.vocab_size, verifier.model.embed.device
-    B, N = len(works), max(w.num_draft for w in works)
+    N = max(w.num_draft for w in works)
     logits = padded_logits(works, N)  # (B, N+1, V): column c's laws, padding columns repeat the last
     draft_ids = padded_drafts(works, N, device)  # (B, N)
     parents, num_nodes = tree_parents(works, N)
     raw_logits, logits = logits, path_penalised(works, logits, draft_ids, parents, num_nodes)
-    if greedy_rule(works) and not all(w.row.sampling.greedy for w in works):
+    if greedy_rule(works):  # greedy and Gumbel-coupled rows: only the walked columns' laws
         return walked_rows(works, logits, raw_logits, draft_ids, parents, tree=True)
     parents, num_nodes = parents.to(device), num_nodes.to(device)
-    if all(w.row.sampling.greedy for w in works):  # the argmaxes; greedy rows read no law and no uniform
-        check_finite_logits(logits)
-        processed, target_ids, greedy = None, logits.argmax(-1), torch.ones(B, dtype=torch.bool, device=device)
-        target_probs, draft_probs = logits.new_zeros((), dtype=torch.float32).expand(B, N + 1, V), None
-        uniforms = residual_uniforms = torch.zeros(B, N, dtype=torch.float64, device=device)
-    else:
-        seeds, first = seeds_and_first(works, device)
-        processed, target_ids, greedy = target_draws(works, logits, seeds, node_positions(parents, num_nodes, first))
-        target_probs, draft_probs = processed.probs, stacked_draft_probs(works, draft_ids, V)
-        uniforms, residual_uniforms = tree_uniforms(seeds, first, parents, num_nodes)
-    result = tree_rejection_sample(draft_ids, parents, num_nodes, draft_probs, target_probs, target_ids, greedy,
-                                   uniforms=uniforms, residual_uniforms=residual_uniforms,
-                                   check_values=processed is not None)
+    seeds, first = seeds_and_first(works, device)
+    processed, target_ids, greedy = target_draws(works, logits, seeds, node_positions(parents, num_nodes, first))
+    uniforms, residual_uniforms = tree_uniforms(seeds, first, parents, num_nodes)
+    result = tree_rejection_sample(draft_ids, parents, num_nodes, stacked_draft_probs(works, draft_ids, V),
+                                   processed.probs, target_ids, greedy, uniforms=uniforms,
+                                   residual_uniforms=residual_uniforms)
     num_accepted = result.num_accepted.tolist()
     paths = [nodes[:n] for nodes, n in zip(result.accepted_nodes.tolist(), num_accepted)]
     columns = [torch.tensor([0] + [i + 1 for i in path], device=device) for path in paths]  # root, then the path
