@@ -103,7 +103,6 @@ class TreeGroupPlan:
                                       # blocks as stored (`tree_window_plan`)
     tail_rows: list[torch.Tensor] | None  # per row, (J*Hkv*nbt*KEY_BLOCK,) rows of its slot's layer storage
                                       # viewed (Hkv*(C + 1), D) that form its columns' tail windows; None in place
-    bases: list[int]                  # per row, the first position of its root's key block
     blocks: torch.Tensor | None       # (R*nb,) each query row's nb = nbp + nbt blocks in decode order, as
                                       # rows of the prefix's then the tail's `block_outputs`; None in place
 
@@ -126,17 +125,16 @@ def tree_group_plan(group: WindowGroup, starts: list[int], paths: list[list[list
     (`tree_window_plan`), where every row's columns lie in that block; else each column's tail is
     a copy of its path."""
     Bg, J, Hkv, G, KB = len(starts), len(paths[0]), num_kv_heads, group_size, KEY_BLOCK
-    depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])               # (Bg, J)
-    Dm = int(depth.max()) + 1
     L = torch.tensor(starts).view(Bg, 1)
     whole = L // KB                                      # (Bg, 1) whole blocks before the root's
-    base = whole * KB                                    # a row's tail window starts here
-    qpos = L - base + depth                              # (Bg, J) each column's position in it
-    in_place = in_place and all(start % KB + J - 1 < KB for start in starts)
-    if in_place:
+    if in_place and all(start % KB + J - 1 < KB for start in starts):
         return TreeGroupPlan(prefix_blocks=int(whole.max()), prefix=None,
                              tail=tree_window_plan(starts, paths, Hkv, G, int(whole.max()) + 1, device),
-                             tail_rows=None, bases=base.flatten().tolist(), blocks=None)
+                             tail_rows=None, blocks=None)
+    depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])               # (Bg, J)
+    Dm = int(depth.max()) + 1
+    base = whole * KB                                    # a row's tail window starts here
+    qpos = L - base + depth                              # (Bg, J) each column's position in it
     nbp, nbt = int(whole.max()), int(qpos.max()) // KB + 1
     # Tail window position w of column j holds position base + w: the prefix below L, the path's
     # column at L + d for d <= depth(j); past that masked, so any column (the root's) will do.
@@ -157,8 +155,7 @@ def tree_group_plan(group: WindowGroup, starts: list[int], paths: list[list[list
     if prefix is not None:
         blocks = torch.where((p >= w) & (p < w + nbt), blocks + Bg * Hkv * nbp * prefix.nq * QUERY_TILE,
                              output_rows(prefix, torch.where(p < w, p, p - nbt).clamp(0, nbp - 1)))
-    return TreeGroupPlan(prefix_blocks=nbp, prefix=prefix, tail=tail, tail_rows=tail_rows,
-                         bases=base.flatten().tolist(), blocks=blocks.flatten())
+    return TreeGroupPlan(prefix_blocks=nbp, prefix=prefix, tail=tail, tail_rows=tail_rows, blocks=blocks.flatten())
 
 
 def tree_window_plan(starts: list[int], paths: list[list[list[int]]], Hkv: int, G: int, nb: int,

@@ -13,8 +13,8 @@ more tokens per second; on with SchedulerConfig.max_tree_nodes > 0.
 - E_s, N_s: the row's own steps that asked s (decayed by ACCEPT_DECAY per such step), behind
   PRIOR_WEIGHT pseudo-steps of its drafter's across requests, kept per drafter, acceptance rule
   and size as adaptive k's priors. A step that asked a tree and was answered counts,
-  whatever shape came back: what a drafter that answers chains (model, eagle) gives for the ask
-  is measured the same way.
+  whatever shape came back: a drafter that answers the ask with a chain (prompt lookup whose
+  matches make one path, a row it drafts no tree for) is measured the same way.
 - verify_tree: adaptive k's table of verify batches that held a tree row, by their new tokens (a
   tree's nodes count as tokens; a tree forward's token costs more than a chain's, hence a table
   of its own); before any, the chain table (the answers so far were chains).

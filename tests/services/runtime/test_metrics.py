@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from schemas.config import DrafterConfig, PostprocessorConfig, SchedulerConfig, VerifierConfig, load_config
 from schemas.errors import SpecbusError
 from services.client import Client, make_request
+from services.launch.processes import free_port
 from services.launch.stack import StackConfig
 from services.pipeline.drafter import run_drafter
 from services.pipeline.postprocessor import run_postprocessor
@@ -37,19 +38,6 @@ RUNNERS = {"scheduler": (run_scheduler, SchedulerConfig), "verifier": (run_verif
 def decodable_model_dirs(tmp_path_factory):
     """model_dirs whose models' vocabulary is the tokenizer's: every generated id decodes."""
     return {name: str(path) for name, path in write_model_dirs(tmp_path_factory.mktemp("models"), VOCAB).items()}
-
-
-def free_ports(count: int) -> list[int]:
-    """count distinct free ports: each socket stays bound until all are taken, since a port
-    released at once may be handed out again by the next bind."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def scrape_once(port: int) -> dict[str, float]:
@@ -92,7 +80,9 @@ class Services:
 
     def __init__(self, nats_url, model_dirs):
         self.nats_url, self.model_dirs = nats_url, model_dirs
-        self.ports = dict(zip(RUNNERS, free_ports(len(RUNNERS))))
+        self.ports = {}
+        for role in RUNNERS:  # distinct: a port released at once may be handed out again
+            self.ports[role] = free_port(set(self.ports.values()))
         self.running: list[tuple[asyncio.Event, asyncio.Task]] = []
 
     def start(self):
