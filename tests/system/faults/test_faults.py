@@ -58,7 +58,11 @@ def fault_settings(heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, **options) 
     """start_stack settings: the short heartbeat, verify and draft timeouts of these tests;
     options: instance counts and other StackConfig fields."""
     beat = ["--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S)]
+    # adaptive k off: every step asks the drafter for K drafts, so a drafter's fault always shows
+    # (with it on, the noisy draft, as large as the target, may not pay on a busy machine and
+    # adaptive k stops asking: a frozen drafter then costs nothing and flags nothing).
     return dict(role_args={"scheduler": [*beat, "--heartbeat-timeout-s", str(heartbeat_timeout_s),
+                                         "--adaptive-k", "false",
                                          "--verify-timeout-s", str(VERIFY_TIMEOUT_S),
                                          "--draft-timeout-s", str(DRAFT_TIMEOUT_S)],
                            "verifier": [*beat, "--max-seq-len", "512"], "drafter": [*beat, "--max-seq-len", "512"],
