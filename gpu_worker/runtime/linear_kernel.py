@@ -45,7 +45,7 @@ ninja from PyPI) into $SPECBUS_HOME/torch_extensions, under a name that carries 
 hash, so checkouts of different versions never share a build. `make models` builds it ahead
 (`python -m gpu_worker.runtime.linear_kernel`); otherwise the first process to load a model builds it
 (about a minute; others wait on torch's lock) and later ones import it. SPECBUS_LINEAR_KERNEL=0
-turns it off (oneDNN / BLAS then, still row-invariant where oneDNN serves the dtype).
+turns it off (oneDNN's float32 GEMM / BLAS then, still row-invariant: model.pack_weight).
 
 bfloat16 weights on a CPU with AMX (`amx_bf16` and `amx_tile` in /proc/cpuinfo, and a Linux that
 grants the tile state) go to AMX tiles instead: `model.pack_weight` lays them out as tiles

@@ -290,17 +290,17 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     lm_head: a second copy, E*V*2 bytes, for a verify or prefill at tile speed); else w's rows paired
     (`pair_rows`) where its shape allows and w is not `shared` (read as it is elsewhere too, as a
     tied lm_head is the embedding: pairing would hold a second copy), else w itself (contiguous);
-    where that kernel cannot run, oneDNN's packed copy where oneDNN serves w's dtype on this CPU,
-    else w itself for a BLAS matmul.
+    where that kernel cannot run, oneDNN's packed float32 copy (bfloat16 w too), else w itself
+    for a BLAS matmul.
 
     Why not a library's matmul: MKL, torch's float32 BLAS on x86, picks its kernel by the number
     of rows (a GEMV at one row, other kernels and thread splits at a few rows), each summing over
     `in` in its own order, so a row's bits depend on how many rows share the call. oneDNN's
     kernel for a packed weight is one blocked GEMM for every row count (packed for 4 rows: a
     layout packed for one row sends one-row calls to a GEMV of oneDNN's own), at ~25% more than
-    a GEMV at one row with the weights cold; our kernel costs a GEMV's at one row. Where oneDNN
-    does not serve the dtype (bfloat16 without AVX512-BF16 / AVX-NE-CONVERT), torch's own kernel
-    computes each output as one dot product over `in`, whatever the row count. A GPU needs
+    a GEMV at one row with the weights cold; our kernel costs a GEMV's at one row. Its bfloat16
+    GEMM does not keep that on an AMX CPU (it picks a kernel by the row count), so bfloat16 goes
+    through its float32 one (twice the weights' bytes, on a fallback). A GPU needs
     batch-invariant matmul kernels instead (a fixed tile configuration, no split-K chosen from
     the row count).
     """
@@ -311,9 +311,12 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
             return amx_rows(w)  # shared too: tiles are worth a copy of a tied lm_head (E*V*2 bytes)
         return pair_rows(w) if not shared and out % 2 == 0 and inner % 8 == 0 else w.contiguous()
     if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        # bfloat16 as a float32 copy: oneDNN's bfloat16 GEMM on an AMX CPU picks its kernel by
+        # the row count (rows 8, 16, 31, 32 of a 576-wide layer differ from the same rows in a
+        # larger call), its float32 GEMM does not; `linear` rounds the float32 result once.
         try:
-            return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 4)
-        except RuntimeError:  # oneDNN refuses the dtype on this CPU
+            return torch.ops.mkldnn._reorder_linear_weight(w.float().contiguous(), 4)
+        except RuntimeError:  # oneDNN refuses on this CPU
             pass
     return w.contiguous()
 
@@ -324,10 +327,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     A row's bits do not depend on N."""
     if isinstance(w, QuantizedWeight):
         return quant_linear(x, w, b, residual)
-    if w.is_mkldnn:
+    if w.is_mkldnn:  # float32 (pack_weight): x, b and residual to float32, the result back once
+        x32, b32 = x.float(), None if b is None else b.float()
         if residual is None:
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+            out = torch.ops.mkldnn._linear_pointwise(x32, w, b32, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise.binary(x32, residual.float(), w, b32, "add")
+        return out.to(x.dtype)
     kernel = fixed_kernel(x)
     if kernel is not None:
         return kernel.fixed_linear(x, w, b, residual)

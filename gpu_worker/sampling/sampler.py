@@ -344,7 +344,7 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int
     probs = rows.softmax(-1)
     top_k = per_row(torch.where((params.top_k > 0) & (params.top_k < V), params.top_k, V))
     cut = RankCut(probs, top_k, per_row(params.top_p), per_row(params.min_p), per_row(greedy), per_row(filters),
-                  torch.where(top_k < V, 0.0, probs.cumsum(-1)[:, -1]))
+                  torch.where(top_k < V, 0.0, running_sum(probs)[:, -1]))
     ids, num_candidates, exact = cut.take(rows, torch.arange(B * T, device=rows.device), min(window, V))
     wide = ~exact & (per_row(filters) | per_row(greedy))
 
@@ -386,7 +386,7 @@ class RankCut:
         top_k = self.top_k[at, None]
         keep = torch.arange(width, device=scaled.device) < top_k
         probs_k = ranked_probs.masked_fill(~keep, 0.0)
-        cum = probs_k.cumsum(-1)
+        cum = running_sum(probs_k)
         mass = torch.where(top_k < V, cum.gather(-1, top_k.clamp(max=width) - 1), self.total[at, None])
         # mass before rank r, over the renormalised top-k survivors: (cum - p) / mass < top_p
         before_ok = (cum - probs_k) < self.top_p[at, None] * mass
@@ -419,6 +419,13 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> ProcessedLo
     return ProcessedLogits(probs, candidate_ids, num_candidates)
 
 
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """x (..., V) -> its running sums along V, each a float64 sum rounded to x's dtype: the
+    accumulator stated, not a backend's (torch's CPU cumsum of float32 keeps float64 already,
+    the same bits; a GPU's keeps float32)."""
+    return x.double().cumsum(-1).to(x.dtype)
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw in vocabulary order: probs [..., V] >= 0 (need not sum to 1),
     uniforms [...] float64 in [0, 1). Returns ids [...] int64; -1 where the row has no mass.
@@ -426,7 +433,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     Never returns a zero-probability id: the pick is the first id whose cumulative sum exceeds
     u * total, and the cumulative sum only rises at ids with positive mass.
     """
-    cdf = probs.float().cumsum(-1)
+    cdf = running_sum(probs.float())
     total = cdf[..., -1:].contiguous()
     x = (uniforms[..., None] * total.double()).to(cdf.dtype)
     ids = torch.searchsorted(cdf, x, right=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_worker.runtime import linear_kernel
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, KVCache
 from gpu_worker.runtime.model import forward
@@ -124,6 +125,21 @@ def test_tiny_target_logits_do_not_depend_on_batching(dtype, threads):
     else:
         check_invariance(model, config, length=length, verify_from=length - 46, decode_from=length - 44,
                          runs=TWO_THREAD_RUNS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_our_kernel_the_logits_still_do_not_depend_on_batching(dtype, monkeypatch):
+    """The fallback where our kernel cannot run (no compiler, a CPU without AVX2; here turned
+    off): oneDNN's float32 GEMM, torch's norm and flash attention."""
+    monkeypatch.setenv("SPECBUS_LINEAR_KERNEL", "0")
+    linear_kernel.load.cache_clear()
+    try:
+        model, config = load_model(TINY_TARGET, dtype=dtype, max_seq_len=2048)
+        length = KEY_BLOCK + 40
+        check_invariance(model, config, length=length, verify_from=length - 64, decode_from=length - 48,
+                         runs=[("chunked_16", True), ("chunked_64", False), ("verify", True)])
+    finally:
+        linear_kernel.load.cache_clear()
 
 
 @pytest.fixture(scope="module")
