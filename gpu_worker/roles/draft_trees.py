@@ -12,12 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.roles.row_sampling import row_params
 from gpu_worker.runtime.tree_draft import DraftNode, best_first_tree, column_parents, preorder
 from gpu_worker.runtime.tree_forward import tree_forward
-from gpu_worker.sampling.coupling import gumbel_noise
-from gpu_worker.sampling.sampler import process_logits, row_seed
-from schemas.protocol import MAX_DRAFT_SUPPORT
+from gpu_worker.sampling.coupling import gumbel_noise, proposal_law
+from gpu_worker.sampling.sampler import row_seed
 from schemas.steps import DraftResult, Proposal, chain_parents
 
 # The most children a tree node expands into (drafter_core.py's step 7): a tree of N nodes
@@ -82,19 +80,18 @@ def draft_model_tree(drafter, work, first_logits: torch.Tensor, max_nodes: int,
 
 def tree_rank(drafter, work):
     """What a row's tree ranks children by (`best_first_tree`'s rank): a greedy row its draft
-    logits (None); a Gumbel-coupled row log q + G, q its processed draft law (as `choose` draws
-    from) and G the target's noise at the children's stream position, keyed by target ids: a
+    logits (None); a Gumbel-coupled row log q + G, q its draft law as `choose` proposes from
+    (`coupling.proposal_law`) and G the target's noise at the children's stream position, keyed by target ids: a
     node's first child is what the chain would propose, the next the runner-up under the same
     noise, which the target's draw there picks when its law differs enough from the draft's.
     drafter: a Drafter or an EagleDrafter."""
     if work.greedy:
         return None
-    params = row_params(work.row.sampling, top_k_cap=MAX_DRAFT_SUPPORT)
+    temperature = torch.tensor([work.row.sampling.temperature], dtype=torch.float32)
     seed = torch.tensor([row_seed(work.row.sampling)], dtype=torch.int64)
 
     def rank(logits: torch.Tensor, depth: int) -> torch.Tensor:
-        n = logits.shape[0]
-        probs = process_logits(logits.float().view(1, n, -1), params).probs[0]                   # (n, Vd)
+        probs = proposal_law(logits[None], temperature)[0]                                    # (n, Vd)
         noise = gumbel_noise(seed, torch.tensor([[work.start + depth - 1]]), drafter.d2t)[0, 0]   # (Vd,)
         return probs.double().log() + noise
 

@@ -27,7 +27,9 @@ Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_d
    greedy rows (draft_mode "greedy", or a temperature-0 row) take the argmax (of the penalised
    logits) and send a point_mass proposal; Gumbel-coupled rows (coupling "gumbel", whatever
    their draft_mode) propose argmax(log q + G) with the target's noise at the same position
-   (gpu_worker/sampling/coupling.py) out of the distribution below; sampled rows draw from
+   (gpu_worker/sampling/coupling.py), q the row's tempered draft law without top-k, top-p or
+   min-p (`coupling.proposal_law`: their proposal is free to be any token, and ranking the
+   vocabulary would cost most of a position's time) and send a point mass; sampled rows draw from
    process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with make_uniforms(seed, absolute
    position, STREAM_DRAFT) and send that distribution as a sparse proposal. The top-k cap
    bounds a proposal to MAX_DRAFT_SUPPORT ids per draft (~2 KB, where the whole vocabulary would
@@ -56,11 +58,11 @@ import structlog
 import torch
 
 from gpu_worker.runtime.checkpoint import load_d2t, model_id
-from gpu_worker.sampling.coupling import coupled_sample
+from gpu_worker.sampling.coupling import gumbel_argmax, proposal_law
 from gpu_worker.runtime.kv_cache import CacheMemoryError
 from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
-                                         row_seed)
+                                         row_seed, sample)
 from gpu_worker.roles.draft_trees import draft_model_tree, mask_other, model_tree_columns, tree_plan
 from gpu_worker.roles.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.roles.prefix_cache import PrefixCache, extend_keys, root_key
@@ -474,7 +476,8 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
     """Draft position j of every row from its logits (B, V_draft) float32 (changed in place:
     other_id set to -inf, the row's penalties applied): greedy rows take the argmax; sampled rows
     draw from process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with their uniforms;
-    Gumbel-coupled rows take argmax(log q + G) with the target's noise at the same position
+    Gumbel-coupled rows take argmax(log q + G), q their tempered law unfiltered
+    (coupling.proposal_law) and G the target's noise at the same position
     (gpu_worker/sampling/coupling.py). Records the drafts (-1 past a row's num_draft) and their law in
     choice; returns the (B,) draft ids chosen, a valid id for every row (what a chain feeds next)."""
     B = logits.shape[0]
@@ -487,11 +490,17 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
     if choice.params is None:
         ids = logits.argmax(-1)  # (B,), lowest id on ties, as process_logits' greedy path
     else:
-        # Gumbel-coupled rows: the target's noise at the same position, keyed by target ids
-        processed, ids = coupled_sample(logits.view(B, 1, -1), choice.params, choice.uniforms[:, j:j + 1],
-                                        choice.gumbel, choice.seeds, choice.starts.view(-1, 1) + j, drafter.d2t)
-        ids = ids[:, 0]
-        choice.step_probs.append(processed.probs[:, 0])
+        ids, probs = logits.new_empty(B, dtype=torch.int64), torch.empty_like(logits)
+        gumbel, drawn = choice.gumbel, ~choice.gumbel
+        if bool(gumbel.any()):  # the target's noise at the same position, keyed by target ids
+            probs[gumbel] = proposal_law(logits[gumbel], choice.params.temperature[gumbel])
+            ids[gumbel] = gumbel_argmax(probs[gumbel][:, None], choice.seeds[gumbel],
+                                        choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
+        if bool(drawn.any()):
+            processed, sampled = sample(logits[drawn][:, None], choice.params.index(drawn),
+                                        choice.uniforms[drawn, j:j + 1])
+            ids[drawn], probs[drawn] = sampled[:, 0], processed.probs[:, 0]
+        choice.step_probs.append(probs)
     choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, PAD_TOKEN_ID)
     for b, matcher in list(choice.grammars.items()):  # the next position's mask follows this draft
         if j + 1 >= int(choice.num_draft[b]) or not matcher.advance([int(drafter.d2t[ids[b]])]):

@@ -21,7 +21,16 @@ Drafter-Invariant Speculative Decoding", 2024).
 import torch
 
 from gpu_worker.runtime.linear_kernel import fixed_kernel
-from gpu_worker.sampling.sampler import ProcessedLogits, SamplingTensors, _shr, check, check_shape, sample, splitmix64
+from gpu_worker.sampling.sampler import (
+    ProcessedLogits,
+    SamplingTensors,
+    _shr,
+    check,
+    check_shape,
+    sample,
+    scale_logits,
+    splitmix64,
+)
 
 STREAM_GUMBEL = 4  # after sampling.py's STREAM_DRAFT .. STREAM_RESIDUAL (0..3)
 COUPLINGS = ("rejection", "gumbel")
@@ -107,12 +116,24 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
     return drawn.reshape(B, T)
 
 
+def proposal_law(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """A draft's law for its Gumbel-coupled proposals: softmax(logits / temperature) of each row
+    (B, ..., V) -> float32, temperature [B] (> 0), without the target's filters (top-k, top-p,
+    min-p). The drafter proposes argmax(log q + G) over it (`gumbel_argmax`) and ranks a tree's
+    children by log q + G: any proposal leaves the output the target's draw, and the filters would
+    only keep the draft from proposing in its own tail (at most 1 - top_p of its mass, there
+    rejected) at the cost of ranking its vocabulary at every position (process_logits), several
+    times this law and the draw (ops/bench/RESULTS.md, "Gumbel-coupled drafts proposed from the
+    tempered law")."""
+    return scale_logits(logits, temperature).softmax(-1)
+
+
 def coupled_sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor, gumbel: torch.Tensor,
                    seeds: torch.Tensor, positions: torch.Tensor,
                    token_ids: torch.Tensor | None = None) -> tuple[ProcessedLogits, torch.Tensor]:
     """`sample`'s processed laws and draws [B, T] for logits [B, T, N], except that the rows with
     gumbel [B] bool draw by `gumbel_argmax` at (seeds [B], positions [B, T]), token_ids as there:
-    how the verifier draws the target's tokens and the drafter its proposals."""
+    how the verifier draws the target's tokens and a rejection-sampled row's drafts."""
     processed, ids = sample(logits, params, uniforms)
     if bool(gumbel.any()):
         ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel], token_ids)

@@ -14,6 +14,7 @@ from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
 from gpu_worker.runtime.tree_draft import best_first_tree, preorder
+from gpu_worker.sampling.coupling import gumbel_noise
 from schemas.arrays import ROOT_PARENT
 from schemas.config import DrafterConfig, load_config
 from schemas.generation import RowSampling
@@ -81,6 +82,24 @@ def test_a_sampled_proposal_is_the_penalised_distribution(pair):
     assert result.draft_token_ids.tolist() == [500] * 4
     ids, probs = result.proposal.ids, result.proposal.probs  # (4, S), the support of each draft
     assert (probs[ids == 500] > 0.999).all() and (probs[ids == 17] < 1e-30).all()
+
+
+def test_a_gumbel_coupled_row_proposes_by_the_targets_noise_over_its_tempered_law_unfiltered(pair):
+    """argmax(log q + G): q = softmax(logits / T) with no top-k / top-p (coupling.proposal_law), G
+    the target's noise at the draft's stream position keyed by target ids (the tiny pair's draft
+    ids below VD - 1 are the target's)."""
+    hf, drafter = pair
+    result = drafts(drafter, temperature=0.7, top_k=1, top_p=0.05, seed=5, coupling="gumbel")
+    history, expected = list(PROMPT + OUTPUT), []
+    for j in range(4):
+        with torch.no_grad():
+            logits = hf(torch.tensor([history])).logits[0, -1]
+        logits[VD - 1] = float("-inf")  # "other"
+        noise = gumbel_noise(torch.tensor([5]), torch.tensor([[len(PROMPT + OUTPUT) + j]]), drafter.d2t)[0, 0]
+        expected.append(int(((logits / 0.7).softmax(-1).double().log() + noise).argmax()))
+        history.append(expected[-1])
+    assert result.draft_token_ids.tolist() == expected and result.proposal.kind == "point_mass"
+    assert expected != drafts(drafter, temperature=0).draft_token_ids.tolist()  # top_k 1 would be the argmax
 
 
 @pytest.mark.parametrize("mode,sampling", [("greedy", {"temperature": 0}), ("sample", {"temperature": 1.0, "seed": 5})])
