@@ -26,6 +26,7 @@ from gpu_worker.sampling.sampler import (
     SamplingTensors,
     _shr,
     check,
+    check_finite_logits,
     check_shape,
     sample,
     scale_logits,
@@ -124,7 +125,8 @@ def proposal_law(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     only keep the draft from proposing in its own tail (at most 1 - top_p of its mass, there
     rejected) at the cost of ranking its vocabulary at every position (process_logits), several
     times this law and the draw (ops/bench/RESULTS.md, "Gumbel-coupled drafts proposed from the
-    tempered law")."""
+    tempered law"). A row without a finite maximum fails as in process_logits (`check_finite_logits`)."""
+    check_finite_logits(logits)
     return scale_logits(logits, temperature).softmax(-1)
 
 
