@@ -135,7 +135,7 @@ def coupled_sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torc
                    token_ids: torch.Tensor | None = None) -> tuple[ProcessedLogits, torch.Tensor]:
     """`sample`'s processed laws and draws [B, T] for logits [B, T, N], except that the rows with
     gumbel [B] bool draw by `gumbel_argmax` at (seeds [B], positions [B, T]), token_ids as there:
-    how the verifier draws the target's tokens and a rejection-sampled row's drafts."""
+    how the verifier draws the target's tokens."""
     processed, ids = sample(logits, params, uniforms)
     if bool(gumbel.any()):
         ids[gumbel] = gumbel_argmax(processed.probs[gumbel], seeds[gumbel], positions[gumbel], token_ids)
