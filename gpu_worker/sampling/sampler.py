@@ -30,7 +30,10 @@ before top-k/top-p):
 4. top-p (1 = off): renormalise over the top-k survivors, keep rank r while the mass of the
    ranks before it is < top_p (the smallest prefix reaching top_p; rank 0 is always kept). The
    masses are float64 running sums rounded to float32: before rank r, in rank order; the top-k
-   survivors' in rank order; without top-k the whole vocabulary's, in vocabulary order.
+   survivors' in rank order; without top-k the whole vocabulary's, in vocabulary order (torch's
+   CPU cumsum of float32 keeps a float64 accumulator and rounds each sum: the same bits as a
+   float64 cumsum rounded, at a third of its cost; tests/gpu_worker/sampling/test_sampler.py
+   holds torch to it. A GPU's cumsum accumulates in float32.)
 5. min-p (0 = off): keep tokens with prob >= min_p * max prob (a ratio, so it does not matter
    whether it is taken before or after renormalising).
    K = the kept prefix of the sorted order: `candidate_ids[..., :num_candidates]`.
@@ -344,7 +347,7 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int
     probs = rows.softmax(-1)
     top_k = per_row(torch.where((params.top_k > 0) & (params.top_k < V), params.top_k, V))
     cut = RankCut(probs, top_k, per_row(params.top_p), per_row(params.min_p), per_row(greedy), per_row(filters),
-                  torch.where(top_k < V, 0.0, running_sum(probs)[:, -1]))
+                  torch.where(top_k < V, 0.0, probs.cumsum(-1)[:, -1]))
     ids, num_candidates, exact = cut.take(rows, torch.arange(B * T, device=rows.device), min(window, V))
     wide = ~exact & (per_row(filters) | per_row(greedy))
 
@@ -386,7 +389,7 @@ class RankCut:
         top_k = self.top_k[at, None]
         keep = torch.arange(width, device=scaled.device) < top_k
         probs_k = ranked_probs.masked_fill(~keep, 0.0)
-        cum = running_sum(probs_k)
+        cum = probs_k.cumsum(-1)
         mass = torch.where(top_k < V, cum.gather(-1, top_k.clamp(max=width) - 1), self.total[at, None])
         # mass before rank r, over the renormalised top-k survivors: (cum - p) / mass < top_p
         before_ok = (cum - probs_k) < self.top_p[at, None] * mass
@@ -419,13 +422,6 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> ProcessedLo
     return ProcessedLogits(probs, candidate_ids, num_candidates)
 
 
-def running_sum(x: torch.Tensor) -> torch.Tensor:
-    """x (..., V) -> its running sums along V, each a float64 sum rounded to x's dtype: the
-    accumulator stated, not a backend's (torch's CPU cumsum of float32 keeps float64 already,
-    the same bits; a GPU's keeps float32)."""
-    return x.double().cumsum(-1).to(x.dtype)
-
-
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw in vocabulary order: probs [..., V] >= 0 (need not sum to 1),
     uniforms [...] float64 in [0, 1). Returns ids [...] int64; -1 where the row has no mass.
@@ -433,7 +429,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     Never returns a zero-probability id: the pick is the first id whose cumulative sum exceeds
     u * total, and the cumulative sum only rises at ids with positive mass.
     """
-    cdf = running_sum(probs.float())
+    cdf = probs.float().cumsum(-1)
     total = cdf[..., -1:].contiguous()
     x = (uniforms[..., None] * total.double()).to(cdf.dtype)
     ids = torch.searchsorted(cdf, x, right=True)

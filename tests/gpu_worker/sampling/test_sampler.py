@@ -45,6 +45,16 @@ def positions_for(rows, steps):
 # --- counter-based uniforms ---------------------------------------------------------------
 
 
+def test_torchs_float32_cumsum_is_the_float64_running_sum_rounded():
+    """The sampler's masses (top-p's, the inverse CDF's) are float64 running sums rounded to
+    float32 (sampler.py, step 4) by torch's CPU cumsum of float32; a torch whose cumsum kept a
+    float32 accumulator would move top-p's cut and the draws, and fails here first."""
+    g = torch.Generator().manual_seed(0)
+    for V in (100, 8192, 49152):
+        probs = torch.rand(16, V, generator=g).softmax(-1) * torch.rand(16, 1, generator=g)
+        assert torch.equal(probs.cumsum(-1), probs.double().cumsum(-1).float())
+
+
 def test_splitmix64_matches_published_first_output_and_reference():
     assert splitmix64(torch.tensor([0])).item() & MASK64 == 0xE220A8397B1DCDAF
     xs = [1, 12345, (1 << 63) - 1, -1, -(1 << 63), 0x0123456789ABCDEF]
