@@ -81,9 +81,10 @@ def draft_model_tree(drafter, work, first_logits: torch.Tensor, max_nodes: int,
 def tree_rank(drafter, work):
     """What a row's tree ranks children by (`best_first_tree`'s rank): a greedy row its draft
     logits (None); a Gumbel-coupled row log q + G, q its draft law as `choose` proposes from
-    (`coupling.proposal_law`) and G the target's noise at the children's stream position, keyed by target ids: a
-    node's first child is what the chain would propose, the next the runner-up under the same
-    noise, which the target's draw there picks when its law differs enough from the draft's.
+    (`coupling.proposal_law`) and G the target's noise at the children's stream position, keyed
+    by target ids: a node's first child is what the chain would propose, the next the runner-up
+    under the same noise, which the target's draw there picks when its law differs enough from
+    the draft's.
     drafter: a Drafter or an EagleDrafter."""
     if work.greedy:
         return None
