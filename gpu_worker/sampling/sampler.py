@@ -302,8 +302,12 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return logits.float() / temperature.view(-1, *([1] * (logits.dim() - 1)))
 
 
-# Ranks a partial sort orders first (`ranked`); a row whose K may reach past them is sorted whole.
+# Ranks a partial sort orders first (`ranked`); a row whose K may reach past them is ranked again
+# in WIDE_WINDOW, and sorted whole only past that: a chat nucleus rarely passes the first window
+# and almost never the second, and a whole vocabulary's sort costs several windows
+# (ops/bench/RESULTS.md, "Wide nuclei ranked in a second window").
 RANK_WINDOW = 256
+WIDE_WINDOW = 4096
 
 
 def ranked(scaled: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +322,8 @@ def ranked(scaled: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor
     return logits, ids.gather(-1, order)
 
 
-def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int = RANK_WINDOW):
+def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int = RANK_WINDOW,
+                      wide_window: int = WIDE_WINDOW):
     """Steps 2-5 of the pipeline on scaled logits [B, T, V].
 
     Returns candidate_ids [B, T, C] (each row's first num_candidates are K in rank order; what
@@ -330,7 +335,8 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int
     the mass top-p renormalises over the top-k survivors' sum (without top-k: the running sum over
     the vocabulary). So ranking only the `window` largest logits (`ranked`) gives the same K as
     ranking all V wherever K ends inside the window, before its last value (no logit left out
-    ties one in K); the other rows are ranked whole.
+    ties one in K); the other rows are ranked again in the `wide_window` largest, the same way,
+    and the rows whose K may pass that too are ranked whole.
     """
     B, T, V = scaled.shape
     greedy = params.greedy
@@ -357,12 +363,17 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int
 
     in_k = torch.empty_like(rows, dtype=torch.bool)
     in_k[~wide] = first(ids[~wide], num_candidates[~wide])
-    if bool(wide.any()):  # ranked whole; the window's rows keep their ids, 0 after them (not read)
+    width = ids.shape[-1]
+    while bool(wide.any()):  # wider, then whole; the window's rows keep their ids, 0 after them (not read)
+        width = min(wide_window, V) if width < min(wide_window, V) else V
         at = wide.nonzero()[:, 0]
-        wide_ids, num_candidates[at], _ = cut.take(rows[at], at, V)
-        in_k[at] = first(wide_ids, num_candidates[at])
-        ids = torch.cat([ids, ids.new_zeros(B * T, V - ids.shape[-1])], -1)
+        wide_ids, wide_num, exact = cut.take(rows[at], at, width)
+        at, wide_ids, wide_num = at[exact], wide_ids[exact], wide_num[exact]
+        num_candidates[at] = wide_num
+        in_k[at] = first(wide_ids, wide_num)
+        ids = torch.cat([ids, ids.new_zeros(B * T, width - ids.shape[-1])], -1)
         ids[at] = wide_ids
+        wide[at] = False
     in_k |= (per_row(~filters & ~greedy))[:, None]
     return ids.view(B, T, -1), num_candidates.view(B, T), in_k.view(B, T, V)
 

@@ -124,12 +124,12 @@ def test_filters_keep_the_hand_worked_candidate_set(top_k, top_p, min_p, expecte
     assert torch.allclose(processed.probs[0, 0], probs / probs.sum())
 
 
-@pytest.mark.parametrize("window", [4, 64])
-def test_ranking_a_window_gives_the_candidates_of_ranking_everything(window):
-    """select_candidates ranks only the largest logits where K ends inside them, and the rest
-    whole: K, its order and the masks are those of a sort of all V, for top-k inside and past
-    the window, top-p, min-p, greedy and unfiltered rows side by side, bf16-rounded logits (ties,
-    the window's edge among them) and -inf ones."""
+@pytest.mark.parametrize("window, wide_window", [(4, 4), (4, 64), (64, 200)])
+def test_ranking_a_window_gives_the_candidates_of_ranking_everything(window, wide_window):
+    """select_candidates ranks only the largest logits where K ends inside them, the rest again
+    in a wider window, then whole: K, its order and the masks are those of a sort of all V, for
+    top-k inside and past the windows, top-p, min-p, greedy and unfiltered rows side by side,
+    bf16-rounded logits (ties, the windows' edges among them) and -inf ones."""
     gen = torch.Generator().manual_seed(11)
     B, T, V = 6, 3, 500
     settings = dict(temperature=[0.0, 0.8, 1.0, 1.3, 0.7, 1.0], top_k=[0, 0, 3, 200, 0, 0],
@@ -140,7 +140,7 @@ def test_ranking_a_window_gives_the_candidates_of_ranking_everything(window):
         logits[1, 2, 100:] = float("-inf")
         logits[4, 0] = logits[4, 0].round()  # a few distinct values, each tied many times
         scaled = scale_logits(logits, params.temperature)
-        ids, num, in_k = select_candidates(scaled, params, window=window)
+        ids, num, in_k = select_candidates(scaled, params, window=window, wide_window=wide_window)
         all_ids, all_num, all_in_k = select_candidates(scaled, params, window=V)
         assert torch.equal(num, all_num) and torch.equal(in_k, all_in_k)
         for b in range(B):
