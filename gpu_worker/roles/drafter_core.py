@@ -493,9 +493,9 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
         ids, probs = logits.new_empty(B, dtype=torch.int64), torch.empty_like(logits)
         gumbel, drawn = choice.gumbel, ~choice.gumbel
         if bool(gumbel.any()):  # the target's noise at the same position, keyed by target ids
-            probs[gumbel] = proposal_law(logits[gumbel], choice.params.temperature[gumbel])
-            ids[gumbel] = gumbel_argmax(probs[gumbel][:, None], choice.seeds[gumbel],
-                                        choice.starts[gumbel].view(-1, 1) + j, drafter.d2t)[:, 0]
+            probs[gumbel] = law = proposal_law(logits[gumbel], choice.params.temperature[gumbel])
+            ids[gumbel] = gumbel_argmax(law[:, None], choice.seeds[gumbel], choice.starts[gumbel].view(-1, 1) + j,
+                                        drafter.d2t)[:, 0]
         if bool(drawn.any()):
             processed, sampled = sample(logits[drawn][:, None], choice.params.index(drawn),
                                         choice.uniforms[drawn, j:j + 1])

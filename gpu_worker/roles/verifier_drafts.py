@@ -37,10 +37,10 @@ def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verifi
     logits = padded_logits(works, K)  # (B, K+1, V)
     draft_ids = padded_drafts(works, K, device)
     raw_logits, logits = logits, penalised_logits(works, logits, draft_ids)
-    if greedy_rule(works) and not all(w.row.sampling.greedy for w in works):
-        parents = chain_parents_of(works, K)
-        return walked_rows(works, logits, raw_logits, draft_ids, parents, tree=False)
-    if all(w.row.sampling.greedy for w in works):
+    all_greedy = all(w.row.sampling.greedy for w in works)
+    if greedy_rule(works) and not all_greedy:
+        return walked_rows(works, logits, raw_logits, draft_ids, chain_parents_of(works, K), tree=False)
+    if all_greedy:
         token_ids, num_accepted = verify_greedy(logits, draft_ids)
         residual_fallback, processed = [False] * len(works), None
     else:

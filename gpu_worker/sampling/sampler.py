@@ -363,9 +363,10 @@ def select_candidates(scaled: torch.Tensor, params: SamplingTensors, window: int
 
     in_k = torch.empty_like(rows, dtype=torch.bool)
     in_k[~wide] = first(ids[~wide], num_candidates[~wide])
-    width = ids.shape[-1]
-    while bool(wide.any()):  # wider, then whole; the window's rows keep their ids, 0 after them (not read)
-        width = min(wide_window, V) if width < min(wide_window, V) else V
+    # the rows left ranked wider, then whole; the others keep their ids, 0 after them (not read)
+    for width in (min(wide_window, V), V):
+        if not bool(wide.any()) or width <= ids.shape[-1]:
+            continue
         at = wide.nonzero()[:, 0]
         wide_ids, wide_num, exact = cut.take(rows[at], at, width)
         at, wide_ids, wide_num = at[exact], wide_ids[exact], wide_num[exact]
