@@ -208,10 +208,12 @@ class RowSampling(WireModel):
 
 
 def draft_is_sampled(sampling: RowSampling, draft_mode: str) -> bool:
-    """Whether a draft row's drafts are drawn from a distribution and answered with a sparse
-    proposal (up to MAX_DRAFT_SUPPORT ids per draft) rather than a point mass: every row that
-    is not greedy (temperature 0) and either drafts in mode "sample" or is Gumbel-coupled (a
-    coupled row proposes with the target's noise whatever its draft_mode)."""
+    """Whether a draft row's drafts are drawn from a distribution rather than taken as the argmax:
+    every row that is not greedy (temperature 0) and either drafts in mode "sample" or is
+    Gumbel-coupled (a coupled row proposes with the target's noise whatever its draft_mode). A
+    drawn row of mode "sample" answers a sparse proposal (up to MAX_DRAFT_SUPPORT ids per draft), a
+    Gumbel-coupled one a point mass (its acceptance reads no draft law); the scheduler sizes either
+    answer for the sparse one, an upper bound."""
     return not sampling.greedy and (draft_mode == "sample" or sampling.gumbel)
 
 

@@ -53,7 +53,8 @@ def draft_row_bytes(num_new: int, sampling: RowSampling) -> int:
 
 def draft_answer_bytes(num_draft: int, sampled: bool, tree: bool = False) -> int:
     """An upper estimate of a DraftResult's encoded size with num_draft drafts, or nodes of a tree
-    (each with its parent index) (schemas.generation.draft_is_sampled: with a proposal)."""
+    (each with its parent index); sampled (schemas.generation.draft_is_sampled): room for a sparse
+    proposal (a Gumbel-coupled row's point mass needs less)."""
     per_draft = TOKEN_BYTES * (1 + tree) + PROPOSAL_ENTRY_BYTES * MAX_DRAFT_SUPPORT * sampled
     return ROW_OVERHEAD_BYTES + num_draft * per_draft
 
