@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import llguidance
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import StructuredOutputs
@@ -30,6 +33,9 @@ from schemas.generation import StructuredOutputs
 FIELD = "sampling.structured_outputs"
 # Compiled grammars kept per process (a fresh matcher for each); least recently used dropped.
 MAX_CACHED_GRAMMARS = 64
+# Tokens an admission probe walks a fresh matcher through (`probe`): a grammar that breaks the
+# matcher in its first steps (an Earley row or forced-token search past LIMITS) is refused then.
+PROBE_TOKENS = 4
 # Bounds on a grammar's compile and per-token work (llguidance's units: fuel ~ 14-50k per ms,
 # items ~ 20k per ms): a schema past them is refused at admission, never a stalled step.
 LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, step_max_items=100_000,
@@ -73,26 +79,83 @@ def llg_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 @dataclass
 class Grammars:
     """One process's compiled grammars: a template matcher per spec key, copied for each
-    request (copying is far cheaper than compiling), at most MAX_CACHED_GRAMMARS."""
+    request (copying is far cheaper than compiling), at most MAX_CACHED_GRAMMARS; the specs that
+    failed their compile or probe, with their error, as many. Thread-safe (admission compiles
+    in a worker thread)."""
 
     tokenizer: llguidance.LLTokenizer
     templates: OrderedDict = field(default_factory=OrderedDict)
+    refused: OrderedDict = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher for spec at the start of the output; SpecbusError naming the field
         when the grammar does not compile within LIMITS."""
         key = spec_key(spec)
-        template = self.templates.get(key)
-        if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, grammar_of(spec), log_level=0, limits=limits())
-            if template.is_error():
-                raise SpecbusError(ErrorCode.invalid_field, f"the grammar does not compile: "
-                                                            f"{first_line(template.get_error())}", FIELD)
-            self.templates[key] = template
-            while len(self.templates) > MAX_CACHED_GRAMMARS:
-                self.templates.popitem(last=False)
-        self.templates.move_to_end(key)
-        return template.deep_copy()
+        with self.lock:
+            template = self.templates.get(key)
+            if template is None:
+                template = self.compile(key, spec)
+            self.templates.move_to_end(key)
+            return template.deep_copy()
+
+    def compile(self, key: str, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        template = llguidance.LLMatcher(self.tokenizer, grammar_of(spec), log_level=0, limits=limits())
+        if template.is_error():
+            raise SpecbusError(ErrorCode.invalid_field, f"the grammar does not compile: "
+                                                        f"{first_line(template.get_error())}", FIELD)
+        self.templates[key] = template
+        while len(self.templates) > MAX_CACHED_GRAMMARS:
+            self.templates.popitem(last=False)
+        return template
+
+    def check(self, spec: StructuredOutputs, vocab_size: int) -> None:
+        """Admission's check of spec: it compiles within LIMITS and a fresh matcher takes its
+        first tokens (`probe`); SpecbusError naming the field otherwise. A spec refused once is
+        refused again from memory (the same error, none of the work)."""
+        key = spec_key(spec)
+        with self.lock:
+            error = self.refused.get(key)
+        if error is None:
+            try:
+                probe(self.matcher(spec), vocab_size)
+                return
+            except SpecbusError as exc:
+                error = exc
+            with self.lock:
+                self.refused[key] = error
+                self.templates.pop(key, None)
+                while len(self.refused) > MAX_CACHED_GRAMMARS:
+                    self.refused.popitem(last=False)
+        raise SpecbusError(error.code, error.message, error.field)
+
+
+def probe(matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    """Walk a fresh matcher through up to PROBE_TOKENS tokens as the verifier would (its mask,
+    then the lowest allowed token, which a forced token is): SpecbusError naming the field
+    when the matcher fails on the way (a grammar that allows nothing, a schema that only refers
+    to itself, an Earley row or forced-token search past LIMITS). Each step's work is bounded by
+    LIMITS. The grammar may still fail on a longer path: the verifier then fails that request's
+    row alone (gpu_worker/roles/verifier_grammar.py)."""
+    walker = OutputMatcher(matcher)
+    bitmask = allocate_token_bitmask(1, vocab_size)
+    for _ in range(PROBE_TOKENS):
+        fill_next_token_bitmask(matcher, bitmask, 0)
+        if matcher.is_error():
+            raise grammar_error(matcher, len(walker.consumed))
+        if matcher.is_stopped():
+            return
+        allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
+        if not len(allowed):
+            raise SpecbusError(ErrorCode.invalid_field, "the grammar allows no token", FIELD)
+        walker.advance([int(allowed[0])])
+
+
+def grammar_error(matcher: llguidance.LLMatcher, consumed: int) -> SpecbusError:
+    """The invalid_field error of a matcher in its error state after `consumed` output tokens."""
+    reason = first_line(matcher.get_error().replace("<non-verbose/>", ""))
+    reason = "it accepts no output" if reason == "unknown error" else reason
+    return SpecbusError(ErrorCode.invalid_field, f"the grammar fails after {consumed} output tokens: {reason}", FIELD)
 
 
 def first_line(message: str) -> str:
@@ -120,10 +183,12 @@ class OutputMatcher:
 
     def advance(self, tokens: list[int]) -> int:
         """Consume the longest prefix of tokens the grammar allows; return its length. A refused
-        token is never consumed (it would put the matcher in its error state for good)."""
+        token is never consumed (it would put the matcher in its error state for good).
+        SpecbusError naming the field when the matcher fails on an allowed one (its work past
+        LIMITS): the grammar's fault, which fails its own request only."""
         take = self.matcher.validate_tokens(list(tokens)) if tokens else 0
-        if take and not self.matcher.consume_tokens(list(tokens[:take])):
-            raise RuntimeError(f"the grammar matcher took tokens it had validated: {self.matcher.get_error()}")
+        if take and not self.matcher.consume_tokens(list(tokens[:take])):  # a limit of LIMITS, say
+            raise grammar_error(self.matcher, len(self.consumed))
         self.consumed.extend(tokens[:take])
         return take
 

@@ -419,13 +419,13 @@ def draft_grammars(drafter, works: list[DraftRowWork]) -> dict[int, OutputMatche
             continue
         try:
             matcher = state.grammar or OutputMatcher(grammars_of(drafter, drafter.target_vocab_size).matcher(spec))
-        except SpecbusError:
-            continue
-        held = max(0, row.cached_len - row.prompt_len)
-        output = matcher.consumed[:held] + row.new_token_ids.tolist()[max(0, row.prompt_len - row.cached_len):]
-        state.grammar = matcher
-        if len(matcher.consumed) >= held and len(output) == work.start - row.prompt_len and matcher.follow(output):
-            matchers[b] = matcher
+            held = max(0, row.cached_len - row.prompt_len)
+            output = matcher.consumed[:held] + row.new_token_ids.tolist()[max(0, row.prompt_len - row.cached_len):]
+            state.grammar = matcher
+            if len(matcher.consumed) >= held and len(output) == work.start - row.prompt_len and matcher.follow(output):
+                matchers[b] = matcher
+        except SpecbusError:  # the verifier fails the row; the batch's other rows draft on
+            state.grammar = None
     return matchers
 
 
@@ -448,6 +448,15 @@ def mask_by_grammar(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) 
             del choice.grammars[b]
             continue
         logits[b] = mask_logits(logits[b:b + 1], allowed[None])[0]
+
+
+def follows(matcher: OutputMatcher, target_id: int) -> bool:
+    """Whether the grammar takes target_id (consumed); False too when its matcher fails on it
+    (the row then drafts on unmasked, and the verifier fails it)."""
+    try:
+        return bool(matcher.advance([target_id]))
+    except SpecbusError:
+        return False
 
 
 def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
@@ -503,7 +512,7 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
         choice.step_probs.append(probs)
     choice.draft_ids[:, j] = torch.where(j < choice.num_draft, ids, PAD_TOKEN_ID)
     for b, matcher in list(choice.grammars.items()):  # the next position's mask follows this draft
-        if j + 1 >= int(choice.num_draft[b]) or not matcher.advance([int(drafter.d2t[ids[b]])]):
+        if j + 1 >= int(choice.num_draft[b]) or not follows(matcher, int(drafter.d2t[ids[b]])):
             del choice.grammars[b]
     if choice.penalties is not None:
         choice.penalties = add_tokens(choice.penalties, choice.draft_ids[penalised, j])

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from schemas.generation import StructuredOutputs
 from text.grammar import Grammars, OutputMatcher, llg_tokenizer
 from text.tokenizer import load_tokenizer
 
@@ -21,6 +22,13 @@ def grammars_of(owner, vocab_size: int) -> Grammars:
     if owner.grammars is None:
         owner.grammars = Grammars(llg_tokenizer(load_tokenizer(owner.tokenizer_dir), vocab_size))
     return owner.grammars
+
+
+def warm_grammars(owner, vocab_size: int) -> None:
+    """Make owner's grammars now and compile one (the tokenizer's grammar view is the costly
+    part), so the first request with a grammar pays none of it; a service calls it before it
+    heartbeats."""
+    grammars_of(owner, vocab_size).matcher(StructuredOutputs(json_object=True))
 
 
 def unpack(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:

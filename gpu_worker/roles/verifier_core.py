@@ -164,7 +164,9 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
             continue
         try:
             prepared = prepare_row(verifier, request.scheduler_id, index, row, now)
-        except SpecbusError as exc:
+        except Exception as exc:  # the row's failure is its own: the batch's other rows go on
+            if not isinstance(exc, SpecbusError):  # our bug: logged once, with the row's request id
+                log.exception("verify_row_crashed", request_id=row.request_id)
             results[row.request_id] = failed_result(verifier, row, Error.from_exception(exc, row.request_id))
             continue
         if isinstance(prepared, VerifyResult):

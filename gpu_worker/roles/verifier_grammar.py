@@ -52,15 +52,22 @@ def row_grammar(verifier, row: VerifyRow, matcher: OutputMatcher | None, output:
     Gumbel-coupled, so its drafts from the first one the grammar refuses may give way to the
     forced tokens after the ones before (a proposal decided from the history alone keeps any
     acceptance rule exact; a sampled draft's law would not survive that choice). SpecbusError
-    naming the field when the grammar does not compile, the output breaks it or it allows nothing."""
-    field = f"{prefix}.{FIELD}"
-    spec = row.sampling.structured_outputs
+    naming the field (`{prefix}.sampling.structured_outputs`) when the grammar does not compile,
+    the output breaks it, it allows nothing or the matcher fails (its work past LIMITS): the
+    row's own failure, never its batch's."""
     try:
-        matcher = matcher or OutputMatcher(grammars_of(verifier, verifier.vocab_size).matcher(spec))
+        return grammar_step(verifier, row, matcher, output, max_forced, replace)
     except SpecbusError as exc:
-        raise SpecbusError(exc.code, exc.message, field) from None
+        raise SpecbusError(exc.code, exc.message, f"{prefix}.{FIELD}") from None
+
+
+def grammar_step(verifier, row: VerifyRow, matcher: OutputMatcher | None, output: list[int], max_forced: int,
+                 replace: bool) -> GrammarStep:
+    """row_grammar's work; its SpecbusErrors name FIELD alone."""
+    spec = row.sampling.structured_outputs
+    matcher = matcher or OutputMatcher(grammars_of(verifier, verifier.vocab_size).matcher(spec))
     if not matcher.follow(output):
-        raise SpecbusError(ErrorCode.invalid_field, "the output so far does not follow the grammar", field)
+        raise SpecbusError(ErrorCode.invalid_field, "the output so far does not follow the grammar", FIELD)
     drafts = row.draft_token_ids.tolist()
     bitmask = allocate_token_bitmask(len(drafts) + 1 + max_forced, verifier.vocab_size)
     fill_next_token_bitmask(matcher.matcher, bitmask, 0)
@@ -83,5 +90,5 @@ def row_grammar(verifier, row: VerifyRow, matcher: OutputMatcher | None, output:
     bitmask[filled:len(drafts) + 1] = bitmask[filled - 1]  # after a refused draft: never emitted
     allowed = unpack(bitmask[:len(drafts) + 1 + len(forced)], verifier.vocab_size)
     if not bool(allowed[:filled].any(-1).all()):
-        raise SpecbusError(ErrorCode.invalid_field, "the grammar allows no token here", field)
+        raise SpecbusError(ErrorCode.invalid_field, "the grammar allows no token here", FIELD)
     return GrammarStep(matcher, len(drafts), forced, allowed)

@@ -27,7 +27,7 @@ from schemas.codec import encode
 from schemas.config import FINISHED_ID_TTL_S, SchedulerConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.commits import Commit
-from schemas.generation import GenerateRequest, check_limits
+from schemas.generation import GenerateRequest, StructuredOutputs, check_limits
 from schemas.protocol import MAX_INBOX_LEN
 from schemas.streams import Usage
 from schemas.wire import Error, FinishReason
@@ -197,20 +197,31 @@ class Admission:
         """The checks a decoded request passes before its prompt is tokenized: max_tokens within
         the cap (the least of max_tokens_cap and max_seq_len, schemas.generation.check_limits),
         every token id it names in the vocabulary, as prompt ids are (stop_token_ids, logit_bias,
-        logprob_token_ids: refused here, not first by a verifier mid-request), a structured output
-        whose grammar compiles within text/grammar.py's LIMITS (a bounded time and size), and a text
-        prompt that can fit (check_prompt_text)."""
+        logprob_token_ids: refused here, not first by a verifier mid-request) and a text prompt
+        that can fit (check_prompt_text). The grammar is check_grammar's (in a worker thread)."""
         check_limits(request, max_tokens_cap=self.config.max_tokens_cap, max_model_len=self.placement.max_seq_len())
         vocab_size = self.tokenizer.vocab_size
         check_in_vocabulary(request.sampling.stop_token_ids, vocab_size, "sampling.stop_token_ids")
         if request.sampling.logit_bias is not None:
             check_in_vocabulary(request.sampling.logit_bias.token_ids, vocab_size, "sampling.logit_bias")
         check_in_vocabulary(request.logprobs.logprob_token_ids, vocab_size, "logprobs.logprob_token_ids")
-        if request.sampling.structured_outputs is not None:
-            if self.grammars is None:
-                self.grammars = Grammars(llg_tokenizer(self.tokenizer, vocab_size))
-            self.grammars.matcher(request.sampling.structured_outputs)
         self.check_prompt_text(request)
+
+    def check_grammar(self, request: GenerateRequest) -> None:
+        """A structured output's grammar compiles within text/grammar.py's LIMITS and a fresh
+        matcher takes its first tokens (text/grammar.py `probe`: bounded time and memory), else
+        SpecbusError naming the field. Thread-safe: the scheduler calls it in a worker thread."""
+        if request.sampling.structured_outputs is not None:
+            self.warm_grammars().check(request.sampling.structured_outputs, self.tokenizer.vocab_size)
+
+    def warm_grammars(self) -> Grammars:
+        """The compiled grammars, made (the tokenizer's grammar view, a first compile) on first
+        use; the scheduler calls it before it serves, so no request pays for it."""
+        if self.grammars is None:
+            grammars = Grammars(llg_tokenizer(self.tokenizer, self.tokenizer.vocab_size))
+            grammars.check(StructuredOutputs(json_object=True), self.tokenizer.vocab_size)
+            self.grammars = grammars
+        return self.grammars
 
     def check_prompt_text(self, request: GenerateRequest) -> None:
         """Refuse a text prompt or chat that cannot fit in max_seq_len before tokenizing it

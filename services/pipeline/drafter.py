@@ -13,6 +13,7 @@ import structlog
 
 from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from gpu_worker.roles.eagle_drafter import eagle_draft_batch, load_eagle_drafter
+from gpu_worker.roles.grammar_masks import warm_grammars
 from gpu_worker.roles.ngram import load_ngram_drafter, ngram_draft_batch
 from schemas.config import DrafterConfig
 from schemas.steps import DraftRequest
@@ -45,6 +46,7 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
                  target_model=config.target_model, max_slots=config.max_slots, **drafter.model_ids)
     else:
         drafter = await on_model_thread(load_drafter, config)
+        await on_model_thread(warm_grammars, drafter, drafter.target_vocab_size)
         run_batch, description = draft_batch, "proposes draft tokens with the draft model"
         log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
                  max_slots=config.max_slots, **drafter.model_ids)

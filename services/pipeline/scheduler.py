@@ -116,7 +116,8 @@ class Scheduler:
         # Listen before admitting: after heartbeat_timeout_s every live instance has been heard, so
         # the first requests get a drafter too (one started without would run k=0 steps: the same
         # greedy output, but another seeded sample, which a failover to this scheduler must not change).
-        await asyncio.sleep(self.config.heartbeat_timeout_s)
+        await asyncio.gather(asyncio.sleep(self.config.heartbeat_timeout_s),
+                             asyncio.to_thread(self.state.admission.warm_grammars))  # none pays it at its first grammar
         self.step_loops = [asyncio.create_task(self.step_loop(lane), name=f"scheduler-lane-{lane}")
                            for lane in range(self.config.lanes)]
         self.handlers.append(await serve(self.nc, f"{subjects.generate}.*", self.on_generate,
@@ -194,7 +195,9 @@ class Scheduler:
             generate = decode(msg.data, GenerateRequest, context={"max_tokens_cap": None})
             request_id = generate.request_id
             self.state.admission.check_request(generate)
-            # in a thread: a long prompt takes the tokenizer a while, and the step loops must go on
+            # in threads: a grammar's compile and probe, a long prompt's tokenizing take a while,
+            # and the step loops must go on
+            await asyncio.to_thread(self.state.admission.check_grammar, generate)
             prompt_ids = await asyncio.to_thread(prompt_token_ids, generate, self.state.tokenizer)
             self.state.admit(generate, msg.reply, prompt_ids, time.time())
         except Exception as exc:  # a SpecbusError names the field; anything else is our bug, answered `internal`

@@ -16,6 +16,7 @@ import asyncio
 import structlog
 from nats.aio.client import Client
 
+from gpu_worker.roles.grammar_masks import warm_grammars
 from gpu_worker.roles.slots import instance_heartbeat
 from gpu_worker.roles.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
 from schemas.codec import encode
@@ -48,6 +49,7 @@ async def publish_side_records(verifier: Verifier, subjects: Subjects, nc: Clien
 async def run_verifier(config: VerifierConfig, stop: asyncio.Event) -> None:
     """Serve `<prefix>.verify.<instance_id>` until `stop` is set, then drain."""
     verifier = await on_model_thread(load_verifier, config)
+    await on_model_thread(warm_grammars, verifier, verifier.vocab_size)
     subjects = Subjects(config.prefix)
     log.info("verifier_loaded", instance_id=config.instance_id, model=config.target_model, device=config.device,
              dtype=config.dtype, max_slots=config.max_slots, **verifier.model_ids)

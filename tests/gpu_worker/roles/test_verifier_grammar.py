@@ -112,6 +112,28 @@ def test_a_grammar_that_does_not_compile_fails_its_row_naming_the_field(target):
     assert good.error is None and len(good.token_ids) == 1
 
 
+WIDE = "start: " + " | ".join('"w%dz"' % i for i in range(3000))  # an Earley row past its limit
+RECURSIVE = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+             "$ref": "#/$defs/n"}  # an object that never ends: the forced-token search runs past its limit
+
+
+@pytest.mark.parametrize("spec", [{"grammar": WIDE}, {"json": RECURSIVE}], ids=["wide", "recursive"])
+def test_a_grammar_that_breaks_the_matcher_fails_its_row_not_the_batch(target, spec):
+    """A grammar that compiles but whose matcher fails on a token (work past LIMITS) fails its
+    own row with invalid_field naming the field; the other row of the same batch is answered."""
+    verifier = verifier_of(target)
+    rows = [VerifyRow(request_id=request_id, row=index, step=0, cached_len=0, new_token_ids=[5, 6, 7],
+                      sampling=RowSampling(temperature=0, structured_outputs=sampling), logprobs=LogprobOptions(),
+                      prompt_len=3, max_forced=4)
+            for index, (request_id, sampling) in enumerate((("bad", spec), ("good", {"choice": ["a"]})))]
+    response, _ = verify_batch(verifier, VerifyRequest(batch_id=1, scheduler_id="s", deadline=time.time() + 60,
+                                                       rows=rows))
+    bad, good = response.rows
+    assert bad.error is not None and bad.error.code.value == "invalid_field", bad
+    assert bad.error.field == "rows[0].sampling.structured_outputs" and "grammar fails" in bad.error.message
+    assert good.error is None and len(good.token_ids) >= 1
+
+
 def test_masked_logits_keep_raw_and_processed_apart(target):
     """The mask is -inf outside the grammar's tokens and leaves the allowed logits' bits alone."""
     from gpu_worker.roles.grammar_masks import mask_logits
