@@ -34,6 +34,11 @@ from services.gateway.api_errors import ApiError
 from services.gateway.token_texts import TokenTexts
 
 MAX_CHOICES = 16  # n times the number of prompts
+# Prompt logprob values one response may hold: choices x (top-N + 1) x prompt tokens, the tokens
+# bounded by the prompt's UTF-8 bytes for a text (a byte-level token covers at least one byte)
+# and the contents' bytes for a chat (its template's own tokens not counted); it bounds the
+# response's size, which a request could otherwise make tens of megabytes
+MAX_PROMPT_LOGPROB_VALUES = 1 << 16
 MAX_ROLE_CHARS = 64  # as schemas.generation.ChatMessage takes it
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # specbus field name -> the body's name for it, where they differ
@@ -104,7 +109,7 @@ class Body(BaseModel):
     coupling: Literal["rejection", "gumbel"] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None
     sampling_mask: bool | None = None
-    timeout_s: float | None = None
+    timeout_s: float | None = Field(None, gt=0)  # none: the gateway's; 0 would be no time at all
     # vLLM's: the prompt's logprobs (top-N per token), module docstring
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -235,6 +240,7 @@ def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, op
     if len(inputs) * n > MAX_CHOICES:
         raise ApiError(400, f"n: {len(inputs)} prompts x n={n} choices is above {MAX_CHOICES}", param="n",
                        code="invalid_field")
+    check_prompt_logprob_values(inputs, n, options.get("prompt_logprobs"), param_names)
     plans = []
     for prompt_index, given in enumerate(inputs):
         for i in range(n):
@@ -245,6 +251,27 @@ def plan_requests(inputs: Sequence[dict[str, Any]], n: int, seed: int | None, op
                 raise ApiError.from_specbus(exc, param_names) from None
             plans.append(ChoicePlan(prompt_index * n + i, request, None if echo_texts is None else echo_texts[prompt_index]))
     return plans
+
+
+def check_prompt_logprob_values(inputs: Sequence[dict[str, Any]], n: int, top_n: int | None,
+                                 param_names: Mapping[str, str]) -> None:
+    """A 400 naming the field when the response would hold over MAX_PROMPT_LOGPROB_VALUES
+    prompt logprob values (its comment: how the prompt tokens are bounded)."""
+    if top_n is None:
+        return
+    tokens = 0
+    for given in inputs:
+        prompt = given.get("prompt")
+        if prompt is None:
+            tokens += sum(len(m["content"].encode()) for m in given["messages"])
+        else:
+            tokens += len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
+    values = n * (top_n + 1) * tokens
+    if values > MAX_PROMPT_LOGPROB_VALUES:
+        param = param_names.get("prompt_logprobs", "prompt_logprobs")
+        raise ApiError(400, f"{param}: {n} choices x {top_n + 1} logprobs x up to {tokens} prompt tokens is "
+                            f"{values} values, above {MAX_PROMPT_LOGPROB_VALUES} a response may hold",
+                       param=param, code="invalid_field")
 
 
 def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) -> list[ChoicePlan]:
@@ -258,7 +285,7 @@ def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) 
     wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
     options = body.common_options() | {
         "max_tokens": COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-        "logprobs": body.logprobs, "timeout_s": body.timeout_s or timeout_s,
+        "logprobs": body.logprobs, "timeout_s": timeout_s if body.timeout_s is None else body.timeout_s,
         "prompt_logprobs": max(wanted) if wanted else None,
     }
     prompts = body.prompts()
@@ -275,7 +302,7 @@ def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> lis
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), default_max_tokens)
     options = body.common_options() | {
         "max_tokens": max_tokens, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
-        "timeout_s": body.timeout_s or timeout_s, "prompt_logprobs": body.prompt_logprobs,
+        "timeout_s": timeout_s if body.timeout_s is None else body.timeout_s, "prompt_logprobs": body.prompt_logprobs,
     }
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     return plan_requests([{"messages": messages}], body.n, body.seed, options, body.param_names())

@@ -238,8 +238,8 @@ class Admission:
         most = 2 * self.max_token_chars * limit
         chars = len(request.prompt) if request.prompt is not None else sum(len(m.content) for m in request.messages)
         if chars > most:
-            raise SpecbusError(ErrorCode.invalid_field, f"the {prompt_field(request)} is {chars} characters; "
-                                                        f"max_seq_len {limit} holds at most {most} characters of text",
+            raise SpecbusError(ErrorCode.invalid_field, f"{chars} characters of text; "
+                                                        f"max_seq_len {limit} holds at most {most}",
                                prompt_field(request))
 
     def check_first_commit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int]) -> None:

@@ -8,7 +8,8 @@ from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
 from schemas.errors import ErrorCode, SpecbusError
 from services.gateway.api_errors import ApiError
-from services.gateway.request_bodies import MAX_CHOICES, ChatBody, CompletionBody, chat_plans, completion_plans
+from services.gateway.request_bodies import (MAX_CHOICES, MAX_PROMPT_LOGPROB_VALUES, ChatBody, CompletionBody,
+                                             chat_plans, completion_plans)
 from services.gateway.token_texts import TokenTexts
 
 
@@ -83,3 +84,31 @@ def test_types_are_strict_as_openais_server_takes_them(field, value):
     assert CompletionBody.model_validate({"prompt": "x", "temperature": 1, "max_tokens": 8}).temperature == 1.0
     with pytest.raises(ValidationError):
         ChatBody.model_validate({"messages": [{"role": "user", "content": 5}]})
+
+
+def test_timeout_s_zero_is_refused_and_none_takes_the_gateways(tokenizer):
+    """0 s would be no time at all: a 400 naming the field, never the default in its place."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionBody.model_validate({"prompt": "x", "timeout_s": 0})
+    assert caught.value.errors()[0]["loc"][0] == "timeout_s"
+    with pytest.raises(ValidationError):
+        ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "timeout_s": 0})
+    assert completion_plans(CompletionBody(prompt="x"), TokenTexts(tokenizer), 30.0)[0].request.timeout_s == 30.0
+    assert completion_plans(CompletionBody(prompt="x", timeout_s=0.5), TokenTexts(tokenizer),
+                            30.0)[0].request.timeout_s == 0.5
+
+
+def test_a_response_past_its_prompt_logprob_values_is_refused_naming_the_field(tokenizer):
+    """16 prompts of 2000 ids with prompt_logprobs 20 would answer tens of megabytes: refused
+    before any work; the same with top-0 on one prompt fits."""
+    prompts = [[5 + i] * 2000 for i in range(16)]
+    for body, param in [({"prompt": prompts, "prompt_logprobs": 20}, "prompt_logprobs"),
+                        ({"prompt": prompts[0], "n": 16, "echo": True, "logprobs": 20}, "logprobs"),
+                        ({"prompt": "é" * 4000, "prompt_logprobs": 20}, "prompt_logprobs")]:
+        with pytest.raises(ApiError, match=f"above {MAX_PROMPT_LOGPROB_VALUES}") as caught:
+            completion_plans(CompletionBody(**body), TokenTexts(tokenizer), 30.0)
+        assert caught.value.param == param
+    assert len(completion_plans(CompletionBody(prompt=prompts[0], prompt_logprobs=0), TokenTexts(tokenizer), 30.0)) == 1
+    with pytest.raises(ApiError) as caught:
+        chat_plans(ChatBody(messages=[{"role": "user", "content": "x" * 20000}], n=4, prompt_logprobs=20), 16, 30.0)
+    assert caught.value.param == "prompt_logprobs"

@@ -169,12 +169,12 @@ def test_a_text_prompt_far_over_max_seq_len_is_refused_before_tokenizing(tokeniz
     tokenizer runs (tokenizing holds the event loop)."""
     state = new_state(tokenizer, roles=(("p1", "postprocessor"),))
     beat_verifier(state, "v1", max_seq_len=8)
-    with pytest.raises(SpecbusError, match="characters; max_seq_len 8") as info:
+    with pytest.raises(SpecbusError, match="prompt: 1048576 characters of text; max_seq_len 8 holds at most") as info:
         state.admission.check_prompt_text(GenerateRequest(request_id="big", prompt="é" * (1 << 20)))
     assert (info.value.code, info.value.field) == (ErrorCode.invalid_field, "prompt")
     state.admission.check_prompt_text(GenerateRequest(request_id="fine", prompt="the quick brown fox"))
     chat = [{"role": "system", "content": "é" * (1 << 19)}, {"role": "user", "content": "é" * (1 << 19)}]
-    with pytest.raises(SpecbusError, match="characters; max_seq_len 8") as info:
+    with pytest.raises(SpecbusError, match="messages: 1048576 characters of text; max_seq_len 8") as info:
         state.admission.check_prompt_text(GenerateRequest(request_id="big-chat", messages=chat))
     assert info.value.field == "messages"
 
