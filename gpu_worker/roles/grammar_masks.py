@@ -6,12 +6,15 @@ unpacked, logits masked."""
 from __future__ import annotations
 
 import numpy as np
+import structlog
 import torch
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from schemas.generation import StructuredOutputs
 from text.grammar import Grammars, OutputMatcher, llg_tokenizer
 from text.tokenizer import load_tokenizer
+
+log = structlog.get_logger(__name__)
 
 BITS = torch.arange(32, dtype=torch.int32)
 
@@ -27,8 +30,13 @@ def grammars_of(owner, vocab_size: int) -> Grammars:
 def warm_grammars(owner, vocab_size: int) -> None:
     """Make owner's grammars now and compile one (the tokenizer's grammar view is the costly
     part), so the first request with a grammar pays none of it; a service calls it before it
-    heartbeats."""
-    grammars_of(owner, vocab_size).matcher(StructuredOutputs(json_object=True))
+    heartbeats. A tokenizer llguidance cannot read is logged once here (a row with a grammar
+    then fails alone)."""
+    try:
+        grammars_of(owner, vocab_size).matcher(StructuredOutputs(json_object=True))
+    except Exception as exc:
+        owner.grammars = None
+        log.warning("grammars_unavailable", error=f"{type(exc).__name__}: {exc}")
 
 
 def unpack(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ asks it on every GenerateRequest and at every step boundary.
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
+import structlog
+
 from text.chat_template import ChatTemplateError, render_chat
 from text.grammar import Grammars, llg_tokenizer
 from text.tokenizer import Tokenizer, check_in_vocabulary
@@ -36,6 +38,8 @@ from services.pipeline.payload import first_commit_bytes
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import Request
 from services.runtime.metrics import SchedulerMetrics
+
+log = structlog.get_logger(__name__)
 
 MAX_RECENT_IDS = 1 << 16  # finished ids remembered at most (the oldest are forgotten first)
 
@@ -212,16 +216,23 @@ class Admission:
         matcher takes its first tokens (text/grammar.py `probe`: bounded time and memory), else
         SpecbusError naming the field. Thread-safe: the scheduler calls it in a worker thread."""
         if request.sampling.structured_outputs is not None:
-            self.warm_grammars().check(request.sampling.structured_outputs, self.tokenizer.vocab_size)
+            self.compiled_grammars().check(request.sampling.structured_outputs, self.tokenizer.vocab_size)
 
-    def warm_grammars(self) -> Grammars:
-        """The compiled grammars, made (the tokenizer's grammar view, a first compile) on first
-        use; the scheduler calls it before it serves, so no request pays for it."""
+    def compiled_grammars(self) -> Grammars:
+        """The compiled grammars, made (the tokenizer's grammar view, a first compile) on first use."""
         if self.grammars is None:
             grammars = Grammars(llg_tokenizer(self.tokenizer, self.tokenizer.vocab_size))
             grammars.check(StructuredOutputs(json_object=True), self.tokenizer.vocab_size)
             self.grammars = grammars
         return self.grammars
+
+    def warm_grammars(self) -> None:
+        """compiled_grammars before the scheduler serves, so no request pays for them; a tokenizer
+        llguidance cannot read is logged once here (a request with a grammar then fails alone)."""
+        try:
+            self.compiled_grammars()
+        except Exception as exc:
+            log.warning("grammars_unavailable", error=f"{type(exc).__name__}: {exc}")
 
     def check_prompt_text(self, request: GenerateRequest) -> None:
         """Refuse a text prompt or chat that cannot fit in max_seq_len before tokenizing it

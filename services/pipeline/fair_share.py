@@ -10,6 +10,12 @@ a lone user may use everything (work conserving) and a newcomer is entitled to i
   over its share, or a full scheduler with nothing to refuse, is refused.
 - Start order (`Admission.start_order`): a queued request of the user with the fewest running
   requests per weight starts first; a user's own requests start in arrival order.
+- A step's prefill (services/pipeline/step_planner.py): the step's prefill tokens are split
+  between the users with prompts waiting, weighted max-min fair by what each asks
+  (`split_fairly`), and while another user's rows decode in the step a user's prefill takes at
+  most as many tokens as those rows, or MIN_STEP_TOKENS (`prefill_caps`: prefill parity), so
+  one user's flood of long prompts lengthens another's decode step by about that step's own
+  tokens (docs/PROTOCOL.md#tenant-isolation).
 
 Weights come from `SchedulerConfig.user_weights` ("alice=2,bob=1"; a user not listed weighs 1).
 The client user of a request is the one whose inbox it streams to (`_INBOX.<user>.…`, which the
@@ -67,3 +73,37 @@ def most_over_share(user: str, loads: Mapping[str, int], queued: Iterable[str], 
 def start_order_key(running_by_user: Mapping[str, int], weights: Mapping[str, float]):
     """A key for min(): the queued request whose user runs the fewest requests per weight."""
     return lambda user: running_by_user.get(user, 0) / weights.get(user, DEFAULT_WEIGHT)
+
+
+def split_fairly(demands: Mapping[str, int], weights: Mapping[str, float], room: int) -> dict[str, int]:
+    """room tokens split between users by demand, weighted max-min fair (water-filling): a user
+    asking less than its weighted slice of what is left gets what it asks, the others share the
+    rest by weight (rounded down, the remainder one token each in name order)."""
+    shares = dict.fromkeys(demands, 0)
+    active = sorted(user for user, demand in demands.items() if demand > 0)
+    while room > 0 and active:
+        total = sum(weights.get(user, DEFAULT_WEIGHT) for user in active)
+        met = [user for user in active if demands[user] <= room * weights.get(user, DEFAULT_WEIGHT) / total]
+        if met:
+            for user in met:
+                shares[user], room = demands[user], room - demands[user]
+            active = [user for user in active if user not in met]
+            continue
+        for user in active:
+            shares[user] = int(room * weights.get(user, DEFAULT_WEIGHT) / total)
+        for user in active[:room - sum(shares[user] for user in active)]:
+            shares[user] += 1
+        break
+    return shares
+
+
+def prefill_caps(shares: Mapping[str, int], decode_tokens: Mapping[str, int], least: int) -> dict[str, int]:
+    """Prefill parity (module docstring): each user's prefill share, at most the tokens of the
+    other users' decode rows in the step (decode_tokens: user -> its rows' tokens), or least,
+    where there are any."""
+    total = sum(decode_tokens.values())
+    caps = {}
+    for user, tokens in shares.items():
+        others = total - decode_tokens.get(user, 0)
+        caps[user] = min(tokens, max(others, least)) if others else tokens
+    return caps

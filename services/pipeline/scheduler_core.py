@@ -236,8 +236,11 @@ class SchedulerState:
         postprocessor_id = self.placement.pick("postprocessor", self.pinned_count)
         if verifier_id is None or postprocessor_id is None:
             return False
-        if not self.planner.budget.room(verifier_id, self.pinned_count(verifier_id)):
-            return False  # the requests running there fill its step time (step_budget.py, step rows)
+        if not self.planner.budget.room(verifier_id, self.pinned_count(verifier_id)) and \
+                any(r.user == request.user and r.verifier_id == verifier_id for r in self.running.values()):
+            # the requests running there fill its step time (step_budget.py, step rows); a user
+            # with none there starts one all the same: another's requests never keep it out
+            return False
         request.verifier_id = self.placement.count_pin(verifier_id)
         request.postprocessor_id = self.placement.count_pin(postprocessor_id)
         if request.logprobs.prompt_logprobs is None and self.placement.keeps_prefixes(verifier_id):

@@ -13,7 +13,10 @@ already decoding):
    target_step_s at its measured pace) less the decode rows' tokens, and at least as many
    tokens as the decode rows took and MIN_STEP_TOKENS (decode rows that fill the budget alone
    leave prompts an equal share, so queued requests keep starting under load), at most what
-   max_step_tokens leaves. A request with completion tokens (resumed, or
+   max_step_tokens leaves. That room is split between the client users with prompts waiting
+   (fair_share.py: weighted max-min fair by what they ask, each user's at most the other
+   users' decode tokens in the step, or MIN_STEP_TOKENS, while they have any: prefill parity),
+   a user's requests taking its part oldest first. A request with completion tokens (resumed, or
    re-prefilled after a migration or resync) stops its prefill one token short, so its next
    token comes from a decode step at the same position as in the interrupted run
    (docs/PROTOCOL.md#scheduler-failover).
@@ -31,12 +34,14 @@ of up to max_tree_nodes nodes (the step's budget permitting) as deep as its k: w
 tree_choice.py prefers it, or in every step with adaptive_k off (docs/PROTOCOL.md#tree-drafts).
 """
 
+from collections import Counter
 from collections.abc import Iterable
 
 from schemas.config import SchedulerConfig
 from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse, VerifyResult
 from schemas.wire import Error
 from services.pipeline.adaptive_k import AdaptiveK
+from services.pipeline.fair_share import parse_user_weights, prefill_caps, split_fairly
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
 from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
@@ -54,6 +59,7 @@ class StepPlanner:
         use_trees = self.adaptive is not None and config.max_tree_nodes > 0
         self.trees = TreeChoice(self.adaptive, config.adaptive_k_probe_steps) if use_trees else None
         self.budget = StepBudget(config.target_step_s, config.max_step_tokens, config.verify_timeout_s, config.lanes)
+        self.weights = parse_user_weights(config.user_weights)
         self.num_plans = 0
 
     def plan(self, requests: Iterable[Request], in_flight: set[str], lane: int | None = None) -> StepPlan:
@@ -103,18 +109,33 @@ class StepPlanner:
             if row.num_draft:
                 draft_rows.setdefault(request.drafter_id, []).append(row)
         room = min(limit - used, max(step_tokens - used, used, MIN_STEP_TOKENS))
+        shares = self.prefill_shares(planned, prefill, room)
         for request in prefill:
-            if room < 1 or used >= limit:
+            if used >= limit:
                 break
+            if shares[request.user] < 1:
+                continue
             pending = request.pending_len - (len(request.completion) > 0)  # one token short: step 3
             hits = request.hit_run_at(request.verifier_len)  # step 4
-            chunk = min(pending, room + hits, limit - used)
+            chunk = min(pending, shares[request.user] + hits, limit - used)
             end = request.verifier_len + chunk
             planned.append(PlannedRow(request, request.verifier_len, end,
                                       emit=end == len(request.history) and not request.scoring, num_draft=0))
-            room -= max(chunk - hits, 0)
+            shares[request.user] -= max(chunk - hits, 0)
             used += chunk
         return planned
+
+    def prefill_shares(self, decode_rows: list[PlannedRow], prefill: list[Request], room: int) -> dict[str, int]:
+        """The prefill tokens of a step's room each user may take (step 3): split fairly between
+        the users by what their prompts ask, each capped by prefill parity while another user's
+        rows decode in the step (fair_share.py `split_fairly`, `prefill_caps`)."""
+        demands: Counter = Counter()
+        for request in prefill:
+            demands[request.user] += max(request.pending_len - (len(request.completion) > 0), 0)
+        decode_tokens: Counter = Counter()
+        for row in decode_rows:
+            decode_tokens[row.request.user] += 1 + row.draft_room
+        return prefill_caps(split_fairly(demands, self.weights, room), decode_tokens, MIN_STEP_TOKENS)
 
     def plan_decode_row(self, request: Request, budget: int, base_tokens: int = 0, base_k: int = 0,
                         alone: bool = True, others: int = 0) -> PlannedRow:

@@ -4,7 +4,8 @@ Admission through SchedulerState is in test_scheduler_core.py."""
 import pytest
 
 from schemas.errors import SpecbusError
-from services.pipeline.fair_share import (most_over_share, parse_user_weights, share, start_order_key,
+from services.pipeline.fair_share import (most_over_share, parse_user_weights, prefill_caps, share, split_fairly,
+                                          start_order_key,
                                           user_of_inbox)
 
 
@@ -33,3 +34,23 @@ def test_weights_and_inboxes_parse():
         with pytest.raises(SpecbusError, match="user_weights"):
             parse_user_weights(bad)
     assert user_of_inbox("_INBOX.alice.abc.1") == "alice" and user_of_inbox("_INBOX.x") == ""
+
+
+def test_prefill_room_is_split_max_min_fair_by_weight():
+    """A user asking less than its slice gets what it asks; the others share the rest by weight;
+    every token of the room is given while anyone asks for more."""
+    assert split_fairly({"alice": 5, "bob": 4000}, {}, 200) == {"alice": 5, "bob": 195}
+    assert split_fairly({"alice": 4000, "bob": 4000}, {}, 201) == {"alice": 101, "bob": 100}
+    assert split_fairly({"alice": 4000, "bob": 4000}, {"alice": 3}, 200) == {"alice": 150, "bob": 50}
+    assert split_fairly({"alice": 10, "bob": 20}, {}, 100) == {"alice": 10, "bob": 20}
+    assert split_fairly({"alice": 0, "bob": 50}, {}, 10) == {"alice": 0, "bob": 10}
+
+
+def test_prefill_parity_caps_a_user_while_another_users_rows_decode():
+    """While alice's rows decode in the step (5 tokens), bob's prefill takes at most as many, or
+    the floor; a user whose own rows alone decode is not capped."""
+    shares = {"alice": 0, "bob": 195}
+    assert prefill_caps(shares, {"alice": 5}, 32) == {"alice": 0, "bob": 32}
+    assert prefill_caps(shares, {"alice": 80}, 32) == {"alice": 0, "bob": 80}
+    assert prefill_caps(shares, {"bob": 5}, 32) == shares
+    assert prefill_caps(shares, {}, 32) == shares

@@ -1,7 +1,11 @@
 """The step planner (services/pipeline/step_planner.py), through the scheduler's core without
 NATS: decode rows first, prefill chunks in the token budget, max_batch_rows, drafts within
-max_tokens, a resumed request's prefill one token short."""
+max_tokens, a resumed request's prefill one token short, the prefill room shared fairly
+between client users."""
 
+import time
+
+from schemas.generation import GenerateRequest
 from services.pipeline.step_budget import MIN_STEP_TOKENS
 from tests.services.pipeline.scheduler_harness import (
     beat,
@@ -160,3 +164,49 @@ def test_with_rows_scarce_decoding_requests_come_first_and_one_row_is_kept_for_a
     _, requests, _ = step(state)
     rows = requests["v1"].rows
     assert [len(r.new_token_ids) for r in rows] == [1, 1, 4] and rows[-1].request_id == "late"
+
+
+def admit_as(state, user, request_id, prompt_ids, max_tokens=8):
+    generate = GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                               sampling={"temperature": 0.0, "max_tokens": max_tokens})
+    return state.admit(generate, f"_INBOX.{user}.{request_id}", list(prompt_ids), time.time())
+
+
+def test_one_users_long_prompts_share_each_step_with_another_users_prompt_and_decode_rows(tokenizer):
+    """bob's four long prompts arrived first; alice's short one gets its whole prompt in the
+    next step beside them (max-min fair split of the room), and while her row decodes bob's
+    prefill takes at most MIN_STEP_TOKENS a step (prefill parity): her steps stay short."""
+    state = new_state(tokenizer, target_step_s=0.5)
+    budget = measured(state, 1 / 256)  # 128 tokens a step
+    for i in range(4):
+        admit_as(state, "bob", f"bob{i}", [10 + i] * 1000, max_tokens=1)
+    step(state)
+    admit_as(state, "alice", "alice", [5, 6, 7], max_tokens=8)
+    _, requests, _ = step(state)
+    rows = {r.request_id: r for r in requests["v1"].rows}
+    assert len(rows["alice"].new_token_ids) == 3 and rows["alice"].emit
+    assert sum(len(r.new_token_ids) for r in rows.values()) <= budget
+    for _ in range(5):  # alice decodes
+        _, requests, _ = step(state)
+        rows = {r.request_id: r for r in requests["v1"].rows}
+        assert rows["alice"].emit and len(rows["alice"].new_token_ids) == 1
+        assert sum(len(r.new_token_ids) for name, r in rows.items() if name != "alice") <= MIN_STEP_TOKENS
+    for _ in range(4):
+        step(state)  # alice finishes (max_tokens 8): bob's prefill takes the whole room again
+    _, requests, _ = step(state)
+    assert "alice" not in state.running
+    assert sum(len(r.new_token_ids) for r in requests["v1"].rows) == budget
+
+
+def test_a_user_with_nothing_running_starts_while_anothers_requests_fill_the_step_rows(tokenizer):
+    """The step rows (step_budget.py) keep bob's new requests queued once his running ones fill
+    the step time; alice, with none running, starts at the next boundary all the same."""
+    state = new_state(tokenizer)
+    for i in range(3):
+        admit_as(state, "bob", f"bob{i}", [5, 6, 7], max_tokens=50)
+    step(state)
+    step(state, step_s=3 * 0.5 * state.config.target_step_s * 10)  # 10 x what the rows may fill
+    late = admit_as(state, "bob", "bob-late", [5, 6, 7])
+    admit_as(state, "alice", "alice", [5, 6, 7])
+    state.boundary(time.time())
+    assert "alice" in state.running and late in state.waiting
