@@ -5,6 +5,8 @@ unpacked, logits masked."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import structlog
 import torch
@@ -32,11 +34,14 @@ def warm_grammars(owner, vocab_size: int) -> None:
     part), so the first request with a grammar pays none of it; a service calls it before it
     heartbeats. A tokenizer llguidance cannot read is logged once here (a row with a grammar
     then fails alone)."""
+    started = time.monotonic()
     try:
         grammars_of(owner, vocab_size).matcher(StructuredOutputs(json_object=True))
     except Exception as exc:
         owner.grammars = None
         log.warning("grammars_unavailable", error=f"{type(exc).__name__}: {exc}")
+        return
+    log.info("grammars_warmed", seconds=round(time.monotonic() - started, 3))
 
 
 def unpack(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ asks it on every GenerateRequest and at every step boundary.
   max_running run.
 """
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
@@ -229,10 +230,13 @@ class Admission:
     def warm_grammars(self) -> None:
         """compiled_grammars before the scheduler serves, so no request pays for them; a tokenizer
         llguidance cannot read is logged once here (a request with a grammar then fails alone)."""
+        started = time.monotonic()
         try:
             self.compiled_grammars()
         except Exception as exc:
             log.warning("grammars_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("grammars_warmed", seconds=round(time.monotonic() - started, 3))
 
     def check_prompt_text(self, request: GenerateRequest) -> None:
         """Refuse a text prompt or chat that cannot fit in max_seq_len before tokenizing it

@@ -15,8 +15,9 @@ already decoding):
    leave prompts an equal share, so queued requests keep starting under load), at most what
    max_step_tokens leaves. That room is split between the client users with prompts waiting
    (fair_share.py: weighted max-min fair by what they ask, each user's at most the other
-   users' decode tokens in the step, or MIN_STEP_TOKENS, while they have any: prefill parity),
-   a user's requests taking its part oldest first. A request with completion tokens (resumed, or
+   users' decode tokens in the step, or MIN_STEP_TOKENS, while they have any: prefill parity;
+   a prompt that ends within MIN_STEP_TOKENS counts as decode rows), a user's requests taking
+   its part oldest first. A request with completion tokens (resumed, or
    re-prefilled after a migration or resync) stops its prefill one token short, so its next
    token comes from a decode step at the same position as in the interrupted run
    (docs/PROTOCOL.md#scheduler-failover).
@@ -128,11 +129,14 @@ class StepPlanner:
     def prefill_shares(self, decode_rows: list[PlannedRow], prefill: list[Request], room: int) -> dict[str, int]:
         """The prefill tokens of a step's room each user may take (step 3): split fairly between
         the users by what their prompts ask, each capped by prefill parity while another user's
-        rows decode in the step (fair_share.py `split_fairly`, `prefill_caps`)."""
+        rows decode in the step, or its prompt ends within MIN_STEP_TOKENS (its first token is as
+        much a latency as a decode row's: fair_share.py `split_fairly`, `prefill_caps`)."""
         demands: Counter = Counter()
+        decode_tokens: Counter = Counter()  # a prompt's last MIN_STEP_TOKENS count as decode rows
         for request in prefill:
-            demands[request.user] += max(request.pending_len - (len(request.completion) > 0), 0)
-        decode_tokens: Counter = Counter()
+            pending = max(request.pending_len - (len(request.completion) > 0), 0)
+            demands[request.user] += pending
+            decode_tokens[request.user] += pending if pending <= MIN_STEP_TOKENS else 0
         for row in decode_rows:
             decode_tokens[row.request.user] += 1 + row.draft_room
         return prefill_caps(split_fairly(demands, self.weights, room), decode_tokens, MIN_STEP_TOKENS)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 WAIT_S = 300.0  # the most any request here waits before the test fails
 ATTACK_FACTOR = 2.0  # alice's latency under attack, in her control latencies
-SLACK_S = 1.5  # plus this: a step's time at target_step_s, and room for a busy machine
+SLACK_S = 2.0  # plus this: the step in flight when alice arrives, on a machine that may be busy
 CONTROL = {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
 WIDE = "start: " + " | ".join('"w%dz"' % i for i in range(3000))  # an Earley row past its limit at once
 LATE = "start: " + " ".join(['("a" | "b")'] * 24) + " wide\nwide: " + " | ".join('"w%dz"' % i for i in range(3000))
@@ -99,14 +99,14 @@ async def test_a_grammar_that_breaks_later_fails_its_own_request_only(stack, mod
     started = time.monotonic()
     attacks = [asyncio.create_task(bob.completions.create(
         model=model, prompt="x", max_tokens=64, temperature=0.0,
-        extra_body={"structured_outputs": {"grammar": LATE}, "timeout_s": 120})) for _ in range(4)]
+        extra_body={"structured_outputs": {"grammar": LATE}, "timeout_s": 30})) for _ in range(4)]
     under_s = await control_s(alice, model)
     results = await asyncio.gather(*attacks, return_exceptions=True)
     failed_s = time.monotonic() - started
     for result in results:
         assert isinstance(result, openai.APIStatusError), result
         assert result.body["param"] == "structured_outputs" and result.body["code"] == "invalid_field", result.body
-    assert failed_s < 60.0, f"bob's requests ended after {failed_s:.1f} s: at their deadline, not their failure"
+    assert failed_s < 20.0, f"bob's requests ended after {failed_s:.1f} s: at their deadline, not their failure"
     check_bound(under_s, baseline_s, "late grammar")
     log = (stack.log_dir / "verifier-0.log").read_text()
     assert "Traceback" not in log and log.count("verify_rows_failed") <= len(attacks)
@@ -161,3 +161,10 @@ async def test_what_answers_without_a_key_shows_no_tenant(stack, model):
         assert response.status == 200, path
         for private in (secret, "alice", "bob", stack.api_key("alice"), stack.api_key("bob")):
             assert private not in body, (path, private)
+
+
+async def test_every_service_that_follows_grammars_warmed_them_before_it_served(stack):
+    """The first structured-output request pays no warm-up: the scheduler, the verifier and the
+    drafter compiled a grammar at start."""
+    for instance_id in ("scheduler-0", "verifier-0", "drafter-0"):
+        assert "grammars_warmed" in (stack.log_dir / f"{instance_id}.log").read_text(), instance_id

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.roles.grammar_masks import warm_grammars
 from gpu_worker.roles.verifier_core import load_verifier, verify_batch
 from schemas.config import VerifierConfig, load_config
 from schemas.generation import LogprobOptions, RowSampling
@@ -190,3 +191,12 @@ def test_logprobs_report_the_raw_law_or_the_masked_one(target, mode):
         finite = np.isfinite(masked.top_logprobs[0])
         assert set(masked.top_ids[0][finite].tolist()) <= digits and finite.any()
         assert not set(free.top_ids[0].tolist()) <= digits
+
+
+def test_warm_grammars_compiles_before_the_first_row(target):
+    """The verifier and the drafter warm their grammars before they heartbeat: the first row
+    with a grammar pays no tokenizer view and no first compile."""
+    verifier = verifier_of(target)
+    assert verifier.grammars is None
+    warm_grammars(verifier, verifier.vocab_size)
+    assert verifier.grammars is not None and len(verifier.grammars.templates) == 1

@@ -6,10 +6,12 @@ import time
 
 import pytest
 
+from schemas.config import TINY_TARGET
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import GenerateRequest, seed_from_request_id
 from services.pipeline.admission import prompt_token_ids
+from text.tokenizer import load_tokenizer
 from tests.services.pipeline.scheduler_harness import (
     EOS,
     TOKENIZER_HASH,
@@ -210,3 +212,18 @@ def test_max_tokens_over_the_effective_cap_is_refused_stating_that_cap(tokenizer
     assert info.value.field == "sampling.max_tokens"
     state.admission.check_request(GenerateRequest(request_id="fits", prompt_token_ids=[5, 6],
                                                   sampling={"max_tokens": 32}))
+
+
+def test_grammars_are_warmed_before_any_request_and_a_grammar_is_probed():
+    """warm_grammars (the scheduler calls it before it serves) makes the grammar view of the
+    tokenizer and compiles one grammar, so the first request with a grammar pays neither; a
+    grammar that breaks the matcher in its first tokens is refused naming the field."""
+    state = new_state(load_tokenizer(TINY_TARGET))
+    assert state.admission.grammars is None
+    state.admission.warm_grammars()
+    assert state.admission.grammars is not None and len(state.admission.grammars.templates) == 1
+    wide = "start: " + " | ".join('"w%dz"' % i for i in range(3000))
+    with pytest.raises(SpecbusError, match="grammar fails after") as refused:
+        state.admission.check_grammar(GenerateRequest(request_id="wide", prompt="x",
+                                                      sampling={"structured_outputs": {"grammar": wide}}))
+    assert refused.value.field == "sampling.structured_outputs"
