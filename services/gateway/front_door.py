@@ -32,7 +32,8 @@ DRAIN_FACTOR = 2  # a body up to this many times max_body_bytes is read out befo
 
 def needs_api_key(path: str) -> bool:
     """Everything under /v1 needs a key (even a route that does not exist: the key is checked
-    before anything else); /health, /metrics and the OpenAPI docs do not."""
+    before anything else); /health, /metrics and the OpenAPI docs do not, by design: they show
+    no tenant's data (docs/PROTOCOL.md#tenant-isolation says why)."""
     return path == "/v1" or path.startswith("/v1/")
 
 
