@@ -6,6 +6,7 @@ import time
 
 from schemas.generation import GenerateRequest
 from services.pipeline.prefix_hints import HINT_BLOCK, PrefixHints
+from services.pipeline.step_budget import MIN_STEP_TOKENS
 from tests.services.pipeline.scheduler_harness import beat, new_state, step, submit
 from tests.services.pipeline.test_step_planner import measured, prefill_chunks
 
@@ -39,10 +40,14 @@ def finished_turn(state, request_id, prompt_ids):
 def test_a_chats_next_turn_takes_the_history_its_verifier_holds_in_its_first_chunk(tokenizer):
     """Turn 2's prompt is turn 1's history and 300 new tokens: with the verifier's cache holding
     turn 1 (as it does after the release), its first chunk is that history and the step's share
-    (128 less the four decode rows), where otherwise the chunks grow from one share; a hint the
-    cache no longer holds costs one step that computes the hint as well as its share."""
+    (128 less the four decode rows), where otherwise the chunks grow from one share (another
+    user's, beside the first user's decode rows, from MIN_STEP_TOKENS: fair_share.py's prefill
+    parity); a hint the cache no longer holds costs one step that computes the hint as well as
+    its share."""
     for caching, user, held, first in [("on", "", 202, (202 + 124, 202)),
-                                       ("on", "other", 0, (124, 0)),  # another user's cache holds nothing of it
+                                       # another user's cache holds nothing of it, and beside the
+                                       # first user's decode rows its prefill is capped (prefill parity)
+                                       ("on", "other", 0, (MIN_STEP_TOKENS, 0)),
                                        (None, "", 0, (124, 0)),  # a verifier without a prefix cache
                                        ("on", "", 0, (202 + 124, 0))]:  # turn 1 evicted: one larger step
         state = new_state(tokenizer, target_step_s=0.5)
