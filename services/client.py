@@ -30,7 +30,8 @@ the schedulers' heartbeats. When the scheduler running a request is silent for
 heartbeat_timeout_s, or the stream lost something on the way (a gap before the final chunk, an
 `unavailable` error chunk that names no scheduler: a lost commit, nothing for idle_timeout_s),
 the request is sent again as a new run resuming after the tokens already read (same seed, same
-positions: the same output), at most MAX_FAILOVERS times in a row without a token read between;
+positions: the same output), at most MAX_FAILOVERS times in a row (no token read between, and
+no scheduler it left beating again: `Stream.num_failovers`);
 only then do the errors above apply.
 A request no scheduler acknowledged within admission_timeout_s (it, or the answer, was lost in a
 dying NATS node) is sent again the same way, and so is one whose scheduler stops (SIGTERM: an
@@ -301,9 +302,11 @@ class Stream:
         self.delivered: list[int] = []
         self.owner: str | None = None  # the scheduler named by the run's chunks
         self.schedulers_at_send = client.live_schedulers()
-        self.num_failovers = 0
         self.num_runs = 0  # runs sent after the first: failovers and resends after `no responders`
-        self.delivered_at_failover = 0  # tokens read when num_failovers last started from 0
+        # the counted failovers since the last run that read a token: (the schedulers blamed,
+        # time.monotonic()); one whose scheduler beat again since (a partition) is not counted
+        self.blamed: list[tuple[frozenset[str], float]] = []
+        self.delivered_at_failover = 0  # tokens read at the last failover
 
     def __aiter__(self) -> Stream:
         return self
@@ -452,11 +455,17 @@ class Stream:
         while time.monotonic() < self.deadline and max(self.client.scheduler_beats.values(), default=since) <= since:
             await asyncio.sleep(SCHEDULER_POLL_S)
 
+    @property
+    def num_failovers(self) -> int:
+        """Counted failovers in a row: since the last run that read a token, and not those whose
+        blamed scheduler beat again afterwards (cut off by a partition, not killed by the request)."""
+        beats = self.client.scheduler_beats
+        return sum(1 for names, at in self.blamed if not any(beats.get(name, at) > at for name in names))
+
     def _may_fail_over(self, counted: bool = True) -> bool:
-        """Failover is on and, for a counted one, fewer than MAX_FAILOVERS were spent since the
-        last run that read a token (a run that made progress starts the count afresh)."""
-        if len(self.delivered) > self.delivered_at_failover:
-            self.num_failovers, self.delivered_at_failover = 0, len(self.delivered)
+        """Failover is on and, for a counted one, fewer than MAX_FAILOVERS are counted."""
+        if len(self.delivered) > self.delivered_at_failover:  # the last run made progress
+            self.blamed, self.delivered_at_failover = [], len(self.delivered)
         return self.client.failover and (not counted or self.num_failovers < MAX_FAILOVERS)
 
     async def _failover(self, why: str, counted: bool = True) -> bool:
@@ -469,7 +478,8 @@ class Stream:
         False: a resend after `no responders`, which MAX_FAILOVERS does not count."""
         if not self._may_fail_over(counted):
             return False
-        self.num_failovers += counted
+        if counted:
+            self.blamed.append((frozenset([self.owner] if self.owner else self.schedulers_at_send), time.monotonic()))
         self.num_runs += 1
         old_run, old_subscription = self.run_id, self.subscription
         logprobs = self.request.logprobs
