@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 ROOT = "root"
 FIRST_HOST = 10  # address of the first namespace: .1 is the bridge, a few left spare
@@ -170,7 +169,3 @@ class Namespaces:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-
-def leftover_namespaces() -> list[str]:
-    """Namespaces of harnesses that died without close() (for `make chaos-clean`)."""
-    return [p.name for p in Path("/run/netns").glob("sbc*-*")] if Path("/run/netns").exists() else []
