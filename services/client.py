@@ -30,9 +30,8 @@ the schedulers' heartbeats. When the scheduler running a request is silent for
 heartbeat_timeout_s, or the stream lost something on the way (a gap before the final chunk, an
 `unavailable` error chunk that names no scheduler: a lost commit, nothing for idle_timeout_s),
 the request is sent again as a new run resuming after the tokens already read (same seed, same
-positions: the same output), at most MAX_FAILOVERS times in a row (no token read between, and
-no scheduler it left beating again: `Stream.num_failovers`);
-only then do the errors above apply.
+positions: the same output), at most MAX_FAILOVERS times in a row (`Stream.num_failovers`); only
+then do the errors above apply.
 A request no scheduler acknowledged within admission_timeout_s (it, or the answer, was lost in a
 dying NATS node) is sent again the same way, and so is one whose scheduler stops (SIGTERM: an
 error chunk `shutting_down`), to another scheduler.
@@ -70,9 +69,7 @@ log = structlog.get_logger(__name__)
 
 MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missing seq
 SCHEDULER_POLL_S = 0.05  # how often a failover waiting for a live scheduler looks again
-# failovers of one request in a row, no token read in between, before it fails with StreamBroken
-# (a request that kills every scheduler it meets stops there; one that makes progress goes on)
-MAX_FAILOVERS = 3
+MAX_FAILOVERS = 3  # failovers in a row (Stream.num_failovers) before a request fails with StreamBroken
 NO_RESPONDERS_RETRY_S = 1.0  # before sending again when live schedulers did not listen
 MAX_RUN_ID_STEM = 110  # a failover run's id is <stem>.failover<n>, within RequestId's 128 characters
 
@@ -303,9 +300,7 @@ class Stream:
         self.owner: str | None = None  # the scheduler named by the run's chunks
         self.schedulers_at_send = client.live_schedulers()
         self.num_runs = 0  # runs sent after the first: failovers and resends after `no responders`
-        # the counted failovers since the last run that read a token: (the schedulers blamed,
-        # time.monotonic()); one whose scheduler beat again since (a partition) is not counted
-        self.blamed: list[tuple[frozenset[str], float]] = []
+        self.blamed: list[tuple[frozenset[str], float]] = []  # counted failovers: (schedulers, when)
         self.delivered_at_failover = 0  # tokens read at the last failover
 
     def __aiter__(self) -> Stream:
@@ -457,8 +452,9 @@ class Stream:
 
     @property
     def num_failovers(self) -> int:
-        """Counted failovers in a row: since the last run that read a token, and not those whose
-        blamed scheduler beat again afterwards (cut off by a partition, not killed by the request)."""
+        """Counted failovers in a row: since the last run that read a token, less those whose
+        blamed scheduler beat again afterwards (cut off by a partition, not killed): a request that
+        kills every scheduler it meets stops at MAX_FAILOVERS, one that makes progress goes on."""
         beats = self.client.scheduler_beats
         return sum(1 for names, at in self.blamed if not any(beats.get(name, at) > at for name in names))
 
