@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specbus-installed
 
-.PHONY: install models test demo selfcheck compose-check clean distclean
+.PHONY: install models test demo selfcheck compose-check chaos clean distclean
 
 install: $(STAMP)
 
@@ -49,6 +49,14 @@ selfcheck: models
 # (faults included) and takes it down. One summary line; non-zero on any failure.
 compose-check: models
 	$(BIN)/python ops/compose_check.py
+
+# The fault harness by hand (ops/chaos.py; needs root): every service and NATS node in a network
+# namespace of its own, CHAOS_STREAMS streams, a fault every few seconds for CHAOS_S seconds,
+# then the checker; the history and summary in chaos-out/. Non-zero if the checker finds a problem.
+CHAOS_S ?= 1800
+CHAOS_STREAMS ?= 16
+chaos: models
+	nice -n 19 $(BIN)/python -m ops.chaos --duration-s $(CHAOS_S) --streams $(CHAOS_STREAMS) --out chaos-out
 
 # Build and test leftovers; the venv stays (distclean removes it too).
 clean:

@@ -30,7 +30,8 @@ the schedulers' heartbeats. When the scheduler running a request is silent for
 heartbeat_timeout_s, or the stream lost something on the way (a gap before the final chunk, an
 `unavailable` error chunk that names no scheduler: a lost commit, nothing for idle_timeout_s),
 the request is sent again as a new run resuming after the tokens already read (same seed, same
-positions: the same output), at most MAX_FAILOVERS times; only then do the errors above apply.
+positions: the same output), at most MAX_FAILOVERS times in a row (`Stream.num_failovers`); only
+then do the errors above apply.
 A request no scheduler acknowledged within admission_timeout_s (it, or the answer, was lost in a
 dying NATS node) is sent again the same way, and so is one whose scheduler stops (SIGTERM: an
 error chunk `shutting_down`), to another scheduler.
@@ -68,7 +69,7 @@ log = structlog.get_logger(__name__)
 
 MAX_BUFFERED_CHUNKS = 1024  # out-of-order chunks held while waiting for a missing seq
 SCHEDULER_POLL_S = 0.05  # how often a failover waiting for a live scheduler looks again
-MAX_FAILOVERS = 3  # scheduler failovers of one request before it fails with StreamBroken
+MAX_FAILOVERS = 3  # failovers in a row (Stream.num_failovers) before a request fails with StreamBroken
 NO_RESPONDERS_RETRY_S = 1.0  # before sending again when live schedulers did not listen
 MAX_RUN_ID_STEM = 110  # a failover run's id is <stem>.failover<n>, within RequestId's 128 characters
 
@@ -298,7 +299,9 @@ class Stream:
         self.delivered: list[int] = []
         self.owner: str | None = None  # the scheduler named by the run's chunks
         self.schedulers_at_send = client.live_schedulers()
-        self.num_failovers = 0
+        self.num_runs = 0  # runs sent after the first: failovers and resends after `no responders`
+        self.blamed: list[tuple[frozenset[str], float]] = []  # counted failovers: (schedulers, when)
+        self.delivered_at_failover = 0  # tokens read at the last failover
 
     def __aiter__(self) -> Stream:
         return self
@@ -326,7 +329,7 @@ class Stream:
         that names no scheduler, not the scheduler's verdict but the postprocessor giving up on
         a commit lost on the way (a dead NATS node), or the scheduler finding no postprocessor."""
         error = chunk.error
-        if not self.client.failover or self.num_failovers >= MAX_FAILOVERS:
+        if not self._may_fail_over():
             return False
         if error.code == ErrorCode.shutting_down:
             await self._until_a_scheduler_lives({chunk.scheduler_id or self.owner})
@@ -356,7 +359,7 @@ class Stream:
                 if self.owner_dead_at() > time.monotonic():
                     return  # a beat came while waiting
                 dead = set(self.schedulers_at_send if self.owner is None else [self.owner])
-                await self._until_a_scheduler_lives(dead)
+                await self._until_a_scheduler_lives(dead, silent=True)
                 if await self._failover(f"scheduler {self.owner or '(not known yet)'} silent"):
                     return
                 self.finished = True
@@ -376,11 +379,14 @@ class Stream:
             self.finished = True
             raise RequestError(ErrorCode.forbidden, exc.message, request_id=self.request.request_id) from None
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
-            # Schedulers heartbeat but none listened: their request connections are reconnecting
-            # (a NATS node died). Send again shortly, as after a lost request.
-            if self.schedulers_at_send:
+            # No scheduler listened: their request connections are reconnecting (a NATS node
+            # died), or every scheduler died and the supervisor is starting one. A request that
+            # was sent while schedulers lived (or is a resend) waits for a scheduler that beats
+            # from now on and goes again, not counted as a failover (its deadline bounds it).
+            if self.schedulers_at_send or self.num_runs:
+                await self._until_a_scheduler_beats(since=time.monotonic())
                 await asyncio.sleep(NO_RESPONDERS_RETRY_S)
-                if await self._failover("no scheduler listened"):
+                if await self._failover("no scheduler listened", counted=False):
                     return
             self.finished = True
             raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.generate_subject!r}",
@@ -427,28 +433,55 @@ class Stream:
         seen = [beats[owner] for owner in owners if owner in beats]
         return min(seen) + self.client.heartbeat_timeout_s if seen else None
 
-    async def _until_a_scheduler_lives(self, dead: set[str]) -> None:
+    async def _until_a_scheduler_lives(self, dead: set[str], silent: bool = False) -> None:
         """Wait, polling heartbeats up to the deadline, for a live scheduler other than the dead
         ones: with one scheduler, `specbus up` restarts it under a new instance id, and the
-        request goes on there instead of meeting `no responders` while it starts."""
-        while not set(self.client.live_schedulers()) - dead and time.monotonic() < self.deadline:
+        request goes on there instead of meeting `no responders` while it starts. silent: the
+        dead ones were found silent, so one that beats again counts too (it was cut off by a
+        partition, now healed); a stopping one beats while it drains, and does not."""
+        since = time.monotonic()
+        beats = self.client.scheduler_beats
+        while time.monotonic() < self.deadline and not any(
+                name not in dead or (silent and beats.get(name, since) > since) for name in self.client.live_schedulers()):
             await asyncio.sleep(SCHEDULER_POLL_S)
 
-    async def _failover(self, why: str) -> bool:
+    async def _until_a_scheduler_beats(self, since: float) -> None:
+        """Wait, polling heartbeats up to the deadline, for any scheduler's beat after `since`."""
+        while time.monotonic() < self.deadline and max(self.client.scheduler_beats.values(), default=since) <= since:
+            await asyncio.sleep(SCHEDULER_POLL_S)
+
+    @property
+    def num_failovers(self) -> int:
+        """Counted failovers in a row: since the last run that read a token, less those whose
+        blamed scheduler beat again afterwards (cut off by a partition, not killed): a request that
+        kills every scheduler it meets stops at MAX_FAILOVERS, one that makes progress goes on."""
+        beats = self.client.scheduler_beats
+        return sum(1 for names, at in self.blamed if not any(beats.get(name, at) > at for name in names))
+
+    def _may_fail_over(self, counted: bool = True) -> bool:
+        """Failover is on and, for a counted one, fewer than MAX_FAILOVERS are counted."""
+        if len(self.delivered) > self.delivered_at_failover:  # the last run made progress
+            self.blamed, self.delivered_at_failover = [], len(self.delivered)
+        return self.client.failover and (not counted or self.num_failovers < MAX_FAILOVERS)
+
+    async def _failover(self, why: str, counted: bool = True) -> bool:
         """Send the request again, as a new run with the completion read so far as
         resume_token_ids and the same seed, so another scheduler continues it token for token:
         its scheduler died (or, before the first chunk, one that may have had it), or the stream
         lost a chunk or a commit (`why`). The new run's chunks continue this stream's seqs, the
         first flagged `failover`; chunks of the old run not read yet are dropped (the new run
-        sends those tokens again). False: failover is off or MAX_FAILOVERS were spent."""
-        if not self.client.failover or self.num_failovers >= MAX_FAILOVERS:
+        sends those tokens again). False: failover is off or MAX_FAILOVERS were spent. counted
+        False: a resend after `no responders`, which MAX_FAILOVERS does not count."""
+        if not self._may_fail_over(counted):
             return False
-        self.num_failovers += 1
+        if counted:
+            self.blamed.append((frozenset([self.owner] if self.owner else self.schedulers_at_send), time.monotonic()))
+        self.num_runs += 1
         old_run, old_subscription = self.run_id, self.subscription
         logprobs = self.request.logprobs
         if self.next_seq > 0:  # the first chunk, with the prompt logprobs, was read
             logprobs = logprobs.model_copy(update={"prompt_logprobs": None})
-        self.run_id = f"{self.request.request_id[:MAX_RUN_ID_STEM]}.failover{self.num_failovers}"
+        self.run_id = f"{self.request.request_id[:MAX_RUN_ID_STEM]}.failover{self.num_runs}"
         remaining_s = max(self.deadline - self.client.timeout_margin_s - time.monotonic(), 1.0)
         run = self.request.model_copy(update={
             "request_id": self.run_id, "logprobs": logprobs, "timeout_s": remaining_s,

@@ -36,6 +36,7 @@ from gpu_worker.runtime.kv_cache import KVCache
 from text.grammar import Grammars
 from gpu_worker.runtime.model import Model
 from gpu_worker.runtime.quantized import WEIGHT_FORMATS, has_blocks, usable
+from schemas.clock import wall as wall_clock
 from schemas.config import ModelServiceConfig, parse_bytes
 from schemas.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
@@ -229,4 +230,4 @@ def evict_idle(owner: SlotOwner, now: float | None = None) -> int:
 def instance_heartbeat(owner: SlotOwner, role: str, interval_s: float) -> Heartbeat:
     return Heartbeat(instance_id=owner.instance_id, role=role, capacity=owner.cache.max_slots,
                      load=len(owner.requests), free_slots=owner.cache.num_admissible, model_ids=owner.model_ids,
-                     sent_at=time.time(), interval_s=interval_s)
+                     sent_at=wall_clock(), interval_s=interval_s)

@@ -83,6 +83,9 @@ class NatsServerConfig:
     server_name: str | None = None  # None: the server's random id
     http_port: int | None = None  # monitoring (/healthz, /connz, ...): None off, 0 a free port
     cluster: ClusterConfig | None = None  # set: this server is a node of that cluster
+    # argv run before the binary, e.g. ("ip", "netns", "exec", "<ns>") for a node in a network
+    # namespace of its own (ops/netns.py); it must exec the binary, so the pid stays the server's
+    exec_prefix: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -191,7 +194,7 @@ class NatsServer:
         log_path = self.workdir / "server.log"
         with log_path.open("wb") as log_file:
             self.process = subprocess.Popen(
-                [str(binary), "-c", str(config_path)],
+                [*self.config.exec_prefix, str(binary), "-c", str(config_path)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -282,11 +285,16 @@ class NatsCluster:
     config: NatsServerConfig = field(default_factory=NatsServerConfig)
     size: int = 3
     name: str = "specbus"
+    # node i's (host, exec_prefix), e.g. each in a network namespace of its own (ops/netns.py);
+    # empty: config's host and exec_prefix for every node
+    places: tuple[tuple[str, tuple[str, ...]], ...] = ()
     nodes: list[NatsServer] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"size: a cluster needs at least 1 node, got {self.size}")
+        if self.places and len(self.places) != self.size:
+            raise ValueError(f"places: one (host, exec_prefix) per node, got {len(self.places)} for {self.size}")
 
     @property
     def urls(self) -> list[str]:
@@ -310,9 +318,10 @@ class NatsCluster:
         password = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(32))
         try:
             for index in range(self.size):
-                routes = tuple(f"{self.config.host}:{node.cluster_port}" for node in self.nodes)
+                routes = tuple(f"{node.config.host}:{node.cluster_port}" for node in self.nodes)
+                host, exec_prefix = self.places[index] if self.places else (self.config.host, self.config.exec_prefix)
                 node_config = replace(
-                    self.config, server_name=f"{self.name}-{index}",
+                    self.config, server_name=f"{self.name}-{index}", host=host, exec_prefix=exec_prefix,
                     port=self.config.port + index if self.config.port else 0,
                     http_port=self.config.http_port + index if self.config.http_port else self.config.http_port,
                     cluster=ClusterConfig(self.name, password, routes=routes))

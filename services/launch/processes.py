@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
@@ -32,6 +33,17 @@ PARENT_PID_ENV = "SPECBUS_PARENT_PID"
 # finish their step in flight against live drafters and verifiers and send every final commit to
 # a live postprocessor, which stops last.
 STOP_ORDER = (("gateway",), ("scheduler",), ("drafter", "verifier"), ("postprocessor",))
+
+
+class Placement(Protocol):
+    """Where a stack's processes run (ops/netns.py: each in a network namespace of its own)."""
+
+    def nats_nodes(self, size: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Each NATS node's (host it listens on, argv prefix that runs it there)."""
+
+    def exec_prefix(self, role: str, instance_id: str) -> tuple[str, ...]:
+        """The argv prefix that runs one service instance where it belongs (it must exec, so
+        the process's pid stays the service's)."""
 
 
 class StackError(RuntimeError):

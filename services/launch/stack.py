@@ -64,7 +64,7 @@ from services.client import Client as SpecbusClient
 from services.launch.credentials import CREDENTIALS_FILE, StackCredentials
 from services.launch.health import HeartbeatWatch, accepts_http, wait_ready
 from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
-from services.launch.processes import (ServiceProcess, StackError, build_linear_kernel, free_port,
+from services.launch.processes import (Placement, ServiceProcess, StackError, build_linear_kernel, free_port,
                                        start_service_process, stop_in_order)
 from services.runtime.auth import CLIENT, MONITOR, check_user_names
 from services.runtime.bus import connect
@@ -129,6 +129,8 @@ class StackConfig:
     # (a restarted id keeps its own), listed in Stack.metrics_ports.
     metrics_port_base: int = 0
     stop_timeout_s: float = 10.0
+    # where the NATS nodes and the services run (ops/netns.py: a network namespace each); None: here
+    placement: Placement | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -353,8 +355,11 @@ class Stack:
             nats = self.config.nats
             if self.config.auth:
                 nats = dataclasses.replace(nats, users=self.credentials.generate(self.log_dir, self.config.prefix))
-            server = NatsServer(nats) if self.config.nats_cluster == 1 else \
-                NatsCluster(nats, size=self.config.nats_cluster)
+            size, placement = self.config.nats_cluster, self.config.placement
+            places = placement.nats_nodes(size) if placement is not None else ()
+            if size == 1 and places:
+                nats = dataclasses.replace(nats, host=places[0][0], exec_prefix=places[0][1])
+            server = NatsServer(nats) if size == 1 else NatsCluster(nats, size=size, places=places)
             self.server = await self.exit_stack.enter_async_context(server)
             self.credentials.add_nats_env(self.log_dir, self.server.url, self.config.prefix)
             own = self.login(MONITOR) or {"user": self.config.nats_user, "password": self.config.nats_password}
@@ -395,6 +400,8 @@ class Stack:
             self.gateway_ports[instance_id] = http_port
         argv = serve_command(role, instance_id, self.url, self.config) + \
             port_args(role, instance_id, self.config, self.metrics_ports, self.gateway_ports)
+        if self.config.placement is not None:
+            argv = [*self.config.placement.exec_prefix(role, instance_id), *argv]
         env = {**self.credentials.role_env(role), **self.config.role_env.get(role, {})}
         self.watch.forget(instance_id)
         started = await start_service_process(role, instance_id, argv, env, self.log_dir / f"{instance_id}.log")

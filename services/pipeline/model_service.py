@@ -23,6 +23,7 @@ import structlog
 from nats.aio.client import Client
 
 from gpu_worker.roles.slots import SlotOwner, evict_idle, instance_heartbeat
+from schemas.clock import MAX_CLOCK_SKEW_S
 from schemas.codec import decode, encode, error_reply
 from schemas.config import ModelServiceConfig, service_version
 from schemas.errors import ErrorCode, SpecbusError
@@ -100,7 +101,8 @@ async def handle_batch(owner: SlotOwner, service: SlotService, metrics: ModelSer
         return
     with log_context(batch_id=request.batch_id, scheduler_id=request.scheduler_id):
         async with lock:
-            late = expired(request.deadline)  # checked once the model is free: waiting for it takes time
+            # checked once the model is free (waiting for it takes time), on this machine's clock
+            late = expired(request.deadline, skew_s=MAX_CLOCK_SKEW_S)
             if late is not None:
                 await refuse(owner, service, nc, msg, "expired", late)
                 return
@@ -116,7 +118,7 @@ async def handle_batch(owner: SlotOwner, service: SlotService, metrics: ModelSer
                 await respond(nc, msg, error_reply(exc), owner.counters)
                 return
             metrics.batch_seconds.observe(time.monotonic() - started)
-        if expired(request.deadline) is not None:
+        if expired(request.deadline, skew_s=MAX_CLOCK_SKEW_S) is not None:
             owner.counters["late_replies"] += 1  # sent anyway: the scheduler may still use it
         await respond(nc, msg, encode(response), owner.counters)
         if service.after_reply is not None:

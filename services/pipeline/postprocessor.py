@@ -22,6 +22,7 @@ import structlog
 
 from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import decode, encode
+from schemas.clock import wall as wall_clock
 from schemas.commits import Commit, SideChannelRecord
 from schemas.config import PostprocessorConfig, service_version
 from schemas.control import Heartbeat
@@ -119,7 +120,7 @@ class PostprocessorService:
         return encode(Heartbeat(instance_id=self.config.instance_id, role="postprocessor",
                                 capacity=self.post.max_requests, load=load,
                                 free_slots=max(0, self.post.max_requests - load), model_ids=self.model_ids,
-                                sent_at=time.time(), interval_s=self.config.heartbeat_interval_s))
+                                sent_at=wall_clock(), interval_s=self.config.heartbeat_interval_s))
 
     # ------------------------------------------------------------------ inbound
 

@@ -29,6 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from text.tokenizer import load_tokenizer, tokenizer_id
 from schemas.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
+from schemas.clock import wall as wall_clock
 from schemas.commits import StopNotice
 from schemas.config import SchedulerConfig, service_version
 from schemas.control import Heartbeat
@@ -144,7 +145,7 @@ class Scheduler:
                 step_loop.cancel()
                 log.warning("step_loop_cancelled_on_stop", lane=step_loop.get_name(), after_s=self.config.stop_grace_s)
             await asyncio.gather(*pending, return_exceptions=True)  # drain() below ends their requests
-        await self.send(self.state.drain(time.time()))
+        await self.send(self.state.drain(wall_clock()))
         for task in self.tasks:
             task.cancel()
         for subscription in self.subscriptions:
@@ -169,7 +170,7 @@ class Scheduler:
         config = self.config
         return encode(Heartbeat(instance_id=config.instance_id, role="scheduler",
                                 capacity=config.max_running + config.max_queue, load=self.state.load,
-                                model_ids={"tokenizer": self.state.tokenizer_hash}, sent_at=time.time(),
+                                model_ids={"tokenizer": self.state.tokenizer_hash}, sent_at=wall_clock(),
                                 interval_s=config.heartbeat_interval_s))
 
     # ------------------------------------------------------------------ handlers
@@ -199,7 +200,7 @@ class Scheduler:
             # and the step loops must go on
             await asyncio.to_thread(self.state.admission.check_grammar, generate)
             prompt_ids = await asyncio.to_thread(prompt_token_ids, generate, self.state.tokenizer)
-            self.state.admit(generate, msg.reply, prompt_ids, time.time())
+            self.state.admit(generate, msg.reply, prompt_ids, wall_clock())
         except Exception as exc:  # a SpecbusError names the field; anything else is our bug, answered `internal`
             if request_id is None and getattr(exc, "code", None) not in (ErrorCode.malformed, ErrorCode.too_large):
                 request_id = request_id_of(msg.data)
@@ -272,10 +273,10 @@ class Scheduler:
             plan = None
             try:
                 started = self.state.counters["started"]
-                await self.send(self.state.boundary(time.time(), lane))
+                await self.send(self.state.boundary(wall_clock(), lane))
                 if self.state.counters["started"] != started:
                     self.wake()  # a request started on another lane, whose loop may be idle
-                plan = self.state.plan_step(time.time(), lane)
+                plan = self.state.plan_step(wall_clock(), lane)
                 busy = await self.step(plan)
             except Exception:
                 log.exception("step_failed", lane=lane, batch_ids=plan and [m.batch_id for m in plan.verify_requests.values()])
@@ -301,7 +302,7 @@ class Scheduler:
                 if request.request_id not in self.state.running:
                     continue
                 try:
-                    outbox.extend(self.state.end(request, "error", time.time(), error=internal_error(
+                    outbox.extend(self.state.end(request, "error", wall_clock(), error=internal_error(
                         request.request_id, "the scheduler failed while running a step of this request (see its log)")))
                 except Exception:
                     log.exception("fail_step_end_failed", request_id=request.request_id)
@@ -315,18 +316,18 @@ class Scheduler:
         state = self.state
         state.max_payload = self.nc.max_payload  # the server's; it may change across a reconnect
         started = time.monotonic()
-        drafts = state.draft_batches(plan, time.time())
+        drafts = state.draft_batches(plan, wall_clock())
         replies = await asyncio.gather(*(timed(self.draft(d, m)) for d, m in drafts.items()))
         for (drafter_id, message), (reply, seconds, _) in zip(drafts.items(), replies):
             state.apply_draft(plan, drafter_id, message, reply)
             state.draft_timed(drafter_id, message, reply, seconds)
         drafted = time.monotonic()
-        verifies = state.verify_batches(plan, time.time())
+        verifies = state.verify_batches(plan, wall_clock())
         await self.send(plan.outbox)  # requests whose row could not fit in a message
         replies = await asyncio.gather(*(timed(self.verify(v, m, plan)) for v, m in verifies.items()))
         verified = time.monotonic()
         for verifier_id, (reply, _, _) in zip(verifies, replies):
-            await self.send(state.apply_verify(plan, verifier_id, reply, time.time()))
+            await self.send(state.apply_verify(plan, verifier_id, reply, wall_clock()))
         committed = time.monotonic()
         for (verifier_id, message), (reply, seconds, answered_at) in zip(verifies.items(), replies):
             state.verify_timed(verifier_id, message, reply, seconds, committed - verified, verifier_id in plan.retried,

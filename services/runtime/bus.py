@@ -1,16 +1,16 @@
 """NATS helpers every service uses: connect, request/publish with typed errors, bounded
 handlers, micro-service registration and heartbeats.
 
-Deadlines are absolute wall-clock seconds (`time.time()`), the convention on the wire: every
-message carries the absolute deadline of its request, so each hop computes its own remaining
-time without adding up relative timeouts. Timeouts (`timeout_s`) are relative seconds.
+Deadlines are absolute wall-clock seconds (`schemas.clock.wall()`), the convention on the wire:
+every message carries the absolute deadline of its request, so each hop computes its own
+remaining time without adding up relative timeouts; a receiver allows for other machines'
+clocks (`expired(..., skew_s=)`, schemas/clock.py). Timeouts (`timeout_s`) are relative seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.service import EndpointConfig, EndpointStats, Service, ServiceConfig
 
+from schemas.clock import wall as wall_clock
 from schemas.codec import error_reply
 from schemas.config import BusConfig
 from schemas.errors import ErrorCode, SpecbusError
@@ -241,11 +242,12 @@ def header_block_size(headers: Mapping[str, str] | None) -> int:
     return len("NATS/1.0\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2
 
 
-def expired(deadline: float, now: float | None = None) -> SpecbusError | None:
-    """A `timeout` error naming "deadline" once the absolute deadline (time.time()) has passed,
-    else None: what a service answers work that came (or waited) too long."""
-    late_s = (time.time() if now is None else now) - deadline
-    if late_s < 0:
+def expired(deadline: float, now: float | None = None, skew_s: float = 0.0) -> SpecbusError | None:
+    """A `timeout` error naming "deadline" once the absolute deadline (wall_clock()) has passed
+    by more than skew_s, else None: what a service answers work that came (or waited) too long.
+    skew_s: for a deadline another process set, MAX_CLOCK_SKEW_S (schemas/clock.py)."""
+    late_s = (wall_clock() if now is None else now) - deadline
+    if late_s < skew_s:
         return None
     return SpecbusError(ErrorCode.timeout, f"deadline passed {late_s:.3f} s ago", "deadline")
 
@@ -256,7 +258,7 @@ def effective_timeout(subject: str, timeout_s: float | None, deadline: float | N
         raise ValueError(f"request to {subject!r}: give timeout_s or deadline (no implicit default)")
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-    remaining = float("inf") if deadline is None else deadline - time.time()
+    remaining = float("inf") if deadline is None else deadline - wall_clock()
     if remaining <= 0:
         raise BusDeadlineExpired(f"request to {subject!r}: deadline passed {-remaining:.3f} s ago, not sent")
     return min(timeout_s if timeout_s is not None else float("inf"), remaining)
@@ -271,7 +273,7 @@ async def request(
     deadline: float | None = None,
     headers: dict[str, str] | None = None,
 ) -> Msg:
-    """Request/reply bounded by min(timeout_s, deadline - now); deadline is absolute time.time().
+    """Request/reply bounded by min(timeout_s, deadline - now); deadline is absolute wall_clock().
 
     Raises BusDeadlineExpired (not sent), BusPayloadTooLarge (not sent), BusNoResponders
     (nobody subscribes to the subject), BusTimeout (nobody answered in time).

@@ -8,6 +8,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import nats.errors
 import pytest
@@ -240,3 +241,26 @@ def test_a_cluster_node_refuses_a_route_without_the_password(tmp_path):
                 time.sleep(0.05)
     with pytest.raises(ValueError, match="cluster.password"):
         ClusterConfig("specbus", "")
+
+
+def test_cluster_nodes_run_where_their_places_say(tmp_path):
+    """`places`: each node's host and the argv that runs it there (ops/netns.py gives `ip netns
+    exec <ns>`; `env` execs the binary the same way without root), so the pid is the server's
+    and the nodes route to each other's hosts."""
+    places = (("127.0.0.1", ("env",)), ("127.0.0.2", ("env", "SPECBUS_PLACE=second")))
+    with NatsCluster(NatsServerConfig(http_port=0), size=2, places=places) as cluster:
+        assert [node.url.split("//")[1].split(":")[0] for node in cluster.nodes] == ["127.0.0.1", "127.0.0.2"]
+        second = cluster.nodes[1]
+        assert Path(f"/proc/{second.process.pid}/exe").resolve().name == "nats-server"
+        assert b"SPECBUS_PLACE=second" in Path(f"/proc/{second.process.pid}/environ").read_bytes()
+
+        def routed() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.2:{second.monitoring_port}/routez", timeout=5) as reply:
+                return json.load(reply)["num_routes"] > 0
+
+        deadline = time.monotonic() + 30.0
+        while not routed():
+            assert time.monotonic() < deadline, second.log_tail()
+            time.sleep(0.05)
+    with pytest.raises(ValueError, match="places: one"):
+        NatsCluster(NatsServerConfig(), size=3, places=places)

@@ -10,6 +10,7 @@ import nats
 import pytest
 from structlog.testing import capture_logs
 
+from schemas.clock import MAX_CLOCK_SKEW_S
 from schemas.codec import decode, decode_any, encode
 from schemas.config import BusConfig
 from schemas.control import Heartbeat
@@ -30,6 +31,7 @@ from services.runtime.bus import (
     add_micro_service,
     connect,
     connect_service,
+    expired,
     heartbeat_loop,
     payload_limit,
     permission_watch,
@@ -87,6 +89,16 @@ async def test_no_responders(nc):
     with pytest.raises(BusNoResponders, match="nobody.home"):
         await request(nc, "nobody.home", b"x", timeout_s=5)
     assert time.monotonic() - started < 1.0
+
+
+def test_a_deadline_set_elsewhere_is_expired_only_past_the_clock_skew():
+    """A receiver whose clock runs MAX_CLOCK_SKEW_S ahead of the sender's still takes the work;
+    past that, it refuses it, naming the deadline."""
+    deadline = 1000.0
+    assert expired(deadline, now=deadline + MAX_CLOCK_SKEW_S - 0.001, skew_s=MAX_CLOCK_SKEW_S) is None
+    late = expired(deadline, now=deadline + MAX_CLOCK_SKEW_S + 1.0, skew_s=MAX_CLOCK_SKEW_S)
+    assert late.code == ErrorCode.timeout and late.field == "deadline"
+    assert expired(deadline, now=deadline + 0.001).field == "deadline"  # its own deadline: no allowance
 
 
 async def test_expired_deadline_is_not_sent(nc):
