@@ -15,7 +15,8 @@ a lone user may use everything (work conserving) and a newcomer is entitled to i
   (`split_fairly`), and while another user's rows decode in the step a user's prefill takes at
   most as many tokens as those rows, or MIN_STEP_TOKENS (`prefill_caps`: prefill parity), so
   one user's flood of long prompts lengthens another's decode step by about that step's own
-  tokens (docs/PROTOCOL.md#tenant-isolation).
+  tokens (docs/PROTOCOL.md#tenant-isolation). While a step holds several users' rows, the
+  side-channel bytes of their prompt logprobs are split and capped by the same two functions.
 
 Weights come from `SchedulerConfig.user_weights` ("alice=2,bob=1"; a user not listed weighs 1).
 The client user of a request is the one whose inbox it streams to (`_INBOX.<user>.…`, which the

@@ -19,6 +19,8 @@ ROW_OVERHEAD_BYTES = 1024
 RELEASE_BYTES = ROW_OVERHEAD_BYTES // 8
 TOKEN_BYTES = 4  # one int32 token id
 PROPOSAL_ENTRY_BYTES = 8  # one id and its probability of a sparse proposal
+# one position's side record: its share of the record's overhead, its logprob, rank and logz
+SIDE_POSITION_BYTES = ROW_OVERHEAD_BYTES // 8 + 12
 
 
 @dataclass
@@ -78,8 +80,17 @@ def first_commit_bytes(encoded_commit: int, max_tokens: int, prompt_len: int, lo
     (encoded_commit bytes, prompt included) with room for a replay's whole completion, or the
     prompt logprobs per prompt position (logprob, rank, logz, top-n ids and values, the
     requested ids)."""
-    size = encoded_commit + TOKEN_BYTES * max_tokens + MESSAGE_OVERHEAD_BYTES
-    top_n = logprobs.prompt_logprobs
-    if top_n is not None:
-        size += prompt_len * (ROW_OVERHEAD_BYTES // 8 + 12 + 8 * top_n + TOKEN_BYTES * len(logprobs.logprob_token_ids))
-    return size
+    return encoded_commit + TOKEN_BYTES * max_tokens + MESSAGE_OVERHEAD_BYTES + \
+        prompt_len * side_position_bytes(logprobs, prompt=True)
+
+
+def side_position_bytes(logprobs: LogprobOptions, prompt: bool) -> int:
+    """An upper estimate of the side-channel bytes one position of a row adds: SIDE_POSITION_BYTES,
+    the top-n ids and values, the requested ids' values and, at a completion position, its
+    sampling mask; 0 for a prompt position without prompt_logprobs or a row without a side channel."""
+    top_n = logprobs.prompt_logprobs if prompt else logprobs.logprobs
+    reported = top_n is not None if prompt else logprobs.wants_side_channel
+    if not reported:
+        return 0
+    mask = TOKEN_BYTES * logprobs.max_mask_size if logprobs.sampling_mask and not prompt else 0
+    return SIDE_POSITION_BYTES + 8 * (top_n or 0) + TOKEN_BYTES * len(logprobs.logprob_token_ids) + mask

@@ -17,7 +17,10 @@ already decoding):
    (fair_share.py: weighted max-min fair by what they ask, each user's at most the other
    users' decode tokens in the step, or MIN_STEP_TOKENS, while they have any: prefill parity;
    a prompt that ends within MIN_STEP_TOKENS counts as decode rows), a user's requests taking
-   its part oldest first. A request with completion tokens (resumed, or
+   its part oldest first. While the step holds more than one user's rows, the side-channel
+   bytes a prompt-logprobs chunk adds (payload.py's estimate) are split by the same rule, the
+   room being as many plain logprob positions (SIDE_POSITION_BYTES) as tokens, so a tenant's
+   prompt logprobs cost its own share, not another tenant's step. A request with completion tokens (resumed, or
    re-prefilled after a migration or resync) stops its prefill one token short, so its next
    token comes from a decode step at the same position as in the interrupted run
    (docs/PROTOCOL.md#scheduler-failover).
@@ -43,6 +46,7 @@ from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResp
 from schemas.wire import Error
 from services.pipeline.adaptive_k import AdaptiveK
 from services.pipeline.fair_share import parse_user_weights, prefill_caps, split_fairly
+from services.pipeline.payload import SIDE_POSITION_BYTES, side_position_bytes
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
 from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
@@ -110,7 +114,7 @@ class StepPlanner:
             if row.num_draft:
                 draft_rows.setdefault(request.drafter_id, []).append(row)
         room = min(limit - used, max(step_tokens - used, used, MIN_STEP_TOKENS))
-        shares = self.prefill_shares(planned, prefill, room)
+        shares, side_shares = self.prefill_shares(planned, prefill, room)
         for request in prefill:
             if used >= limit:
                 break
@@ -119,6 +123,12 @@ class StepPlanner:
             pending = request.pending_len - (len(request.completion) > 0)  # one token short: step 3
             hits = request.hit_run_at(request.verifier_len)  # step 4
             chunk = min(pending, shares[request.user] + hits, limit - used)
+            side = side_position_bytes(request.row_logprobs(), prompt=True) if side_shares is not None else 0
+            if side:  # its prompt logprobs' bytes: step 3
+                chunk = min(chunk, side_shares[request.user] // side)
+                if chunk < 1:
+                    continue
+                side_shares[request.user] -= chunk * side
             end = request.verifier_len + chunk
             planned.append(PlannedRow(request, request.verifier_len, end,
                                       emit=end == len(request.history) and not request.scoring, num_draft=0))
@@ -126,20 +136,39 @@ class StepPlanner:
             used += chunk
         return planned
 
-    def prefill_shares(self, decode_rows: list[PlannedRow], prefill: list[Request], room: int) -> dict[str, int]:
-        """The prefill tokens of a step's room each user may take (step 3): split fairly between
-        the users by what their prompts ask, each capped by prefill parity while another user's
-        rows decode in the step, or its prompt ends within MIN_STEP_TOKENS (its first token is as
-        much a latency as a decode row's: fair_share.py `split_fairly`, `prefill_caps`)."""
+    def prefill_shares(self, decode_rows: list[PlannedRow], prefill: list[Request],
+                       room: int) -> tuple[dict[str, int], dict[str, int] | None]:
+        """The prefill tokens of a step's room each user may take, and the side-channel bytes its
+        prompt logprobs may add (None: unbudgeted, one user alone in the step) (step 3): split
+        fairly between the users by what their prompts ask, each capped by prefill parity while
+        another user's rows decode in the step, or its prompt ends within MIN_STEP_TOKENS (its
+        first token is as much a latency as a decode row's: fair_share.py `split_fairly`,
+        `prefill_caps`). Bytes are counted as payload.py estimates them (`side_position_bytes`),
+        the room being as many SIDE_POSITION_BYTES as tokens, the floor MIN_STEP_TOKENS of them,
+        and a decode row's position counting at least SIDE_POSITION_BYTES (parity holds beside
+        rows that ask no side channel)."""
         demands: Counter = Counter()
         decode_tokens: Counter = Counter()  # a prompt's last MIN_STEP_TOKENS count as decode rows
+        side_demands: Counter = Counter()
+        decode_side: Counter = Counter()
         for request in prefill:
             pending = max(request.pending_len - (len(request.completion) > 0), 0)
+            side = side_position_bytes(request.row_logprobs(), prompt=True)
             demands[request.user] += pending
-            decode_tokens[request.user] += pending if pending <= MIN_STEP_TOKENS else 0
+            side_demands[request.user] += pending * side
+            if pending <= MIN_STEP_TOKENS:
+                decode_tokens[request.user] += pending
+                decode_side[request.user] += pending * max(side, SIDE_POSITION_BYTES)
         for row in decode_rows:
-            decode_tokens[row.request.user] += 1 + row.draft_room
-        return prefill_caps(split_fairly(demands, self.weights, room), decode_tokens, MIN_STEP_TOKENS)
+            tokens = 1 + row.draft_room
+            decode_tokens[row.request.user] += tokens
+            side = side_position_bytes(row.request.row_logprobs(), prompt=False)
+            decode_side[row.request.user] += tokens * max(side, SIDE_POSITION_BYTES)
+        shares = prefill_caps(split_fairly(demands, self.weights, room), decode_tokens, MIN_STEP_TOKENS)
+        if len(set(demands) | set(decode_tokens)) < 2:
+            return shares, None  # work conserving: a user alone in a step is priced by its tokens only
+        side_shares = split_fairly(side_demands, self.weights, room * SIDE_POSITION_BYTES)
+        return shares, prefill_caps(side_shares, decode_side, MIN_STEP_TOKENS * SIDE_POSITION_BYTES)
 
     def plan_decode_row(self, request: Request, budget: int, base_tokens: int = 0, base_k: int = 0,
                         alone: bool = True, others: int = 0) -> PlannedRow:

@@ -6,7 +6,8 @@ run, before the attacks) plus one step's slack. Attacks: grammars that break the
 matcher, refused at admission (a 400 naming the field) or, one that breaks only after some
 output, failing bob's own row in the verifier (never the batch alice's row is in, never a
 retry); a flood of long prompts in one request (fair share of prefill:
-services/pipeline/step_planner.py); a response past its prompt logprob values (a 400).
+services/pipeline/step_planner.py) or of long prompts' prompt logprobs (fair share of the side
+channel's bytes); a response past its prompt logprob values (a 400).
 The bounds are generous and relative (this machine may be busy); no traceback storm is checked
 in the verifier's log. What the gateway serves without a key (/health, /metrics, the OpenAPI
 docs) shows nobody's prompt, user or key (public by design: docs/PROTOCOL.md#tenant-isolation).
@@ -130,6 +131,23 @@ async def test_a_prefill_flood_does_not_hold_the_other_tenants_request(stack, mo
     flood.cancel()
     await asyncio.gather(flood, return_exceptions=True)
     check_bound(under_s, baseline_s, "prefill flood")
+
+
+async def test_prompt_logprobs_on_long_prompts_do_not_hold_the_other_tenants_request(stack, model, baseline_s):
+    """bob asks top-20 prompt logprobs of 3 prompts of 1000 token ids (63,000 values, within the
+    cap): while alice's request runs beside them, his chunks carry at most a fair share of each
+    step's side-channel bytes (services/pipeline/step_planner.py), so she stays within her bound."""
+    bob, alice = api(stack, "bob"), api(stack, "alice")
+    prompts = [[(11 * i + j) % 4000 + 10 for j in range(1000)] for i in range(3)]
+    started = time.monotonic()
+    heavy = asyncio.create_task(bob.completions.create(model=model, prompt=prompts, max_tokens=1, temperature=0.0,
+                                                       extra_body={"prompt_logprobs": 20}))
+    while (await scheduler_stats(stack)).get("running", 0) < 2 and time.monotonic() - started < WAIT_S:
+        await asyncio.sleep(0.05)
+    under_s = await control_s(alice, model)
+    done = await heavy
+    assert [len(choice.model_extra["prompt_logprobs"]) for choice in done.choices] == [1000] * 3
+    check_bound(under_s, baseline_s, "prompt logprobs")
 
 
 async def test_a_response_past_its_prompt_logprob_values_is_a_400(stack, model):

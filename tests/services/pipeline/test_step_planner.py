@@ -5,7 +5,8 @@ between client users."""
 
 import time
 
-from schemas.generation import GenerateRequest
+from schemas.generation import GenerateRequest, LogprobOptions
+from services.pipeline.payload import SIDE_POSITION_BYTES, side_position_bytes
 from services.pipeline.step_budget import MIN_STEP_TOKENS
 from tests.services.pipeline.scheduler_harness import (
     beat,
@@ -166,9 +167,9 @@ def test_with_rows_scarce_decoding_requests_come_first_and_one_row_is_kept_for_a
     assert [len(r.new_token_ids) for r in rows] == [1, 1, 4] and rows[-1].request_id == "late"
 
 
-def admit_as(state, user, request_id, prompt_ids, max_tokens=8):
+def admit_as(state, user, request_id, prompt_ids, max_tokens=8, **fields):
     generate = GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
-                               sampling={"temperature": 0.0, "max_tokens": max_tokens})
+                               sampling={"temperature": 0.0, "max_tokens": max_tokens}, **fields)
     return state.admit(generate, f"_INBOX.{user}.{request_id}", list(prompt_ids), time.time())
 
 
@@ -211,3 +212,23 @@ def test_a_user_with_nothing_running_starts_while_anothers_requests_fill_the_ste
     admit_as(state, "alice", "alice", [5, 6, 7])
     state.boundary(time.time())
     assert "alice" in state.running and late in state.waiting
+
+
+def test_one_users_prompt_logprobs_take_their_bytes_from_his_own_share_of_a_shared_step(tokenizer):
+    """bob's long prompt asks 20 prompt logprobs a position: alone he takes the whole budget
+    (work conserving); beside alice's decoding row his chunk carries at most MIN_STEP_TOKENS
+    plain positions' side-channel bytes (payload.py's estimate), fewer tokens than a chunk
+    without prompt logprobs (prefill parity, counted in bytes)."""
+    state = new_state(tokenizer, target_step_s=0.5)
+    budget = measured(state, 1 / 256)  # 128 tokens a step
+    admit_as(state, "bob", "bob", [10] * 2000, max_tokens=1, logprobs={"prompt_logprobs": 20})
+    _, requests, _ = step(state)
+    assert [len(r.new_token_ids) for r in requests["v1"].rows] == [budget]
+    admit_as(state, "alice", "alice", [5, 6, 7], max_tokens=8)
+    step(state)  # alice's prompt
+    per_position = side_position_bytes(LogprobOptions(prompt_logprobs=20), prompt=True)
+    most = MIN_STEP_TOKENS * SIDE_POSITION_BYTES // per_position
+    for _ in range(4):  # alice decodes
+        _, requests, _ = step(state)
+        rows = {r.request_id: r for r in requests["v1"].rows}
+        assert rows["alice"].emit and 1 <= len(rows["bob"].new_token_ids) <= most < MIN_STEP_TOKENS
