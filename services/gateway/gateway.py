@@ -3,7 +3,8 @@
     GET  /v1/models             the target (with the draft as an extra field)
     GET  /v1/models/{id}        that entry (the SDK's models.retrieve)
     POST /v1/completions        text or token-id prompts; stream, logprobs, echo, n
-    POST /v1/chat/completions   messages (the scheduler renders the target's chat template)
+    POST /v1/chat/completions   messages (the scheduler renders the target's chat template), tools
+    POST /v1/responses          OpenAI's Responses API, stored in NATS key-value (responses_api.py)
     GET  /health                200 once a scheduler answers $SRV.PING, else 503
     GET  /metrics               Prometheus
 
@@ -76,6 +77,7 @@ from services.gateway.api_keys import Login, gateway_logins, user_for_key
 from services.gateway.front_door import check_gateway_limits, front_door, protocol_class
 from services.gateway.request_bodies import ChatBody, ChoicePlan, CompletionBody, chat_plans, completion_plans
 from services.gateway.responses import Choice, Envelope, VerifierLimits, merge_pieces, model_card, speculation_json, sse, usage_json
+from services.gateway.responses_api import add_routes as add_responses_routes
 from services.gateway.token_texts import TokenTexts
 from services.gateway.tools import shape_choices, stream_shapers
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
@@ -382,6 +384,12 @@ def build_app(gateway: Gateway) -> FastAPI:
         plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s, gateway.tokenizer)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(gateway, request, client, body, "chat", plans, top_n)
+
+    async def open_chat(client: Client, body: ChatBody) -> Running:
+        plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s, gateway.tokenizer)
+        return await open_choices(gateway, client, plans, None, body.param_names())
+
+    add_responses_routes(app, gateway, authorized, open_chat, unless_gone)
 
     @app.get("/health")
     async def health() -> JSONResponse:
