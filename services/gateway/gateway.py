@@ -5,6 +5,7 @@
     POST /v1/completions        text or token-id prompts; stream, logprobs, echo, n
     POST /v1/chat/completions   messages (the scheduler renders the target's chat template), tools
     POST /v1/responses          OpenAI's Responses API, stored in NATS key-value (responses_api.py)
+    POST /v1/messages           Anthropic's Messages API (messages_api.py)
     GET  /health                200 once a scheduler answers $SRV.PING, else 503
     GET  /metrics               Prometheus
 
@@ -77,6 +78,7 @@ from services.gateway.api_keys import Login, gateway_logins, user_for_key
 from services.gateway.front_door import check_gateway_limits, front_door, protocol_class
 from services.gateway.request_bodies import ChatBody, ChoicePlan, CompletionBody, chat_plans, completion_plans
 from services.gateway.responses import Choice, Envelope, VerifierLimits, merge_pieces, model_card, speculation_json, sse, usage_json
+from services.gateway.messages_api import add_routes as add_messages_routes
 from services.gateway.responses_api import add_routes as add_responses_routes
 from services.gateway.token_texts import TokenTexts
 from services.gateway.tools import shape_choices, stream_shapers
@@ -390,6 +392,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         return await open_choices(gateway, client, plans, None, body.param_names())
 
     add_responses_routes(app, gateway, authorized, open_chat, unless_gone)
+    add_messages_routes(app, gateway, authorized, open_chat, unless_gone)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -275,25 +275,61 @@ def sse_event(event: dict) -> str:
 OpenChat = Callable[[Any, ChatBody], Awaitable[Any]]  # (client, chat body) -> the gateway's Running
 
 
+async def chat_pieces(open_chat: OpenChat, client: Any, chat: ChatBody, builder: Any) -> AsyncIterator[dict]:
+    """The one choice's streamed chat pieces, calls parsed out; the Running is closed at the end,
+    and builder.usage set once it finished."""
+    running = await open_chat(client, chat)
+    names = tool_names(chat)
+    shaper = StreamShaper(names) if names is not None else None
+    try:
+        async for _, chunk in running.chunks():
+            piece = running.choices[0].chat_piece(chunk, delta=True)
+            yield piece if shaper is None else shaper.piece(piece)
+    except SpecbusError as exc:
+        raise ApiError.from_specbus(exc, chat.param_names()) from None
+    finally:
+        await running.close()
+    builder.usage = running.choices[0].usage
+
+
+async def answer(gateway: Any, request: Request, unless_gone: Callable, stream: bool, events: AsyncIterator[list[dict]],
+                 whole: Callable[[], Awaitable[dict]], opening: Callable[[], list[dict]],
+                 closing: Callable[[], Awaitable[list[dict]]], error_event: Callable[[ApiError], dict]) -> Response:
+    """A route's answer from its event batches: whole() as JSON, or the SSE events (opening, the
+    batches, closing), once the first batch came, so an error before it is an HTTP error; a client
+    gone first is cancelled (unless_gone, the gateway's)."""
+    if not stream:
+        whole_answer = await unless_gone(gateway, request, whole())
+        return Response(status_code=CLIENT_GONE_STATUS) if whole_answer is None else JSONResponse(whole_answer)
+    first = await unless_gone(gateway, request, anext(events, []))
+    if first is None:
+        return Response(status_code=CLIENT_GONE_STATUS)
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            for event in opening() + first:
+                yield sse_event(event)
+            async for batch in events:
+                for event in batch:
+                    yield sse_event(event)
+            for event in await closing():
+                yield sse_event(event)
+        except ApiError as exc:
+            yield sse_event(error_event(exc))
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def add_routes(app: FastAPI, gateway: Any, authorized: Callable, open_chat: OpenChat,
                unless_gone: Callable[[Any, Request, Awaitable], Awaitable]) -> None:
     """The /v1/responses routes on app; the chat machinery (open_chat, unless_gone) is the gateway's."""
     store = ResponseStore({user: client.nc for user, client in gateway.clients.items()})
 
     async def pieces(client: Any, chat: ChatBody, builder: ResponseBuilder) -> AsyncIterator[list[dict]]:
-        """The events of the response's chat pieces; the Running is closed at the end."""
-        running = await open_chat(client, chat)
-        names = tool_names(chat)
-        shaper = StreamShaper(names) if names is not None else None
-        try:
-            async for _, chunk in running.chunks():
-                piece = running.choices[0].chat_piece(chunk, delta=True)
-                yield builder.piece(piece if shaper is None else shaper.piece(piece))
-        except SpecbusError as exc:
-            raise ApiError.from_specbus(exc, chat.param_names()) from None
-        finally:
-            await running.close()
-        builder.usage = running.choices[0].usage
+        async for piece in chat_pieces(open_chat, client, chat, builder):
+            yield builder.piece(piece)
 
     async def keep(user: str, builder: ResponseBuilder, turns: list[dict], answer: dict) -> None:
         if builder.body.store:
@@ -307,37 +343,23 @@ def add_routes(app: FastAPI, gateway: Any, authorized: Callable, open_chat: Open
             (await store.get(user, body.previous_response_id, "previous_response_id"))["messages"]
         chat, turns = chat_body(body, history)
         builder = ResponseBuilder(body, gateway.model)
-        if not body.stream:
-            async def whole() -> dict:
-                async for _ in pieces(client, chat, builder):
-                    pass
-                answer = builder.closing()[-1]["response"]
-                await keep(user, builder, turns, answer)
-                return answer
-            answer = await unless_gone(gateway, request, whole())
-            return Response(status_code=CLIENT_GONE_STATUS) if answer is None else JSONResponse(answer)
         events = pieces(client, chat, builder)
-        first = await unless_gone(gateway, request, anext(events, []))  # errors before the first event are HTTP errors
-        if first is None:
-            return Response(status_code=CLIENT_GONE_STATUS)
 
-        async def stream() -> AsyncIterator[str]:
-            try:
-                for event in builder.opening() + first:
-                    yield sse_event(event)
-                async for batch in events:
-                    for event in batch:
-                        yield sse_event(event)
-                closing = builder.closing()
-                await keep(user, builder, turns, closing[-1]["response"])
-                for event in closing:
-                    yield sse_event(event)
-            except ApiError as exc:
-                yield sse_event(builder.event("error", code=exc.code, message=exc.message, param=exc.param))
-            finally:
-                await events.aclose()
+        async def closing() -> list[dict]:
+            events_left = builder.closing()
+            await keep(user, builder, turns, events_left[-1]["response"])
+            return events_left
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async def whole() -> dict:
+            async for _ in events:
+                pass
+            return (await closing())[-1]["response"]
+
+        def error_event(exc: ApiError) -> dict:
+            return builder.event("error", code=exc.code, message=exc.message, param=exc.param)
+
+        return await answer(gateway, request, unless_gone, body.stream, events, whole, builder.opening, closing,
+                            error_event)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request, client: Any = Depends(authorized)) -> dict:

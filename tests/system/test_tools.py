@@ -211,3 +211,30 @@ async def test_responses_are_stored_per_key_and_survive_a_gateway_restart(stack,
     await api.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         await api.responses.retrieve(first.id)
+
+
+async def test_anthropic_sdk_messages_text_tools_and_stream(stack):
+    import anthropic
+
+    greedy = {"temperature": 0}  # the SDK no longer takes temperature as an argument
+    claude = anthropic.AsyncAnthropic(base_url=stack.openai_base_url.removesuffix("/v1"),
+                                      auth_token=stack.api_key("alice"), max_retries=0, timeout=120)
+    text = await claude.messages.create(model="", max_tokens=6, system="Be brief.", extra_body=greedy,
+                                        messages=[{"role": "user", "content": "Hello"}])
+    assert text.stop_reason == "max_tokens" and text.usage.output_tokens == 6 and text.content[0].type == "text"
+    tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER}]
+    called = await claude.messages.create(model="", max_tokens=80, tools=tools, extra_body=greedy,
+                                          tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                          messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    [use] = [block for block in called.content if block.type == "tool_use"]
+    assert called.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER)
+    async with claude.messages.stream(model="", max_tokens=80, tools=tools, extra_body=greedy,
+                                      tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                      messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
+        final = await stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(use.name, use.input)]
+    answer = await claude.messages.create(model="", max_tokens=4, tools=tools, extra_body=greedy, messages=[
+        {"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": called.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}])
+    assert answer.usage.input_tokens > called.usage.input_tokens
