@@ -29,6 +29,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import llguidance
 
@@ -37,6 +38,7 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 # the JSON layout of text/grammar.py, for %json blocks
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+MAX_CACHED_SCHEMAS = 1024  # checked tool schemas remembered per process
 SYSTEM_PREAMBLE = ("You are a function calling AI model. You are provided with function signatures within "
                    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
                    "Don't make assumptions about what values to plug into functions. Here are the available tools: "
@@ -123,10 +125,15 @@ def call_grammar(tools: Sequence[dict], parallel: bool) -> str:
 
 
 def schema_error(parameters: dict) -> str:
-    """Why a tool's parameters are not a JSON schema the grammar can follow ("" when they are)."""
-    schema = {**parameters, "x-guidance": JSON_LAYOUT}
+    """Why a tool's parameters are not a JSON schema the grammar can follow ("" when they are).
+    Cached by the schema's text: an agent sends the same tools with every request."""
+    return _schema_error(json.dumps({**parameters, "x-guidance": JSON_LAYOUT}, sort_keys=True))
+
+
+@lru_cache(maxsize=MAX_CACHED_SCHEMAS)
+def _schema_error(schema: str) -> str:
     return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(
-        f"start: args\nargs: %json {json.dumps(schema)}")).strip()
+        f"start: args\nargs: %json {schema}")).strip()
 
 
 def parse_call(text: str, names: Sequence[str]) -> ToolCall | None:

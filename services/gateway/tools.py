@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.gateway.api_errors import ApiError
 from text.chat_template import ChatTemplateError, render_chat
@@ -71,6 +71,7 @@ class ToolFields(BaseModel):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    _checked: list[dict] | None = PrivateAttr(None)  # checked_tools, once per body
 
     def tool_mode(self) -> str:
         """none, auto, required or named (tool_choice's default: auto with tools, else none)."""
@@ -81,6 +82,11 @@ class ToolFields(BaseModel):
     def checked_tools(self) -> list[dict]:
         """The tools as plain dicts, each checked: a name by OpenAI's rule and not twice,
         parameters a JSON schema the grammar can follow, a named tool_choice declared."""
+        if self._checked is None:
+            self._checked = self.check_tools()
+        return self._checked
+
+    def check_tools(self) -> list[dict]:
         tools, seen = [], set()
         for i, tool in enumerate(self.tools or []):
             name = tool.function.name
