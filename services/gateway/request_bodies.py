@@ -282,10 +282,11 @@ def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) 
     return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, body.param_names(), echo_texts)
 
 
-def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float, tokenizer: Tokenizer) -> list[ChoicePlan]:
+def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float,
+               tokenizer: Tokenizer | None = None) -> list[ChoicePlan]:
     """The messages go as they are: the scheduler renders them with the target's chat template
-    (a model without one: a 400 naming messages); a chat with tools is rendered here
-    (services/gateway/tools.py)."""
+    (a model without one: a 400 naming messages); a chat with tools is rendered here with
+    tokenizer's template (services/gateway/tools.py)."""
     body.check_stream_rules()
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_field")

@@ -154,11 +154,13 @@ def uses_tools(body: Any) -> bool:
     return bool(body.tools) or any(m.role == "tool" or (m.model_extra or {}).get("tool_calls") for m in body.messages)
 
 
-def chat_input(body: Any, tokenizer: Tokenizer) -> dict[str, Any]:
+def chat_input(body: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:
     """make_request's prompt input of a chat body: {"messages": ...}, or the rendered prompt text
-    of a chat with tools (module docstring)."""
+    of a chat with tools (module docstring), which needs the target's tokenizer."""
     if not uses_tools(body):
         return {"messages": [{"role": m.role, "content": m.text()} for m in body.messages]}
+    if tokenizer is None:
+        raise ValueError("a chat with tools is rendered with the target's tokenizer: none was given")
     tools = body.checked_tools() if body.tool_mode() != "none" else []
     turns = [{"role": m.role, "content": m.text(), "tool_calls": history_calls(i, m)} for i, m in enumerate(body.messages)]
     for turn, message in zip(turns, body.messages):
