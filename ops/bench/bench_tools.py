@@ -161,6 +161,8 @@ async def bench(args: argparse.Namespace) -> dict:
                 at0 = await call(api, i, 0, mode == "sampled")
                 atk = await call(api, i, args.k, mode == "sampled")
                 runs[mode].append({"k0": at0, "k": atk, "same": at0["tokens"] == atk["tokens"]})
+                print(f"call {i} {mode}: valid {at0['error'] is None}/{atk['error'] is None}, "
+                      f"k=k0 {runs[mode][-1]['same']}", flush=True)
                 if mode == "greedy" and i % 2 == 0:  # both with the prompt cached (at0 ran it)
                     again = await call(api, i, 0, False)
                     plain_s = await plain(api, rendered_prompt(args.target, i), again["completion_tokens"])

@@ -6,7 +6,8 @@ A random model writes nonsense, so what is checked is what the grammar guarantee
 tool_choice required or a named function every answer is a call of a declared tool whose
 arguments validate against its schema, greedy k=4 equals k=0 token for token under every
 tool_choice, the SDK assembles streamed calls into the same calls, and the Responses API stores,
-continues (across a gateway restart), hides from another key and deletes. The schemas close
+continues (across a gateway restart, and from another gateway on the same NATS), hides from
+another key and deletes. The schemas close
 their objects (additionalProperties false) and bound their values, so a random model still
 finishes a call within max_tokens.
 """
@@ -37,7 +38,7 @@ CHOICES = ["required", {"type": "function", "function": {"name": "add"}}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(start_stack, chatml_pair):
-    async with start_stack(*chatml_pair, gateways=1, client_users=("alice", "bob")) as running:
+    async with start_stack(*chatml_pair, gateways=2, client_users=("alice", "bob")) as running:
         yield running
 
 
@@ -196,11 +197,15 @@ async def test_responses_are_stored_per_key_and_survive_a_gateway_restart(stack,
         await bob.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         await bob.responses.create(model="", input="x", previous_response_id=first.id, max_output_tokens=2)
+    other_port = list(stack.gateway_ports.values())[1]  # another gateway on the same NATS sees it
+    other = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{other_port}/v1", api_key=stack.api_key("alice"),
+                               max_retries=0, timeout=120)
+    assert (await other.responses.retrieve(second.id)).previous_response_id == first.id
     unstored = await api.responses.create(model="", input="Hello", store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         await api.responses.retrieve(unstored.id)
 
-    gateway = next(i for i in stack.processes if i.startswith("gateway"))
+    gateway = "gateway-0"  # the one `api` talks to (the stack's first)
     stack.kill(gateway)
     await stack.wait_exit(gateway)
     await stack.start_instance("gateway", gateway)
