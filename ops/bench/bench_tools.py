@@ -1,22 +1,22 @@
 """Tool calling on the default stack (SmolLM2-135M-Instruct and its draft), through the gateway
-with the openai SDK and LangChain, batch 1:
+with the openai SDK and LangChain, batch 1, in this order:
 
-1. `--calls` chat requests over the ten tools of TOOLS (call i asks ASKS[i % 10]), tool_choice
+1. A LangChain agent with two tools (get_weather, celsius_to_fahrenheit) on a two-step task: the
+   loop binds the tools, names the tool each step needs (tool_choice), runs the calls the model
+   makes, feeds the results back as ToolMessages, then asks for the answer (tool_choice none).
+2. `--calls` chat requests over the ten tools of TOOLS (call i asks ASKS[i % 10]), tool_choice
    alternating required (all ten offered) and the named tool, each run greedy at k=0 and at k
    (tokens compared: identical?) and sampled (seed i) at k=0 and at k; every answer's calls must
    parse and validate (jsonschema) against the called tool's schema.
-2. The overhead of tool calling at k=0 (grammar, rendering and parsing): each greedy required
+3. The overhead of tool calling at k=0 (grammar, rendering and parsing): each greedy required
    call (run once more, its prompt now cached) against a plain completion of the same prompt
    text with as many tokens (/v1/completions, ignore_eos, cached too), back to back; the ratio
    of the summed times.
-3. A LangChain agent with two tools (get_weather, celsius_to_fahrenheit) on a two-step task: the
-   loop binds the tools, names the tool each step needs (tool_choice), runs the calls the model
-   makes, feeds the results back as ToolMessages, then asks for the answer (tool_choice none).
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_tools.py --calls 50 --out /tmp/tools.json
 
 --target / --draft run it on another pair (e.g. a random pair with a chat template: a random
-model is the grammar's hardest user, and fast); --no-agent skips step 3.
+model is the grammar's hardest user, and fast); --no-agent skips step 1.
 """
 
 import argparse
@@ -81,20 +81,22 @@ def validate(message) -> list[tuple[str, dict]]:
     return calls
 
 
-async def call(api, i: int, k: int, sampled: bool) -> dict:
+async def call(api, i: int, k: int, sampled: bool, logprobs: bool = True) -> dict:
+    """Call i (module docstring, step 2) at k; logprobs: the tokens, to compare runs."""
     name = TOOLS_SPEC[i % 10][0]
     choice = "required" if i % 2 == 0 else {"type": "function", "function": {"name": name}}
     started = time.perf_counter()
     reply = await api.chat.completions.create(
         model="", messages=[{"role": "user", "content": ASKS[i % 10]}], tools=TOOLS, tool_choice=choice,
-        parallel_tool_calls=False, temperature=0.8 if sampled else 0, seed=i, max_tokens=120, logprobs=True,
+        parallel_tool_calls=False, temperature=0.8 if sampled else 0, seed=i, max_tokens=120, logprobs=logprobs,
         extra_body={"num_speculative_tokens": k})
     seconds = time.perf_counter() - started
     try:
         calls, error = validate(reply.choices[0].message), None
     except (ValueError, jsonschema.ValidationError) as exc:
         calls, error = None, str(exc)[:200]
-    return {"calls": calls, "error": error, "tokens": [t.token for t in reply.choices[0].logprobs.content],
+    tokens = [t.token for t in reply.choices[0].logprobs.content] if logprobs else None
+    return {"calls": calls, "error": error, "tokens": tokens,
             "completion_tokens": reply.usage.completion_tokens, "seconds": seconds,
             "finish_reason": reply.choices[0].finish_reason}
 
@@ -117,7 +119,7 @@ def rendered_prompt(target: Path, i: int) -> str:
 
 
 async def agent(stack) -> dict:
-    """The two-step LangChain task (module docstring); what each step did, and the answer."""
+    """The two-step LangChain task (module docstring, step 1); what each step did, and the answer."""
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -154,6 +156,8 @@ async def bench(args: argparse.Namespace) -> dict:
     config = StackConfig(target_model=str(args.target), draft_model=str(args.draft), gateways=1)
     async with Stack(config) as stack:
         api = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key(), max_retries=0, timeout=600)
+        agent_run = await agent(stack) if args.agent else None
+        print(f"agent: {json.dumps(agent_run)}", flush=True)
         runs = {"greedy": [], "sampled": []}
         overhead = []
         for i in range(args.calls):
@@ -164,10 +168,9 @@ async def bench(args: argparse.Namespace) -> dict:
                 print(f"call {i} {mode}: valid {at0['error'] is None}/{atk['error'] is None}, "
                       f"k=k0 {runs[mode][-1]['same']}", flush=True)
                 if mode == "greedy" and i % 2 == 0:  # both with the prompt cached (at0 ran it)
-                    again = await call(api, i, 0, False)
+                    again = await call(api, i, 0, False, logprobs=False)  # as the plain one: no logprobs
                     plain_s = await plain(api, rendered_prompt(args.target, i), again["completion_tokens"])
                     overhead.append({"tool_s": again["seconds"], "plain_s": plain_s, "tokens": again["completion_tokens"]})
-        agent_run = await agent(stack) if args.agent else None
     summary = {mode: {"calls": 2 * len(r), "valid": sum((x["k0"]["error"] is None) + (x["k"]["error"] is None) for x in r),
                       "k_equals_k0": sum(x["same"] for x in r), "pairs": len(r)} for mode, r in runs.items()}
     tool_total, plain_total = sum(o["tool_s"] for o in overhead), sum(o["plain_s"] for o in overhead)
