@@ -8,10 +8,10 @@ with the openai SDK and LangChain, batch 1, in this order:
    alternating required (all ten offered) and the named tool, each run greedy at k=0 and at k
    (tokens compared: identical?) and sampled (seed i) at k=0 and at k; every answer's calls must
    parse and validate (jsonschema) against the called tool's schema.
-3. The overhead of tool calling at k=0 (grammar, rendering and parsing): each greedy required
-   call (run once more, its prompt now cached) against a plain completion of the same prompt
-   text with as many tokens (/v1/completions, ignore_eos, cached too), back to back; the ratio
-   of the summed times.
+3. The overhead of tool calling at k=0 (grammar, rendering and parsing), `--overhead-pairs`
+   times: a greedy required call (run twice, timed the second time, its prompt cached) against a
+   plain completion of the same prompt text with as many tokens (/v1/completions, ignore_eos,
+   cached too), back to back, neither with logprobs; the ratio of the summed times.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_tools.py --calls 50 --out /tmp/tools.json
 
@@ -123,20 +123,27 @@ async def agent(stack) -> dict:
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
 
-    @tool
+    class City(BaseModel):  # bounded, so a call always ends within max_tokens
+        city: str = Field(max_length=30)
+
+    class Celsius(BaseModel):
+        celsius: int = Field(ge=-100, le=100)
+
+    @tool(args_schema=City)
     def get_weather(city: str) -> str:
         """The current temperature of a city, in degrees Celsius."""
         return json.dumps({"city": city, "celsius": 21})
 
-    @tool
-    def celsius_to_fahrenheit(celsius: float) -> str:
+    @tool(args_schema=Celsius)
+    def celsius_to_fahrenheit(celsius: int) -> str:
         """Convert a temperature from Celsius to Fahrenheit."""
         return json.dumps({"fahrenheit": round(celsius * 9 / 5 + 32, 1)})
 
     tools = {t.name: t for t in (get_weather, celsius_to_fahrenheit)}
     chat = ChatOpenAI(model="", base_url=stack.openai_base_url, api_key=stack.api_key(), temperature=0,
-                      max_tokens=120, max_retries=0)
+                      max_tokens=60, max_retries=0)
     history = [HumanMessage("What is the temperature in Paris right now, in Fahrenheit? "
                             "Get the weather, then convert it.")]
     steps = []
@@ -167,10 +174,12 @@ async def bench(args: argparse.Namespace) -> dict:
                 runs[mode].append({"k0": at0, "k": atk, "same": at0["tokens"] == atk["tokens"]})
                 print(f"call {i} {mode}: valid {at0['error'] is None}/{atk['error'] is None}, "
                       f"k=k0 {runs[mode][-1]['same']}", flush=True)
-                if mode == "greedy" and i % 2 == 0:  # both with the prompt cached (at0 ran it)
-                    again = await call(api, i, 0, False, logprobs=False)  # as the plain one: no logprobs
-                    plain_s = await plain(api, rendered_prompt(args.target, i), again["completion_tokens"])
-                    overhead.append({"tool_s": again["seconds"], "plain_s": plain_s, "tokens": again["completion_tokens"]})
+        for i in range(0, 2 * args.overhead_pairs, 2):  # required calls; the first run caches the prompt
+            await call(api, i, 0, False, logprobs=False)
+            again = await call(api, i, 0, False, logprobs=False)  # as the plain one: no logprobs
+            plain_s = await plain(api, rendered_prompt(args.target, i), again["completion_tokens"])
+            overhead.append({"tool_s": again["seconds"], "plain_s": plain_s, "tokens": again["completion_tokens"]})
+            print(f"overhead pair {i}: {overhead[-1]}", flush=True)
     summary = {mode: {"calls": 2 * len(r), "valid": sum((x["k0"]["error"] is None) + (x["k"]["error"] is None) for x in r),
                       "k_equals_k0": sum(x["same"] for x in r), "pairs": len(r)} for mode, r in runs.items()}
     tool_total, plain_total = sum(o["tool_s"] for o in overhead), sum(o["plain_s"] for o in overhead)
@@ -183,6 +192,7 @@ async def bench(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--overhead-pairs", type=int, default=25, help="tool / plain pairs of step 3")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--target", type=Path, default=Path(default_target_model()))
     parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
