@@ -3,7 +3,8 @@ with the openai SDK and LangChain, batch 1, in this order:
 
 1. A LangChain agent with two tools (get_weather, celsius_to_fahrenheit) on a two-step task: the
    loop binds the tools, names the tool each step needs (tool_choice), runs the calls the model
-   makes, feeds the results back as ToolMessages, then asks for the answer (tool_choice none).
+   makes, feeds the results back as ToolMessages, then asks for the answer (tool_choice none);
+   done when both tools ran in order and the answer states the converted figure.
 2. `--calls` chat requests over the ten tools of TOOLS (call i asks ASKS[i % 10]), tool_choice
    alternating required (all ten offered) and the named tool, each run greedy at k=0 and at k
    (tokens compared: identical?) and sampled (seed i) at k=0 and at k; every answer's calls must
@@ -148,15 +149,18 @@ async def agent(stack) -> dict:
                             "Get the weather, then convert it.")]
     steps = []
     for name in ("get_weather", "celsius_to_fahrenheit"):
-        message = await chat.bind_tools(list(tools.values()), tool_choice=name).ainvoke(history)
+        message = await chat.bind_tools(list(tools.values()), tool_choice=name, strict=True).ainvoke(history)
         history.append(message)
         for tool_call in message.tool_calls:
             result = tools[tool_call["name"]].invoke(tool_call["args"])
             steps.append({"call": tool_call["name"], "args": tool_call["args"], "result": result})
             history.append(ToolMessage(result, tool_call_id=tool_call["id"]))
+    history.append(HumanMessage("Now answer my question in one sentence."))
     answer = await chat.bind_tools(list(tools.values()), tool_choice="none").ainvoke(history)
+    fahrenheit = json.loads(steps[-1]["result"])["fahrenheit"] if steps else None
     return {"steps": steps, "answer": answer.content,
-            "completed": [s["call"] for s in steps] == ["get_weather", "celsius_to_fahrenheit"] and bool(answer.content)}
+            "completed": [s["call"] for s in steps] == ["get_weather", "celsius_to_fahrenheit"]
+            and str(fahrenheit) in answer.content and "<tool_call>" not in answer.content}
 
 
 async def bench(args: argparse.Namespace) -> dict:
