@@ -49,10 +49,13 @@ def compile_template(template: str):
     return env.from_string(template)
 
 
-def render_chat(tokenizer: Tokenizer | str | Path, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer: Tokenizer | str | Path, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     """The prompt text of messages ([{"role": ..., "content": ...}, ...]) under the chat template
     of tokenizer (a loaded Tokenizer, or a model directory). ChatTemplateError when there is no
-    template, or when the template or the messages are malformed."""
+    template, or when the template or the messages are malformed. tools: OpenAI's tool
+    definitions, the template's `tools` variable (text/tool_calls.py renders them for a template
+    without a tools section)."""
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer)
     if not tokenizer.chat_template:
@@ -60,6 +63,6 @@ def render_chat(tokenizer: Tokenizer | str | Path, messages: list[dict], add_gen
                                 "tokenizer_config.json, no chat_template.jinja); send a plain prompt instead")
     try:
         return compile_template(tokenizer.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens)
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **tokenizer.special_tokens)
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template: {exc}") from None

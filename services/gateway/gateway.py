@@ -3,7 +3,9 @@
     GET  /v1/models             the target (with the draft as an extra field)
     GET  /v1/models/{id}        that entry (the SDK's models.retrieve)
     POST /v1/completions        text or token-id prompts; stream, logprobs, echo, n
-    POST /v1/chat/completions   messages (the scheduler renders the target's chat template)
+    POST /v1/chat/completions   messages (the scheduler renders the target's chat template), tools
+    POST /v1/responses          OpenAI's Responses API, stored in NATS key-value (responses_api.py)
+    POST /v1/messages           Anthropic's Messages API (messages_api.py)
     GET  /health                200 once a scheduler answers $SRV.PING, else 503
     GET  /metrics               Prometheus
 
@@ -76,7 +78,10 @@ from services.gateway.api_keys import Login, gateway_logins, user_for_key
 from services.gateway.front_door import check_gateway_limits, front_door, protocol_class
 from services.gateway.request_bodies import ChatBody, ChoicePlan, CompletionBody, chat_plans, completion_plans
 from services.gateway.responses import Choice, Envelope, VerifierLimits, merge_pieces, model_card, speculation_json, sse, usage_json
+from services.gateway.messages_api import add_routes as add_messages_routes
+from services.gateway.responses_api import add_routes as add_responses_routes
 from services.gateway.token_texts import TokenTexts
+from services.gateway.tools import shape_choices, stream_shapers
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
 from services.runtime.bus import connect_service
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
@@ -251,7 +256,8 @@ async def collect(gateway: Gateway, opening: Callable[[], Awaitable[Running]], e
         raise ApiError.from_specbus(exc, body.param_names()) from None
     finally:
         await running.close()
-    choices = [merge_pieces(envelope.kind, pieces[position]) for position in range(len(running.choices))]
+    choices = shape_choices(body, [merge_pieces(envelope.kind, pieces[position])
+                                   for position in range(len(running.choices))])
     usage = usage_json(running.choices, body.n)
     gateway.metrics.generated_tokens.inc(usage["completion_tokens"])
     answer = envelope.wrap(choices, chunk=False, usage=usage, speculation=speculation_json(running.choices))
@@ -289,6 +295,7 @@ async def stream_events(gateway: Gateway, running: Running, envelope: Envelope, 
                         kind: str) -> AsyncIterator[str]:
     """The SSE events of a streamed response; closing early (a client gone) cancels the requests."""
     include_usage = body.include_usage
+    shapers = stream_shapers(body, len(running.choices))  # a chat with tools: its calls parsed out
     finished = False
     gateway.metrics.open_streams.inc()
     try:
@@ -299,6 +306,7 @@ async def stream_events(gateway: Gateway, running: Running, envelope: Envelope, 
                 yield sse(envelope.wrap([role], chunk=True) | ({"usage": None} if include_usage else {}))
         async for position, chunk in running.chunks():
             piece = piece_of(kind, running.choices[position], chunk, delta=True)
+            piece = piece if shapers is None else shapers[position].piece(piece)
             gateway.metrics.generated_tokens.inc(len(chunk.token_ids))
             event = envelope.wrap([piece], chunk=True)
             yield sse(event | ({"usage": None} if include_usage else {}))
@@ -375,9 +383,16 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request, client: Client = Depends(authorized)) -> Response:
         gateway.check_model(body.model)
-        plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s)
+        plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s, gateway.tokenizer)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(gateway, request, client, body, "chat", plans, top_n)
+
+    async def open_chat(client: Client, body: ChatBody) -> Running:
+        plans = chat_plans(body, gateway.config.default_max_tokens, gateway.config.timeout_s, gateway.tokenizer)
+        return await open_choices(gateway, client, plans, None, body.param_names())
+
+    add_responses_routes(app, gateway, authorized, open_chat, unless_gone)
+    add_messages_routes(app, gateway, authorized, open_chat, unless_gone)
 
     @app.get("/health")
     async def health() -> JSONResponse:

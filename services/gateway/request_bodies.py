@@ -32,6 +32,8 @@ from schemas.protocol import MAX_TOP_LOGPROBS
 from services.client import make_request
 from services.gateway.api_errors import ApiError
 from services.gateway.token_texts import TokenTexts
+from services.gateway.tools import ToolFields, chat_input
+from text.tokenizer import Tokenizer
 
 MAX_CHOICES = 16  # n times the number of prompts
 # Prompt logprob values one response may hold: choices x (top-N + 1) x prompt tokens, the tokens
@@ -193,9 +195,9 @@ class ContentPart(BaseModel):
 
 class OpenAIChatMessage(BaseModel):
     """A turn as vLLM takes it: any role the chat template knows (tool, ipython, ...), and fields
-    beyond role and content accepted (name, tool_calls, ...) but not passed on: a GenerateRequest's
-    messages carry role and content, which is all the template is given (README.md, deliberate
-    differences). content null (an assistant turn of tool calls) is empty text."""
+    beyond role and content accepted (name, tool_calls, tool_call_id, ...): an assistant's
+    tool_calls and a tool turn are rendered by services/gateway/tools.py, other extra fields are
+    not passed on. content null (an assistant turn of tool calls) is empty text."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
@@ -207,7 +209,9 @@ class OpenAIChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ChatBody(Body):
+class ChatBody(Body, ToolFields):
+    """A chat body; its tool fields and their grammar are services/gateway/tools.py's."""
+
     messages: list[OpenAIChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
@@ -216,6 +220,18 @@ class ChatBody(Body):
     def param_names(self) -> dict[str, str]:
         return CHAT_PARAMS | self.grammar_names() | {"max_tokens": "max_tokens" if self.max_completion_tokens is None
                               else "max_completion_tokens"}
+
+    def grammar(self) -> dict[str, Any] | None:
+        """tool_choice required / named is a grammar too: it or response_format / structured_outputs."""
+        tools = self.tool_grammar()
+        given = super().grammar()
+        if tools is not None and given is not None:
+            raise ApiError(400, "tool_choice: a required or named tool_choice cannot be combined with "
+                                "response_format or structured_outputs", param="tool_choice", code="invalid_field")
+        return tools if tools is not None else given
+
+    def grammar_names(self) -> dict[str, str]:
+        return {"structured_outputs": "tools"} if self.tool_mode() in ("required", "named") else super().grammar_names()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,9 +309,11 @@ def completion_plans(body: CompletionBody, texts: TokenTexts, timeout_s: float) 
     return plan_requests([{"prompt": p} for p in prompts], body.n, body.seed, options, body.param_names(), echo_texts)
 
 
-def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> list[ChoicePlan]:
+def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float,
+               tokenizer: Tokenizer | None = None) -> list[ChoicePlan]:
     """The messages go as they are: the scheduler renders them with the target's chat template
-    (a model without one: a 400 naming messages)."""
+    (a model without one: a 400 naming messages); a chat with tools is rendered here with
+    tokenizer's template (services/gateway/tools.py)."""
     body.check_stream_rules()
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_field")
@@ -304,5 +322,4 @@ def chat_plans(body: ChatBody, default_max_tokens: int, timeout_s: float) -> lis
         "max_tokens": max_tokens, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
         "timeout_s": timeout_s if body.timeout_s is None else body.timeout_s, "prompt_logprobs": body.prompt_logprobs,
     }
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return plan_requests([{"messages": messages}], body.n, body.seed, options, body.param_names())
+    return plan_requests([chat_input(body, tokenizer)], body.n, body.seed, options, body.param_names())

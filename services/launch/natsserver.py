@@ -42,7 +42,7 @@ from pathlib import Path
 import structlog
 
 from schemas.config import MAX_MESSAGE_BYTES
-from services.runtime.auth import MAX_MAX_PAYLOAD, NatsUser, render_auth, render_tls
+from services.runtime.auth import CLIENTS_ACCOUNT, MAX_MAX_PAYLOAD, NatsUser, render_auth, render_tls
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +151,9 @@ def render_config(config: NatsServerConfig, port: int, ports_file_dir: Path, clu
         out["jetstream"] = {"store_dir": str(config.jetstream_store_dir)}
     if config.users:
         out |= render_auth(config.users)  # users in their accounts (services/runtime/auth.py)
+        if config.jetstream_store_dir is not None and CLIENTS_ACCOUNT in out.get("accounts", {}):
+            # the gateway keeps stored Responses in the client users' key-value buckets
+            out["accounts"][CLIENTS_ACCOUNT]["jetstream"] = "enabled"
     if config.tls_cert is not None:
         out["tls"] = render_tls(config.tls_cert, config.tls_key, config.tls_ca)
     return out

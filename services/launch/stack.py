@@ -353,6 +353,9 @@ class Stack:
         try:
             self.log_dir, self.owns_log_dir = make_log_dir(self.config.log_dir)
             nats = self.config.nats
+            if nats.jetstream_store_dir is None and self.config.nats_cluster == 1:
+                # JetStream for the gateway's stored Responses (services/gateway/response_store.py)
+                nats = dataclasses.replace(nats, jetstream_store_dir=self.log_dir / "jetstream")
             if self.config.auth:
                 nats = dataclasses.replace(nats, users=self.credentials.generate(self.log_dir, self.config.prefix))
             size, placement = self.config.nats_cluster, self.config.placement

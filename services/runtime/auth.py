@@ -7,7 +7,8 @@ schemas/doc_tables.py SUBJECT_ROUTES, and tests/services/runtime/test_auth.py ch
 role's permissions against real subscriptions and publishes:
 
     role           publishes                                   subscribes
-    client <u>     <p>.generate.<u>, <p>.cancel.<u>            <p>.heartbeat (failover), its own inbox
+    client <u>     <p>.generate.<u>, <p>.cancel.<u>,           <p>.heartbeat (failover), its own inbox
+                   its key-value bucket's JetStream API (kv_subjects)
     scheduler      <p>.draft.*, <p>.verify.*, <p>.post.*.commit, <p>.generate.* (queue "schedulers"),
                    <p>.heartbeat, _INBOX.> (error chunks,      <p>.cancel.*, <p>.heartbeat, <p>.stop.<id>
                    $SRV replies)
@@ -151,7 +152,7 @@ def render_auth(users: Iterable[NatsUser], client_max_payload: int = CLIENT_MAX_
     if unknown:
         raise ValueError(f"account: {min(unknown)!r} is not {SERVICES_ACCOUNT} or {CLIENTS_ACCOUNT}")
     clients = [u for u in in_accounts if u.account == CLIENTS_ACCOUNT]
-    sent = list(dict.fromkeys(s for u in clients for s in (u.publish or ())))
+    sent = list(dict.fromkeys(s for u in clients for s in (u.publish or ()) if not s.startswith(("$JS.", "$KV."))))
     heard = list(dict.fromkeys(s for u in clients for s in (u.subscribe or ())))
     accounts = {
         SERVICES_ACCOUNT: {
@@ -228,6 +229,21 @@ def micro_subjects(role: str) -> tuple[str, ...]:
     return ("$SRV.*", f"$SRV.*.{role}", f"$SRV.*.{role}.*")
 
 
+def kv_subjects(client_user: str) -> tuple[str, ...]:
+    """The JetStream API subjects of the user's own key-value bucket, `responses_<user>`, where the
+    gateway keeps its stored Responses (services/gateway/response_store.py): create and inspect
+    it, get a key (direct or through the stream), put, delete and purge keys. No other bucket."""
+    bucket = responses_bucket(client_user)
+    stream = f"KV_{bucket}"
+    return (f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>", f"$KV.{bucket}.>")
+
+
+def responses_bucket(client_user: str) -> str:
+    """The key-value bucket of a client user's stored Responses (user names are subject tokens)."""
+    return f"responses_{client_user}"
+
+
 def role_permissions(prefix: str = DEFAULT_PREFIX, instance_id: str = "*",
                      client_user: str = CLIENT) -> dict[str, Permissions]:
     """Least privilege per role (module docstring); instance_id `*` lets one user serve every
@@ -238,7 +254,8 @@ def role_permissions(prefix: str = DEFAULT_PREFIX, instance_id: str = "*",
     inboxes = f"{INBOX_ROOT}.>"
     return {
         # heartbeats: a client fails its request over when the scheduler running it falls silent
-        CLIENT: Permissions(publish=(subjects.generate_for(client_user), subjects.cancel_for(client_user)),
+        CLIENT: Permissions(publish=(subjects.generate_for(client_user), subjects.cancel_for(client_user),
+                                     *kv_subjects(client_user)),
                             subscribe=(subjects.heartbeat,)),
         "scheduler": Permissions(
             publish=(f"{p}.draft.*", f"{p}.verify.*", f"{p}.post.*.commit", subjects.heartbeat, inboxes),

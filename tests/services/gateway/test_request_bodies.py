@@ -64,11 +64,11 @@ def test_chat_plans_send_the_messages_and_map_max_completion_tokens_and_top_logp
 
 
 def test_custom_roles_and_extra_message_fields_are_taken_and_the_template_gets_role_and_content():
-    messages = [{"role": "tool", "content": "42", "tool_call_id": "c1"},
+    messages = [{"role": "ipython", "content": "42", "tool_call_id": "c1"},  # tool turns: test_tools.py
                 {"role": "assistant", "content": None, "tool_calls": [], "name": "bot"},
                 {"role": "user", "content": [{"type": "text", "text": "x"}], "name": "ann"}]
     plans = chat_plans(ChatBody(messages=messages), 99, 30.0)
-    assert [(m.role, m.content) for m in plans[0].request.messages] == [("tool", "42"), ("assistant", ""),
+    assert [(m.role, m.content) for m in plans[0].request.messages] == [("ipython", "42"), ("assistant", ""),
                                                                         ("user", "x")]
 
 
