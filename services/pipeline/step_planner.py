@@ -24,7 +24,9 @@ already decoding):
    max_step_tokens) should the cache end inside the larger chunk. A new request's first chunk
    likewise takes, past its share, the prefix its scheduler expects the cache to hold
    (prefix_hints.py: Request.hit_run set at its start).
-A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
+A decode row's drafts may come from the scheduler's own suffix index instead of its drafter, where
+suffix_choice.py measures they pay (greedy and Gumbel-coupled rows of draft_method "auto" or
+"suffix"); such a row is sent to no drafter. A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
 adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k. With
 max_tree_nodes, a greedy or Gumbel-coupled row without structured outputs may instead ask a tree
 of up to max_tree_nodes nodes (the step's budget permitting) as deep as its k: where
@@ -33,13 +35,17 @@ tree_choice.py prefers it, or in every step with adaptive_k off (docs/PROTOCOL.m
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from schemas.config import SchedulerConfig
-from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse, VerifyResult
+from schemas.steps import DraftRequest, DraftResponse, DraftTokens, VerifyRequest, VerifyResponse, VerifyResult
 from schemas.wire import Error
 from services.pipeline.adaptive_k import AdaptiveK
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
 from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
+from services.pipeline.suffix_choice import SuffixChoice
+from services.pipeline.suffix_index import SuffixPools
 from services.pipeline.tree_choice import RowPlace, TreeChoice, tree_sizes
 
 
@@ -53,6 +59,8 @@ class StepPlanner:
         self.adaptive = AdaptiveK(config.adaptive_k_probe_steps) if config.adaptive_k else None
         use_trees = self.adaptive is not None and config.max_tree_nodes > 0
         self.trees = TreeChoice(self.adaptive, config.adaptive_k_probe_steps) if use_trees else None
+        pools = SuffixPools(config.suffix_max_tokens, config.suffix_shared) if config.suffix_max_tokens else None
+        self.suffix = None if pools is None else SuffixChoice(pools, self.adaptive, config.adaptive_k_probe_steps)
         self.budget = StepBudget(config.target_step_s, config.max_step_tokens, config.verify_timeout_s, config.lanes)
         self.num_plans = 0
 
@@ -100,7 +108,7 @@ class StepPlanner:
                                        alone=len(decode) + len(prefill) == 1, others=len(decode) - 1)
             used += 1 + row.draft_room
             planned.append(row)
-            if row.num_draft:
+            if row.num_draft and row.suffix is None:
                 draft_rows.setdefault(request.drafter_id, []).append(row)
         room = min(limit - used, max(step_tokens - used, used, MIN_STEP_TOKENS))
         for request in prefill:
@@ -129,11 +137,20 @@ class StepPlanner:
         remaining = request.sampling.max_tokens - len(request.completion)
         wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
         alive = self.placement.alive(request.drafter_id)
+        place = RowPlace(request.verifier_id, request.drafter_id or "", base_tokens, base_k, alone, others,
+                         self.num_plans)
+        chosen = None if self.suffix is None else self.suffix.choose(request, wanted, place, alive,
+                                                                     self.prior_key(request))
+        if chosen is not None:  # the suffix index's drafts (suffix_choice.py): no drafter asked
+            drafts, step = chosen
+            return PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=len(drafts),
+                              decode=True, draft=DraftTokens(draft_token_ids=np.asarray(drafts, dtype=np.int32)),
+                              suffix=step)
+        if request.speculative.draft_method == "suffix":
+            wanted = 0  # no drafter: the index's drafts or none
         nodes = 0
         if alive and wanted and self.config.max_tree_nodes:  # trees off (the default): nothing more per row
-            nodes = self.tree_nodes(request, wanted, budget, RowPlace(request.verifier_id, request.drafter_id,
-                                                                      base_tokens, base_k, alone, others,
-                                                                      self.num_plans))
+            nodes = self.tree_nodes(request, wanted, budget, place)
         if wanted and alive and not nodes and self.adaptive_row(request):
             wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
                                           base_tokens, request.drafter_id, base_k, alone, others, self.num_plans)
@@ -176,8 +193,12 @@ class StepPlanner:
         return request.drafter_id or "", f"{rule}/{request.speculative.draft_mode}"
 
     def verified(self, planned: PlannedRow, result: VerifyResult) -> None:
-        """A row's verified drafts, for adaptive_k (a chain's) and tree_choice (a decode row's)."""
+        """A row's verified drafts, for adaptive_k (a chain's) and tree_choice (a decode row's), or
+        for suffix_choice (the suffix index's)."""
         request = planned.request
+        if planned.suffix is not None:
+            self.suffix.verified(planned.suffix, result.drafts_accepted)
+            return
         if not self.adaptive_row(request):
             return
         if self.trees is not None and planned.decode:
