@@ -305,8 +305,13 @@ class SchedulerState:
         return self.committer.commit_batch(plan, verifier_id, response, now)
 
     def row_verified(self, planned: PlannedRow, result: VerifyResult) -> None:
-        """A consistent verified row: its acceptance for adaptive k, and for draft_method "auto"."""
+        """A consistent verified row: its acceptance for adaptive k, and for draft_method "auto";
+        a row of suffix drafts is counted (suffix_rows, suffix_drafts, suffix_drafts_accepted)."""
         self.planner.verified(planned, result)
+        if planned.suffix is not None:
+            self.counters["suffix_rows"] += 1
+            self.counters["suffix_drafts"] += planned.num_draft
+            self.counters["suffix_drafts_accepted"] += result.drafts_accepted
         if planned.drafted_by is not None:
             drafted(self, planned.request, planned.drafted_by, result.drafts_accepted)
 
