@@ -119,7 +119,7 @@ class SchedulerState:
         self.hints = PrefixHints()
         self.committer = Committer(config, self.placement, self.running, self.releases, self.admission.recent,
                                    self.counters, self.metrics, monotonic, tokenizer.eos_ids, self.row_verified,
-                                   self.hints, self.request_ended)
+                                   self.hints, self.planner.suffix_ended)
         self.recovery = Recovery(config, self.placement, self.running, self.in_flight, self.releases,
                                  self.committer, self.counters, lambda request: pin_drafter(self, request),
                                  self.pinned_count)
@@ -314,11 +314,6 @@ class SchedulerState:
             self.counters["suffix_drafts_accepted"] += result.drafts_accepted
         if planned.drafted_by is not None:
             drafted(self, planned.request, planned.drafted_by, result.drafts_accepted)
-
-    def request_ended(self, request: Request) -> None:
-        """A request left: its prompt and output join its tenant's suffix index (suffix_index.py)."""
-        if self.planner.suffix is not None:
-            self.planner.suffix.ended(request)
 
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
                     seconds: float) -> None:

@@ -181,6 +181,11 @@ class StepPlanner:
         return min(self.trees.choose(request.adaptive, request.tree, self.prior_key(request), min(wanted, nodes),
                                      sizes, place), nodes)
 
+    def suffix_ended(self, request: Request) -> None:
+        """A request left the scheduler: its prompt and output join its tenant's suffix index."""
+        if self.suffix is not None:
+            self.suffix.ended(request)
+
     def adaptive_row(self, request: Request) -> bool:
         """Whether the request's k per step is adaptive_k's: greedy and Gumbel-coupled rows, whose
         tokens do not depend on k, when the scheduler's adaptive_k is on."""
