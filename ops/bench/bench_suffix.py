@@ -141,11 +141,11 @@ def prompt_ids(tokenizer, prompt: dict) -> list[int]:
     return tokenizer.encode(prompt["prompt"]) if isinstance(prompt["prompt"], str) else list(prompt["prompt"])
 
 
-def replay(histories: list[tuple[list[int], list[int]]], k: int, arctic: bool) -> float:
+def replay(histories: list[tuple[list[int], list[int]]], k: int, arctic: bool) -> str:
     """Tokens per step of suffix drafts scored offline over (prompt ids, output ids) in order
-    (module docstring)."""
+    (module docstring), and the drafts a step verified, as "tokens (drafts)"."""
     index = SuffixIndex(1 << 20)
-    tokens = steps = 0
+    tokens = steps = drafted = 0
     for prompt, output in histories:
         sid = index.add()
         index.extend(sid, prompt)
@@ -154,7 +154,7 @@ def replay(histories: list[tuple[list[int], list[int]]], k: int, arctic: bool) -
             context = prompt + output[:position]
             proposal = index.propose(context, k, MIN_TOKEN_PROB, own=sid)
             drafts = proposal.token_ids[:proposal.match_len] if arctic else proposal.token_ids
-            accepted = 0
+            accepted, drafted = 0, drafted + len(drafts)
             while accepted < len(drafts) and position + accepted < len(output) and \
                     drafts[accepted] == output[position + accepted]:
                 accepted += 1
@@ -163,7 +163,27 @@ def replay(histories: list[tuple[list[int], list[int]]], k: int, arctic: bool) -
             position += emitted
             tokens += emitted
             steps += 1
-    return tokens / max(steps, 1)
+    return f"{tokens / max(steps, 1):.2f} ({drafted / max(steps, 1):.2f})"
+
+
+def replay_data(tokenizer, count: int, k: int) -> None:
+    """`replay` over references instead of the target's outputs (--replay-data)."""
+    chat = []
+    for conversation in load_sharegpt():
+        turns = human_turns(conversation)
+        if len(turns) >= 2 and turns[0][0] == "human" and turns[1][0] == "gpt":
+            messages = [{"role": "user", "content": turns[0][1][:1500]}]
+            chat.append((prompt_ids(tokenizer, {"messages": messages}), tokenizer.encode(turns[1][1])[:96]))
+        if len(chat) == count:
+            break
+    problems = list(read_problems().values())[:count]
+    code = [(tokenizer.encode(p["prompt"]), tokenizer.encode(p["canonical_solution"])[:96]) for p in problems]
+    print(f"offline replay over references, k={k}: tokens per step (drafts verified per step)")
+    print("| references | ours (min probability) | ArcticInference (and at most the match's length) |")
+    print("|---|---|---|")
+    for name, histories in ((f"{len(chat)} held-out ShareGPT replies", chat),
+                            (f"{len(code)} HumanEval canonical solutions", code)):
+        print(f"| {name} | {replay(histories, k, False)} | {replay(histories, k, True)} |")
 
 
 def index_cost(tokenizer, k: int, budget: int = 65536) -> None:
@@ -202,6 +222,9 @@ async def main() -> None:
     parser.add_argument("--pools", default="tenant,shared")
     parser.add_argument("--replay", action="store_true", help="score our rule against ArcticInference's offline")
     parser.add_argument("--max-tokens", type=int, default=None, help="every workload's (default: MAX_TOKENS's)")
+    parser.add_argument("--replay-data", type=int, default=0, metavar="N",
+                        help="only score the two rules offline over N references: held-out ShareGPT replies "
+                             "after their first turn, HumanEval's canonical solutions after their prompt")
     parser.add_argument("--index-cost", action="store_true",
                         help="only time the index: a step's sync and proposal in a full tenant index")
     args = parser.parse_args()
@@ -209,6 +232,9 @@ async def main() -> None:
     tokenizer = load_tokenizer(default_target_model())
     if args.index_cost:
         index_cost(tokenizer, args.k)
+        return
+    if args.replay_data:
+        replay_data(tokenizer, args.replay_data, args.k)
         return
     if args.max_tokens:
         MAX_TOKENS.update(dict.fromkeys(MAX_TOKENS, args.max_tokens))
@@ -243,12 +269,12 @@ async def main() -> None:
                 for client in clients.values():
                     await client.__aexit__(None, None, None)
     if args.replay:
-        print(f"\noffline replay of the k=0 greedy outputs, k={args.k}: tokens per step")
+        print(f"\noffline replay of the k=0 greedy outputs, k={args.k}: tokens per step (drafts verified per step)")
         print("| workload | ours (min probability) | ArcticInference (and at most the match's length) |")
         print("|---|---|---|")
         for name, row in replays.items():
             histories = [(prompt_ids(tokenizer, p), out) for p, out in zip(row["prompts"], row["outputs"])]
-            print(f"| {name} | {replay(histories, args.k, False):.2f} | {replay(histories, args.k, True):.2f} |")
+            print(f"| {name} | {replay(histories, args.k, False)} | {replay(histories, args.k, True)} |")
 
 
 if __name__ == "__main__":

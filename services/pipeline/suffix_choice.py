@@ -7,9 +7,11 @@ lookup's), else the drafter's, else none: adaptive k's rule (adaptive_k.py), ove
 
 - q_i: the index's probability that drafts 0..i are all accepted (the fraction of the earlier
   occurrences that went on the same way), so the sum is the proposal's expected accepted drafts.
-  c: the measured ratio of accepted to expected drafts of the tenant's suffix steps (decayed by
-  CALIBRATION_DECAY per step, behind CALIBRATION_PRIOR pseudo-drafts at PRIOR_SCALE): frequencies
-  from a handful of occurrences are optimistic, and this says by how much.
+  c: the measured ratio of accepted to expected drafts of the tenant's suffix steps whose match
+  was as long (MATCH_BUCKETS), decayed by CALIBRATION_DECAY per step, behind CALIBRATION_PRIOR
+  pseudo-drafts at PRIOR_SCALE: frequencies from a handful of occurrences are optimistic, the
+  more so the shorter the match (what ArcticInference's length rule says), and this says by how
+  much.
 - n: the prefix of the proposal of the best rate. The proposal stops where q falls under
   MIN_TOKEN_PROB (ArcticInference's min_token_prob; its other rule, a length of at most the
   match's, is not applied: the rate already prices a long guess, ops/bench/RESULTS.md compares).
@@ -39,6 +41,7 @@ from services.pipeline.suffix_index import SuffixPools
 from services.pipeline.tree_choice import RowPlace
 
 MIN_TOKEN_PROB = 0.1  # a draft whose path probability falls under this ends the proposal
+MATCH_BUCKETS = (1, 2, 4, 8)  # match lengths calibrated apart: the least of each bucket
 CALIBRATION_DECAY = 0.95  # the weight left to the past per suffix step
 CALIBRATION_PRIOR = 4.0  # pseudo expected drafts behind a tenant's own
 PRIOR_SCALE = 0.5  # ... at this ratio of accepted to expected
@@ -68,7 +71,7 @@ class SuffixStep:
     calibration they count in, and whether the row is a probe."""
 
     expected: float
-    key: tuple[str, str]
+    key: tuple[str, str, int]  # (tenant, acceptance rule, match bucket)
     probe: bool = False
 
 
@@ -79,7 +82,7 @@ class SuffixChoice:
     pools: SuffixPools
     adaptive: AdaptiveK | None
     probe_steps: int
-    calibrations: dict[tuple[str, str], Calibration] = field(default_factory=dict)
+    calibrations: dict[tuple[str, str, int], Calibration] = field(default_factory=dict)
 
     @staticmethod
     def eligible(request) -> bool:
@@ -96,7 +99,8 @@ class SuffixChoice:
         proposal = self.pools.propose(request.request_id, request.user, request.history, wanted, MIN_TOKEN_PROB)
         if not proposal.token_ids:
             return None
-        key = (self.pools.tenant(request.user), "greedy" if request.sampling.greedy else "gumbel")
+        bucket = max(b for b in MATCH_BUCKETS if b <= max(proposal.match_len, 1))
+        key = (self.pools.tenant(request.user), "greedy" if request.sampling.greedy else "gumbel", bucket)
         calibration = self.calibrations.setdefault(key, Calibration())
         if self.adaptive is None:
             return None if drafter else self.taken(proposal.token_ids, proposal.probs, key)
@@ -120,7 +124,8 @@ class SuffixChoice:
             return chosen
         return self.taken(proposal.token_ids[:size], proposal.probs[:size], key)
 
-    def taken(self, token_ids: list[int], probs: list[float], key: tuple[str, str]) -> tuple[list[int], SuffixStep]:
+    def taken(self, token_ids: list[int], probs: list[float],
+              key: tuple[str, str, int]) -> tuple[list[int], SuffixStep]:
         self.calibrations[key].lost = 0
         return token_ids, SuffixStep(expected=sum(probs), key=key)
 
