@@ -97,10 +97,10 @@ async def scheduler_counters(stack) -> dict:
     return json.loads(reply.data)["endpoints"][0]["data"]
 
 
-async def run_group(clients, k, user, prompts, max_tokens, sampling, first_index):
+async def run_group(clients, k, user, prompts, max_tokens, sampling, first_index, method="auto"):
     start = time.perf_counter()
     results = await asyncio.gather(*(clients[user].generate(make_request(
-        **prompt, max_tokens=max_tokens, num_speculative_tokens=k, timeout_s=REQUEST_TIMEOUT_S,
+        **prompt, max_tokens=max_tokens, num_speculative_tokens=k, timeout_s=REQUEST_TIMEOUT_S, draft_method=method,
         **sampling_of(sampling, first_index + i))) for i, prompt in enumerate(prompts)))
     return results, time.perf_counter() - start
 
@@ -112,17 +112,17 @@ def totals(results: list, wall_s: float, into: dict) -> None:
     into["outputs"] += [list(r.token_ids) for r in results]
 
 
-async def run_workload(stack, clients, name, prompts, k, sampling, concurrency, warm_user) -> dict:
+async def run_workload(stack, clients, name, prompts, k, sampling, concurrency, warm_user, method="auto") -> dict:
     count = len(prompts) // 2
     warmup, measured = prompts[:count], prompts[count:]
     max_tokens = MAX_TOKENS[name]
     for start in range(0, count, concurrency):
-        await run_group(clients, k, warm_user, warmup[start:start + concurrency], max_tokens, sampling, start)
+        await run_group(clients, k, warm_user, warmup[start:start + concurrency], max_tokens, sampling, start, method)
     before = await scheduler_counters(stack)
     spec, plain = ({"tokens": 0, "steps": 0, "wall_s": 0.0, "outputs": []} for _ in range(2))
     for start in range(0, count, concurrency):
         group = measured[start:start + concurrency]
-        totals(*await run_group(clients, k, "alice", group, max_tokens, sampling, count + start), spec)
+        totals(*await run_group(clients, k, "alice", group, max_tokens, sampling, count + start, method), spec)
         totals(*await run_group(clients, 0, "bob", group, max_tokens, sampling, count + start), plain)
     after = await scheduler_counters(stack)
     same = spec["outputs"] == plain["outputs"]
@@ -221,6 +221,8 @@ async def main() -> None:
     parser.add_argument("--sampling", default="greedy,gumbel")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--pools", default="tenant,shared")
+    parser.add_argument("--method", default="auto", help="the measured requests' draft_method (auto: the hybrid; "
+                                                              "suffix: the index alone)")
     parser.add_argument("--replay", action="store_true", help="score our rule against ArcticInference's offline")
     parser.add_argument("--max-tokens", type=int, default=None, help="every workload's (default: MAX_TOKENS's)")
     parser.add_argument("--replay-data", type=int, default=0, metavar="N",
@@ -241,7 +243,7 @@ async def main() -> None:
         MAX_TOKENS.update(dict.fromkeys(MAX_TOKENS, args.max_tokens))
     workloads = args.workloads.split(",")
     prompts = {name: workload_prompts(name, args.requests, tokenizer) for name in workloads}
-    print(f"default pair, k={args.k}, {args.requests} measured requests per workload after {args.requests} "
+    print(f"default pair, draft_method {args.method}, k={args.k}, {args.requests} measured requests per workload after {args.requests} "
           f"warm-up; tokens/step of k={args.k} (k=0's is 1.00); speed = k={args.k} tokens/s over k=0's")
     print("| pool | sampling | concurrency | workload | tokens/step | speed vs k=0 | k=0 tok/s | suffix rows | "
           "suffix drafts accepted | outputs identical |")
@@ -260,7 +262,8 @@ async def main() -> None:
                     for concurrency in (int(c) for c in args.concurrency.split(",")):
                         for name in workloads:
                             row = await run_workload(stack, clients, name, prompts[name], args.k, sampling,
-                                                     concurrency, "carol" if pool == "shared" else "alice")
+                                                     concurrency, "carol" if pool == "shared" else "alice",
+                                                     args.method)
                             print(f"| {pool} | {sampling} | {concurrency} | {name} | {row['tokens_per_step']:.2f} | "
                                   f"{row['speed']:.2f}x | {row['k0_tokens_per_s']:.1f} | {row['suffix_rows']} | "
                                   f"{row['suffix_accepted']} | {row['identical']} |", flush=True)
