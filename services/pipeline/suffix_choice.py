@@ -9,7 +9,7 @@ lookup's), else the drafter's, else none: adaptive k's rule (adaptive_k.py), ove
   occurrences that went on the same way), so the sum is the proposal's expected accepted drafts.
   c: the measured ratio of accepted to expected drafts of the tenant's suffix steps whose match
   was as long (MATCH_BUCKETS), decayed by CALIBRATION_DECAY per step, behind CALIBRATION_PRIOR
-  pseudo-drafts at PRIOR_SCALE: frequencies from a handful of occurrences are optimistic, the
+  pseudo-drafts at the bucket's PRIOR_SCALES: frequencies from a handful of occurrences are optimistic, the
   more so the shorter the match (what ArcticInference's length rule says), and this says by how
   much.
 - n: the prefix of the proposal of the best rate. The proposal stops where q falls under
@@ -44,21 +44,25 @@ MIN_TOKEN_PROB = 0.1  # a draft whose path probability falls under this ends the
 MATCH_BUCKETS = (1, 2, 4, 8)  # match lengths calibrated apart: the least of each bucket
 CALIBRATION_DECAY = 0.95  # the weight left to the past per suffix step
 CALIBRATION_PRIOR = 4.0  # pseudo expected drafts behind a tenant's own
-PRIOR_SCALE = 0.5  # ... at this ratio of accepted to expected
+# ... at this ratio of accepted to expected drafts, by match bucket: what an offline replay of
+# held-out chat and HumanEval measured (ops/bench/RESULTS.md "Suffix decoding")
+PRIOR_SCALES = {1: 0.2, 2: 0.2, 4: 0.3, 8: 0.5}
 
 
 @dataclass
 class Calibration:
-    """A tenant's suffix steps for one acceptance rule: expected and accepted drafts (decayed),
-    the rows whose proposal lost since one was used, and the probes in a row with nothing accepted."""
+    """A tenant's suffix steps for one acceptance rule and match bucket: its prior ratio, expected
+    and accepted drafts (decayed), the rows whose proposal lost since one was used, and the probes
+    in a row with nothing accepted."""
 
+    prior_scale: float = PRIOR_SCALES[MATCH_BUCKETS[0]]
     expected: float = 0.0
     accepted: float = 0.0
     lost: int = 0
     failed_probes: int = 0
 
     def scale(self) -> float:
-        return (self.accepted + CALIBRATION_PRIOR * PRIOR_SCALE) / (self.expected + CALIBRATION_PRIOR)
+        return (self.accepted + CALIBRATION_PRIOR * self.prior_scale) / (self.expected + CALIBRATION_PRIOR)
 
     def record(self, expected: float, accepted: int) -> None:
         self.expected = CALIBRATION_DECAY * self.expected + expected
@@ -101,7 +105,7 @@ class SuffixChoice:
             return None
         bucket = max(b for b in MATCH_BUCKETS if b <= max(proposal.match_len, 1))
         key = (self.pools.tenant(request.user), "greedy" if request.sampling.greedy else "gumbel", bucket)
-        calibration = self.calibrations.setdefault(key, Calibration())
+        calibration = self.calibrations.setdefault(key, Calibration(PRIOR_SCALES[bucket]))
         if self.adaptive is None:
             return None if drafter else self.taken(proposal.token_ids, proposal.probs, key)
         size, rate = self.best_size(proposal.probs, calibration.scale(), place)
@@ -145,7 +149,7 @@ class SuffixChoice:
 
     def verified(self, step: SuffixStep, num_accepted: int) -> None:
         """A row's suffix drafts verified, num_accepted of them accepted."""
-        calibration = self.calibrations.setdefault(step.key, Calibration())
+        calibration = self.calibrations.setdefault(step.key, Calibration(PRIOR_SCALES[step.key[2]]))
         calibration.record(step.expected, num_accepted)
         if step.probe:
             calibration.failed_probes = 0 if num_accepted else calibration.failed_probes + 1
