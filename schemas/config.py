@@ -159,6 +159,15 @@ class SchedulerConfig(InstanceConfig):
     # CPUs measured its extra accepted tokens paid for that at best evenly at batch 1
     # (docs/PROTOCOL.md#tree-drafts).
     max_tree_nodes: int = 0
+    # Suffix decoding (services/pipeline/suffix_index.py, suffix_choice.py): this scheduler indexes
+    # every request's prompt and output, per client user, in at most suffix_max_tokens tokens per
+    # user (least recently used requests out), and a greedy or Gumbel-coupled row takes the index's
+    # drafts in the steps where they are expected to pay more than its drafter's; 0: off.
+    # suffix_shared: one index for all users, off by default: a draft drawn from another user's
+    # requests makes this one's tokens come faster when the other sent the same, which tells what
+    # the other sent (as a shared prefix cache would).
+    suffix_max_tokens: int = 65536
+    suffix_shared: bool = False
     # the verifiers' tokenizer: text prompts, chat templates, EOS ids
     tokenizer: str = dataclasses.field(default_factory=default_target_model)
 
@@ -336,6 +345,9 @@ def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides:
     if getattr(config, "adaptive_k_probe_steps", 1) < 1:
         raise SpecbusError(ErrorCode.invalid_field, f"adaptive_k_probe_steps: {config.adaptive_k_probe_steps} is not "
                                                     f"at least 1", "adaptive_k_probe_steps")
+    if getattr(config, "suffix_max_tokens", 0) < 0:
+        raise SpecbusError(ErrorCode.invalid_field, f"suffix_max_tokens: {config.suffix_max_tokens} is negative",
+                           "suffix_max_tokens")
     if not 0 <= getattr(config, "max_tree_nodes", 0) <= MAX_TREE_NODES:
         raise SpecbusError(ErrorCode.invalid_field, f"max_tree_nodes: {config.max_tree_nodes} is not in [0, "
                                                     f"{MAX_TREE_NODES}]", "max_tree_nodes")

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from schemas.arrays import TokenIds, empty_ids
+from schemas.config import DRAFT_METHODS
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.protocol import (MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROB_TOKEN_IDS,
                               MAX_MASK_SIZE, MAX_PENALTY, MAX_PROMPT_CHARS, MAX_REPETITION_PENALTY,
@@ -273,16 +274,23 @@ class LogprobOptions(WireModel):
                 or len(self.logprob_token_ids) > 0 or self.sampling_mask)
 
 
+# What a request's draft_method may be: a drafter kind, "auto" or "suffix" (SpeculativeOptions);
+# the gateway's body and the CLI take this list.
+DRAFT_METHOD_CHOICES = ("auto", *DRAFT_METHODS, "suffix")
+
+
 class SpeculativeOptions(WireModel):
     """draft_method: which drafters a request may use (docs/PROTOCOL.md#draft-methods). "model":
     a draft model; "ngram": prompt lookup (no model); "eagle": a head over the target's own
     features; "auto": whichever kind is live, and with several the one that measures better for
-    this request (services/pipeline/draft_method.py)."""
+    this request (services/pipeline/draft_method.py), and per step the scheduler's suffix index
+    where its drafts pay more (services/pipeline/suffix_choice.py); "suffix": the suffix index's
+    drafts only, no drafter."""
 
     # 0 = plain decoding; else the most drafts a step takes (docs/PROTOCOL.md#adaptive-k)
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_mode: Literal["greedy", "sample"] = "greedy"
-    draft_method: Literal["auto", "model", "ngram", "eagle"] = "auto"
+    draft_method: Literal[DRAFT_METHOD_CHOICES] = "auto"
 
 
 class ChatMessage(WireModel):

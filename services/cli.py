@@ -26,7 +26,8 @@ from schemas.codec import validate
 from schemas.config import (DEFAULT_NATS_URL, ENV_PREFIX, MAX_MESSAGE_BYTES, NATS_PORT, ROLES, BusConfig,
                             default_target_model, load_config)
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.generation import ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, new_request_id
+from schemas.generation import (DRAFT_METHOD_CHOICES, ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions,
+                                new_request_id)
 from schemas.streams import StreamChunk
 from schemas.subjects import DEFAULT_PREFIX
 from services.client import Client
@@ -221,9 +222,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="0 = plain decoding")
     speculative.add_argument("--draft-mode", choices=["greedy", "sample"], default=None)
-    speculative.add_argument("--draft-method", choices=["auto", "model", "ngram", "eagle"], default=None,
+    speculative.add_argument("--draft-method", choices=DRAFT_METHOD_CHOICES, default=None,
                              help="which drafters this request may use (default auto: whichever kind is live; with "
-                                  "several, the better one for this request)")
+                                  "several, the better one for this request; and the scheduler's suffix index where "
+                                  "it pays; suffix: that index alone)")
     speculative.add_argument("--coupling", choices=["rejection", "gumbel"], default=None,
                              help="how sampled drafts are accepted (default gumbel: a seeded sampled output independent of k and the "
                                   "draft; rejection: rejection sampling, every step at k)")

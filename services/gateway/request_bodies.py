@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.errors import SpecbusError
-from schemas.generation import GenerateRequest
+from schemas.generation import DRAFT_METHOD_CHOICES, GenerateRequest
 from schemas.protocol import MAX_TOP_LOGPROBS
 from services.client import make_request
 from services.gateway.api_errors import ApiError
@@ -107,7 +107,7 @@ class Body(BaseModel):
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = None
     draft_mode: Literal["greedy", "sample"] | None = None
-    draft_method: Literal["auto", "model", "ngram", "eagle"] | None = None
+    draft_method: Literal[DRAFT_METHOD_CHOICES] | None = None
     coupling: Literal["rejection", "gumbel"] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None
     sampling_mask: bool | None = None

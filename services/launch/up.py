@@ -9,7 +9,8 @@ import sys
 from contextlib import AsyncExitStack
 
 from text.tokenizer import draft_misfit, eagle_misfit
-from schemas.config import DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, ENV_PREFIX, ROLES, check_model_dir, default_target_model
+from schemas.config import (DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, DRAFT_METHODS, ENV_PREFIX, ROLES, check_model_dir,
+                            default_target_model)
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
@@ -31,7 +32,7 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "`specbus models pull` puts it in $SPECBUS_HOME)")
     parser.add_argument("--draft-model", default=None,
                         help="HF-layout draft dir (env SPECBUS_DRAFT_MODEL; default: models/smollm2-draft)")
-    parser.add_argument("--draft-method", default=None, choices=["model", "ngram", "eagle"],
+    parser.add_argument("--draft-method", default=None, choices=DRAFT_METHODS,
                         help="the drafters' method (env SPECBUS_DRAFT_METHOD; default model: --draft-model; ngram: "
                              "prompt lookup in the request's own text, no model, fits any target; eagle: --eagle-head "
                              "over the target's own features, fits the target it was trained for)")

@@ -59,12 +59,14 @@ class Committer:
     """Commits and ends (module docstring). `running` is the core's table of running requests;
     `finishing` holds ended requests whose final commit went to a postprocessor, by monotonic
     end time, for as long as that postprocessor could die unnoticed (recovery.py replays them).
-    on_verified(planned, result) hears every consistent verified row (adaptive k, draft method)."""
+    on_verified(planned, result) hears every consistent verified row (adaptive k, draft method),
+    on_ended(request) every request that ends (the suffix index takes its last tokens)."""
 
     def __init__(self, config: SchedulerConfig, placement: Placement, running: dict[str, Request],
                  releases: SlotReleases, recent: RecentIds, counters: Counter, metrics: SchedulerMetrics,
                  monotonic: Callable[[], float], eos_ids: tuple[int, ...],
-                 on_verified: Callable[[PlannedRow, VerifyResult], None], hints: PrefixHints):
+                 on_verified: Callable[[PlannedRow, VerifyResult], None], hints: PrefixHints,
+                 on_ended: Callable[[Request], None] = lambda request: None):
         self.config = config
         self.placement = placement
         self.running = running
@@ -76,6 +78,7 @@ class Committer:
         self.eos_ids = eos_ids
         self.on_verified = on_verified
         self.hints = hints
+        self.on_ended = on_ended
         self.finishing: dict[str, tuple[Request, float]] = {}
 
     def end(self, request: Request, reason: FinishReason | None, now: float, *, batch_id: int | None = None,
@@ -92,6 +95,7 @@ class Committer:
             self.hints.record(request.verifier_id, cache_salt(self.config, request.user),
                               request.history[:request.verifier_len])
         self.recent.remember(request.request_id)
+        self.on_ended(request)
         self.counters[f"finished_{reason or 'stop_notice'}"] += 1
         if reason is None:
             return Outbox()

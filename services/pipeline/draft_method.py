@@ -11,6 +11,7 @@ heartbeat's model_ids["target"] is the verifier's): it drafts from that target's
 
 - "model" / "ngram" / "eagle": only drafters of that method; none live: the request runs k=0
   flagged draft_timeout, as without any drafter.
+- "suffix": no drafter (the scheduler's suffix index drafts, services/pipeline/suffix_choice.py).
 - "auto", measured per request: with one method live it uses that one. With several live it
   tries each for TRIAL_STEPS answered steps, in METHODS order (cheapest first: ngram's slot
   costs nothing to fill, an eagle head's one layer little), then keeps the method whose drafts
@@ -84,6 +85,8 @@ def pin_drafter(state, request) -> str | None:
     """The drafter for a request (module docstring), counted as a pin; None when none fits.
     state: the SchedulerState; request: its Request."""
     method = request.speculative.draft_method
+    if method == "suffix":
+        return None
     if method != "auto":
         return state.placement.count_pin(pick_method(state, request, method))
     wanted = request.draft_trial.wanted(live_methods(state, request))

@@ -74,6 +74,9 @@ class SchedulerState:
       adaptive_k.py (from timings the service reports: draft_timed, verify_timed; none reported,
       every step takes k); rejection-sampled rows always take k (step_planner.py says why).
       usage.speculative_lengths counts decode steps by the drafts they verified (a tree's nodes).
+    - Such a row may instead take drafts from this scheduler's suffix index of its tenant's
+      earlier requests (suffix_index.py), where suffix_choice.py measures they beat its drafter's;
+      every request's prompt and output join the index as it runs and when it ends.
     - With max_tree_nodes, such a row may ask a tree of drafts instead of a chain, where
       tree_choice.py measures it pays (docs/PROTOCOL.md#tree-drafts).
     - Prompt logprobs are asked of the verifier until the first commit delivered them; after a
@@ -116,7 +119,7 @@ class SchedulerState:
         self.hints = PrefixHints()
         self.committer = Committer(config, self.placement, self.running, self.releases, self.admission.recent,
                                    self.counters, self.metrics, monotonic, tokenizer.eos_ids, self.row_verified,
-                                   self.hints)
+                                   self.hints, self.planner.suffix_ended)
         self.recovery = Recovery(config, self.placement, self.running, self.in_flight, self.releases,
                                  self.committer, self.counters, lambda request: pin_drafter(self, request),
                                  self.pinned_count)
@@ -305,8 +308,13 @@ class SchedulerState:
         return self.committer.commit_batch(plan, verifier_id, response, now)
 
     def row_verified(self, planned: PlannedRow, result: VerifyResult) -> None:
-        """A consistent verified row: its acceptance for adaptive k, and for draft_method "auto"."""
+        """A consistent verified row: its acceptance for adaptive k, and for draft_method "auto";
+        a row of suffix drafts is counted (suffix_rows, suffix_drafts, suffix_drafts_accepted)."""
         self.planner.verified(planned, result)
+        if planned.suffix is not None:
+            self.counters["suffix_rows"] += 1
+            self.counters["suffix_drafts"] += planned.num_draft
+            self.counters["suffix_drafts_accepted"] += result.drafts_accepted
         if planned.drafted_by is not None:
             drafted(self, planned.request, planned.drafted_by, result.drafts_accepted)
 

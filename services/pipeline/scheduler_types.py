@@ -17,6 +17,7 @@ from schemas.streams import Admitted, StreamChunk, Usage
 from schemas.wire import Error, FinishReason
 from services.pipeline.adaptive_k import RowState
 from services.pipeline.draft_method import DraftTrial
+from services.pipeline.suffix_choice import SuffixStep
 from services.pipeline.tree_choice import TreeRow
 
 
@@ -151,6 +152,7 @@ class PlannedRow:
     drafted_by: str | None = None  # the drafter that answered for this row (draft_method.drafted)
     features_from: int | None = None  # what its verify row asked (features.py)
     features_sent: int | None = None  # the end of the features its draft row carried
+    suffix: SuffixStep | None = None  # its drafts are the scheduler's suffix index's (suffix_choice.py)
 
     @property
     def draft_room(self) -> int:

@@ -31,7 +31,9 @@ already decoding):
    max_step_tokens) should the cache end inside the larger chunk. A new request's first chunk
    likewise takes, past its share, the prefix its scheduler expects the cache to hold
    (prefix_hints.py: Request.hit_run set at its start).
-A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
+A decode row's drafts may come from the scheduler's own suffix index instead of its drafter, where
+suffix_choice.py measures they pay (greedy and Gumbel-coupled rows of draft_method "auto" or
+"suffix"); such a row is sent to no drafter. A decode row's k: a greedy or Gumbel-coupled row takes adaptive_k.py's when the scheduler's
 adaptive_k is on (docs/PROTOCOL.md#adaptive-k), a rejection-sampled row always its own k. With
 max_tree_nodes, a greedy or Gumbel-coupled row without structured outputs may instead ask a tree
 of up to max_tree_nodes nodes (the step's budget permitting) as deep as its k: where
@@ -41,8 +43,10 @@ tree_choice.py prefers it, or in every step with adaptive_k off (docs/PROTOCOL.m
 from collections import Counter
 from collections.abc import Iterable
 
+import numpy as np
+
 from schemas.config import SchedulerConfig
-from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse, VerifyResult
+from schemas.steps import DraftRequest, DraftResponse, DraftTokens, VerifyRequest, VerifyResponse, VerifyResult
 from schemas.wire import Error
 from services.pipeline.adaptive_k import AdaptiveK
 from services.pipeline.fair_share import parse_user_weights, prefill_caps, split_fairly
@@ -50,6 +54,8 @@ from services.pipeline.payload import SIDE_POSITION_BYTES, side_position_bytes
 from services.pipeline.placement import Placement
 from services.pipeline.scheduler_types import PlannedRow, Request, StepPlan
 from services.pipeline.step_budget import MIN_STEP_TOKENS, StepBudget
+from services.pipeline.suffix_choice import SuffixChoice
+from services.pipeline.suffix_index import SuffixPools
 from services.pipeline.tree_choice import RowPlace, TreeChoice, tree_sizes
 
 
@@ -63,6 +69,8 @@ class StepPlanner:
         self.adaptive = AdaptiveK(config.adaptive_k_probe_steps) if config.adaptive_k else None
         use_trees = self.adaptive is not None and config.max_tree_nodes > 0
         self.trees = TreeChoice(self.adaptive, config.adaptive_k_probe_steps) if use_trees else None
+        pools = SuffixPools(config.suffix_max_tokens, config.suffix_shared) if config.suffix_max_tokens else None
+        self.suffix = None if pools is None else SuffixChoice(pools, self.adaptive, config.adaptive_k_probe_steps)
         self.budget = StepBudget(config.target_step_s, config.max_step_tokens, config.verify_timeout_s, config.lanes)
         self.weights = parse_user_weights(config.user_weights)
         self.num_plans = 0
@@ -111,7 +119,7 @@ class StepPlanner:
                                        alone=len(decode) + len(prefill) == 1, others=len(decode) - 1)
             used += 1 + row.draft_room
             planned.append(row)
-            if row.num_draft:
+            if row.num_draft and row.suffix is None:
                 draft_rows.setdefault(request.drafter_id, []).append(row)
         room = min(limit - used, max(step_tokens - used, used, MIN_STEP_TOKENS))
         shares, side_shares = self.prefill_shares(planned, prefill, room)
@@ -183,11 +191,20 @@ class StepPlanner:
         remaining = request.sampling.max_tokens - len(request.completion)
         wanted = max(min(request.speculative.num_speculative_tokens, remaining - 1, budget - 1), 0)
         alive = self.placement.alive(request.drafter_id)
+        place = RowPlace(request.verifier_id, request.drafter_id or "", base_tokens, base_k, alone, others,
+                         self.num_plans)
+        chosen = None if self.suffix is None else self.suffix.choose(request, wanted, place, alive,
+                                                                     self.prior_key(request))
+        if chosen is not None:  # the suffix index's drafts (suffix_choice.py): no drafter asked
+            drafts, step = chosen
+            return PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=len(drafts),
+                              decode=True, draft=DraftTokens(draft_token_ids=np.asarray(drafts, dtype=np.int32)),
+                              suffix=step)
+        if request.speculative.draft_method == "suffix":
+            wanted = 0  # no drafter: the index's drafts or none
         nodes = 0
         if alive and wanted and self.config.max_tree_nodes:  # trees off (the default): nothing more per row
-            nodes = self.tree_nodes(request, wanted, budget, RowPlace(request.verifier_id, request.drafter_id,
-                                                                      base_tokens, base_k, alone, others,
-                                                                      self.num_plans))
+            nodes = self.tree_nodes(request, wanted, budget, place)
         if wanted and alive and not nodes and self.adaptive_row(request):
             wanted = self.adaptive.choose(request.adaptive, self.prior_key(request), wanted, request.verifier_id,
                                           base_tokens, request.drafter_id, base_k, alone, others, self.num_plans)
@@ -218,6 +235,11 @@ class StepPlanner:
         return min(self.trees.choose(request.adaptive, request.tree, self.prior_key(request), min(wanted, nodes),
                                      sizes, place), nodes)
 
+    def suffix_ended(self, request: Request) -> None:
+        """A request left the scheduler: its prompt and output join its tenant's suffix index."""
+        if self.suffix is not None:
+            self.suffix.ended(request)
+
     def adaptive_row(self, request: Request) -> bool:
         """Whether the request's k per step is adaptive_k's: greedy and Gumbel-coupled rows, whose
         tokens do not depend on k, when the scheduler's adaptive_k is on."""
@@ -230,8 +252,12 @@ class StepPlanner:
         return request.drafter_id or "", f"{rule}/{request.speculative.draft_mode}"
 
     def verified(self, planned: PlannedRow, result: VerifyResult) -> None:
-        """A row's verified drafts, for adaptive_k (a chain's) and tree_choice (a decode row's)."""
+        """A row's verified drafts, for adaptive_k (a chain's) and tree_choice (a decode row's), or
+        for suffix_choice (the suffix index's)."""
         request = planned.request
+        if planned.suffix is not None:
+            self.suffix.verified(planned.suffix, result.drafts_accepted)
+            return
         if not self.adaptive_row(request):
             return
         if self.trees is not None and planned.decode:

@@ -25,7 +25,8 @@ def prompts(tokenizer) -> list[list[int]]:
 async def stack(start_stack, tiny_pair, tmp_path_factory):
     useless_draft = write_useless_draft(tiny_pair[1], tmp_path_factory.mktemp("models") / "useless-draft")
     # generous draft timeout: a late drafter would flag steps draft_timeout, which is not the point here
-    scheduler = ["--draft-timeout-s", "5", "--adaptive-k-probe-steps", "8"]
+    scheduler = ["--draft-timeout-s", "5", "--adaptive-k-probe-steps", "8",
+                 "--suffix-max-tokens", "0"]  # no suffix index: the k asserted is the useless draft's
     async with start_stack(tiny_pair[0], useless_draft, role_args={"scheduler": scheduler}) as running:
         yield running
 

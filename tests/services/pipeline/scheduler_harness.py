@@ -31,7 +31,8 @@ def beat(state, instance_id, role, capacity=8, free_slots=None, tokenizer_hash=T
 
 
 def new_state(tokenizer, roles=(("v1", "verifier"), ("d1", "drafter"), ("p1", "postprocessor")), **overrides):
-    config = load_config(SchedulerConfig, env={}, instance_id="sched-1", **overrides)
+    # no suffix index unless a test asks for one: the tests of a drafter's k see only its drafts
+    config = load_config(SchedulerConfig, env={}, instance_id="sched-1", **{"suffix_max_tokens": 0, **overrides})
     clock = Clock()
     state = SchedulerState(config, tokenizer, TOKENIZER_HASH, monotonic=clock)
     state.clock = clock

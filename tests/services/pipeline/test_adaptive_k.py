@@ -241,7 +241,7 @@ def timed_step(state, accept, verify_s=flat_verify, draft_s=lambda k: 0.002 * k)
         reply = DraftResponse(batch_id=message.batch_id, drafter_id=drafter_id, rows=[
             DraftResult(request_id=r.request_id, draft_token_ids=list(range(50, 50 + r.num_draft))) for r in message.rows])
         state.apply_draft(plan, drafter_id, message, reply)
-        state.draft_timed(drafter_id, message, reply, draft_s(max(r.num_draft for r in message.rows)))
+        state.draft_timed(drafter_id, message, reply, draft_s(max((r.num_draft for r in message.rows), default=0)))
     drafts = {}
     for verifier_id, message in state.verify_batches(plan, time.time()).items():
         rows = []

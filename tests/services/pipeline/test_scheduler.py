@@ -154,8 +154,9 @@ async def test_greedy_speculative_output_equals_plain_decoding(stack, model_dirs
 async def test_drafter_stopped_mid_stream_requests_finish_flagged_with_unchanged_output(stack, model_dirs):
     await stack.be_postprocessor()
     # adaptive k off: every step asks the drafter, so its loss always shows (adaptive k may stop
-    # asking this random draft before the kill, and the requests end before it is missed)
-    start_pipeline(stack, model_dirs, draft_timeout_s=2.0, adaptive_k=False)
+    # asking this random draft before the kill, and the requests end before it is missed); no
+    # suffix index: its drafts would stand in for the lost drafter's in some steps
+    start_pipeline(stack, model_dirs, draft_timeout_s=2.0, adaptive_k=False, suffix_max_tokens=0)
     await stack.wait_for_instances("verifier-a", "drafter-a", "sched-test")
     reference = await asyncio.gather(*(stack.generate(greedy(f"ref-{i}", p, k=0, max_tokens=40))
                                        for i, p in enumerate(PROMPTS)))
