@@ -90,7 +90,7 @@ log = structlog.get_logger(__name__)
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
     model, cache = load_model_and_cache(config.target_model, config, side_bytes_per_value=FEATURE_BYTES)
-    weights = resolve_weights(config.weights, config.target_model, cache.dtype, config.device)
+    weights = resolve_weights(config.weights, config.target_model, cache.dtype, config.device, config.dtype)
     # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of;
     # hidden_size: they size the feature blocks they ask for by it (2 bytes a value)
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),

@@ -42,10 +42,12 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: float32 "
                              "for a target with GGUF blocks on a CPU with the projection kernel, its published "
                              "weights; else bfloat16 on CUDA and on CPUs with native bf16, else float32)")
-    parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf", "int8"],
+    parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf", "int8", "int8dot"],
                         help="how the verifier holds the target's projections (env SPECBUS_WEIGHTS; default auto: "
-                             "the GGUF blocks as published where the model has them and the dtype is float32, "
-                             "bit for bit the float32 model; else dense; int8: weight-only int8, the dense weights "
+                             "the GGUF blocks as published where the model has them: under dtype auto by int8 "
+                             "activation blocks and integer dot products (int8dot, llama.cpp's model of the file), "
+                             "under dtype float32 widened to float32 (gguf, bit for bit the float32 model); else "
+                             "dense; int8: weight-only int8, the dense weights "
                              "quantized to Q8_0 blocks at load, float32 activations, a changed model)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                         help="each verifier's and drafter's KV cache budget, e.g. 2GiB, 512MiB (env "
