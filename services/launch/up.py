@@ -141,7 +141,10 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
         print(f"error: {exc}", file=sys.stderr)
         return None
     counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
-    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
+    # which model of the target the verifiers compute (their heartbeats' weights: int8dot, gguf, ...)
+    weights = sorted({b.model_ids.get("weights", "") for b in stack.heartbeats.values() if b.role == "verifier"} - {""})
+    served = f", target weights {','.join(weights)}" if weights else ""
+    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}{served}, logs in {stack.log_dir})", flush=True)
     if stack.credentials_path:
         print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
               f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`, which then finds the "
