@@ -59,8 +59,16 @@ XQ quantize_rows(const float* x, int64_t M, int64_t K) {
   for (int64_t b = 0; b < M * K / QK; ++b) {
     const float* v = x + b * QK;
     float amax = 0.0f;
-    for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(v[k]));
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    bool finite = true;
+    for (int k = 0; k < QK; ++k) {
+      const float a = std::fabs(v[k]);
+      finite = finite && std::isfinite(a);
+      amax = std::max(amax, a);
+    }
+    // a block holding an inf or a NaN: q = 0 and d NaN, so its outputs are NaN (no int8 of it);
+    // one too small for 127 / amax to be finite: q = 0 (its products are below float32's range)
+    const float r = 127.0f / amax;
+    const float d = finite ? amax / 127.0f : NAN, id = finite && amax > 0.0f && std::isfinite(r) ? r : 0.0f;
     int32_t sum = 0;
     for (int k = 0; k < QK; ++k) {
       const int32_t q = int32_t(std::nearbyint(v[k] * id));
@@ -162,9 +170,7 @@ void half_avx2(const Packed& w, const XQ& x, int64_t g, int h, int64_t m0, float
       const int8_t* q = x.q.data() + m * K + c * QK;
       __m256i i32 = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
-        int32_t four;
-        std::memcpy(&four, q + 4 * j, 4);
-        __m256i xv = _mm256_set1_epi32(four);
+        __m256i xv = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
         if (w.kind == Q8_0) xv = _mm256_sign_epi8(xv, sgn[j]);
         i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], xv), ones));
       }
@@ -234,11 +240,10 @@ void tile_vnni(const Packed& w, const XQ& x, const Out& o, int64_t g, int64_t m0
     for (int j = 0; j < 8; ++j)
 #pragma GCC unroll 8
       for (int r = 0; r < MB; ++r) {
-        int32_t four;
-        std::memcpy(&four, xs + (m0 + r) * K + c * QK + 4 * j, 4);
+        // 4 values of x to every lane, by a broadcast load (not through a general register)
+        const __m512i four = _mm512_broadcastd_epi32(_mm_loadu_si32(xs + (m0 + r) * K + c * QK + 4 * j));
         __m512i& sum = i32[r][j % CH];
-        sum = KIND == Q4_1 ? _mm512_dpbusd_epi32(sum, v[j], _mm512_set1_epi32(four))
-                             : _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(four), v[j]);
+        sum = KIND == Q4_1 ? _mm512_dpbusd_epi32(sum, v[j], four) : _mm512_dpbusd_epi32(sum, four, v[j]);
       }
 #pragma GCC unroll 8
     for (int r = 0; r < MB; ++r) {
