@@ -27,8 +27,9 @@ Medusa-2, EAGLE and SpecForge train on the target's own answers. Steps, in order
    same --start and settings.
 
 --dtype auto: the dtype and weights serving picks by default for the target on this CPU
-(`resolve_dtype("auto", "cpu", target)` / `resolve_weights("auto", ...)`: float32 GGUF blocks where
-the target directory has them and the projection kernel serves them, else bf16 dense where the CPU
+(`resolve_dtype("auto", "cpu", target)` / `resolve_weights("auto", ...)`: the GGUF blocks by
+integer dot products (weights int8dot) where the target directory has them and the projection
+kernel serves them, else bf16 dense where the CPU
 has native bf16, else float32); bfloat16 / float32: dense weights in that dtype. --fast turns the
 runtime's fixed-order linear kernel off (SPECBUS_LINEAR_KERNEL=0, oneDNN): faster batched rows on
 some CPUs, greedy rows then equal to one-row decoding only up to rounding.

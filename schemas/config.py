@@ -190,8 +190,10 @@ class ModelServiceConfig(InstanceConfig):
     # GGUF blocks `specbus models pull` keeps beside them, the published Q4_1 / Q8_0 weights as
     # stored, with float32 activations: bit for bit the dense float32 model,
     # gpu_worker/runtime/quantized.py); "int8": weight-only int8, the dense weights quantized to
-    # Q8_0 blocks at load (float32 activations; a changed model); "auto": gguf where the model
-    # directory has them and the dtype is float32 on a CPU where the projection kernel runs, else dense.
+    # Q8_0 blocks at load (float32 activations; a changed model); "int8dot": the GGUF blocks by int8
+    # activation blocks and integer dot products (llama.cpp's model of the file, not the float32
+    # one); "auto": the GGUF blocks where the model directory has them and float32 runs on a CPU
+    # where the projection kernel runs (int8dot under dtype auto, gguf under dtype float32), else dense.
     weights: str = "auto"
     max_slots: int = 64
     max_seq_len: int = 2048

@@ -69,10 +69,10 @@ def resolve_dtype(name: str, device: str, blocks_dir: str | None = None, weights
     a service whose weights setting may take its GGUF blocks) has blocks the projection kernel
     serves on this device: the published weights as stored, bit for bit the float32 model, at a
     fifth of its bytes (bfloat16 would round them, a changed model); float32 for weights "int8"
-    (its blocks need float32 activations); else bfloat16 on CUDA and on CPUs with native bf16 (a
+    and "int8dot" (their blocks take float32 activations); else bfloat16 on CUDA and on CPUs with native bf16 (a
     verify of 5 tokens then costs about one fp32 decode step), else float32."""
     if name == "auto":
-        if blocks_dir is not None and serves_blocks(blocks_dir, torch.float32, device) or weights == "int8":
+        if blocks_dir is not None and serves_blocks(blocks_dir, torch.float32, device) or weights in ("int8", "int8dot"):
             return torch.float32
         native = device.startswith("cuda") or (device == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
@@ -82,9 +82,12 @@ def resolve_dtype(name: str, device: str, blocks_dir: str | None = None, weights
     return DTYPES[name]
 
 
-def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) -> str:
-    """The weights format ("dense", "gguf" or "int8") for a config's weights name
-    (ModelServiceConfig `weights`); SpecbusError naming the field where "gguf" or "int8" cannot serve."""
+def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str, dtype_name: str = "auto") -> str:
+    """The weights format ("dense", "gguf", "int8" or "int8dot") for a config's weights name
+    (ModelServiceConfig `weights`) and dtype name; SpecbusError naming the field where "gguf",
+    "int8" or "int8dot" cannot serve. "auto" takes the model's GGUF blocks where they serve: by
+    integer dot products (int8dot, llama.cpp's model of the file) under dtype auto, widened to
+    float32 (gguf, the float32 model of the file, bit for bit) under dtype float32."""
     if name not in WEIGHT_FORMATS:
         raise SpecbusError(ErrorCode.invalid_field, f"weights {name!r} is not one of {list(WEIGHT_FORMATS)}", "weights")
     if name == "int8":
@@ -93,11 +96,13 @@ def resolve_weights(name: str, model_dir: str, dtype: torch.dtype, device: str) 
                                f"kernel (dtype here: {str(dtype).removeprefix('torch.')})", "weights")
         return "int8"
     servable = serves_blocks(model_dir, dtype, device)
-    if name == "gguf" and not servable:
-        raise SpecbusError(ErrorCode.invalid_field, f"weights gguf needs GGUF blocks in {model_dir} (`specbus models "
+    if name in ("gguf", "int8dot") and not servable:
+        raise SpecbusError(ErrorCode.invalid_field, f"weights {name} needs GGUF blocks in {model_dir} (`specbus models "
                            f"pull` writes them for the default target) and dtype float32 on a CPU with the "
                            f"projection kernel (dtype here: {str(dtype).removeprefix('torch.')})", "weights")
-    return "gguf" if name == "gguf" or (name == "auto" and servable) else "dense"
+    if name == "auto":
+        return ("int8dot" if dtype_name == "auto" else "gguf") if servable else "dense"
+    return name
 
 
 # Why a slot is freed with storage worth keeping for a prefix cache: what it holds was verified
@@ -169,7 +174,7 @@ def load_model_and_cache(model_dir: str, config: ModelServiceConfig,
     per position (the verifier's feature rows, `KVCache` side_bytes_per_token).
     SpecbusError naming the field for a bad value."""
     dtype, memory_bytes = model_settings(config, model_dir if config.weights != "dense" else None)
-    weights = resolve_weights(config.weights, model_dir, dtype, config.device)
+    weights = resolve_weights(config.weights, model_dir, dtype, config.device, config.dtype)
     log.info("model_loading", path=model_dir, device=config.device, dtype=str(dtype).removeprefix("torch."),
              weights=weights)
     model, model_config = load_model(model_dir, config.device, dtype, config.max_seq_len, weights)

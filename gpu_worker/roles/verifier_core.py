@@ -90,11 +90,12 @@ log = structlog.get_logger(__name__)
 def load_verifier(config: VerifierConfig) -> Verifier:
     """Load the target model (device/dtype from config) and allocate its KV cache."""
     model, cache = load_model_and_cache(config.target_model, config, side_bytes_per_value=FEATURE_BYTES)
-    weights = resolve_weights(config.weights, config.target_model, cache.dtype, config.device)
+    weights = resolve_weights(config.weights, config.target_model, cache.dtype, config.device, config.dtype)
     # max_seq_len: schedulers cap max_tokens and refuse prompts by the smallest one they hear of;
     # hidden_size: they size the feature blocks they ask for by it (2 bytes a value)
     model_ids = {"target": model_id(config.target_model), "tokenizer": tokenizer_id(config.target_model),
-                 "max_seq_len": str(config.max_seq_len), "hidden_size": str(model.config.hidden_size)}
+                 "max_seq_len": str(config.max_seq_len), "hidden_size": str(model.config.hidden_size),
+                 "weights": weights}  # which model of the target it computes (/v1/models, `specbus up`)
     verifier = Verifier(instance_id=config.instance_id, model=model, cache=cache, model_ids=model_ids,
                         prefill_chunk=config.prefill_chunk, slot_idle_ttl_s=config.slot_idle_ttl_s, weights=weights,
                         tokenizer_dir=config.target_model)

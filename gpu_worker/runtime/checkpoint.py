@@ -86,19 +86,20 @@ def load_model(path, device="cpu", dtype=torch.float32, max_seq_len: int | None 
     stores lm_head.weight uses the embedding, as transformers does. weights_format "gguf": the
     projections the directory keeps as GGUF blocks (GGUF_BLOCKS_FILE, gpu_worker/runtime/quantized.py)
     are read as blocks, not as dense weights (CheckpointError where there are none); "int8": the
-    dense weights quantized to Q8_0 blocks at load (`int8_blocks`), a changed model.
+    dense weights quantized to Q8_0 blocks at load (`int8_blocks`), a changed model; "int8dot":
+    gguf's blocks multiplied by int8 activation blocks (`quantized.IntWeight`), llama.cpp's model.
     """
     config = read_config(path)
     expected = set(weight_names(config))
     blocks = {}
-    if weights_format == "gguf":
+    if weights_format in ("gguf", "int8dot"):
         if not (Path(path) / GGUF_BLOCKS_FILE).is_file():
             raise CheckpointError(f"{path} has no {GGUF_BLOCKS_FILE} (GGUF block weights): `specbus models pull "
                                   f"--force` writes it for the default target; use weights dense otherwise")
         blocks = {our_name(name): weight for name, weight in read_blocks(path).items()}
         expected -= blocks.keys() - {"embed"}  # the lookup reads a dense embedding
     elif weights_format not in ("dense", "int8"):
-        raise ValueError(f"weights_format {weights_format!r}: dense, gguf or int8")
+        raise ValueError(f"weights_format {weights_format!r}: dense, gguf, int8 or int8dot")
     weights, unexpected = {}, []
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -118,7 +119,7 @@ def load_model(path, device="cpu", dtype=torch.float32, max_seq_len: int | None 
                               f"{sorted(unexpected)}")
     if weights_format == "int8":
         blocks = int8_blocks(config, weights)
-    return build_model(config, weights, device, dtype, max_seq_len, blocks), config
+    return build_model(config, weights, device, dtype, max_seq_len, blocks, weights_format == "int8dot"), config
 
 
 def int8_blocks(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:

@@ -51,22 +51,7 @@ static inline void finish(const Args<T>& a, __m256 acc, int64_t m, int64_t n, co
   a.y[m * a.N + n] = T(s);
 }
 
-// f(first, last) over [0, n) on torch's threads, in small ranges that each thread takes as it
-// frees up (not one fixed range a thread): on a machine shared with other processes (the stack's
-// own, on few cores) a thread that is descheduled for a while then delays the call by one small
-// range, not by its whole share. Which thread computes an output never changes its operations.
-template <typename F>
-static void shared_for(int64_t n, const F& f) {
-  const int threads = at::get_num_threads();
-  if (threads == 1 || n < 2 || at::in_parallel_region()) return f(0, n);
-  const int64_t step = std::max<int64_t>(1, n / (8 * threads));
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
-  {
-    at::internal::ThreadIdGuard guard(omp_get_thread_num());
-    for (int64_t first; (first = next.fetch_add(step)) < n;) f(first, std::min(n, first + step));
-  }
-}
+#include "shared_for.h"
 
 // Where values k..k+7 of row i of a block starting at w lie: rows one after another (w (N, K)), or
 // PAIRED (w (N/2, K/8, 2, 8), `pair_rows` in model.py) rows 2p and 2p+1 interleaved in chunks of 8,
@@ -1352,6 +1337,12 @@ static std::tuple<torch::Tensor, torch::Tensor> gumbel_candidates(torch::Tensor 
   return {out_keys, out_ids};
 }
 
+// int_kernel.cpp: GGUF blocks by integer dot products
+std::string use_int_isa(const std::string& name);
+torch::Tensor int_pack(torch::Tensor blocks, int64_t kind);
+torch::Tensor int_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N,
+                         c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> residual);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_amx", &use_amx, "bfloat16 weights in AMX tiles where the CPU has them; returns whether it is on");
   m.def("amx", &amx_runs, "whether bfloat16 weights go to AMX tiles (`use_amx`)");
@@ -1371,5 +1362,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gumbel_candidates", &gumbel_candidates, "each row's m tokens of least (1 - u) / p, Gumbel-max's candidates",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear", &quant_linear, "residual + (x @ dequant(blocks)^T + b), fixed_linear's order",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("use_int_isa", &use_int_isa, "int_linear's ISA: best, vnni, avx2 or scalar; returns the one in use");
+  m.def("int_pack", &int_pack, "GGUF rows of blocks in int_linear's layout (groups of 16 rows)");
+  m.def("int_linear", &int_linear, "residual + (x @ W^T + b) by int8 activation blocks and integer dot products",
         py::call_guard<py::gil_scoped_release>());
 }

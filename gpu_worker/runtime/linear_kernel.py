@@ -23,6 +23,14 @@ on (a verify, a tree, a batch, a prefill: twice the multiply-adds an instruction
 accumulators; one row stays on the AVX2 code, which is bound by memory there). Threads take rows
 of w in small ranges as they free up (`shared_for`).
 
+`int_linear(x, packed, kind, N, b, residual)` (int_kernel.cpp, the same module) serves GGUF
+blocks by integer dot products instead (weights `int8dot`, gpu_worker/runtime/quantized.py): x's
+rows quantized to int8 blocks of 32, exact int32 block sums (VPDPBUSD where the CPU has
+AVX512-VNNI, else AVX2's VPMADDUBSW; `use_int_isa` forces one, or the scalar reference, for
+tests: all give the same bits), float32 scales and sums in one fixed order per output.
+SPECBUS_INT_ISA (best, vnni, avx2, scalar) picks the ISA at load. No AMX path: its int8 tiles
+(TDPBUSD) would need the tile permission probe of the bfloat16 path and a test CPU.
+
 The module also holds the decoder layer's other pieces that are cheaper as one call than as
 several torch ops (each op costs microseconds of dispatch, a few hundred of them a forward):
 `fixed_rms_norm(x, w, eps)`, Llama's RMSNorm with a row's sum of squares in one fixed order
@@ -70,6 +78,10 @@ import structlog
 from schemas.config import specbus_home
 
 SOURCE = Path(__file__).with_name("linear_kernel.cpp")
+# compiled with it into one module (int_kernel.cpp: GGUF blocks by integer dot products); the
+# header is shared by both and hashed with them
+SOURCES = [SOURCE, SOURCE.with_name("int_kernel.cpp")]
+HEADERS = [SOURCE.with_name("shared_for.h")]
 # -fopenmp: shared_for's `#pragma omp parallel` is dropped without it, and the kernel then runs
 # on one thread whatever torch.set_num_threads says.
 # -mf16c: fp16 scales widened by one instruction (every AVX2 CPU has F16C).
@@ -82,7 +94,8 @@ log = structlog.get_logger(__name__)
 
 def build_dir() -> Path:
     """Where this source, these flags and this Python and torch build to (nothing imported)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
     torch_version = importlib.metadata.version("torch")
     return specbus_home() / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch_version}" / digest
 
@@ -134,6 +147,7 @@ def load():
         module = build()
     if module is not None:
         module.use_amx(os.environ.get("SPECBUS_AMX", "1") != "0")
+        module.use_int_isa(os.environ.get("SPECBUS_INT_ISA", "best"))
     return module
 
 
@@ -156,7 +170,7 @@ def build():
     # ninja from the virtualenv's bin, which is not on PATH when its python runs without activation
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        return cpp_extension.load(name=module_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
+        return cpp_extension.load(name=module_name(), sources=[str(path) for path in SOURCES], extra_cflags=FLAGS,
                                   extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no headers: oneDNN serves instead
         log.warning("linear_kernel_unavailable", reason=f"build failed: {error}"[:2000])

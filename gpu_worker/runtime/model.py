@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from gpu_worker.runtime.linear_kernel import fixed_kernel
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
-from gpu_worker.runtime.quantized import QuantizedWeight, fuse, quant_linear, usable
+from gpu_worker.runtime.quantized import IntWeight, QuantizedWeight, block_linear, fuse, to_int, usable
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -190,12 +190,12 @@ def rope_tables(shape: DecoderShape, num_positions: int, device=None,
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
                 dtype=torch.float32, max_seq_len: int | None = None,
-                blocks: dict[str, QuantizedWeight] | None = None) -> Model:
+                blocks: dict[str, QuantizedWeight] | None = None, integer: bool = False) -> Model:
     """Fuse per-projection weights (named as `weight_names`) into a `Model` on `device`.
 
     blocks (named alike): projections kept as GGUF blocks (float32 on the CPU only,
     gpu_worker/runtime/quantized.py); a projection whose pieces are all there is one, and its
-    dense weights are not needed; a tied lm_head is the embedding's blocks.
+    dense weights are not needed; a tied lm_head is the embedding's blocks (integer: as `IntWeight`s).
 
     RoPE tables cover positions 0..max_seq_len-1 (default: max_position_embeddings; a
     smaller value keeps the tables small for configs that allow 128k positions).
@@ -215,8 +215,11 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
     if blocks and not usable(dtype, str(device)):
         raise ConfigError(f"GGUF block weights need float32 on a CPU with the projection kernel, not {dtype} on {device}")
 
+    def held(weight: QuantizedWeight | None) -> QuantizedWeight | IntWeight | None:
+        return to_int(weight) if integer and weight is not None else weight
+
     def projection(*names):
-        fused = fuse([blocks.get(n) for n in names])
+        fused = held(fuse([blocks.get(n) for n in names]))
         return fused if fused is not None else pack_weight(cat(*names))
 
     layers = []
@@ -235,7 +238,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
     embed = get("embed")
     cos, sin = rope_tables(config, num_positions, device, dtype)
     return Model(config=config, embed=embed, layers=layers, norm=get("norm"),
-                 lm_head=blocks.get("embed") or pack_weight(embed, shared=True) if config.tie_word_embeddings
+                 lm_head=held(blocks.get("embed")) or pack_weight(embed, shared=True) if config.tie_word_embeddings
                  else projection("lm_head"),
                  rope_cos=cos, rope_sin=sin)
 
@@ -321,12 +324,12 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     return w.contiguous()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | IntWeight, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x @ W^T + b for x (N, in) and w = pack_weight(W) or W as GGUF blocks; (N, out).
-    A row's bits do not depend on N."""
-    if isinstance(w, QuantizedWeight):
-        return quant_linear(x, w, b, residual)
+    """residual + x @ W^T + b for x (N, in) and w = pack_weight(W) or W as GGUF blocks (widened
+    to float32, or by integer dot products); (N, out). A row's bits do not depend on N."""
+    if isinstance(w, QuantizedWeight | IntWeight):
+        return block_linear(x, w, b, residual)
     if w.is_mkldnn:  # float32 (pack_weight): x, b and residual to float32, the result back once
         x32, b32 = x.float(), None if b is None else b.float()
         if residual is None:

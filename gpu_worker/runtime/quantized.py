@@ -14,6 +14,17 @@ Q8_0 blocks at load (`quantize_q8_0`), weight-only int8, for a model that ships 
 changes the model (ops/bench/RESULTS.md measures by how much); the kernel's identities hold for the
 quantized model as they do for the published blocks.
 
+`weights: int8dot` serves the same blocks by llama.cpp's arithmetic instead (`IntWeight`,
+`int_linear`, linear_kernel's int_kernel.cpp): each row of x quantized on its own to int8 blocks of
+32 (a float32 scale max|x| / 127), each block's integer dot product with the weights' block exact
+in int32, then its scales applied and the blocks summed in float32 in one fixed order. A row's
+bits still depend on nothing beside it (nor on the instruction set: scalar, AVX2 and AVX512-VNNI
+give the same bits), so every identity the forward promises holds for this model; but it is
+another model than the float32 one: the one llama.cpp computes from the file, up to its rounding
+of the activation scales to fp16 (ours stay float32) and its order of float sums. It reads the
+same bytes and multiplies bytes, not floats: on a CPU with VNNI a step costs about the weights'
+bytes, and a verify of many rows little more.
+
 Activations stay float32: the widened weights need fp32's mantissa (an fp16 d times q plus an
 fp16 m), so `gguf` goes with dtype float32, on a CPU where the kernel runs. The embedding lookup
 reads a dense float32 copy of the (tied) embedding: a step reads only its tokens' rows of it.
@@ -33,7 +44,7 @@ from schemas.config import GGUF_BLOCKS_FILE
 KERNEL_KIND = {"q4_1": 0, "q8_0": 1}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 BLOCK_WEIGHTS = 32
-WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8")
+WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8", "int8dot")
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,38 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         rows, row_bytes = self.blocks.shape
         return rows, row_bytes // BLOCK_BYTES[self.kind] * BLOCK_WEIGHTS
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    """A weight W (out, in) as GGUF blocks in int_linear's layout (`int_pack`: groups of 16 rows,
+    the same bytes as the file's blocks, the last group padded with zero rows)."""
+    packed: torch.Tensor
+    kind: str
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.packed.shape[1] // (16 * BLOCK_BYTES[self.kind]) * BLOCK_WEIGHTS
+
+
+def to_int(weight: QuantizedWeight) -> IntWeight:
+    """weight's blocks repacked for `int_linear` (the kernel must be there: `usable`)."""
+    packed = linear_kernel.load().int_pack(weight.blocks, KERNEL_KIND[weight.kind])
+    return IntWeight(packed, weight.kind, weight.blocks.shape[0])
+
+
+def int_linear(x: torch.Tensor, w: IntWeight, b: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x @ W^T + b for x (N, in) float32 by int8 activation blocks and integer dot
+    products; (N, out) float32, a row's bits its own (int_kernel.cpp says the operations)."""
+    return linear_kernel.load().int_linear(x, w.packed, KERNEL_KIND[w.kind], w.rows, b, residual)
+
+
+def block_linear(x: torch.Tensor, w: QuantizedWeight | IntWeight, b: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`quant_linear` or `int_linear`, by w's kind."""
+    return (int_linear if isinstance(w, IntWeight) else quant_linear)(x, w, b, residual)
 
 
 def has_blocks(path) -> bool:

@@ -2,7 +2,8 @@
 
 For each weight format (float32, bfloat16, gguf: the GGUF blocks as stored with float32
 activations, where the model directory has them; int8: the dense weights as Q8_0 blocks, a
-changed model) and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
+changed model; int8dot: the GGUF blocks by int8 activation blocks and integer dot products,
+llama.cpp's model of the file) and torch thread count: ms per forward appending T = 1, 2, 5, 9 tokens to a slot
 holding a 128-token context (the slot is truncated back after each call, so every call sees the
 same context), the median of --reps calls after a warm-up round, and its ratio to T = 1. The T
 values are timed round-robin, so load from other processes on a shared machine skews no ratio.
@@ -29,17 +30,19 @@ import torch
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
-from gpu_worker.runtime.quantized import QuantizedWeight, has_blocks
+from gpu_worker.runtime.quantized import IntWeight, QuantizedWeight, has_blocks
 from schemas.config import TINY_TARGET, default_target_model
 
 # name -> (activation dtype, weights format)
 FORMATS = {"float32": (torch.float32, "dense"), "bfloat16": (torch.bfloat16, "dense"), "gguf": (torch.float32, "gguf"),
-           "int8": (torch.float32, "int8")}
+           "int8": (torch.float32, "int8"), "int8dot": (torch.float32, "int8dot")}
 
 
 def weight_bytes(model) -> int:
     """Bytes of the projection weights and lm_head one step reads (the embedding: a row a token)."""
     def size(w):
+        if isinstance(w, IntWeight):  # the file's bytes (its padding rows are never read)
+            return w.rows * w.packed.shape[1] // 16
         return w.blocks.numel() if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
     layers = sum(size(w) for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
     return layers + size(model.lm_head)
@@ -95,7 +98,7 @@ def main():
     parser.add_argument("--model", default=str(pulled if (pulled / "config.json").exists()
                                                else TINY_TARGET))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS),
-                        help="weight formats (gguf: skipped where the model has no GGUF blocks)")
+                        help="weight formats (gguf, int8dot: skipped where the model has no GGUF blocks)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 9])
     parser.add_argument("--context", type=int, default=128)
@@ -111,7 +114,7 @@ def main():
     print("|---|---|" + "---|" * len(args.tokens) + "---|")
     for name in args.formats:
         dtype, weights = FORMATS[name]
-        if weights == "gguf" and not has_blocks(args.model):
+        if weights in ("gguf", "int8dot") and not has_blocks(args.model):
             print(f"| {name} | | {args.model} has no GGUF blocks |")
             continue
         model, config = load_model(args.model, dtype=dtype, max_seq_len=args.context + max(args.tokens),

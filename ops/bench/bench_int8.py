@@ -12,6 +12,10 @@ float32, on held-out ShareGPT chat prompts (the chat template, greedy):
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_int8.py --prompts 8 --max-new 64
 
+--weights int8dot measures the same for the GGUF blocks by int8 activation blocks and integer dot
+products (llama.cpp's model of the file) against the float32 model of the same blocks (for
+SmolLM2 its dense float32 weights are that model, bit for bit).
+
 --model: any model directory with a chat template (default SmolLM2-135M-Instruct, whose dense
 weights are the float32 values of its published Q4_1 blocks).
 """
@@ -45,12 +49,13 @@ def main():
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--weights", choices=["int8", "int8dot"], default="int8")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
     eos = tuple(tokenizer.eos_ids)
     dense, config = load_model(args.model, max_seq_len=2048)
-    int8, _ = load_model(args.model, max_seq_len=2048, weights_format="int8")
+    int8, _ = load_model(args.model, max_seq_len=2048, weights_format=args.weights)
     agree = kl = positions = same = 0
     prefix = []
     for prompt in sharegpt_prompts(tokenizer, args.prompts, 256, split="held_out"):
@@ -65,13 +70,14 @@ def main():
         kl += float((p.exp() * (p - q)).sum())
         positions += len(out)
     print(f"{Path(args.model).name}, float32, {args.threads} thread(s); {args.prompts} held-out ShareGPT prompts, "
-          f"{args.max_new} greedy tokens; int8 = Q8_0 blocks quantized at load")
+          f"{args.max_new} greedy tokens; " + ("int8 = Q8_0 blocks quantized at load" if args.weights == "int8"
+                                               else "int8dot = the GGUF blocks by integer dot products"))
     print("| weights | bytes a step | T=1 ms | top-1 agreement (teacher-forced) | mean KL | greedy outputs identical "
           "| mean tokens before the first difference |")
     print("|---|---|---|---|---|---|---|")
     print(f"| dense float32 | {weight_bytes(dense) / 1e6:.0f} MB | {bench(dense, config, [1], 128, args.reps)[1]:.1f} "
           f"| - | - | - | - |")
-    print(f"| int8 (Q8_0) | {weight_bytes(int8) / 1e6:.0f} MB | {bench(int8, config, [1], 128, args.reps)[1]:.1f} "
+    print(f"| {args.weights} | {weight_bytes(int8) / 1e6:.0f} MB | {bench(int8, config, [1], 128, args.reps)[1]:.1f} "
           f"| {agree / positions:.4f} ({agree}/{positions}) | {kl / positions:.2e} | {same}/{args.prompts} "
           f"| {statistics.mean(prefix):.1f} |")
 

@@ -20,6 +20,8 @@ forward); 1 by default because its batched prefill crashed on an Intel Xeon with
 difference above leaves prefill out of the figure anyway. Its EOS and the target's are banned by
 a logit bias.
 Prints the figures and the ratios to llama.cpp's best thread count (ops/bench/RESULTS.md).
+Without --llama-python only specbus runs, once per --weights value (e.g. `--weights gguf int8dot`:
+the float32 model of the blocks against the integer one), its ratios to the first.
 """
 
 import argparse
@@ -81,9 +83,9 @@ def llama_rates(python: str, prompts: list[list[int]], eos: list[int], args) -> 
     return {int(threads): decode_rate(rows, args.tokens) for threads, rows in timings.items()}
 
 
-async def specbus_rates(prompts: list[list[int]], args) -> dict[str, float]:
+async def specbus_rates(prompts: list[list[int]], args, weights: str | None) -> dict[str, float]:
     """The stack's decode rate at k=0 ("k=0") and at the request's default speculation ("default")."""
-    config = StackConfig(dtype=args.dtype, weights=args.weights)
+    config = StackConfig(dtype=args.dtype, weights=weights)
     ks = {"k=0": 0, "default": None}
     async with Stack(config) as stack, stack.client() as client:
         async def timed(prompt: list[int], tokens: int, k: int | None) -> float:
@@ -105,32 +107,34 @@ async def specbus_rates(prompts: list[list[int]], args) -> dict[str, float]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-python", required=True, help="an interpreter with llama-cpp-python installed")
+    parser.add_argument("--llama-python", help="an interpreter with llama-cpp-python installed (none: specbus only)")
     parser.add_argument("--llama-threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--llama-batch", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128, help="decode steps timed per prompt")
     parser.add_argument("--short", type=int, default=32, help="tokens of the request subtracted")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--weights", default=None)
+    parser.add_argument("--weights", nargs="+", default=[None], help="one stack run per value")
     args = parser.parse_args()
     configure_logging(level="warning")
     if source_gguf() is None:
         raise SystemExit("no GGUF file: run `specbus models pull` first")
     tokenizer = load_tokenizer(default_target_model())
     prompts = held_out_chat_prompts(tokenizer, args.prompts)
-    llama = llama_rates(args.llama_python, prompts, list(tokenizer.eos_ids), args)
-    ours = await specbus_rates(prompts, args)
-    best = max(llama.values())
+    llama = llama_rates(args.llama_python, prompts, list(tokenizer.eos_ids), args) if args.llama_python else {}
+    ours = {weights: await specbus_rates(prompts, args, weights) for weights in args.weights}
+    best = max(llama.values()) if llama else ours[args.weights[0]]["k=0"]
+    against = "llama.cpp's best" if llama else f"specbus k=0, weights {args.weights[0] or 'default'}"
     print(f"{source_gguf().name}; {args.prompts} held-out chat prompts, {args.tokens} greedy decode steps each "
           f"(requests of {args.short + args.tokens} minus {args.short} tokens), batch 1; specbus dtype "
-          f"{args.dtype or 'default'}, weights {args.weights or 'default'}")
-    print("| engine | tokens/s | / llama.cpp's best |")
+          f"{args.dtype or 'default'}")
+    print(f"| engine | tokens/s | / {against} |")
     print("|---|---|---|")
     for threads, rate in llama.items():
         print(f"| llama.cpp, {threads} thread{'s' if threads > 1 else ''} | {rate:.1f} | {rate / best:.2f}x |")
-    for name, rate in ours.items():
-        print(f"| specbus {name} | {rate:.1f} | {rate / best:.2f}x |")
+    for weights, rates in ours.items():
+        for name, rate in rates.items():
+            print(f"| specbus {name}, weights {weights or 'default'} | {rate:.1f} | {rate / best:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ class Gateway:
                            type="invalid_request_error", param="model", code="model_not_found")
 
     def model_entry(self) -> dict:
-        return self.card | {"max_model_len": self.limits.max_model_len(time.monotonic())}
+        now = time.monotonic()
+        return self.card | {"max_model_len": self.limits.max_model_len(now), "weights": self.limits.served_weights(now)}
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:

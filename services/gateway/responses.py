@@ -271,11 +271,19 @@ class VerifierLimits:
     (the scheduler refuses what the smallest cannot hold), None while none is heard."""
 
     beats: dict[str, tuple[int, float]] = field(default_factory=dict)  # instance -> (max_seq_len, expires)
+    weights: dict[str, str] = field(default_factory=dict)  # instance -> how it holds the target (model_ids)
 
     def observe(self, beat: Any, now: float) -> None:
         limit = str(beat.model_ids.get("max_seq_len", ""))
         if beat.role == "verifier" and limit.isdigit():
             self.beats[beat.instance_id] = (int(limit), now + HEARTBEATS_MISSED * beat.interval_s)
+            self.weights[beat.instance_id] = str(beat.model_ids.get("weights", ""))
+
+    def served_weights(self, now: float) -> str | None:
+        """The weights formats of the verifiers heard (gpu_worker/roles/slots.py resolve_weights:
+        which model of the target they compute), comma-separated; None while none is heard."""
+        live = sorted({self.weights.get(i, "") for i, b in self.beats.items() if b[1] >= now} - {""})
+        return ",".join(live) or None
 
     def max_model_len(self, now: float) -> int | None:
         self.beats = {i: b for i, b in self.beats.items() if b[1] >= now}

@@ -104,7 +104,7 @@ class StackConfig:
     draft_method: str | None = None
     eagle_head: str | None = None
     dtype: str | None = None  # the verifiers' and drafters' --dtype; None: theirs (SPECBUS_DTYPE, auto)
-    weights: str | None = None  # the verifiers' and drafters' --weights; None: theirs (SPECBUS_WEIGHTS, auto)
+    weights: str | None = None  # the verifiers' --weights; None: theirs (SPECBUS_WEIGHTS, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
     # The verifiers' and drafters' prefix caching (gpu_worker/roles/prefix_cache.py); None: theirs
@@ -226,7 +226,9 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     # The target dir also holds the tokenizer that prompts are encoded and outputs decoded with.
     settings = {"target_model": config.target_model, "tokenizer": config.target_model,
                 "draft_model": config.draft_model, "draft_method": config.draft_method,
-                "eagle_head": config.eagle_head, "dtype": config.dtype, "weights": config.weights,
+                "eagle_head": config.eagle_head, "dtype": config.dtype,
+                # --weights is how the verifier holds the target (a draft model has no GGUF blocks)
+                "weights": config.weights if role == "verifier" else None,
                 "kv_cache_memory": config.kv_cache_memory, "prefix_caching": config.prefix_caching,
                 "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):

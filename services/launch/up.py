@@ -43,10 +43,12 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verifier and drafter weights and KV cache (env SPECBUS_DTYPE; default auto: float32 "
                              "for a target with GGUF blocks on a CPU with the projection kernel, its published "
                              "weights; else bfloat16 on CUDA and on CPUs with native bf16, else float32)")
-    parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf", "int8"],
+    parser.add_argument("--weights", default=None, choices=["auto", "dense", "gguf", "int8", "int8dot"],
                         help="how the verifier holds the target's projections (env SPECBUS_WEIGHTS; default auto: "
-                             "the GGUF blocks as published where the model has them and the dtype is float32, "
-                             "bit for bit the float32 model; else dense; int8: weight-only int8, the dense weights "
+                             "the GGUF blocks as published where the model has them: under dtype auto by int8 "
+                             "activation blocks and integer dot products (int8dot, llama.cpp's model of the file), "
+                             "under dtype float32 widened to float32 (gguf, bit for bit the float32 model); else "
+                             "dense; int8: weight-only int8, the dense weights "
                              "quantized to Q8_0 blocks at load, float32 activations, a changed model)")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                         help="each verifier's and drafter's KV cache budget, e.g. 2GiB, 512MiB (env "
@@ -140,7 +142,10 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
         print(f"error: {exc}", file=sys.stderr)
         return None
     counts = ", ".join(f"{config.count(role)} {role}" for role in ROLES if role != "gateway")
-    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}, logs in {stack.log_dir})", flush=True)
+    # which model of the target the verifiers compute (their heartbeats' weights: int8dot, gguf, ...)
+    weights = sorted({b.model_ids.get("weights", "") for b in stack.heartbeats.values() if b.role == "verifier"} - {""})
+    served = f", target weights {','.join(weights)}" if weights else ""
+    print(f"ready: {counts} on {stack.url} (prefix {config.prefix!r}{served}, logs in {stack.log_dir})", flush=True)
     if stack.credentials_path:
         print(f"credentials: {stack.client_env_path} (client user {stack.client_login()['user']!r}: "
               f"`set -a; . {stack.client_env_path}; set +a` before `specbus generate`, which then finds the "

@@ -382,6 +382,7 @@ async def test_models_retrieve_gives_the_entry_with_max_model_len(stack, api, mo
     expected = await verifier_max_seq_len(stack)
     retrieved = await api.models.retrieve(model)
     assert (retrieved.id, retrieved.object, retrieved.model_extra["max_model_len"]) == (model, "model", expected)
+    assert retrieved.model_extra["weights"] == "dense"  # which model of the target: the tiny one has no GGUF blocks
     listed = await api.models.list()
     assert listed.data == [retrieved]
     with pytest.raises(openai.NotFoundError) as caught:

@@ -327,6 +327,7 @@ async def test_up_serves_until_sigint_and_stops_every_process(tiny_pair, tmp_pat
         assert url.startswith("nats://127.0.0.1:")
         ready = (await asyncio.wait_for(process.stdout.readline(), timeout=120)).decode()
         assert ready.startswith("ready: 1 scheduler, 1 verifier, 1 drafter, 1 postprocessor on " + url)
+        assert "target weights dense" in ready  # the tiny target has no GGUF blocks
         credentials = (await asyncio.wait_for(process.stdout.readline(), timeout=10)).decode()
         login = dict(line.split("=", 1) for line in Path(credentials.split()[1]).read_text().splitlines())
         async with Client(url, user=login["SPECBUS_NATS_USER"], password=login["SPECBUS_NATS_PASSWORD"]) as client:

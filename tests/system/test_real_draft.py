@@ -39,7 +39,11 @@ def test_draft_files_load_as_a_drafter(smollm2_draft):
 
 
 @pytest.mark.real_model
-def test_greedy_k4_equals_k0_on_the_real_pair(smollm2_target, smollm2_draft):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_greedy_k4_equals_k0_on_the_real_pair(smollm2_target, smollm2_draft, dtype, monkeypatch):
+    """The tests' dtype float32: the target is the float32 model of its GGUF blocks; auto (the
+    default stack): those blocks by integer dot products (weights int8dot), a bfloat16 draft."""
+    monkeypatch.setenv("SPECBUS_DTYPE", dtype)
     assert tokenizer_id(smollm2_draft) == tokenizer_id(smollm2_target), "draft and target tokenizers differ"
     # a slot per request of both rounds: a slot is released with the next batch a model receives
     loop = load_inprocess(str(smollm2_target), str(smollm2_draft), max_slots=2 * len(QUESTIONS))

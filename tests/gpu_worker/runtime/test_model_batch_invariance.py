@@ -160,3 +160,13 @@ def test_smollm2_logits_do_not_depend_on_batching(smollm2, dtype, threads):
     # thread, as the services run; the neighbour a key block ahead: windows of two blocks.
     check_invariance(model, config, length=40, verify_from=26, decode_from=36, ahead=KEY_BLOCK + 20,
                      runs=[("chunked_16", False), ("verify", True), ("decode", True)])
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("threads", [1], indirect=True)
+def test_smollm2_by_integer_dot_products_does_not_depend_on_batching(smollm2, threads):
+    """weights int8dot (the GGUF blocks by int8 activation blocks, integer dot products): another
+    model than the float32 one, with the same identities."""
+    model, config = load_model(smollm2, max_seq_len=1024, weights_format="int8dot")
+    check_invariance(model, config, length=40, verify_from=26, decode_from=36, ahead=KEY_BLOCK + 20,
+                     runs=[("chunked_16", False), ("verify", True), ("decode", True)])

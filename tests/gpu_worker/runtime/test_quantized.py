@@ -20,9 +20,11 @@ from gpu_worker.runtime.quantized import (
     QuantizedWeight,
     dequantize,
     fuse,
+    int_linear,
     quant_linear,
     quantize_q8_0,
     read_blocks,
+    to_int,
 )
 from schemas.config import TINY_TARGET
 from schemas.errors import SpecbusError
@@ -121,7 +123,12 @@ def test_the_default_target_from_its_blocks_is_the_float32_model(kernel, smollm2
     with pytest.raises(SpecbusError, match="dtype float32") as error:
         resolve_weights("gguf", str(path), torch.bfloat16, "cpu")
     assert error.value.field == "weights"
-    assert resolve_weights("auto", str(path), torch.float32, "cpu") == "gguf"
+    # weights auto: the float32 model of the blocks under dtype float32, integer dot products under auto
+    assert resolve_weights("auto", str(path), torch.float32, "cpu", "float32") == "gguf"
+    assert resolve_weights("auto", str(path), torch.float32, "cpu", "auto") == "int8dot"
+    with pytest.raises(SpecbusError, match="weights int8dot needs GGUF blocks") as error:
+        resolve_weights("int8dot", str(TINY_TARGET), torch.float32, "cpu")
+    assert error.value.field == "weights"
     assert resolve_weights("auto", str(path), torch.bfloat16, "cpu") == "dense"
     # dtype auto serves the published blocks wherever the kernel runs, whatever the CPU's bf16
     assert resolve_dtype("auto", "cpu", str(path)) == torch.float32
@@ -181,3 +188,86 @@ def test_int8_weights_need_float32_and_dtype_auto_picks_it(kernel):
     with pytest.raises(SpecbusError, match="weights int8 needs dtype float32") as error:
         resolve_weights("int8", str(TINY_TARGET), torch.bfloat16, "cpu")
     assert error.value.field == "weights"
+
+
+INT_ISAS = ["scalar", "avx2", "vnni"]
+
+
+@pytest.fixture(params=INT_ISAS)
+def int_isa(request, kernel):
+    """int_linear on each instruction set this CPU runs (the scalar reference, AVX2, AVX512-VNNI)."""
+    if kernel.use_int_isa(request.param) != request.param:
+        kernel.use_int_isa("best")
+        pytest.skip(f"no {request.param} on this CPU")
+    yield request.param
+    kernel.use_int_isa("best")
+
+
+def integer_reference(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """int_linear's operations in torch (int_kernel.cpp): x's rows as int8 blocks, exact integer
+    dot products, then each block's float32 scales and the blocks summed in order."""
+    rows, inner = w.shape
+    blocks = w.blocks.view(rows, inner // 32, BLOCK_BYTES[w.kind])
+    dw = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # (N, C)
+    if w.kind == "q4_1":
+        mw = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        nibbles = blocks[..., 4:].to(torch.int64)
+        qw = torch.cat([nibbles & 0x0F, nibbles >> 4], -1)
+    else:
+        qw = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int64)
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1)
+    dx = amax / 127
+    qx = torch.round(xb * torch.where(amax > 0, 127 / amax, 0)[..., None])  # half to even
+    dxs = dx * qx.sum(-1)
+    dots = torch.einsum("mck,nck->mnc", qx.to(torch.int64), qw).float()
+    s = (dw[None] * dx[:, None]) * dots
+    if w.kind == "q4_1":
+        s = s + mw[None] * dxs[:, None]
+    acc = torch.zeros(x.shape[0], rows)
+    for c in range(s.shape[-1]):
+        acc = acc + s[..., c]
+    return residual + (acc + b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int_linear_is_its_integer_arithmetic_bit_for_bit_on_every_isa(kernel, int_isa, kind):
+    """Every ISA computes the documented operations exactly (so all give the same bits), for rows
+    of w not a multiple of the 16-row groups, and is near the float32 product of the dequantized
+    weight (activations rounded to int8 steps of max|x| / 127)."""
+    w = random_weight(kind, 67, 96, seed=3)
+    g = torch.Generator().manual_seed(1)
+    x, b, residual = torch.randn(13, 96, generator=g), torch.randn(67, generator=g), torch.randn(13, 67, generator=g)
+    x[2, :32] = 0  # a block of zeros: its scale 0, its dot products 0
+    packed = to_int(w)
+    assert packed.shape == w.shape
+    got = int_linear(x, packed, b, residual)
+    assert torch.equal(got, integer_reference(x, w, b, residual))
+    exact = residual + x.double() @ dequantize(w).double().T + b
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_int_linear_gives_a_row_the_same_bits_at_every_row_count_and_thread_count(kernel):
+    """Rows 1..64 (a decode step, a verify, a tree, a prefill chunk), alone or beside others, on one
+    thread or two: a row's outputs never change."""
+    w = to_int(random_weight("q4_1", 40, 64, seed=4))
+    g = torch.Generator().manual_seed(2)
+    x, b = torch.randn(64, 64, generator=g), torch.randn(40, generator=g)
+    full = int_linear(x, w, b)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in range(1, 65):
+                start = (rows * 7) % (65 - rows)
+                assert torch.equal(int_linear(x[start:start + rows], w, b), full[start:start + rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int_linear_refuses_a_bad_shape(kernel):
+    w = to_int(random_weight("q8_0", 20, 64))
+    with pytest.raises(RuntimeError, match="packed blocks of 32 weights along K = 96"):
+        int_linear(torch.randn(2, 96), w)
+    with pytest.raises(RuntimeError, match="residual"):
+        int_linear(torch.randn(2, 64), w, None, torch.randn(3, 20))

@@ -138,3 +138,19 @@ def test_max_model_len_is_the_smallest_live_verifiers():
     limits.observe(beat("d0", 64, role="drafter"), now=1.0)
     assert limits.max_model_len(now=2.0) == 1024
     assert limits.max_model_len(now=3.5) == 1024 and limits.max_model_len(now=4.5) is None  # 3 intervals silent
+
+
+def test_v1_models_names_the_weights_the_live_verifiers_compute():
+    from types import SimpleNamespace
+
+    def beat(instance_id, weights):
+        return SimpleNamespace(instance_id=instance_id, role="verifier", interval_s=1.0,
+                               model_ids={"max_seq_len": "2048", "weights": weights})
+
+    limits = VerifierLimits()
+    assert limits.served_weights(now=0.0) is None
+    limits.observe(beat("v0", "int8dot"), now=0.0)
+    assert limits.served_weights(now=1.0) == "int8dot"
+    limits.observe(beat("v1", "gguf"), now=1.0)
+    assert limits.served_weights(now=2.0) == "gguf,int8dot"
+    assert limits.served_weights(now=3.5) == "gguf"  # v0 silent three intervals

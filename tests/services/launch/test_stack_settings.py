@@ -67,6 +67,12 @@ def test_serve_commands_carry_threads_and_kv_cache_memory():
     assert settings("verifier", role_args).torch_threads == 1  # role_args still win
 
 
+def test_weights_go_to_the_verifier_only():
+    """--weights is how the verifier holds the target: a draft model has no GGUF blocks."""
+    config = StackConfig(weights="int8dot")
+    assert (settings("verifier", config).weights, settings("drafter", config).weights) == ("int8dot", "auto")
+
+
 def test_each_new_instance_gets_the_next_ports_and_a_known_one_keeps_its_own():
     config = StackConfig(metrics_port_base=9100, http_port=8000)
     metrics, gateways = {}, {}
