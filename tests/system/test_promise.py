@@ -105,7 +105,7 @@ def code_texts() -> list[str]:
     return [read_text(path) for path in held_out[:60]]
 
 
-CORPUS: dict[str, list[str]] = {}  # the `corpus` fixture's texts, which the example strategy reads
+CORPUS: dict[str, list[str]] = {}  # the `corpus` fixture's texts, which the case strategy reads
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ class Case:
 
 
 def snippet(draw, texts: list[str]) -> str:
-    text = texts[draw(st.integers(0, 10**6)) % len(texts)]  # an index: the example's repr stays short
+    text = texts[draw(st.integers(0, 10**6)) % len(texts)]  # an index: the case's repr stays short
     start = draw(st.integers(0, max(0, len(text) - 8)))
     length = draw(st.integers(1, MAX_PROMPT_CHARS))
     piece = text[start:start + length]
@@ -208,10 +208,11 @@ def cases(draw) -> Case:
     return Case(source, text, draw(st.integers(0, 9)) < 2, options, ks)
 
 
-# What the suite found before, run first in every chunk (hypothesis' explicit examples): the
+# What the suite found, run first in every chunk (hypothesis' explicit examples): the
 # issue's prompt whose first token's processed logprob disagreed with the scoring's (K lost id 0
 # to padded candidate ids, gpu_worker/sampling/logprobs.py), a grammar's EOS under ignore_eos
-# (the next step failed the request, services/pipeline/commits.py).
+# (the next step failed the request, services/pipeline/commits.py), a stop string in the final
+# commit (its usage counted the accepted drafts cut after it, services/pipeline/postprocessor_core.py).
 KNOWN = [
     Case("code", "class Stack:\n    def __init__(self):\n", False,
          {"max_tokens": 32, "temperature": 0.8, "top_p": 0.9, "seed": 3, "logprobs": 2, "logprobs_mode": "processed",
@@ -219,6 +220,10 @@ KNOWN = [
     Case("code", "class IncrementalEncoder(codecs.IncrementalEncode", False,
          {"max_tokens": 24, "ignore_eos": True, "temperature": 0.0, "structured_outputs": {"regex": "(yes|no|maybe)!?"},
           "logprobs": 1, "logprobs_mode": "processed"}, [(1, "greedy"), (3, "sample")]),
+    Case("sharegpt", "ain deposition", False,
+         {"max_tokens": 19, "ignore_eos": True, "temperature": 1.0, "top_k": 50, "seed": 17822594,
+          "coupling": "rejection", "repetition_penalty": 0.8, "logprobs": 1, "stop": ["\n"]},
+         [(2, "greedy"), (4, "sample"), (2, "greedy")]),
 ]
 
 
@@ -226,15 +231,14 @@ KNOWN = [
 # running one
 
 
-def request_for(example: Case, k: int, draft_mode: str = "greedy", prompt_ids: list[int] | None = None):
-    prompt = {"messages": [{"role": "user", "content": example.text}]} if example.chat and prompt_ids is None else {}
-    return make_request(prompt_ids if prompt_ids is not None else (None if example.chat else example.text),
-                        num_speculative_tokens=k, draft_mode=draft_mode, timeout_s=TIMEOUT_S, **prompt,
-                        **example.options)
+def request_for(case: Case, k: int, draft_mode: str = "greedy"):
+    chat = {"messages": [{"role": "user", "content": case.text}]} if case.chat else {}
+    return make_request(None if case.chat else case.text, num_speculative_tokens=k, draft_mode=draft_mode,
+                        timeout_s=TIMEOUT_S, **chat, **case.options)
 
 
-def scoring_for(example: Case, sequence: list[int]):
-    o = example.options
+def scoring_for(case: Case, sequence: list[int]):
+    o = case.options
     return score_request(sequence, prompt_logprobs=o.get("logprobs") or 0,
                          logprobs_mode=o.get("logprobs_mode", "raw"), logprob_token_ids=o.get("logprob_token_ids"),
                          temperature=o["temperature"], top_k=o.get("top_k"), top_p=o.get("top_p"),
@@ -285,26 +289,26 @@ def ansi_quote(arg: str) -> str:
 
 @dataclass
 class Outcome:
-    """One example's requests and results: runs[0] is k=0; scorings by output token ids."""
+    """One case's requests and results: runs[0] is k=0; scorings by output token ids."""
 
     requests: list = field(default_factory=list)
     runs: list[GenerationResult] = field(default_factory=list)
     scorings: dict[tuple[int, ...], GenerationResult] = field(default_factory=dict)
 
 
-async def run_case(client, example: Case, outcome: Outcome) -> None:
+async def run_case(client, case: Case, outcome: Outcome) -> None:
     """k=0 first (a prefix-cache miss), then the speculative runs and the k=0 output's scoring
     together, then the scorings of other outputs (rejection-sampled rows). Returns None."""
-    outcome.requests += [request_for(example, 0)] + [request_for(example, k, mode) for k, mode in example.ks]
+    outcome.requests += [request_for(case, 0)] + [request_for(case, k, mode) for k, mode in case.ks]
     reference = await client.generate(outcome.requests[0])
     prompt_ids = reference.prompt_token_ids
     plain = tuple(reference.token_ids)
     results = await asyncio.gather(*(client.generate(r) for r in outcome.requests[1:]),
-                                   client.generate(scoring_for(example, prompt_ids + list(plain))))
+                                   client.generate(scoring_for(case, prompt_ids + list(plain))))
     outcome.runs = [reference, *results[:-1]]
     outcome.scorings[plain] = results[-1]
     others = [o for o in dict.fromkeys(tuple(r.token_ids) for r in outcome.runs) if o != plain]
-    scored = await asyncio.gather(*(client.generate(scoring_for(example, prompt_ids + list(o))) for o in others))
+    scored = await asyncio.gather(*(client.generate(scoring_for(case, prompt_ids + list(o))) for o in others))
     outcome.scorings |= dict(zip(others, scored))
 
 
@@ -335,7 +339,7 @@ def same_mask(a, b) -> bool:
                                                          and np.array_equal(a.token_ids, b.token_ids)))
 
 
-def text_problems(result: GenerationResult, example: Case, tokenizer) -> list[str]:
+def text_problems(result: GenerationResult, case: Case, tokenizer) -> list[str]:
     """The text is the detokenized ids, cut before a stop string, less a character the last token
     left unfinished."""
     full = tokenizer.decode(result.token_ids)
@@ -343,7 +347,7 @@ def text_problems(result: GenerationResult, example: Case, tokenizer) -> list[st
     if not full.startswith(text):
         return [f"text {text!r} is not a prefix of the detokenized ids {full!r}"]
     rest = full[len(text):]
-    stops = example.options.get("stop") or []
+    stops = case.options.get("stop") or []
     if any(stop in text for stop in stops):
         return [f"text {text!r} holds a stop string of {stops}"]
     if rest and result.finish_reason == "stop" and any(rest.startswith(stop) for stop in stops):
@@ -379,20 +383,20 @@ def usage_problems(result: GenerationResult, request) -> list[str]:
     return problems
 
 
-def scoring_problems(result: GenerationResult, request, scoring: GenerationResult, example: Case) -> list[str]:
+def scoring_problems(result: GenerationResult, request, scoring: GenerationResult, case: Case) -> list[str]:
     """Logprobs, masks and prompt logprobs against the scoring pass over prompt + output."""
     problems, offset = [], len(result.prompt_token_ids)
     scored = scoring.prompt_logprobs or []
     if len(scored) != offset + len(result.token_ids):
         return [f"scoring gave {len(scored)} prompt logprobs for {offset} + {len(result.token_ids)} tokens"]
     mode = request.logprobs.logprobs_mode
-    if result.logprobs is not None and (mode == "raw" or not example.penalised):
+    if result.logprobs is not None and (mode == "raw" or not case.penalised):
         problems += [f"token {i}: logprobs {entry} != scoring's {scored[offset + i]}"
                      for i, entry in enumerate(result.logprobs) if not same_entry(entry, scored[offset + i])]
     if result.prompt_logprobs is not None:
         problems += [f"prompt token {i}: {entry} != scoring's {scored[i]}" for i, entry in
                      enumerate(result.prompt_logprobs[1:], 1) if not same_entry(entry, scored[i])]
-    if result.sampling_masks is not None and mode == "processed" and not example.penalised:
+    if result.sampling_masks is not None and mode == "processed" and not case.penalised:
         n = request.logprobs.logprobs or 0
         for i, mask in enumerate(result.sampling_masks):
             finite = {int(t) for t, lp in zip(scored[offset + i].top_ids, scored[offset + i].top_logprobs)
@@ -421,27 +425,27 @@ def invariance_problems(reference: GenerationResult, run: GenerationResult) -> l
     return problems
 
 
-def check(example: Case, outcome: Outcome, tokenizer) -> list[tuple[int, str]]:
+def check(case: Case, outcome: Outcome, tokenizer) -> list[tuple[int, str]]:
     """(run index, what differed) for every broken identity."""
     problems = []
     reference = outcome.runs[0]
     for index, (request, run) in enumerate(zip(outcome.requests, outcome.runs)):
-        found = text_problems(run, example, tokenizer) + usage_problems(run, request)
-        found += scoring_problems(run, request, outcome.scorings[tuple(run.token_ids)], example)
-        if index and example.invariant:
+        found = text_problems(run, case, tokenizer) + usage_problems(run, request)
+        found += scoring_problems(run, request, outcome.scorings[tuple(run.token_ids)], case)
+        if index and case.invariant:
             found += invariance_problems(reference, run)
         problems += [(index, problem) for problem in found]
     return problems
 
 
-def coverage(example: Case, outcome: Outcome) -> Counter:
-    o, counts = example.options, Counter(cases=1)
-    counts[f"source_{example.source}"] += 1
-    counts["chat" if example.chat else "completion"] += 1
+def coverage(case: Case, outcome: Outcome) -> Counter:
+    o, counts = case.options, Counter(cases=1)
+    counts[f"source_{case.source}"] += 1
+    counts["chat" if case.chat else "completion"] += 1
     counts["greedy" if o["temperature"] == 0 else o.get("coupling", "gumbel")] += 1
     for name in ("logit_bias", "stop", "stop_token_ids", "structured_outputs", "sampling_mask", "prompt_logprobs"):
         counts[name] += name in o
-    counts["penalties"] += example.penalised and "logit_bias" not in o and "structured_outputs" not in o
+    counts["penalties"] += case.penalised and "logit_bias" not in o and "structured_outputs" not in o
     counts[f"logprobs_{o.get('logprobs_mode', 'raw')}"] += "logprobs" in o
     for request, run in zip(outcome.requests, outcome.runs):
         usage, k = run.usage, request.speculative.num_speculative_tokens
