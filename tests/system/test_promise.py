@@ -24,7 +24,9 @@ Asserted, every identity README and docs/PROTOCOL.md#bitwise-guarantee promise:
 - the text is the detokenized ids (cut before a stop string; a character the last token left
   unfinished left out), so never a U+FFFD the ids do not spell;
 - usage is consistent: token counts, accepted drafts (those flagged from_draft), no drafts at
-  k=0, max_tokens and finish reasons; no request is refused or degraded.
+  k=0, max_tokens and finish reasons; no request is refused. (A degraded step, e.g. a failover
+  when a busy machine delays heartbeats, changes no identity: counted, not a finding; a token
+  whose logprobs came late, flagged `logprobs_timeout`, has none to compare.)
 
 A hypothesis example is BATCH cases run at once (the stack batches their rows: batch invariance
 is part of the promise). A broken case prints what differed and one `specbus generate` line per
@@ -323,8 +325,16 @@ async def run_batch(client, batch: list[Case], outcomes: list[Outcome]) -> list:
 # the identities
 
 
-def same_entry(a, b) -> bool:
-    """Two TokenLogprobs bit for bit: token, logprob, rank, top-n, requested ids."""
+def late(result: GenerationResult) -> bool:
+    """Some of the result's logprobs did not come in time (None entries, flagged)."""
+    return bool({"logprobs_timeout", "logprobs_invalid"} & set(result.degraded))
+
+
+def same_entry(a, b, *results: GenerationResult) -> bool:
+    """Two TokenLogprobs bit for bit: token, logprob, rank, top-n, requested ids; a missing one
+    (None) is the same only where a result it came from says its logprobs were late."""
+    if a is None or b is None:
+        return (a is None and b is None) or any(late(result) for result in results)
     return (a.token_id == b.token_id and same_float(a.logprob, b.logprob) and a.rank == b.rank
             and np.array_equal(a.top_ids, b.top_ids) and np.array_equal(a.top_logprobs, b.top_logprobs)
             and np.array_equal(a.requested_logprobs, b.requested_logprobs))
@@ -378,8 +388,6 @@ def usage_problems(result: GenerationResult, request) -> list[str]:
     for name, values in (("logprobs", result.logprobs), ("sampling_masks", result.sampling_masks)):
         if values is not None and len(values) != n:
             problems.append(f"{len(values)} {name} for {n} tokens")
-    if result.degraded:
-        problems.append(f"degraded: {result.degraded}")
     return problems
 
 
@@ -387,18 +395,22 @@ def scoring_problems(result: GenerationResult, request, scoring: GenerationResul
     """Logprobs, masks and prompt logprobs against the scoring pass over prompt + output."""
     problems, offset = [], len(result.prompt_token_ids)
     scored = scoring.prompt_logprobs or []
+    if late(scoring):
+        return []
     if len(scored) != offset + len(result.token_ids):
         return [f"scoring gave {len(scored)} prompt logprobs for {offset} + {len(result.token_ids)} tokens"]
     mode = request.logprobs.logprobs_mode
     if result.logprobs is not None and (mode == "raw" or not case.penalised):
         problems += [f"token {i}: logprobs {entry} != scoring's {scored[offset + i]}"
-                     for i, entry in enumerate(result.logprobs) if not same_entry(entry, scored[offset + i])]
+                     for i, entry in enumerate(result.logprobs) if not same_entry(entry, scored[offset + i], result)]
     if result.prompt_logprobs is not None:
         problems += [f"prompt token {i}: {entry} != scoring's {scored[i]}" for i, entry in
-                     enumerate(result.prompt_logprobs[1:], 1) if not same_entry(entry, scored[i])]
+                     enumerate(result.prompt_logprobs[1:], 1) if not same_entry(entry, scored[i], result)]
     if result.sampling_masks is not None and mode == "processed" and not case.penalised:
         n = request.logprobs.logprobs or 0
         for i, mask in enumerate(result.sampling_masks):
+            if mask is None:
+                continue  # late, and flagged: the logprobs check says whether it may be
             finite = {int(t) for t, lp in zip(scored[offset + i].top_ids, scored[offset + i].top_logprobs)
                       if lp != -math.inf}
             if mask.all_tokens and len(finite) != n:
@@ -418,10 +430,11 @@ def invariance_problems(reference: GenerationResult, run: GenerationResult) -> l
                 for name in ("text", "finish_reason") if getattr(run, name) != getattr(reference, name)]
     if run.logprobs is not None:
         problems += [f"token {i}: logprobs {a} != k=0's {b}" for i, (a, b) in
-                     enumerate(zip(run.logprobs, reference.logprobs)) if not same_entry(a, b)]
+                     enumerate(zip(run.logprobs, reference.logprobs)) if not same_entry(a, b, run, reference)]
     if run.sampling_masks is not None:
         problems += [f"token {i}: mask {a} != k=0's {b}" for i, (a, b) in
-                     enumerate(zip(run.sampling_masks, reference.sampling_masks)) if not same_mask(a, b)]
+                     enumerate(zip(run.sampling_masks, reference.sampling_masks))
+                     if not (same_mask(a, b) or late(run) or late(reference))]
     return problems
 
 
@@ -455,6 +468,8 @@ def coverage(case: Case, outcome: Outcome) -> Counter:
         counts["cached_prompt_tokens"] += usage.cached_tokens
         counts["tree_steps"] += sum(usage.speculative_lengths[k + 1:])
         counts[f"finish_{run.finish_reason}"] += 1
+        for reason in run.degraded:
+            counts[f"degraded_{reason}"] += 1
     counts["scorings"] += len(outcome.scorings)
     return counts
 
