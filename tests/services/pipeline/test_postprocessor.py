@@ -324,7 +324,7 @@ def test_final_chunk_carries_the_scheduler_usage_plus_logprobs_timeouts(post, to
 def test_a_stop_string_in_the_final_commit_leaves_out_the_accepted_drafts_it_cut(post, tokenizer):
     """The scheduler's usage counts every accepted draft of its final commit; where a stop string
     cuts that commit, the accepted drafts after the cut are not in the output, nor in the usage
-    (draft_tokens_accepted counts the tokens flagged from_draft)."""
+    (the tallies of a request a stop string ends in an earlier commit count them so too)."""
     tokens = tokenizer.encode("ab STOP cd ef")
     usage = Usage(prompt_tokens=4, completion_tokens=len(tokens), draft_tokens_proposed=len(tokens),
                   draft_tokens_accepted=len(tokens) - 1, acceptance_rate=(len(tokens) - 1) / len(tokens), steps=1)
