@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specbus-installed
 
-.PHONY: install models test demo selfcheck compose-check chaos clean distclean
+.PHONY: install models test demo selfcheck compose-check chaos fuzz clean distclean
 
 install: $(STAMP)
 
@@ -58,9 +58,24 @@ CHAOS_STREAMS ?= 16
 chaos: models
 	nice -n 19 $(BIN)/python -m ops.chaos --duration-s $(CHAOS_S) --streams $(CHAOS_STREAMS) --out chaos-out
 
+# The promise under fuzz, long (tests/system/test_promise.py; `test` runs a few examples of it):
+# FUZZ_EXAMPLES examples per dtype from seed FUZZ_SEED, at most FUZZ_MINUTES minutes per dtype
+# (0: no limit), progress, coverage and findings in FUZZ_STATE after every chunk of examples (a
+# run resumes from it; delete it to start over); a finding is recorded with its reproduction and
+# the run goes on. E.g. `make fuzz FUZZ_EXAMPLES=2000 FUZZ_MINUTES=60 FUZZ_DTYPE=float32`.
+FUZZ_EXAMPLES ?= 2000
+FUZZ_MINUTES ?= 0
+FUZZ_DTYPE ?= float32,bfloat16
+FUZZ_SEED ?= 20261207
+FUZZ_STATE ?= fuzz-state.json
+fuzz: models
+	SPECBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECBUS_FUZZ_MINUTES=$(FUZZ_MINUTES) SPECBUS_FUZZ_DTYPE=$(FUZZ_DTYPE) \
+	SPECBUS_FUZZ_SEED=$(FUZZ_SEED) SPECBUS_FUZZ_STATE=$(abspath $(FUZZ_STATE)) \
+	$(BIN)/python -m pytest tests/system/test_promise.py -q -s -p no:cacheprovider
+
 # Build and test leftovers; the venv stays (distclean removes it too).
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .hypothesis $(STAMP)
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis fuzz-state.json $(STAMP)
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -437,7 +437,7 @@ async def refused_without_credentials() -> None:
 # the compose stack
 
 
-class Stack:
+class ComposeStack:
     def __init__(self, compose: list[str]):
         self.compose = [*compose, "-p", PROJECT]
 
@@ -524,7 +524,7 @@ def wait_for_port_free() -> None:
         raise Failed(f"127.0.0.1 ports {taken} are in use; the compose stack publishes {list(HOST_PORTS)}")
 
 
-def check_stack(stack: Stack, env: dict[str, str], reference: list[list[int]], reference_chat: str,
+def check_stack(stack: ComposeStack, env: dict[str, str], reference: list[list[int]], reference_chat: str,
                 figures: dict) -> None:
     login = {"user": "client", "password": env[password_env("client")]}
 
@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         with step("dockerd", figures):
             ensure_dockerd()
         figures["host"] = host_figures(compose_command())
-        stack = Stack(compose_command())
+        stack = ComposeStack(compose_command())
         stack.down()  # what a failed earlier run left
         wait_for_port_free()
         with step("base image", figures):

@@ -211,6 +211,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
     sampling.add_argument("--stop-token-ids", type=int_list, default=None, help="e.g. 0,13 (the stop token is kept)")
     sampling.add_argument("--ignore-eos", action="store_true", default=None)
+    sampling.add_argument("--presence-penalty", type=float, default=None)
+    sampling.add_argument("--frequency-penalty", type=float, default=None)
+    sampling.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
+    sampling.add_argument("--logit-bias", type=bias_map, default=None, metavar="ID:BIAS,...",
+                          help="added to these ids' logits, e.g. 13:-100,42:2.5")
     grammar = sampling.add_mutually_exclusive_group()  # docs/PROTOCOL.md#structured-outputs
     grammar.add_argument("--json-schema", default=None, metavar="SCHEMA",
                          help="the output is JSON following this schema (its text, or @FILE)")
@@ -250,6 +255,14 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def bias_map(text: str) -> dict[int, float]:
+    """ID:BIAS,... -> {id: bias} (OpenAI's logit_bias; the schema checks the values)."""
+    try:
+        return {int(key): float(value) for key, value in (part.split(":") for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS pairs separated by commas, got {text!r}") from None
+
+
 def structured_outputs(args: argparse.Namespace) -> dict | None:
     """The request's structured_outputs from --json-schema / --json-object / --regex / --choice /
     --grammar (at most one; a value @FILE is read from FILE)."""
@@ -273,7 +286,9 @@ def build_generate_request(args: argparse.Namespace) -> GenerateRequest:
         "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                      "top_p": args.top_p, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
                      "stop_token_ids": args.stop_token_ids, "ignore_eos": args.ignore_eos,
-                     "coupling": args.coupling, "structured_outputs": structured_outputs(args)},
+                     "coupling": args.coupling, "structured_outputs": structured_outputs(args),
+                     "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty,
+                     "repetition_penalty": args.repetition_penalty, "logit_bias": args.logit_bias},
         "speculative": {"num_speculative_tokens": args.num_speculative_tokens, "draft_mode": args.draft_mode,
                         "draft_method": args.draft_method},
         "logprobs": {"logprobs": args.logprobs, "logprobs_mode": args.logprobs_mode,

@@ -328,6 +328,17 @@ def test_modules_classes_and_functions_stay_small():
         "too large (split along the jobs it does, docs/ARCHITECTURE.md#naming):\n" + "\n".join(problems))
 
 
+def test_class_names_are_unique():
+    """docs/ARCHITECTURE.md#naming: a class name in a log, a traceback or a search means one thing."""
+    defined: dict[str, list[str]] = {}
+    for path in code_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    twice = [f"class {name}: {', '.join(places)}" for name, places in sorted(defined.items()) if len(places) > 1]
+    assert not twice, "class names defined more than once (rename all but one):\n" + "\n".join(twice)
+
+
 def offences(rules: dict[str, str]) -> list[str]:
     """file:line: what: 'the words', for every stretch of a docstring or comment of the code that
     a rule matches (overlapping matches of several rules are one stretch, named by each)."""

@@ -101,7 +101,12 @@ def token_logprobs(
     width = max(1, min(candidate_ids.shape[1], int(num_candidates.masked_fill(everything, 0).max()) if N else 1))
     listed_ids = candidate_ids[:, :width]
     listed = (torch.arange(width, device=logits.device) < num_candidates[:, None]) & ~everything[:, None]
-    in_k_vocab = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, listed_ids, listed) | everything[:, None]
+    # Past a row's K, candidate_ids hold padding and ranks it never reached, which may repeat an id
+    # of K (a wide row's batch pads with 0): scatter True only, each unlisted slot to a spare column
+    # V, so no write of a repeated id can undo another (scatter_ leaves the order of writes to one
+    # index undefined).
+    in_k_vocab = logits.new_zeros(N, V + 1, dtype=torch.bool).scatter_(1, listed_ids.masked_fill(~listed, V), True)
+    in_k_vocab = in_k_vocab[:, :V] | everything[:, None]
     # The processed distribution: log_softmax of s over K, a reduction over all V entries of the
     # row (-inf outside K). Not a logsumexp over the listed width: that width is the batch's
     # largest K, and a reduction's grouping of terms follows its length, so a row's bits would

@@ -41,14 +41,16 @@ def cut_tokens(tokens: list[int], num_completion: int, sampling: SamplingParams,
                eos_ids: tuple[int, ...]) -> tuple[list[int], FinishReason | None]:
     """Emitted tokens kept and why the request ends: cut at max_tokens ("length"), after an EOS
     ("eos", unless ignore_eos) or after a stop token ("stop"). The EOS / stop token itself is
-    kept in token_ids (its text is the postprocessor's business: special tokens decode to "")."""
+    kept in token_ids (its text is the postprocessor's business: special tokens decode to "").
+    Under structured outputs an EOS ends the request even with ignore_eos: the grammar allowed it
+    only where it is complete, and after it nothing is allowed (docs/PROTOCOL.md#structured-outputs)."""
     stop_ids = set(sampling.stop_token_ids.tolist())
     kept: list[int] = []
     for token in tokens:
         if num_completion + len(kept) >= sampling.max_tokens:
             return kept, "length"
         kept.append(token)
-        if token in eos_ids and not sampling.ignore_eos:
+        if token in eos_ids and (not sampling.ignore_eos or sampling.structured_outputs is not None):
             return kept, "eos"
         if token in stop_ids:
             return kept, "stop"

@@ -367,7 +367,7 @@ class Postprocessor:
         chunk = StreamChunk(
             request_id=state.request_id, seq=commit.seq, token_ids=kept, text=state.text.take(done),
             from_draft=[i < commit.num_accepted for i in range(num_kept)], degraded=list(dict.fromkeys(degraded)),
-            finish_reason=finish_reason, usage=self._usage(state, commit) if done else None,
+            finish_reason=finish_reason, usage=self._usage(state, commit, num_kept) if done else None,
             error=commit.error if final else None, scheduler_id=commit.scheduler_id,
             **token_extras(state.options, record, kept, self.tokenizer), **self._prompt_extras(state, commit))
         outs = self._deliver(state, chunk)
@@ -400,12 +400,16 @@ class Postprocessor:
         state.records.prompt.clear()
         return extras
 
-    def _usage(self, state: StreamState, commit: Commit) -> Usage:
-        """The scheduler's usage when the commit has it; else (a stop string ended the request
-        early) the tallies of the commits seen here. completion_tokens counts what was kept."""
+    def _usage(self, state: StreamState, commit: Commit, num_kept: int) -> Usage:
+        """The scheduler's usage when the commit has it (less the accepted drafts a stop string
+        cut from it, num_kept of its tokens kept); else (a stop string ended the request early)
+        the tallies of the commits seen here. completion_tokens counts what was kept."""
         degraded_steps = dict(state.degraded_steps)
         if commit.usage is not None:
             usage = commit.usage.model_copy(deep=True)
+            usage.draft_tokens_accepted -= commit.num_accepted - min(commit.num_accepted, num_kept)
+            proposed = usage.draft_tokens_proposed
+            usage.acceptance_rate = usage.draft_tokens_accepted / proposed if proposed else 0.0
             for reason in ("logprobs_timeout", "logprobs_invalid"):
                 if reason in degraded_steps:
                     usage.degraded_steps[reason] = degraded_steps[reason]

@@ -114,6 +114,8 @@ def test_generate_request_has_every_flag():
         "--stop-token-ids", "0,13", "--ignore-eos", "-k", "3", "--draft-mode", "sample", "--logprobs", "2",
         "--logprobs-mode", "processed", "--prompt-logprobs", "1", "--logprob-token-ids", "4,5",
         "--sampling-mask", "--max-mask-size", "64", "--timeout", "12", "--request-id", "cli-1",
+        "--presence-penalty", "0.5", "--frequency-penalty", "-0.25", "--repetition-penalty", "1.1",
+        "--logit-bias", "13:-100,42:2.5", "--coupling", "rejection",
     ])
     request = build_generate_request(args)
     assert request.request_id == "cli-1" and request.prompt is None
@@ -122,6 +124,9 @@ def test_generate_request_has_every_flag():
     assert (sampling.max_tokens, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
             sampling.seed, sampling.ignore_eos) == (9, 0.7, 40, 0.9, 0.05, 11, True)
     assert sampling.stop == ["\n\n", "END"] and sampling.stop_token_ids.tolist() == [0, 13]
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+            sampling.coupling) == (0.5, -0.25, 1.1, "rejection")
+    assert sampling.logit_bias.as_dict() == {13: -100.0, 42: 2.5}
     assert (request.speculative.num_speculative_tokens, request.speculative.draft_mode) == (3, "sample")
     options = request.logprobs
     assert (options.logprobs, options.logprobs_mode, options.prompt_logprobs, options.sampling_mask,

@@ -98,6 +98,32 @@ def test_a_rows_logprobs_do_not_depend_on_the_rows_emitted_beside_it(mode):
                 assert torch.equal(getattr(pair, field)[0], getattr(alone[n], field)[0]), (field, n, other)
 
 
+def test_k_holds_its_ids_when_a_wide_row_beside_it_pads_the_candidate_ids():
+    """A scoring pass's positions are ranked together: a row whose K passes the first rank window
+    pads the others' candidate_ids (with id 0) past their ranks. Id 0 in a small K stays in K,
+    so the position's processed logprobs are those it has alone, bit for bit (they were not:
+    the padding's writes undid K's, and the first token a prefill emitted disagreed with the
+    scoring of the same position)."""
+    vocab = 1024
+    logits = torch.full((2, vocab), -10.0)
+    logits[0] = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 0.1  # flat: K passes 256 ids
+    logits[1, 5], logits[1, 0], logits[1, 9] = 3.0, 2.5, 2.0  # K = {5, 0, 9}: id 0 inside it
+    params = SamplingTensors.build([0.8, 0.8], top_p=[0.99, 0.9])
+    token_ids = torch.tensor([[7, 5]])
+
+    def scored(index):
+        return gather_logprobs(logits[None, index], token_ids[:, index], params.index(index),
+                               mode="processed", top_n=3, requested_ids=torch.tensor([[0, 5, 9]] * len(index)),
+                               mask_cap=8)[2]
+
+    together, alone = scored(torch.tensor([0, 1])), scored(torch.tensor([1]))
+    assert int(together.num_candidates[0]) > 256 and together.num_candidates[1].item() == 3
+    for field in ("processed_logprobs", "top_logprobs", "requested_logprobs", "logz_k", "candidate_ids"):
+        assert torch.equal(getattr(together, field)[1:, :getattr(alone, field).shape[-1]] if field == "candidate_ids"
+                           else getattr(together, field)[1:], getattr(alone, field)), field
+    assert together.requested_logprobs[1].isfinite().all()  # id 0 in K
+
+
 def test_greedy_rows_report_the_point_mass_they_sampled_from():
     logits = torch.tensor([[[0.0, 2.0, 1.0, 2.0]]])
     params = SamplingTensors.build([0.0])

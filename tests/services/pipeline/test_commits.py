@@ -5,6 +5,7 @@ scoring, the hand-over on shutdown, and errors that end one request with their r
 import time
 
 from schemas.errors import ErrorCode
+from schemas.generation import StructuredOutputs
 from schemas.steps import VerifyResponse, VerifyResult
 from schemas.wire import Error
 from services.pipeline.commits import cut_tokens
@@ -27,6 +28,10 @@ def test_cut_at_max_tokens_eos_and_stop_token(tokenizer):
     assert cut_tokens([3, 5], 0, params, (EOS,)) == ([3, 5], None)
     ignoring = params.model_copy(update={"ignore_eos": True})
     assert cut_tokens([3, EOS, 5], 0, ignoring, (EOS,)) == ([3, EOS, 5], None)
+    # a grammar's EOS ends it whatever ignore_eos says: the grammar allows nothing after it (the
+    # next step's verify failed the request, "the output so far does not follow the grammar")
+    grammar = ignoring.model_copy(update={"structured_outputs": StructuredOutputs(regex="(yes|no)!?")})
+    assert cut_tokens([3, EOS, 5], 0, grammar, (EOS,)) == ([3, EOS], "eos")
 
 
 def test_commits_are_numbered_and_the_final_one_has_usage(tokenizer):

@@ -321,6 +321,21 @@ def test_final_chunk_carries_the_scheduler_usage_plus_logprobs_timeouts(post, to
     assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.acceptance_rate) == (4, 2, 0.75)
 
 
+def test_a_stop_string_in_the_final_commit_leaves_out_the_accepted_drafts_it_cut(post, tokenizer):
+    """The scheduler's usage counts every accepted draft of its final commit; where a stop string
+    cuts that commit, the accepted drafts after the cut are not in the output, nor in the usage
+    (the tallies of a request a stop string ends in an earlier commit count them so too)."""
+    tokens = tokenizer.encode("ab STOP cd ef")
+    usage = Usage(prompt_tokens=4, completion_tokens=len(tokens), draft_tokens_proposed=len(tokens),
+                  draft_tokens_accepted=len(tokens) - 1, acceptance_rate=(len(tokens) - 1) / len(tokens), steps=1)
+    [chunk] = chunks(post.on_commit(commit(0, tokens, num_accepted=len(tokens) - 1, finish_reason="length",
+                                           usage=usage, stop=["STOP"]), now=0.0))
+    assert chunk.finish_reason == "stop" and len(chunk.token_ids) < len(tokens)
+    assert chunk.usage.draft_tokens_accepted == sum(chunk.from_draft) == len(chunk.token_ids)
+    assert chunk.usage.acceptance_rate == len(chunk.token_ids) / len(tokens)
+    assert chunk.usage.completion_tokens == len(chunk.token_ids)
+
+
 def test_stream_false_publishes_one_final_chunk_with_everything(post, tokenizer):
     pieces = [tokenizer.encode("hello"), tokenizer.encode(" world")]
     options = dict(stream=False, expect_side_channel=True, logprobs=LogprobOptions(logprobs=1))
