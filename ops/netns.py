@@ -63,7 +63,7 @@ def free_index() -> int:
 
 @dataclass
 class Namespaces:
-    """The namespaces of one harness (module docstring); a Placement for services.launch.stack."""
+    """The namespaces of one harness (module docstring); a HostPlacement for services.launch.stack."""
 
     index: int
     addresses: dict[str, str] = field(default_factory=dict)  # name -> its address ("root": the bridge's)
@@ -114,7 +114,7 @@ class Namespaces:
         self.add(name)
         return ("ip", "netns", "exec", self.namespace(name))
 
-    # Placement (services/launch/processes.py)
+    # HostPlacement (services/launch/processes.py)
     def nats_nodes(self, size: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
         return tuple((self.add(f"nats-{i}"), self.run_in(f"nats-{i}")) for i in range(size))
 

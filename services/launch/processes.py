@@ -35,7 +35,7 @@ PARENT_PID_ENV = "SPECBUS_PARENT_PID"
 STOP_ORDER = (("gateway",), ("scheduler",), ("drafter", "verifier"), ("postprocessor",))
 
 
-class Placement(Protocol):
+class HostPlacement(Protocol):
     """Where a stack's processes run (ops/netns.py: each in a network namespace of its own)."""
 
     def nats_nodes(self, size: int) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -64,7 +64,7 @@ from services.client import Client as SpecbusClient
 from services.launch.credentials import CREDENTIALS_FILE, StackCredentials
 from services.launch.health import HeartbeatWatch, accepts_http, wait_ready
 from services.launch.natsserver import NatsCluster, NatsServer, NatsServerConfig
-from services.launch.processes import (Placement, ServiceProcess, StackError, build_linear_kernel, free_port,
+from services.launch.processes import (HostPlacement, ServiceProcess, StackError, build_linear_kernel, free_port,
                                        start_service_process, stop_in_order)
 from services.runtime.auth import CLIENT, MONITOR, check_user_names
 from services.runtime.bus import connect
@@ -130,7 +130,7 @@ class StackConfig:
     metrics_port_base: int = 0
     stop_timeout_s: float = 10.0
     # where the NATS nodes and the services run (ops/netns.py: a network namespace each); None: here
-    placement: Placement | None = None
+    placement: HostPlacement | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:
