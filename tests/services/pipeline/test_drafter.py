@@ -17,6 +17,7 @@ from gpu_worker.roles.drafter_core import draft_batch, load_drafter
 from gpu_worker.runtime.kv_cache import KEY_BLOCK
 from gpu_worker.sampling.rejection import proposal_to_draft_probs
 from gpu_worker.sampling.sampler import SamplingTensors, process_logits
+from schemas.clock import MAX_CLOCK_SKEW_S
 from schemas.codec import decode, encode
 from schemas.config import DrafterConfig, load_config
 from schemas.control import Heartbeat
@@ -297,7 +298,7 @@ async def test_run_drafter_serves_draft_requests_over_nats(nats_server, nc, draf
     bad_row = draft_request(row("b", [1, VT + 5]))
     bad = decode((await request(nc, subject, encode(bad_row), timeout_s=10)).data, Error)
     assert bad.code == ErrorCode.invalid_field and bad.field == "rows[0].new_token_ids"
-    expired = draft_request(row("c", PROMPT), deadline_s=-1.0)
+    expired = draft_request(row("c", PROMPT), deadline_s=-(MAX_CLOCK_SKEW_S + 1.0))  # past even a skewed clock's allowance
     late = decode((await request(nc, subject, encode(expired), timeout_s=10)).data, Error)
     assert late.code == ErrorCode.timeout and late.field == "deadline"
 

@@ -7,6 +7,7 @@ import time
 import pytest
 from tokenizers import Tokenizer, models
 
+from schemas.clock import MAX_CLOCK_SKEW_S
 from schemas.codec import decode, encode
 from schemas.commits import SideChannelRecord
 from schemas.config import VerifierConfig, load_config
@@ -63,7 +64,7 @@ async def test_run_verifier_serves_verify_requests_over_nats(nats_server, nc, ta
     task = asyncio.create_task(run_verifier(config, stop))
     beat = await asyncio.wait_for(beats.get(), timeout=30)
     assert (beat.role, beat.instance_id, beat.capacity, beat.free_slots) == ("verifier", "verifier-nats", 3, 3)
-    assert set(beat.model_ids) == {"target", "tokenizer", "max_seq_len", "hidden_size", "prefix_caching"}
+    assert set(beat.model_ids) == {"target", "tokenizer", "max_seq_len", "hidden_size", "prefix_caching", "weights"}
     assert beat.model_ids["prefix_caching"] == "on"  # schedulers hint its first chunks by it (prefix_hints.py)
 
     subject = subjects.verify("verifier-nats")
@@ -80,7 +81,7 @@ async def test_run_verifier_serves_verify_requests_over_nats(nats_server, nc, ta
     assert malformed.code == ErrorCode.malformed
     wrong_type = decode((await request(nc, subject, encode(beat), timeout_s=10)).data, Error)
     assert wrong_type.code == ErrorCode.wrong_message_type and wrong_type.field == "type"
-    expired = verify_request(row("c", PROMPT), deadline_s=-1.0)
+    expired = verify_request(row("c", PROMPT), deadline_s=-(MAX_CLOCK_SKEW_S + 1.0))  # past even a skewed clock's allowance
     late = decode((await request(nc, subject, encode(expired), timeout_s=10)).data, Error)
     assert late.code == ErrorCode.timeout and late.field == "deadline"
 
