@@ -286,7 +286,7 @@ class Stream:
         # The run now in progress: sent at `sent_at`; `heard` once an Admitted or a chunk of it
         # came; `started` once it runs (idle_timeout_s applies from `last_heard_at`).
         self.sent_at = time.monotonic()
-        self.heard = self.started = False
+        self.heard = self.started = self.ever_heard = False  # ever_heard: by any run of it
         self.last_heard_at: float | None = None
         self.finished = False  # the final chunk (or an Error) has been read
         self.closed = False
@@ -379,14 +379,14 @@ class Stream:
             self.finished = True
             raise RequestError(ErrorCode.forbidden, exc.message, request_id=self.request.request_id) from None
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
-            # No scheduler listened: their request connections are reconnecting (a NATS node
-            # died), or every scheduler died and the supervisor is starting one. A request that
-            # was sent while schedulers lived (or is a resend) waits for a scheduler that beats
-            # from now on and goes again, not counted as a failover (its deadline bounds it).
-            if self.schedulers_at_send or self.num_runs:
+            # No scheduler listened (reconnecting after a NATS node died, or all dead and restarting):
+            # a request a scheduler ever had waits for a beat and goes again uncounted (its deadline
+            # bounds it); one never admitted tries MAX_FAILOVERS times, then is refused (a 503).
+            if self.ever_heard:
                 await self._until_a_scheduler_beats(since=time.monotonic())
+            if self.ever_heard or self.schedulers_at_send:
                 await asyncio.sleep(NO_RESPONDERS_RETRY_S)
-                if await self._failover("no scheduler listened", counted=False):
+                if await self._failover("no scheduler listened", counted=not self.ever_heard):
                     return
             self.finished = True
             raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.generate_subject!r}",
@@ -510,7 +510,7 @@ class Stream:
 
     def _heard(self, started: bool) -> None:
         """The run now in progress answered: an Admitted or a chunk (which means it started)."""
-        self.heard, self.started = True, self.started or started
+        self.heard, self.ever_heard, self.started = True, True, self.started or started
         self.last_heard_at = time.monotonic()
 
     def _admitted(self, admitted: Admitted) -> None:

@@ -227,8 +227,9 @@ def serve_command(role: str, instance_id: str, nats_url: str, config: StackConfi
     settings = {"target_model": config.target_model, "tokenizer": config.target_model,
                 "draft_model": config.draft_model, "draft_method": config.draft_method,
                 "eagle_head": config.eagle_head, "dtype": config.dtype,
-                # --weights is how the verifier holds the target (a draft model has no GGUF blocks)
-                "weights": config.weights if role == "verifier" else None,
+                # --weights is how the verifier holds the target; a draft model has no GGUF blocks,
+                # so a drafter takes only int8 (Q8_0 blocks quantized at load, from any model)
+                "weights": config.weights if role == "verifier" or config.weights == "int8" else None,
                 "kv_cache_memory": config.kv_cache_memory, "prefix_caching": config.prefix_caching,
                 "torch_threads": role_threads(role, config, usable_cores())}
     for config_field in dataclasses.fields(CONFIGS[role]):

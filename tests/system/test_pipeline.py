@@ -341,7 +341,7 @@ async def test_up_serves_until_sigint_and_stops_every_process(tiny_pair, tmp_pat
             await process.wait()
     logs = sorted(tmp_path.iterdir())
     assert [path.name for path in logs] == ["client.env", "credentials.env", "drafter-0.log", "gateway-0.log",
-                                            "postprocessor-0.log", "scheduler-0.log", "verifier-0.log"]
+                                            "jetstream", "postprocessor-0.log", "scheduler-0.log", "verifier-0.log"]
     logs = [path for path in logs if path.suffix == ".log"]
     for path in logs:  # each stopped on SIGTERM by itself, none was SIGKILLed
         assert "serve_stopped" in path.read_text(), path.name

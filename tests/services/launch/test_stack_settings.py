@@ -67,10 +67,13 @@ def test_serve_commands_carry_threads_and_kv_cache_memory():
     assert settings("verifier", role_args).torch_threads == 1  # role_args still win
 
 
-def test_weights_go_to_the_verifier_only():
-    """--weights is how the verifier holds the target: a draft model has no GGUF blocks."""
+def test_weights_of_gguf_blocks_go_to_the_verifier_only_and_int8_to_both():
+    """--weights is how the verifier holds the target: a draft model has no GGUF blocks, but any
+    model can be quantized to int8 at load."""
     config = StackConfig(weights="int8dot")
     assert (settings("verifier", config).weights, settings("drafter", config).weights) == ("int8dot", "auto")
+    config = StackConfig(weights="int8")
+    assert (settings("verifier", config).weights, settings("drafter", config).weights) == ("int8", "int8")
 
 
 def test_each_new_instance_gets_the_next_ports_and_a_known_one_keeps_its_own():
