@@ -90,7 +90,8 @@ class Services:
                   "tokenizer": self.model_dirs["target"]}
         for role, (run, config_cls) in RUNNERS.items():
             settings = {"max_slots": MAX_SLOTS, "max_seq_len": 64} if role in ("verifier", "drafter") else {}
-            settings |= {"draft_timeout_s": 5.0} if role == "scheduler" else {}
+            # the suffix index off: every draft token counted here is the drafter's
+            settings |= {"draft_timeout_s": 5.0, "suffix_max_tokens": 0} if role == "scheduler" else {}
             settings |= {k: v for k, v in models.items() if k in config_cls.__dataclass_fields__}
             config = load_config(config_cls, env={}, nats_url=self.nats_url, instance_id=f"{role}-m",
                                  heartbeat_interval_s=0.1, metrics_port=self.ports[role], **settings)
