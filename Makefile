@@ -50,15 +50,15 @@ selfcheck: models
 compose-check: models
 	$(BIN)/python ops/compose_check.py
 
-# The fault harness by hand (ops/chaos.py; needs root): every service and NATS node in a network
+# The fault harness by hand (ops/faults/chaos.py; needs root): every service and NATS node in a network
 # namespace of its own, CHAOS_STREAMS streams, a fault every few seconds for CHAOS_S seconds,
 # then the checker; the history and summary in chaos-out/. Non-zero if the checker finds a problem.
 CHAOS_S ?= 1800
 CHAOS_STREAMS ?= 16
 chaos: models
-	nice -n 19 $(BIN)/python -m ops.chaos --duration-s $(CHAOS_S) --streams $(CHAOS_STREAMS) --out chaos-out
+	nice -n 19 $(BIN)/python -m ops.faults.chaos --duration-s $(CHAOS_S) --streams $(CHAOS_STREAMS) --out chaos-out
 
-# The promise under fuzz, long (tests/system/test_promise.py; `test` runs a few examples of it):
+# The promise under fuzz, long (tests/system/promise/test_promise.py; `test` runs a few examples of it):
 # FUZZ_EXAMPLES examples per dtype from seed FUZZ_SEED, at most FUZZ_MINUTES minutes per dtype
 # (0: no limit), progress, coverage and findings in FUZZ_STATE after every chunk of examples (a
 # run resumes from it; delete it to start over); a finding is recorded with its reproduction and
@@ -71,7 +71,7 @@ FUZZ_STATE ?= fuzz-state.json
 fuzz: models
 	SPECBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECBUS_FUZZ_MINUTES=$(FUZZ_MINUTES) SPECBUS_FUZZ_DTYPE=$(FUZZ_DTYPE) \
 	SPECBUS_FUZZ_SEED=$(FUZZ_SEED) SPECBUS_FUZZ_STATE=$(abspath $(FUZZ_STATE)) \
-	$(BIN)/python -m pytest tests/system/test_promise.py -q -s -p no:cacheprovider
+	$(BIN)/python -m pytest tests/system/promise/test_promise.py -q -s -p no:cacheprovider
 
 # Build and test leftovers; the venv stays (distclean removes it too).
 clean:

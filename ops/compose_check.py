@@ -49,8 +49,8 @@ from services.commands.models import PACKAGE, PACKAGE_VERSION  # noqa: E402
 from services.runtime.auth import password_env, read_env_file  # noqa: E402
 from services.runtime.bus import BusUnavailable, connect  # noqa: E402
 from services.runtime.logs import configure_logging  # noqa: E402
-from schemas.codec import decode  # noqa: E402
-from schemas.control import Heartbeat  # noqa: E402
+from schemas.bus.codec import decode  # noqa: E402
+from schemas.bus.control import Heartbeat  # noqa: E402
 
 WORK = REPO / "build" / "compose-check"  # wheelhouse, logs, results (build/ is ignored by git and docker)
 ENV_FILE = REPO / ".env"

@@ -2,19 +2,19 @@
 
 from schemas.arrays import (MAX_ARRAY_BYTES, IdMatrix, LogprobMatrix, LogprobVector, Packed, ProbMatrix, Ranks,
                             TokenIds)
-from schemas.codec import MESSAGE_TYPES, decode, decode_any, encode, error_reply, field_path, validate
+from schemas.bus.codec import MESSAGE_TYPES, decode, decode_any, encode, error_reply, field_path, validate
 from schemas.commits import Commit, LogprobArrays, SideChannelRecord, StopNotice
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, RowSampling, SamplingParams,
                                 SpeculativeOptions, check_limits, new_request_id)
-from schemas.protocol import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
+from schemas.bus.protocol import (DEGRADED_REASONS, MAX_SPECULATIVE_TOKENS, MAX_TOKENS_CAP, MAX_TOP_LOGPROBS,
                               PROTOCOL_VERSION)
 from schemas.steps import (DraftRequest, DraftResponse, DraftResult, DraftRow, FeatureBlock, Proposal, VerifyRequest,
                            VerifyResponse, VerifyResult, VerifyRow)
 from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
-from schemas.subjects import DEFAULT_PREFIX, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
-from schemas.wire import Error, Message
+from schemas.bus.subjects import DEFAULT_PREFIX, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
+from schemas.bus.wire import Error, Message
 
 __all__ = [
     "MAX_ARRAY_BYTES", "IdMatrix", "LogprobMatrix", "LogprobVector", "Packed", "ProbMatrix", "Ranks", "TokenIds",

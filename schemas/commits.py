@@ -9,10 +9,10 @@ from pydantic import Field, model_validator
 
 from schemas.arrays import IdMatrix, LogprobMatrix, LogprobVector, Ranks, TokenIds, empty_ids
 from schemas.generation import LogprobOptions
-from schemas.protocol import MAX_INBOX_LEN, MAX_STOP_STRINGS, MAX_TREE_NODES
+from schemas.bus.protocol import MAX_INBOX_LEN, MAX_STOP_STRINGS, MAX_TREE_NODES
 from schemas.steps import check_accepted
 from schemas.streams import SamplingMask, Usage
-from schemas.wire import (Count, DegradedReason, Error, FinishReason, InstanceId, LogprobsMode, Message, RequestId,
+from schemas.bus.wire import (Count, DegradedReason, Error, FinishReason, InstanceId, LogprobsMode, Message, RequestId,
                           StopString, WireModel, field_error)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.protocol import MAX_TREE_NODES
-from schemas.subjects import DEFAULT_PREFIX, check_instance_id
+from schemas.bus.protocol import MAX_TREE_NODES
+from schemas.bus.subjects import DEFAULT_PREFIX, check_instance_id
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 ENV_PREFIX = "SPECBUS_"
@@ -30,8 +30,8 @@ DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_MODELS / "smollm2-draft"
 # The EAGLE head trained on the default target's features (models/README.md), shipped in git.
 DEFAULT_EAGLE_HEAD = REPO_MODELS / "smollm2-eagle"
-# a drafter's: a draft model, prompt lookup (gpu_worker/roles/ngram.py), or an EAGLE head over the
-# target's features (gpu_worker/roles/eagle_drafter.py)
+# a drafter's: a draft model, prompt lookup (gpu_worker/drafter/ngram.py), or an EAGLE head over the
+# target's features (gpu_worker/drafter/eagle_drafter.py)
 DRAFT_METHODS = ("model", "ngram", "eagle")
 # One owner each, imported wherever the value is needed (never written again as a literal):
 NATS_PORT = 4222                      # nats-server's client port, the default of every URL and flag
@@ -70,9 +70,9 @@ def check_model_dir(path, field: str) -> None:
     if path == Path(default_target_model()):
         hint = "run `specbus models pull` to fetch and convert it"
     elif path == DEFAULT_DRAFT:
-        hint = "it ships in the repository (ops/distill_draft.py makes it); check out models/ in full"
+        hint = "it ships in the repository (ops/train/distill_draft.py makes it); check out models/ in full"
     elif path == DEFAULT_EAGLE_HEAD:
-        hint = "it ships in the repository (ops/train_eagle.py makes it); check out models/ in full"
+        hint = "it ships in the repository (ops/train/train_eagle.py makes it); check out models/ in full"
     else:
         hint = "give an HF-layout directory (config.json, *.safetensors, tokenizer.json)"
     raise SpecbusError(ErrorCode.invalid_field, f"{field}: model directory {path} does not exist; {hint}", field)
@@ -110,7 +110,7 @@ class SchedulerConfig(InstanceConfig):
     max_queue: int = 64  # admitted but not yet running; beyond it: `overloaded`
     max_running: int = 64  # requests decoding at once
     # Shares of max_running + max_queue between client users, "alice=2,bob=1" (a user not listed
-    # weighs 1); services/pipeline/fair_share.py says how they are applied.
+    # weighs 1); services/scheduler/budget/fair_share.py says how they are applied.
     user_weights: str = ""
     # Client users whose requests share one prefix cache on the verifiers, "alice,bob", or "*" for
     # every user; the others each have their own (a hit's timing would tell one what another
@@ -120,7 +120,7 @@ class SchedulerConfig(InstanceConfig):
     max_step_tokens: int = 1024  # new tokens per verifier per step at most (prefill is chunked to fit)
     # The time a step's verify batch aims at, at the verifier: every decoding row first, then
     # prefill chunks up to the tokens the verifier's measured pace fits in this time (its step
-    # budget, services/pipeline/step_budget.py), so a long prompt never stalls the rows decoding;
+    # budget, services/scheduler/budget/step_budget.py), so a long prompt never stalls the rows decoding;
     # and queued requests start only while the running ones' decode rows fill at most half of it
     # (step rows): under load, the inter-token latency the scheduler aims at. Lower trades
     # throughput for ITL, where a step's fixed costs (drafts, bus, commit) are a large part of it
@@ -128,7 +128,7 @@ class SchedulerConfig(InstanceConfig):
     # within 3x of their ITL without it, at no cost in throughput on the CPUs measured).
     target_step_s: float = 0.3
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
-    # another's verification (services/pipeline/scheduler_core.py); 1: one step at a time. max_batch_rows and
+    # another's verification (services/scheduler/scheduler_core.py); 1: one step at a time. max_batch_rows and
     # max_step_tokens hold per lane. Two pay only where the drafter and the verifier have compute of
     # their own (a GPU each, a GPU verifier beside a CPU drafter); on shared CPU cores they split the
     # cores and each lane's batch: 1 (ops/bench/RESULTS.md "Lanes on shared cores").
@@ -137,7 +137,7 @@ class SchedulerConfig(InstanceConfig):
     draft_timeout_s: float = 0.5
     # The least a verify try is waited for; a batch's own wait follows its tokens and the
     # verifier's measured pace, and a verifier that still heartbeats is waited on past it
-    # (services/pipeline/step_budget.py).
+    # (services/scheduler/budget/step_budget.py).
     verify_timeout_s: float = 10.0
     verify_retries: int = 1
     # On stop, how long the step in flight may still run before it is cancelled (its requests
@@ -145,7 +145,7 @@ class SchedulerConfig(InstanceConfig):
     stop_grace_s: float = 5.0
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     # A request's num_speculative_tokens is an upper bound: each step of a greedy or Gumbel-coupled
-    # row takes the k that maximises its measured tokens per second (services/pipeline/adaptive_k.py);
+    # row takes the k that maximises its measured tokens per second (services/scheduler/drafts/adaptive_k.py);
     # false: every step takes the request's k. After adaptive_k_probe_steps steps at k=0 of a
     # drafter's requests, one tries k=1 (twice as many after each probe that had nothing accepted,
     # at most 8 times as many).
@@ -154,12 +154,12 @@ class SchedulerConfig(InstanceConfig):
     # Trees of drafts (docs/PROTOCOL.md#tree-drafts): 0, chains only; N > 0 lets a greedy or
     # Gumbel-coupled decode row without structured outputs ask its drafter for a tree of N nodes
     # (or N/2, N/4, ... while those still branch), as deep as its k, in the steps where its measured
-    # tokens per second beat the chain's (services/pipeline/tree_choice.py; with adaptive_k off, N
+    # tokens per second beat the chain's (services/scheduler/drafts/tree_choice.py; with adaptive_k off, N
     # in every such step). Off by default: a tree verifies a target position per node, and on the
     # CPUs measured its extra accepted tokens paid for that at best evenly at batch 1
     # (docs/PROTOCOL.md#tree-drafts).
     max_tree_nodes: int = 0
-    # Suffix decoding (services/pipeline/suffix_index.py, suffix_choice.py): this scheduler indexes
+    # Suffix decoding (services/scheduler/drafts/suffix_index.py, suffix_choice.py): this scheduler indexes
     # every request's prompt and output, per client user, in at most suffix_max_tokens tokens per
     # user (least recently used requests out), and a greedy or Gumbel-coupled row takes the index's
     # drafts in the steps where they are expected to pay more than its drafter's; 0: off.
@@ -184,7 +184,7 @@ class ModelServiceConfig(InstanceConfig):
     device: str = "cpu"
     # auto: float32 where the model has GGUF blocks the CPU's projection kernel serves (weights auto
     # or gguf: the published weights as stored), else bfloat16 on CUDA and on CPUs with native
-    # bf16, else float32 (a drafter: bfloat16); gpu_worker/roles/slots.py resolve_dtype
+    # bf16, else float32 (a drafter: bfloat16); gpu_worker/batching/slots.py resolve_dtype
     dtype: str = "auto"
     # How the projection weights are held: "dense" (the safetensors weights, in dtype); "gguf" (the
     # GGUF blocks `specbus models pull` keeps beside them, the published Q4_1 / Q8_0 weights as
@@ -208,7 +208,7 @@ class ModelServiceConfig(InstanceConfig):
     # few stacks inside a 24 GB machine.
     kv_cache_memory: str = "2GiB"
     # Keep released slots' keys and values within kv_cache_memory and copy them into requests whose
-    # history starts the same (gpu_worker/roles/prefix_cache.py; a drafter with draft_method "model"
+    # history starts the same (gpu_worker/batching/prefix_cache.py; a drafter with draft_method "model"
     # only); a hit computes the same bits.
     prefix_caching: bool = True
 
@@ -221,10 +221,10 @@ class VerifierConfig(ModelServiceConfig):
 @dataclasses.dataclass
 class DrafterConfig(ModelServiceConfig):
     draft_model: str = str(DEFAULT_DRAFT)
-    # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/roles/ngram.py),
+    # "model": drafts from draft_model; "ngram": prompt lookup, no model (gpu_worker/drafter/ngram.py),
     # drafts continue the longest n-gram (ngram_max down to ngram_min tokens) seen before in the
     # request's own history; it fits every target; "eagle": the EAGLE head in eagle_head over the
-    # target's own features (gpu_worker/roles/eagle_drafter.py), with target_model's embedding; it fits
+    # target's own features (gpu_worker/drafter/eagle_drafter.py), with target_model's embedding; it fits
     # that target only.
     draft_method: str = "model"
     ngram_max: int = 4

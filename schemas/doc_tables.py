@@ -29,16 +29,17 @@ import numpy as np
 from pydantic import BaseModel, StringConstraints
 from pydantic.fields import FieldInfo
 
-from schemas import arrays, codec, commits, config, control, generation, protocol, steps, streams, subjects, wire
+from schemas import arrays, commits, config, generation, steps, streams
+from schemas.bus import codec, control, protocol, subjects, wire
 from schemas.arrays import Packed
-from schemas.codec import MESSAGE_TYPES
+from schemas.bus.codec import MESSAGE_TYPES
 from schemas.errors import ErrorCode
-from schemas.subjects import Subjects
+from schemas.bus.subjects import Subjects
 
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
-# Who talks on each subject (the pattern itself comes from schemas.subjects.Subjects), as
+# Who talks on each subject (the pattern itself comes from schemas.bus.subjects.Subjects), as
 # (from, to, message, delivery); None for a member that is only the root of other subjects.
 # A new Subjects member needs a row here: the generator refuses to render without one.
 SUBJECT_ROUTES = {
@@ -271,7 +272,7 @@ def subjects_table() -> str:
         if not subject.startswith(sample.prefix + "."):
             continue  # a helper, not a subject
         if name not in SUBJECT_ROUTES:
-            raise SystemExit(f"Subjects.{name} (schemas/subjects.py) has no row in SUBJECT_ROUTES "
+            raise SystemExit(f"Subjects.{name} (schemas/bus/subjects.py) has no row in SUBJECT_ROUTES "
                              f"(schemas/doc_tables.py): say who publishes it, who reads it and what")
         if SUBJECT_ROUTES[name] is None:
             continue

@@ -20,12 +20,12 @@ from pydantic_core import PydanticCustomError
 from schemas.arrays import TokenIds, empty_ids
 from schemas.config import DRAFT_METHODS
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.protocol import (MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROB_TOKEN_IDS,
+from schemas.bus.protocol import (MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROB_TOKEN_IDS,
                               MAX_MASK_SIZE, MAX_PENALTY, MAX_PROMPT_CHARS, MAX_REPETITION_PENALTY,
                               MAX_SPECULATIVE_TOKENS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
                               MAX_TIMEOUT_S, MAX_TOKENS_CAP, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY,
                               MIN_TEMPERATURE, MIN_TOP_P)
-from schemas.wire import BiasVector, LogprobsMode, Message, RequestId, StopString, WireModel, field_error
+from schemas.bus.wire import BiasVector, LogprobsMode, Message, RequestId, StopString, WireModel, field_error
 
 
 def new_request_id() -> str:
@@ -283,8 +283,8 @@ class SpeculativeOptions(WireModel):
     """draft_method: which drafters a request may use (docs/PROTOCOL.md#draft-methods). "model":
     a draft model; "ngram": prompt lookup (no model); "eagle": a head over the target's own
     features; "auto": whichever kind is live, and with several the one that measures better for
-    this request (services/pipeline/draft_method.py), and per step the scheduler's suffix index
-    where its drafts pay more (services/pipeline/suffix_choice.py); "suffix": the suffix index's
+    this request (services/scheduler/drafts/draft_method.py), and per step the scheduler's suffix index
+    where its drafts pay more (services/scheduler/drafts/suffix_choice.py); "suffix": the suffix index's
     drafts only, no drafter."""
 
     # 0 = plain decoding; else the most drafts a step takes (docs/PROTOCOL.md#adaptive-k)

@@ -14,9 +14,9 @@ from pydantic import ConfigDict, Field, model_validator
 
 from schemas.arrays import ROOT_PARENT, IdMatrix, ParentIndices, ProbMatrix, TokenIds, empty_ids
 from schemas.generation import LogprobOptions, RowSampling
-from schemas.protocol import (MAX_BATCH_ROWS, MAX_FEATURE_BLOCK_BYTES, MAX_FEATURE_SIZE, MAX_SPECULATIVE_TOKENS,
+from schemas.bus.protocol import (MAX_BATCH_ROWS, MAX_FEATURE_BLOCK_BYTES, MAX_FEATURE_SIZE, MAX_SPECULATIVE_TOKENS,
                               MAX_TREE_NODES)
-from schemas.wire import Count, Deadline, Error, InstanceId, Message, RequestId, WireModel, field_error
+from schemas.bus.wire import Count, Deadline, Error, InstanceId, Message, RequestId, WireModel, field_error
 
 
 class Proposal(WireModel):

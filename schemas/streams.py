@@ -8,8 +8,8 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from schemas.arrays import LogprobVector, TokenIds, empty_ids, empty_logprobs
-from schemas.protocol import MAX_TREE_NODES
-from schemas.wire import (Count, DegradedReason, Error, FinishReason, InstanceId, Logprob, Message, RequestId,
+from schemas.bus.protocol import MAX_TREE_NODES
+from schemas.bus.wire import (Count, DegradedReason, Error, FinishReason, InstanceId, Logprob, Message, RequestId,
                           WireModel, field_error)
 
 

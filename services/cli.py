@@ -22,14 +22,14 @@ from pathlib import Path
 import structlog
 
 from text.tokenizer import load_tokenizer
-from schemas.codec import validate
+from schemas.bus.codec import validate
 from schemas.config import (DEFAULT_NATS_URL, ENV_PREFIX, MAX_MESSAGE_BYTES, NATS_PORT, ROLES, BusConfig,
                             default_target_model, load_config)
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.generation import (DRAFT_METHOD_CHOICES, ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions,
                                 new_request_id)
 from schemas.streams import StreamChunk
-from schemas.subjects import DEFAULT_PREFIX
+from schemas.bus.subjects import DEFAULT_PREFIX
 from services.client import Client
 from services.commands import bench_serve
 from services.commands.models import add_models_arguments, run_models
@@ -86,10 +86,10 @@ async def run_nats(args: argparse.Namespace) -> int:
 
 # role -> (module, function): imported only when that role runs, so `generate` never loads torch.
 RUNNERS = {
-    "scheduler": ("services.pipeline.scheduler", "run_scheduler"),
-    "verifier": ("services.pipeline.verifier", "run_verifier"),
-    "drafter": ("services.pipeline.drafter", "run_drafter"),
-    "postprocessor": ("services.pipeline.postprocessor", "run_postprocessor"),
+    "scheduler": ("services.scheduler.scheduler", "run_scheduler"),
+    "verifier": ("services.verifier.verifier", "run_verifier"),
+    "drafter": ("services.drafter.drafter", "run_drafter"),
+    "postprocessor": ("services.postprocessor.postprocessor", "run_postprocessor"),
     "gateway": ("services.gateway.gateway", "run_gateway"),
 }
 # Settings only the environment may give: a flag would show in `ps` and shell history.

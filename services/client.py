@@ -53,15 +53,15 @@ import nats.errors
 import numpy as np
 import structlog
 
-from schemas.codec import decode, decode_any, encode, validate
+from schemas.bus.codec import decode, decode_any, encode, validate
 from schemas.config import DEFAULT_NATS_URL, HEARTBEAT_TIMEOUT_S, BusConfig, load_config
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
 from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, SamplingParams, SpeculativeOptions,
                                 new_request_id)
 from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
-from schemas.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
-from schemas.wire import Error
+from schemas.bus.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
+from schemas.bus.wire import Error
 from services.runtime.auth import CLIENT_MAX_PAYLOAD, PermissionDenied, inbox_prefix
 from services.runtime.bus import NO_RESPONDERS_STATUS, BusError, connect, permission_watch, publish, tls_context
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from schemas.codec import decode
+from schemas.bus.codec import decode
 from schemas.config import DEFAULT_DRAFT, TINY_DRAFT, TINY_TARGET, default_target_model
-from schemas.control import Heartbeat
-from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
+from schemas.bus.control import Heartbeat
+from schemas.bus.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.launch.stack import Stack, StackConfig
 from services.launch.supervisor import RestartPolicy, supervise
@@ -175,5 +175,5 @@ def smollm2_target() -> Path:
 def smollm2_draft() -> Path:
     """The shipped SmolLM2 draft (models/smollm2-draft); skips the test when it is missing."""
     if not (DEFAULT_DRAFT / "config.json").exists():
-        pytest.skip(f"{DEFAULT_DRAFT} is missing (ops/distill_draft.py makes it)")
+        pytest.skip(f"{DEFAULT_DRAFT} is missing (ops/train/distill_draft.py makes it)")
     return DEFAULT_DRAFT

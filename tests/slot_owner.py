@@ -1,4 +1,4 @@
-"""A stand-in for a Verifier or a Drafter as gpu_worker/roles/slots.py's functions see it: a KV
+"""A stand-in for a Verifier or a Drafter as gpu_worker/batching/slots.py's functions see it: a KV
 cache of a tiny random Llama (MAX_SLOTS slots), its request slots and counters. The fixtures
 `model_dir` and `owner` (tests/conftest.py) hold one; the slot tests and the model service's
 idle eviction test use it."""
@@ -6,7 +6,7 @@ idle eviction test use it."""
 from collections import Counter
 from dataclasses import dataclass, field
 
-from gpu_worker.roles.slots import SlotOwner, load_model_and_cache
+from gpu_worker.batching.slots import SlotOwner, load_model_and_cache
 from gpu_worker.runtime.kv_cache import KVCache
 from schemas.config import VerifierConfig, load_config
 

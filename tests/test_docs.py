@@ -5,7 +5,8 @@
   #anchor) and every repository path the README and docs/ name in code spans exists, and
   docs/ARCHITECTURE.md names every module of schemas/, text/, gpu_worker/ and services/;
 - the layering of docs/ARCHITECTURE.md holds: schemas <- text <- gpu_worker <- services <- ops,
-  inside services/ runtime <- client, pipeline <- gateway, launch <- commands <- cli; no import
+  inside services/ runtime <- client, scheduler | verifier | drafter | postprocessor <- gateway,
+  launch <- commands <- cli; no import
   circle anywhere; gpu_worker/ knows nothing of asyncio or NATS; the scheduler, postprocessor,
   client, gateway and `specbus models` never import torch;
 - tests/ mirrors the packages (docs/ARCHITECTURE.md#naming): each tests/<package>/.../test_<name>.py
@@ -39,16 +40,18 @@ CODE_PATH = re.compile(r"`((?:schemas|text|services|gpu_worker|ops|tests|models|
 LAYERS = {"schemas": {"text", "gpu_worker", "services", "ops"}, "text": {"gpu_worker", "services", "ops"},
           "gpu_worker": {"services", "ops"}, "services": {"ops"}}
 # Inside services/: a room may import the rooms left of it in
-# runtime <- client, pipeline <- gateway, launch <- commands <- cli (client and pipeline are
-# independent, and so are gateway and launch).
-SERVICE_ROOMS = ("runtime", "client", "pipeline", "gateway", "launch", "commands", "cli")
+# runtime <- client, <role> <- gateway, launch <- commands <- cli, where <role> is one of the four
+# pipeline services (each its own room, none importing another); client and the roles are
+# independent, and so are gateway and launch.
+ROLE_ROOMS = ("scheduler", "verifier", "drafter", "postprocessor")
+SERVICE_ROOMS = ("runtime", "client", *ROLE_ROOMS, "gateway", "launch", "commands", "cli")
 SERVICE_ROOM_FORBIDDEN = {
-    "runtime": {"client", "pipeline", "gateway", "launch", "commands", "cli"},
-    "client": {"pipeline", "gateway", "launch", "commands", "cli"},
-    "pipeline": {"client", "gateway", "launch", "commands", "cli"},
-    "gateway": {"pipeline", "launch", "commands", "cli"},
-    "launch": {"pipeline", "gateway", "commands", "cli"},
-    "commands": {"pipeline", "gateway", "cli"},
+    "runtime": {"client", *ROLE_ROOMS, "gateway", "launch", "commands", "cli"},
+    "client": {*ROLE_ROOMS, "gateway", "launch", "commands", "cli"},
+    **{role: {"client", *(set(ROLE_ROOMS) - {role}), "gateway", "launch", "commands", "cli"} for role in ROLE_ROOMS},
+    "gateway": {*ROLE_ROOMS, "launch", "commands", "cli"},
+    "launch": {*ROLE_ROOMS, "gateway", "commands", "cli"},
+    "commands": {*ROLE_ROOMS, "gateway", "cli"},
 }
 NO_ASYNC_IN_GPU_WORKER = {"asyncio", "nats"}
 MIRRORED = ("schemas", "text", "gpu_worker", "services", "ops")  # the packages tests/ mirrors
@@ -76,7 +79,7 @@ MEASURED_FIGURE = {
     "a speed-up": rf"{NUMBER}\s*[x\u00d7]\s+(?:faster|slower|speed-?up)",
 }
 HISTORY = {"an issue number": r"\bissues?\s+#?\d+", "a session number": r"\bsessions?\s+#?\d+"}
-TORCH_FREE = ("schemas", "text.tokenizer", "text.token_bytes", "text.chat_template", "schemas.doc_tables", "services.pipeline.scheduler", "services.pipeline.postprocessor", "services.client",
+TORCH_FREE = ("schemas", "text.tokenizer", "text.token_bytes", "text.chat_template", "schemas.doc_tables", "services.scheduler.scheduler", "services.postprocessor.postprocessor", "services.client",
               "services.gateway.gateway", "services.commands.models")
 
 

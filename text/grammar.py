@@ -1,6 +1,6 @@
 """Structured outputs: a request's StructuredOutputs as a grammar, its compile check, and the
 matchers that follow a row's output token by token. Torch-free (the scheduler checks grammars
-at admission); the verifier turns the bitmasks into tensors (gpu_worker/roles/verifier_grammar.py).
+at admission); the verifier turns the bitmasks into tensors (gpu_worker/verifier/verifier_grammar.py).
 
 The grammar library is llguidance (Microsoft's, Rust with Python bindings, no dependencies):
 its matcher rolls back any number of tokens, which is what speculation needs (advance through a
@@ -136,7 +136,7 @@ def probe(matcher: llguidance.LLMatcher, vocab_size: int) -> None:
     when the matcher fails on the way (a grammar that allows nothing, a schema that only refers
     to itself, an Earley row or forced-token search past LIMITS). Each step's work is bounded by
     LIMITS. The grammar may still fail on a longer path: the verifier then fails that request's
-    row alone (gpu_worker/roles/verifier_grammar.py)."""
+    row alone (gpu_worker/verifier/verifier_grammar.py)."""
     walker = OutputMatcher(matcher)
     bitmask = allocate_token_bitmask(1, vocab_size)
     for _ in range(PROBE_TOKENS):

@@ -23,7 +23,7 @@ layer is the target's layer shape (`model.Layer`), run by the same batch-invaria
 the target (`model.linear`, `model.attention`) over a `KVCache` with one layer.
 
 `head_forward` is the inference form (slot KV cache, packed weights, what a drafter calls,
-through `draft_chain`); ops/eagle_training.py holds the training form of the same math
+through `draft_chain`); ops/train/eagle_training.py holds the training form of the same math
 (`unrolled_forward`, plain autograd ops over whole sequences), and
 tests/gpu_worker/runtime/test_eagle.py checks they agree.
 

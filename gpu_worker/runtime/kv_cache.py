@@ -7,8 +7,8 @@ one block, not max_seq_len positions. The sum over slots never exceeds `memory_b
 `allocate(length)` is admission (the new slot's blocks must fit and leave ADMISSION_HEADROOM of
 the budget for running slots to grow), `reserve` is growth (any free budget); both raise
 CacheMemoryError, changing nothing, when the memory is short. Callers turn that into an
-`overloaded` answer (gpu_worker/roles/verifier_core.py) or a step without drafts
-(gpu_worker/roles/drafter_core.py); nothing crashes.
+`overloaded` answer (gpu_worker/verifier/verifier_core.py) or a step without drafts
+(gpu_worker/drafter/drafter_core.py); nothing crashes.
 
 Why per-slot tensors grown by copying, not a pool of blocks with a block table: attention reads a
 slot's window as one strided tensor, so at batch 1 (the CPU serving case) the window is a view
@@ -18,7 +18,7 @@ slot's blocks once per new block (a 2048-token request: 1 + 2 + 3 blocks copied 
 A batch of several slots gathers their windows into one tensor per layer (as the old
 preallocated cache did for non-consecutive slots).
 
-A reclaimer (`KVCache.reclaimer`, gpu_worker/roles/prefix_cache.py) may hold storage that a freed
+A reclaimer (`KVCache.reclaimer`, gpu_worker/batching/prefix_cache.py) may hold storage that a freed
 slot leaves (`detach`): its bytes stay charged to the budget until it hands them back
 (`release_bytes`), and admission and growth ask it to give up what they lack (`reclaim`) before
 they refuse; heartbeats count what it holds as free (`num_admissible`).

@@ -5,7 +5,7 @@ node the max_nodes best are kept (score, then depth: a child never scores above 
 the kept set holds every kept node's ancestors). `preorder` lays them out as the wire's tree
 (docs/PROTOCOL.md#tree-drafts). The drafter's own step is `grow(chosen, nodes)`: the logits of
 each chosen node's children, in one forward over the tree so far (gpu_worker/runtime/eagle.py
-`draft_tree` for the EAGLE head, gpu_worker/roles/drafter_core.py for a draft model), so a tree
+`draft_tree` for the EAGLE head, gpu_worker/drafter/drafter_core.py for a draft model), so a tree
 of depth d costs d steps, as a chain of d drafts does.
 
 Letters: Vd the drafter's vocabulary, n chosen nodes.

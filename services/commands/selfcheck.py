@@ -79,7 +79,7 @@ from tqdm import tqdm
 from schemas.config import ENV_PREFIX, BusConfig, load_config
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import GenerateRequest, new_request_id
-from schemas.protocol import MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
+from schemas.bus.protocol import MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
 from schemas.streams import TokenLogprob, Usage
 from services.client import Client, GenerationResult, Overloaded, make_request, score_request
 from services.commands.selfcheck_core import (

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from schemas.codec import field_path
+from schemas.bus.codec import field_path
 from schemas.errors import ErrorCode, SpecbusError
 from services.client import GROUPS
 

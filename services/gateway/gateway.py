@@ -67,11 +67,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from text.tokenizer import Tokenizer, load_tokenizer
-from schemas.codec import CodecError, decode
+from schemas.bus.codec import CodecError, decode
 from schemas.config import GatewayConfig
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.subjects import DEFAULT_CLIENT_USER, Subjects
+from schemas.bus.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
 from services.gateway.api_errors import ApiError, clip, content_type_error, framework_error, validation_error
 from services.gateway.api_keys import Login, gateway_logins, user_for_key

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.errors import SpecbusError
 from schemas.generation import DRAFT_METHOD_CHOICES, GenerateRequest
-from schemas.protocol import MAX_TOP_LOGPROBS
+from schemas.bus.protocol import MAX_TOP_LOGPROBS
 from services.client import make_request
 from services.gateway.api_errors import ApiError
 from services.gateway.token_texts import TokenTexts

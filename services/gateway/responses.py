@@ -23,7 +23,7 @@ Logprob shapes (as vLLM's OpenAI server gives them):
 - chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
 A token's text is its own bytes decoded (services/gateway/token_texts.py: a token that ends inside
 a UTF-8 character shows U+FFFD; `bytes` keeps the exact bytes). A request that ends inside a
-character has text without its unfinished bytes (services/pipeline/text_stream.py), while its
+character has text without its unfinished bytes (services/postprocessor/text_stream.py), while its
 last tokens' logprobs still list them, `bytes` exact. A logprob of -inf (outside the candidate set
 in logprobs_mode "processed") is written -9999.0, as vLLM does: JSON has no infinity.
 """
@@ -280,7 +280,7 @@ class VerifierLimits:
             self.weights[beat.instance_id] = str(beat.model_ids.get("weights", ""))
 
     def served_weights(self, now: float) -> str | None:
-        """The weights formats of the verifiers heard (gpu_worker/roles/slots.py resolve_weights:
+        """The weights formats of the verifiers heard (gpu_worker/batching/slots.py resolve_weights:
         which model of the target they compute), comma-separated; None while none is heard."""
         live = sorted({self.weights.get(i, "") for i, b in self.beats.items() if b[1] >= now} - {""})
         return ",".join(live) or None

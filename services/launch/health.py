@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from schemas.codec import decode
-from schemas.control import Heartbeat
+from schemas.bus.codec import decode
+from schemas.bus.control import Heartbeat
 from schemas.errors import SpecbusError
 from services.launch.processes import ServiceProcess, StackError
 

@@ -84,7 +84,7 @@ class NatsServerConfig:
     http_port: int | None = None  # monitoring (/healthz, /connz, ...): None off, 0 a free port
     cluster: ClusterConfig | None = None  # set: this server is a node of that cluster
     # argv run before the binary, e.g. ("ip", "netns", "exec", "<ns>") for a node in a network
-    # namespace of its own (ops/netns.py); it must exec the binary, so the pid stays the server's
+    # namespace of its own (ops/faults/netns.py); it must exec the binary, so the pid stays the server's
     exec_prefix: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -288,7 +288,7 @@ class NatsCluster:
     config: NatsServerConfig = field(default_factory=NatsServerConfig)
     size: int = 3
     name: str = "specbus"
-    # node i's (host, exec_prefix), e.g. each in a network namespace of its own (ops/netns.py);
+    # node i's (host, exec_prefix), e.g. each in a network namespace of its own (ops/faults/netns.py);
     # empty: config's host and exec_prefix for every node
     places: tuple[tuple[str, tuple[str, ...]], ...] = ()
     nodes: list[NatsServer] = field(default_factory=list, init=False)

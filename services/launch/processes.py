@@ -36,7 +36,7 @@ STOP_ORDER = (("gateway",), ("scheduler",), ("drafter", "verifier"), ("postproce
 
 
 class HostPlacement(Protocol):
-    """Where a stack's processes run (ops/netns.py: each in a network namespace of its own)."""
+    """Where a stack's processes run (ops/faults/netns.py: each in a network namespace of its own)."""
 
     def nats_nodes(self, size: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Each NATS node's (host it listens on, argv prefix that runs it there)."""

@@ -58,8 +58,8 @@ from nats.aio.client import Client
 
 from schemas.config import CLIENT_ENV_FILE, load_config
 from schemas.config import ROLES as CONFIGS
-from schemas.control import Heartbeat
-from schemas.subjects import DEFAULT_PREFIX, Subjects
+from schemas.bus.control import Heartbeat
+from schemas.bus.subjects import DEFAULT_PREFIX, Subjects
 from services.client import Client as SpecbusClient
 from services.launch.credentials import CREDENTIALS_FILE, StackCredentials
 from services.launch.health import HeartbeatWatch, accepts_http, wait_ready
@@ -107,7 +107,7 @@ class StackConfig:
     weights: str | None = None  # the verifiers' --weights; None: theirs (SPECBUS_WEIGHTS, auto)
     # Each verifier's and drafter's KV cache budget ("2GiB"); None: theirs (SPECBUS_KV_CACHE_MEMORY, 2GiB).
     kv_cache_memory: str | None = None
-    # The verifiers' and drafters' prefix caching (gpu_worker/roles/prefix_cache.py); None: theirs
+    # The verifiers' and drafters' prefix caching (gpu_worker/batching/prefix_cache.py); None: theirs
     # (SPECBUS_PREFIX_CACHING, on).
     prefix_caching: bool | None = None
     # torch threads per verifier / drafter process; 0: `role_threads` picks from the machine.
@@ -129,7 +129,7 @@ class StackConfig:
     # (a restarted id keeps its own), listed in Stack.metrics_ports.
     metrics_port_base: int = 0
     stop_timeout_s: float = 10.0
-    # where the NATS nodes and the services run (ops/netns.py: a network namespace each); None: here
+    # where the NATS nodes and the services run (ops/faults/netns.py: a network namespace each); None: here
     placement: HostPlacement | None = None
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from text.tokenizer import draft_misfit, eagle_misfit
 from schemas.config import (DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, DRAFT_METHODS, ENV_PREFIX, ROLES, check_model_dir,
                             default_target_model)
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.subjects import DEFAULT_PREFIX
+from schemas.bus.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
 from services.launch.processes import StackError
 from services.launch.stack import Stack, StackConfig

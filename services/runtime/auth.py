@@ -1,7 +1,7 @@
 """NATS users and subject permissions, one user per role.
 
 The permission model is data, here and nowhere else: `role_permissions(prefix)` says what each
-role may publish and subscribe to, built from the subject names of schemas/subjects.py
+role may publish and subscribe to, built from the subject names of schemas/bus/subjects.py
 (`Subjects`); the routes themselves (who publishes what to whom) are documented in
 schemas/doc_tables.py SUBJECT_ROUTES, and tests/services/runtime/test_auth.py checks each
 role's permissions against real subscriptions and publishes:
@@ -82,8 +82,8 @@ from typing import Any, TypeVar
 
 from schemas.config import MAX_MESSAGE_BYTES, NATS_PORT
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.protocol import MAX_PROMPT_CHARS
-from schemas.subjects import DEFAULT_PREFIX, INSTANCE_ID_PATTERN, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
+from schemas.bus.protocol import MAX_PROMPT_CHARS
+from schemas.bus.subjects import DEFAULT_PREFIX, INSTANCE_ID_PATTERN, SCHEDULER_QUEUE_GROUP, Subjects, check_instance_id
 
 # nats-server limits, shared by the server config rendered here and services/launch/natsserver.py
 # (the server-wide max_payload is schemas.config MAX_MESSAGE_BYTES).

@@ -1,10 +1,10 @@
 """NATS helpers every service uses: connect, request/publish with typed errors, bounded
 handlers, micro-service registration and heartbeats.
 
-Deadlines are absolute wall-clock seconds (`schemas.clock.wall()`), the convention on the wire:
+Deadlines are absolute wall-clock seconds (`schemas.bus.clock.wall()`), the convention on the wire:
 every message carries the absolute deadline of its request, so each hop computes its own
 remaining time without adding up relative timeouts; a receiver allows for other machines'
-clocks (`expired(..., skew_s=)`, schemas/clock.py). Timeouts (`timeout_s`) are relative seconds.
+clocks (`expired(..., skew_s=)`, schemas/bus/clock.py). Timeouts (`timeout_s`) are relative seconds.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.service import EndpointConfig, EndpointStats, Service, ServiceConfig
 
-from schemas.clock import wall as wall_clock
-from schemas.codec import error_reply
+from schemas.bus.clock import wall as wall_clock
+from schemas.bus.codec import error_reply
 from schemas.config import BusConfig
 from schemas.errors import ErrorCode, SpecbusError
 from services.runtime.auth import PermissionWatch, inbox_prefix
@@ -245,7 +245,7 @@ def header_block_size(headers: Mapping[str, str] | None) -> int:
 def expired(deadline: float, now: float | None = None, skew_s: float = 0.0) -> SpecbusError | None:
     """A `timeout` error naming "deadline" once the absolute deadline (wall_clock()) has passed
     by more than skew_s, else None: what a service answers work that came (or waited) too long.
-    skew_s: for a deadline another process set, MAX_CLOCK_SKEW_S (schemas/clock.py)."""
+    skew_s: for a deadline another process set, MAX_CLOCK_SKEW_S (schemas/bus/clock.py)."""
     late_s = (wall_clock() if now is None else now) - deadline
     if late_s < skew_s:
         return None

@@ -127,7 +127,7 @@ def test_new_request_ids_are_valid_and_distinct():
 
 
 def test_a_draft_is_sampled_unless_greedy_and_gumbel_rows_always_are():
-    """The drafter's rule (gpu_worker/roles/drafter_core.py), which the scheduler sizes draft
+    """The drafter's rule (gpu_worker/drafter/drafter_core.py), which the scheduler sizes draft
     answers by: a Gumbel-coupled row draws its drafts (by the target's noise) whatever its
     draft_mode, a temperature-0 row never does."""
     greedy, sampled = RowSampling(temperature=0.0), RowSampling(temperature=0.8, coupling="rejection")

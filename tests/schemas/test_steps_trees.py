@@ -11,7 +11,7 @@ import pytest
 from schemas import (Commit, CodecError, DraftRequest, DraftResponse, DraftResult, DraftRow, ErrorCode, Proposal, Usage,
                      VerifyRequest, VerifyResponse, VerifyResult, VerifyRow, decode, encode)
 from schemas.arrays import ROOT_PARENT
-from schemas.protocol import MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES
+from schemas.bus.protocol import MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES
 from schemas.steps import DraftTokens, chain_parents, tree_depths
 
 # Top-2 expansion two levels deep, then one more token under the first leaf (EAGLE's point-mass trees):

@@ -1,6 +1,6 @@
 """The `specbus` CLI as a user runs it: separate processes, real server, real signals.
 
-The full pipeline through the CLI (`up`, `generate`, `demo`) is in tests/system/test_pipeline.py.
+The full pipeline through the CLI (`up`, `generate`, `demo`) is in tests/system/pipeline/test_pipeline.py.
 """
 
 import asyncio
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from text.tokenizer import load_tokenizer
-from schemas.codec import decode
+from schemas.bus.codec import decode
 from schemas.config import DEFAULT_DRAFT, TINY_TARGET
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.errors import SpecbusError
 from schemas.streams import StreamChunk
-from schemas.subjects import Subjects
+from schemas.bus.subjects import Subjects
 from services.cli import build_generate_request, build_parser, serve_config, split_draft_text
 from services.launch.natsserver import NatsServerConfig
 from services.launch.processes import StackError

@@ -10,14 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from schemas.codec import decode, encode
+from schemas.bus.codec import decode, encode
 from schemas.config import BusConfig
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode
 from schemas.generation import CancelRequest, GenerateRequest, seed_from_request_id
 from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
-from schemas.subjects import Subjects
-from schemas.wire import Error
+from schemas.bus.subjects import Subjects
+from schemas.bus.wire import Error
 from services.client import (
     Client,
     GenerationResult,

@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from schemas.codec import decode
-from schemas.control import Heartbeat
+from schemas.bus.codec import decode
+from schemas.bus.control import Heartbeat
 from schemas.errors import ErrorCode
 from services.client import Overloaded, make_request
 from tests.tiny_checkpoints import VT

@@ -1,7 +1,7 @@
 """Models: `specbus models pull` / `list`, the GGUF conversion checked against transformers' own
 GGUF loading, chat templates rendered as transformers renders them, `generate --chat` through a
 real stack, and greedy k=4 == k=0 on the real pair in bf16 (on the tiny pair in both dtypes:
-tests/system/test_pipeline.py).
+tests/system/pipeline/test_pipeline.py).
 
 Tests marked real_model need SmolLM2 pulled (`specbus models pull`; `make test` runs it) and are
 skipped with the reason otherwise; the rest run on the tiny pair.
@@ -30,7 +30,7 @@ from schemas.errors import SpecbusError
 from schemas.generation import GenerateRequest
 from services.client import make_request
 from services.commands.models import GGUF_MEMBER, source_gguf
-from services.pipeline.admission import prompt_token_ids
+from services.scheduler.admission import prompt_token_ids
 from tests.tiny_checkpoints import add_chat_template
 
 TIMEOUT_S = 300.0
@@ -236,7 +236,7 @@ async def test_generate_chat_applies_the_template_and_equals_the_client(stack, c
 
 # ---------------------------------------------------------------------------------------------
 # greedy k=4 == k=0 on the real pair (the tiny pair's greedy identity in each dtype, k in {0, 1, 2,
-# 4, 8}, and that the dtype reaches the verifier: tests/system/test_pipeline.py's shared stack)
+# 4, 8}, and that the dtype reaches the verifier: tests/system/pipeline/test_pipeline.py's shared stack)
 
 
 @pytest.mark.real_model

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from schemas.codec import decode, encode
+from schemas.bus.codec import decode, encode
 from schemas.errors import ErrorCode
 from schemas.streams import StreamChunk
 from services.client import RequestError, make_request

@@ -1,5 +1,5 @@
 """The EAGLE head on the tiny target: inference (slot cache, chain) against the training forward,
-rollback, batch invariance, save/load; and ops/train_eagle.py: a few training steps on real
+rollback, batch invariance, save/load; and ops/train/train_eagle.py: a few training steps on real
 tiny-target features, and the speculative loop's lossless check (greedy == k=0)."""
 
 import json
@@ -14,7 +14,7 @@ from gpu_worker.runtime.eagle import (EagleConfig, build_head, draft_chain, draf
 from gpu_worker.runtime.tree_draft import DraftNode, preorder
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import ConfigError
-from ops.eagle_training import init_weights, save_head, unrolled_forward
+from ops.train.eagle_training import init_weights, save_head, unrolled_forward
 from schemas.arrays import ROOT_PARENT
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from schemas.steps import tree_depths

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from gpu_worker.roles.slots import resolve_dtype, resolve_weights
+from gpu_worker.batching.slots import resolve_dtype, resolve_weights
 from gpu_worker.runtime import linear_kernel
 from gpu_worker.runtime.checkpoint import load_model, read_config
 from gpu_worker.runtime.kv_cache import KVCache

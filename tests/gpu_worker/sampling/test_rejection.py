@@ -157,7 +157,7 @@ def assert_counts_match(tokens, probs, sigmas=4.5):
 
 def distributions(seed, filtered=False, masked=False):
     """Target and draft laws; masked: the target's logits restricted per position as a grammar
-    does (gpu_worker/roles/verifier_grammar.py, -inf outside the allowed tokens), the draft not."""
+    does (gpu_worker/verifier/verifier_grammar.py, -inf outside the allowed tokens), the draft not."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, K + 1, V, generator=gen) * 1.5
     if masked:

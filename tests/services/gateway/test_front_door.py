@@ -1,5 +1,5 @@
 """services/gateway/front_door.py's checks alone (the ASGI door and h11 against real sockets:
-tests/system/test_gateway_hardening.py)."""
+tests/system/api/test_gateway_hardening.py)."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """services/gateway/responses.py: StreamChunks as OpenAI choices, usage, logprobs and prompt
-logprobs in OpenAI's and vLLM's shapes (the HTTP side is tests/system/test_gateway.py)."""
+logprobs in OpenAI's and vLLM's shapes (the HTTP side is tests/system/api/test_gateway.py)."""
 
 import json
 

@@ -244,7 +244,7 @@ def test_a_cluster_node_refuses_a_route_without_the_password(tmp_path):
 
 
 def test_cluster_nodes_run_where_their_places_say(tmp_path):
-    """`places`: each node's host and the argv that runs it there (ops/netns.py gives `ip netns
+    """`places`: each node's host and the argv that runs it there (ops/faults/netns.py gives `ip netns
     exec <ns>`; `env` execs the binary the same way without root), so the pid is the server's
     and the nodes route to each other's hosts."""
     places = (("127.0.0.1", ("env",)), ("127.0.0.2", ("env", "SPECBUS_PLACE=second")))

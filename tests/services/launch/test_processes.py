@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from schemas.codec import encode
-from schemas.control import Heartbeat
+from schemas.bus.codec import encode
+from schemas.bus.control import Heartbeat
 from services.launch.health import HeartbeatWatch, wait_ready
 from services.launch.processes import (PARENT_PID_ENV, StackError, start_service_process, stop_in_order,
                                        stop_service_process)

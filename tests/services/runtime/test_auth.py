@@ -15,7 +15,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from schemas.codec import decode, encode
+from schemas.bus.codec import decode, encode
 from schemas.errors import SpecbusError
 from schemas.streams import StreamChunk
 from services.launch.natsserver import NatsServer, NatsServerConfig, find_nats_server_binary

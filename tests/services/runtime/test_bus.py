@@ -10,14 +10,14 @@ import nats
 import pytest
 from structlog.testing import capture_logs
 
-from schemas.clock import MAX_CLOCK_SKEW_S
-from schemas.codec import decode, decode_any, encode
+from schemas.bus.clock import MAX_CLOCK_SKEW_S
+from schemas.bus.codec import decode, decode_any, encode
 from schemas.config import BusConfig
-from schemas.control import Heartbeat
+from schemas.bus.control import Heartbeat
 from schemas.errors import ErrorCode
-from schemas.wire import Error
+from schemas.bus.wire import Error
 from services.launch.natsserver import NatsServer, NatsServerConfig
-from services.pipeline.placement import InstanceRegistry
+from services.scheduler.placement import InstanceRegistry
 from services.runtime.auth import PermissionDenied, generate_credentials, password_env, users_from_env
 from services.runtime.bus import (
     BusDeadlineExpired,

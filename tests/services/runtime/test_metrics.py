@@ -18,10 +18,10 @@ from schemas.errors import SpecbusError
 from services.client import Client, make_request
 from services.launch.processes import free_port
 from services.launch.stack import StackConfig
-from services.pipeline.drafter import run_drafter
-from services.pipeline.postprocessor import run_postprocessor
-from services.pipeline.scheduler import run_scheduler
-from services.pipeline.verifier import run_verifier
+from services.drafter.drafter import run_drafter
+from services.postprocessor.postprocessor import run_postprocessor
+from services.scheduler.scheduler import run_scheduler
+from services.verifier.verifier import run_verifier
 from services.runtime.metrics import LABELLED, Metrics, SchedulerMetrics, serve_metrics
 from tests.conftest import wait_for_heartbeats
 from tests.tiny_checkpoints import write_model_dirs

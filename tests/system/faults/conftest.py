@@ -4,7 +4,7 @@ random target with a noisy copy of itself as the draft, and NUM_REQUESTS prompts
 import pytest
 import torch
 
-from ops.train_models import read_text, source_files
+from ops.train.train_models import read_text, source_files
 from tests.tiny_checkpoints import copy_shipped_tokenizer, write_hf_model
 
 NUM_REQUESTS = 8

@@ -1,8 +1,8 @@
-"""The fault harness (ops/chaos.py) at a small size: a 3-node NATS cluster and every service in a
+"""The fault harness (ops/faults/chaos.py) at a small size: a 3-node NATS cluster and every service in a
 network namespace of its own, 16 concurrent streams of every workload kind (greedy, seeded
 samples, logprobs, a regex grammar, prefix-cache hits, the gateway's OpenAI API), the services'
 clocks seconds apart, and each fault of the nemesis but the rolling restart once, held
-HOLD_S. The checker (ops/chaos_check.py) holds the history to docs/PROTOCOL.md#guarantees-under-faults,
+HOLD_S. The checker (ops/faults/chaos_check.py) holds the history to docs/PROTOCOL.md#guarantees-under-faults,
 with no typed error allowed either: every admitted request identical to its fault-free run.
 `make chaos` runs the same for as long as asked, the rolling restart included.
 
@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from ops import netns
-from ops.chaos import FAULTS, chaos
+from ops.faults import netns
+from ops.faults.chaos import FAULTS, chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 

@@ -20,9 +20,9 @@ import time
 import pytest
 import pytest_asyncio
 
-from schemas.codec import decode
+from schemas.bus.codec import decode
 from schemas.generation import GenerateRequest
-from schemas.subjects import SCHEDULER_QUEUE_GROUP
+from schemas.bus.subjects import SCHEDULER_QUEUE_GROUP
 from services.client import make_request
 from services.launch.stack import Stack
 from services.launch.supervisor import RestartPolicy

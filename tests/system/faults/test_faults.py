@@ -36,7 +36,7 @@ from schemas.streams import StreamChunk
 from services.client import Client, ClientError, make_request
 from services.launch.natsserver import NatsServerConfig
 from services.launch.stack import Stack
-from tests.services.pipeline.scheduler_harness import beat, new_state, step, submit
+from tests.services.scheduler.scheduler_harness import beat, new_state, step, submit
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

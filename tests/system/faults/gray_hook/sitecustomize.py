@@ -1,4 +1,4 @@
-"""Test-only gray failure for the chaos harness (ops/chaos.py): a verifier or drafter that goes on
+"""Test-only gray failure for the chaos harness (ops/faults/chaos.py): a verifier or drafter that goes on
 heartbeating but never finishes a batch. Python imports `sitecustomize` at start-up from
 sys.path, so this runs only in a process whose PYTHONPATH holds this directory, which the
 harness gives the verifiers alone, together with SPECBUS_TEST_GRAY_DIR. Nothing shipped reads
@@ -7,7 +7,7 @@ either.
 While the file `<SPECBUS_TEST_GRAY_DIR>/<instance id>` exists, every batch that arrives is taken
 and never answered: the handler waits until the file is gone, then drops the batch without a
 reply (the scheduler has given up on it by then). Heartbeats, stats and everything else go on
-as usual. The handler is replaced on services.pipeline.model_service before its serving loop
+as usual. The handler is replaced on services.runtime.model_service before its serving loop
 looks it up; the instance id comes from the command line (`--instance-id`), read when a batch
 comes (sys.argv is not set yet while sitecustomize runs).
 """
@@ -28,9 +28,9 @@ def gray_file() -> Path:
 
 
 if GRAY_DIR:
-    import services.pipeline.model_service
+    import services.runtime.model_service
 
-    honest_handle_batch = services.pipeline.model_service.handle_batch
+    honest_handle_batch = services.runtime.model_service.handle_batch
 
     async def gray_handle_batch(owner, service, metrics, nc, lock, msg) -> None:
         if not gray_file().exists():
@@ -40,4 +40,4 @@ if GRAY_DIR:
         while gray_file().exists():
             await asyncio.sleep(POLL_S)
 
-    services.pipeline.model_service.handle_batch = gray_handle_batch
+    services.runtime.model_service.handle_batch = gray_handle_batch

@@ -1,1 +1,0 @@
-"""The roles' step logic: the verifier's and drafters' batch functions and their slot bookkeeping."""

@@ -1,0 +1,121 @@
+"""Which drafter a request drafts with: its SpeculativeOptions.draft_method against the drafters
+alive (docs/PROTOCOL.md#draft-methods). No NATS, no awaits: the scheduler's core
+(scheduler_core.py) calls `pin_drafter` where it pins a drafter (start, and recovery.py's
+replacement of a dead one) and `drafted` once a step whose drafts a drafter answered is verified.
+
+A drafter's method is its heartbeat's model_ids["draft_method"]: "ngram" (prompt lookup,
+gpu_worker/drafter/ngram.py), "eagle" (an EAGLE head over the target's features,
+gpu_worker/drafter/eagle_drafter.py) or "model" (also when absent: drafters from before the field). An
+eagle drafter fits only requests whose verifier serves the target it was trained for (its
+heartbeat's model_ids["target"] is the verifier's): it drafts from that target's features.
+
+- "model" / "ngram" / "eagle": only drafters of that method; none live: the request runs k=0
+  flagged draft_timeout, as without any drafter.
+- "suffix": no drafter (the scheduler's suffix index drafts, services/scheduler/drafts/suffix_choice.py).
+- "auto", measured per request: with one method live it uses that one. With several live it
+  tries each for TRIAL_STEPS answered steps, in METHODS order (cheapest first: ngram's slot
+  costs nothing to fill, an eagle head's one layer little), then keeps the method whose drafts
+  were accepted most per step (mean accepted draft tokens per answered step: a step where the
+  ngram drafter found no match counts as 0; a tie goes to the earlier method). The slot on the
+  drafter it leaves is released; the new one starts from the whole history (drafter_len 0, and
+  for an eagle drafter the features from position 0). Steps without an answer (draft_timeout,
+  resync) do not count. Once settled, a replaced drafter is of the chosen method when one is
+  live, else of another.
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from schemas.bus.control import Heartbeat
+
+TRIAL_STEPS = 8
+METHODS = ("ngram", "eagle", "model")  # "auto"'s trial order, and its order of preference on a tie
+
+
+def method_of(heartbeat: Heartbeat) -> str:
+    return heartbeat.model_ids.get("draft_method", "model")
+
+
+@dataclass
+class DraftTrial:
+    """An "auto" request's measurements: answered steps and accepted draft tokens per method."""
+
+    steps: Counter = field(default_factory=Counter)
+    accepted: Counter = field(default_factory=Counter)
+    settled: str | None = None  # the method chosen once every live one was tried
+
+    def rate(self, method: str) -> float:
+        return self.accepted[method] / self.steps[method] if self.steps[method] else 0.0
+
+    def best(self, methods: list[str]) -> str:
+        """The method of methods accepted most per step; a tie goes to the earlier in METHODS."""
+        return max(methods, key=lambda m: (self.rate(m), -METHODS.index(m)))
+
+    def wanted(self, live: list[str]) -> str | None:
+        """The method to use next, of the live ones: the settled one, else the first not tried for
+        TRIAL_STEPS, else the best; None when none is live."""
+        if self.settled in live:
+            return self.settled
+        untried = [m for m in live if self.steps[m] < TRIAL_STEPS]
+        return untried[0] if untried else (self.best(live) if live else None)
+
+
+def fits(state, request, method: str):
+    """The heartbeat filter of drafters of method that can draft for request: an eagle drafter
+    only for the target of the request's verifier."""
+    if method != "eagle":
+        return lambda beat: method_of(beat) == method
+    verifier = state.placement.registry.instances.get(request.verifier_id) if request.verifier_id else None
+    target = None if verifier is None else verifier.info.model_ids.get("target")
+    return lambda beat: method_of(beat) == "eagle" and target is not None and beat.model_ids.get("target") == target
+
+
+def pick_method(state, request, method: str) -> str | None:
+    """A live compatible drafter of `method` for request with room (Placement.pick), not counted
+    as pinned."""
+    return state.placement.pick("drafter", state.pinned_count, accept=fits(state, request, method))
+
+
+def live_methods(state, request) -> list[str]:
+    """The methods with a live compatible drafter for request, in METHODS order."""
+    return [m for m in METHODS if state.placement.compatible("drafter", accept=fits(state, request, m))]
+
+
+def pin_drafter(state, request) -> str | None:
+    """The drafter for a request (module docstring), counted as a pin; None when none fits.
+    state: the SchedulerState; request: its Request."""
+    method = request.speculative.draft_method
+    if method == "suffix":
+        return None
+    if method != "auto":
+        return state.placement.count_pin(pick_method(state, request, method))
+    wanted = request.draft_trial.wanted(live_methods(state, request))
+    others = [m for m in METHODS if m != wanted]
+    picked = next((d for m in [wanted, *others] if m is not None and (d := pick_method(state, request, m))), None)
+    return state.placement.count_pin(picked)
+
+
+def drafted(state, request, drafter_id: str, num_accepted: int) -> None:
+    """Count a verified step drafted by drafter_id for an "auto" request and move it to another
+    method when its trial says so (module docstring)."""
+    instance = state.placement.registry.instances.get(drafter_id)
+    if request.speculative.draft_method != "auto" or instance is None:
+        return
+    trial = request.draft_trial
+    current = method_of(instance.info)
+    trial.steps[current] += 1
+    trial.accepted[current] += num_accepted
+    live = live_methods(state, request)
+    if trial.settled is None and len(live) > 1 and all(trial.steps[m] >= TRIAL_STEPS for m in live):
+        trial.settled = trial.best(live)
+        state.counters[f"draft_method_chose_{trial.settled}"] += 1
+    wanted = trial.wanted(live)
+    if wanted is None or wanted == current or request.drafter_id != drafter_id:
+        return
+    new_id = pick_method(state, request, wanted)
+    if new_id is None:  # none live with room: stay, and ask again after the next step
+        return
+    state.releases.release(request.drafter_id, request.request_id)
+    request.drafter_id = state.placement.count_pin(new_id)
+    request.restart_drafter()
+    state.counters["draft_method_switches"] += 1
