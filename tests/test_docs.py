@@ -11,6 +11,7 @@
   client, gateway and `specbus models` never import torch;
 - tests/ mirrors the packages (docs/ARCHITECTURE.md#naming): each tests/<package>/.../test_<name>.py
   is the test of an existing module, and what is no module's test lives in tests/system/;
+- no folder holds more than MAX_FOLDER_MODULES modules (tests/ included);
 - the code (schemas/, text/, gpu_worker/, services/, ops/; not tests/) stays small: no module
   over MAX_MODULE_LINES lines, no class with more than MAX_CLASS_METHODS methods, no function
   over MAX_FUNCTION_LINES lines;
@@ -59,6 +60,7 @@ CODE = MIRRORED  # what the size and docstring checks read: everything but tests
 MAX_MODULE_LINES = 700
 MAX_CLASS_METHODS = 25  # the defs of the class body, properties included
 MAX_FUNCTION_LINES = 80  # from its `def` line to its last, docstring included
+MAX_FOLDER_MODULES = 12  # .py files in one folder, __init__.py included: past it, the folder wants rooms
 # A figure: a number or a range of them ("7", "0.5", "7-20") with a unit of time or a rate.
 NUMBER = r"\d+(?:[.,]\d+)?(?:\s*[-\u2013]\s*\d+(?:[.,]\d+)?)?"
 TIME_UNIT = r"(?:ns|\u00b5s|us|ms|s|secs?|seconds?|min|mins|minutes?|h|hours?)\b"
@@ -329,6 +331,16 @@ def test_modules_classes_and_functions_stay_small():
                     problems.append(f"{name}:{node.lineno}: {node.name}() is {lines} lines (at most {MAX_FUNCTION_LINES})")
     assert not problems, (
         "too large (split along the jobs it does, docs/ARCHITECTURE.md#naming):\n" + "\n".join(problems))
+
+
+def test_folders_stay_small():
+    """A folder a newcomer can read from the listing: at most MAX_FOLDER_MODULES modules, tests too."""
+    folders: dict[Path, int] = {}
+    for path in repo_files(".py"):
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    problems = [f"{folder.relative_to(ROOT)}/: {count} modules (at most {MAX_FOLDER_MODULES})"
+                for folder, count in sorted(folders.items()) if count > MAX_FOLDER_MODULES]
+    assert not problems, "folders to split into rooms (docs/ARCHITECTURE.md#layering):\n" + "\n".join(problems)
 
 
 def test_class_names_are_unique():
