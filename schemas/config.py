@@ -124,8 +124,8 @@ class SchedulerConfig(InstanceConfig):
     # and queued requests start only while the running ones' decode rows fill at most half of it
     # (step rows): under load, the inter-token latency the scheduler aims at. Lower trades
     # throughput for ITL, where a step's fixed costs (drafts, bus, commit) are a large part of it
-    # (ops/bench/RESULTS.md "Serving under load": 0.3 kept a 200-request burst's decoding rows
-    # within 3x of their ITL without it, at no cost in throughput on the CPUs measured).
+    # (ops/bench/RESULTS.md "Serving under load" has what 0.3 kept of a burst's decoding rows' ITL
+    # and the throughput it cost).
     target_step_s: float = 0.3
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
     # another's verification (services/scheduler/scheduler_core.py); 1: one step at a time. max_batch_rows and
