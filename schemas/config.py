@@ -263,7 +263,7 @@ class GatewayConfig(BusConfig):
     default_max_tokens: int = 256  # a chat request without max_tokens (completions: 16, as OpenAI)
     timeout_s: float = 600.0  # per request unless the body gives timeout_s
     health_timeout_s: float = 2.0  # for a scheduler to answer $SRV.PING
-    # Limits checked before any work (README.md, "OpenAI-compatible API"): the API key before the
+    # Limits checked before any work (docs/HTTP_API.md#limits): the API key before the
     # body is read, then the body's size and pace. A prompt of MAX_PROMPT_CHARS characters (the most
     # a GenerateRequest takes) is at most 6 MiB of JSON even with every character \u-escaped, so
     # the largest valid request fits max_body_bytes; larger is a 413 before it is read.
