@@ -1,6 +1,7 @@
 """The repository explains itself, and its explanations stay true:
 
 - the generated tables of docs/PROTOCOL.md are what schemas/ produces today;
+- README.md stays a five-minute read (at most MAX_README_LINES lines; the rest is in docs/);
 - every `*.md` a docstring or comment (Python or C++) names, every relative link of a markdown file (with its
   #anchor) and every repository path the README and docs/ name in code spans exists, and
   docs/ARCHITECTURE.md names every module of schemas/, text/, gpu_worker/ and services/;
@@ -61,6 +62,7 @@ MAX_MODULE_LINES = 700
 MAX_CLASS_METHODS = 25  # the defs of the class body, properties included
 MAX_FUNCTION_LINES = 80  # from its `def` line to its last, docstring included
 MAX_FOLDER_MODULES = 12  # .py files in one folder, __init__.py included: past it, the folder wants rooms
+MAX_README_LINES = 250  # a newcomer's five minutes; the rest lives in docs/
 # A figure: a number or a range of them ("7", "0.5", "7-20") with a unit of time, a rate or a share (%).
 NUMBER = r"\d+(?:[.,]\d+)?(?:\s*[-\u2013]\s*\d+(?:[.,]\d+)?)?"
 TIME_UNIT = r"(?:ns|\u00b5s|us|ms|s|secs?|seconds?|min|mins|minutes?|h|hours?)\b"
@@ -229,6 +231,12 @@ def test_every_relative_link_in_markdown_exists():
                 if problem:
                     problems.append(f"{path.relative_to(ROOT)}:{number}: {link}: {problem}")
     assert not problems, "dangling links:\n" + "\n".join(problems)
+
+
+def test_readme_is_a_five_minute_read():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, (f"README.md: {lines} lines (at most {MAX_README_LINES}): move the detail into "
+                                       f"docs/ (GUIDE, HTTP_API, OPERATIONS, PERFORMANCE, RUNTIME) and link it")
 
 
 def test_paths_named_in_docs_exist():
