@@ -17,9 +17,10 @@
   same whatever the batch, its chunks, the prefix cache or the drafts, greedy rows take their
   argmaxes, sampled rows the row's law with seeded draws at absolute positions; afterwards its
   slot holds cached_len + new + accepted tokens (the last emitted token is not in the cache yet);
-- a row that asks for the side channel gets one SideChannelRecord (logprobs, prompt logprobs,
-  masks); every row's final-normed hidden states are kept for feature-level drafters
-  (docs/PROTOCOL.md#feature-level-drafts), and nothing else reads them.
+- a row that wants the side channel gets one SideChannelRecord (logprobs, prompt logprobs,
+  masks) when it emits or completes its prompt; an earlier prefill chunk keeps its prompt
+  logprobs for the chunk that completes it. Every row's final-normed hidden states are kept for
+  feature-level drafters (docs/PROTOCOL.md#feature-level-drafts), and nothing else reads them.
 
 The stages, in order, each in its own module: per-row checks
 (verifier_rows.py `prepare_row`, with gpu_worker/batching/receiver_rule.py and prefix_cache.py),
