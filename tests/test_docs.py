@@ -435,6 +435,14 @@ def offences(rules: dict[str, str]) -> list[str]:
     return [f"{name}:{at}: {what}" for name, at, what in sorted(found)]
 
 
+def test_cpp_comments_are_read(tmp_path):
+    """The guards see a C++ file's comments (a run of // lines as one text), and not its strings."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text('int a = 1;  // first\n// second\nconst char* s = "// no comment";\n/* a block\n * 3 ms per call */\n')
+    assert cpp_comments(source) == [(1, " first\n second"), (4, "a block\n 3 ms per call")]
+    assert re.search(MEASURED_FIGURE["a time per operation"], cpp_comments(source)[1][1])
+
+
 def test_docstrings_and_comments_carry_no_measured_figures():
     problems = offences(MEASURED_FIGURE)
     assert not problems, ("measured figures in docstrings or comments (state the contract; figures go to "
