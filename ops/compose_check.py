@@ -1,5 +1,5 @@
 """`make compose-check`: the docker-compose stack run for real, as root on a Debian bookworm host
-with no image registry (README, "One service per process or container"). Steps, in order:
+with no image registry (docs/OPERATIONS.md#one-service-per-process-or-container). Steps, in order:
 
 1. apt-get installs what is missing (docker.io, docker-compose, debootstrap); dockerd is started
    when none answers.
@@ -263,7 +263,7 @@ def build_image(base: str, wheels_url: str | None, figures: dict) -> None:
 
 
 def ensure_env_file() -> dict[str, str]:
-    """.env as README says to make it (kept when it exists and is complete)."""
+    """.env as docs/OPERATIONS.md#one-service-per-process-or-container says to make it (kept when it exists and is complete)."""
     env = read_env_file(ENV_FILE) if ENV_FILE.exists() else {}
     python = [sys.executable, "-m"]
     if password_env("client") not in env:

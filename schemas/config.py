@@ -124,8 +124,8 @@ class SchedulerConfig(InstanceConfig):
     # and queued requests start only while the running ones' decode rows fill at most half of it
     # (step rows): under load, the inter-token latency the scheduler aims at. Lower trades
     # throughput for ITL, where a step's fixed costs (drafts, bus, commit) are a large part of it
-    # (ops/bench/RESULTS.md "Serving under load": 0.3 kept a 200-request burst's decoding rows
-    # within 3x of their ITL without it, at no cost in throughput on the CPUs measured).
+    # (ops/bench/RESULTS.md "Serving under load" has what 0.3 kept of a burst's decoding rows' ITL
+    # and the throughput it cost).
     target_step_s: float = 0.3
     # Step loops, each with its own share of the running requests, so one lane's drafting overlaps
     # another's verification (services/scheduler/scheduler_core.py); 1: one step at a time. max_batch_rows and
@@ -263,7 +263,7 @@ class GatewayConfig(BusConfig):
     default_max_tokens: int = 256  # a chat request without max_tokens (completions: 16, as OpenAI)
     timeout_s: float = 600.0  # per request unless the body gives timeout_s
     health_timeout_s: float = 2.0  # for a scheduler to answer $SRV.PING
-    # Limits checked before any work (README.md, "OpenAI-compatible API"): the API key before the
+    # Limits checked before any work (docs/HTTP_API.md#limits): the API key before the
     # body is read, then the body's size and pace. A prompt of MAX_PROMPT_CHARS characters (the most
     # a GenerateRequest takes) is at most 6 MiB of JSON even with every character \u-escaped, so
     # the largest valid request fits max_body_bytes; larger is a 413 before it is read.

@@ -1,7 +1,8 @@
 """The repository explains itself, and its explanations stay true:
 
 - the generated tables of docs/PROTOCOL.md are what schemas/ produces today;
-- every `*.md` a docstring or comment names, every relative link of a markdown file (with its
+- README.md stays a five-minute read (at most MAX_README_LINES lines; the rest is in docs/);
+- every `*.md` a docstring or comment (Python or C++) names, every relative link of a markdown file (with its
   #anchor) and every repository path the README and docs/ name in code spans exists, and
   docs/ARCHITECTURE.md names every module of schemas/, text/, gpu_worker/ and services/;
 - the layering of docs/ARCHITECTURE.md holds: schemas <- text <- gpu_worker <- services <- ops,
@@ -15,7 +16,7 @@
 - the code (schemas/, text/, gpu_worker/, services/, ops/; not tests/) stays small: no module
   over MAX_MODULE_LINES lines, no class with more than MAX_CLASS_METHODS methods, no function
   over MAX_FUNCTION_LINES lines;
-- its docstrings and comments state contracts, not measurements or history: no measured figure
+- its docstrings and comments (C++ ones too) state contracts, not measurements or history: no measured figure
   (MEASURED_FIGURE below says which) and no issue or session number. Figures live in
   ops/bench/RESULTS.md, history in git.
 
@@ -61,24 +62,34 @@ MAX_MODULE_LINES = 700
 MAX_CLASS_METHODS = 25  # the defs of the class body, properties included
 MAX_FUNCTION_LINES = 80  # from its `def` line to its last, docstring included
 MAX_FOLDER_MODULES = 12  # .py files in one folder, __init__.py included: past it, the folder wants rooms
-# A figure: a number or a range of them ("7", "0.5", "7-20") with a unit of time or a rate.
+MAX_README_LINES = 250  # a newcomer's five minutes; the rest lives in docs/
+# A figure: a number or a range of them ("7", "0.5", "7-20") with a unit of time, a rate or a share (%).
 NUMBER = r"\d+(?:[.,]\d+)?(?:\s*[-\u2013]\s*\d+(?:[.,]\d+)?)?"
 TIME_UNIT = r"(?:ns|\u00b5s|us|ms|s|secs?|seconds?|min|mins|minutes?|h|hours?)\b"
 RATE = r"(?:(?:tokens?|tok|steps?|it|req|requests?|calls?)\s*/\s*s\b|(?:tokens?|steps?|requests?) (?:per|a) second)"
 MEMORY_UNIT = r"(?:[KMGT]i?B|bytes)\b"
+PERCENT_SIGN = r"(?:%|per ?cent\b)"
+PERCENT = rf"{NUMBER}\s*{PERCENT_SIGN}"
 # What makes a figure a measurement rather than a contract. A default, a timeout or a bound
 # ("a 10 s default", "timeout_s (seconds)", "after 0.5 s, doubling up to 30 s") is a contract
 # and passes; these are how measurements read:
 MEASURED_FIGURE = {
-    "an approximate figure": rf"(?:~|\u2248|\babout |\baround |\broughly |\bnearly )\s*{NUMBER}\s*(?:{TIME_UNIT}|{RATE})",
+    "an approximate figure": rf"(?:~|\u2248|\babout |\baround |\broughly |\bnearly )\s*{NUMBER}\s*"
+                             rf"(?:{TIME_UNIT}|{RATE}|{PERCENT_SIGN})",
     "a time per operation": rf"{NUMBER}\s*{TIME_UNIT}\s+(?:per|a|an|each)\s+(?:call|step|token|forward|request|row|batch|"
                             r"run|draft|verify|position|iteration)s?\b",
     "a rate": rf"{NUMBER}\s*{RATE}",
     "figures compared": rf"{NUMBER}\s*{TIME_UNIT}\s+(?:against|instead of|vs\.?|versus|than)\s+{NUMBER}",
     "a figure of a machine or setting": rf"{NUMBER}\s*{TIME_UNIT}\s+(?:at|on|with)\s+(?:\d|[A-Za-z_]+\s*=\s*\d|this "
                                         r"(?:CPU|machine)|a (?:shared|busy|loaded))",
-    "a measured figure": rf"\bmeasured\b[^.;]{{0,80}}?{NUMBER}\s*(?:{TIME_UNIT}|{RATE}|{MEMORY_UNIT})",
+    "a measured figure": rf"\bmeasured\b[^.;]{{0,80}}?(?:{NUMBER}\s*(?:{TIME_UNIT}|{RATE}|{MEMORY_UNIT})|{PERCENT})",
+    # A share is a contract when it is a setting ("10% of the budget"), a measurement when it
+    # compares: "25% more than", "(10% slower)", "25-30% less".
+    "a percentage compared": rf"{PERCENT}\s+(?:more|less|fewer|faster|slower|quicker|higher|lower|better|worse|"
+                             r"cheaper|above|below|over|under|than|of (?:a|the|one) \w+ (?:step|forward|call|run))\b",
     "a speed-up": rf"{NUMBER}\s*[x\u00d7]\s+(?:faster|slower|speed-?up)",
+    "a ratio": rf"{NUMBER}[x\u00d7]\s+(?:too|more|less|fewer|larger|smaller|of (?:the|its|their|a)|on|at|against|than|"
+               r"over)\b",
 }
 HISTORY = {"an issue number": r"\bissues?\s+#?\d+", "a session number": r"\bsessions?\s+#?\d+"}
 TORCH_FREE = ("schemas", "text.tokenizer", "text.token_bytes", "text.chat_template", "schemas.doc_tables", "services.scheduler.scheduler", "services.postprocessor.postprocessor", "services.client",
@@ -107,6 +118,49 @@ def docs_and_comments(path: Path) -> list[tuple[int, str]]:
                     and isinstance(first.value.value, str):
                 texts.append((first.lineno, first.value.value))
     return texts
+
+
+def cpp_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment in a C++ file: a run of `//` lines is one text (markers
+    dropped, lines kept), a `/* */` block another; string and character literals are skipped."""
+    source, texts, i, line = path.read_text(), [], 0, 1
+    last_line_comment = None  # [first line, text, line it ended on] of the run of // comments
+    while i < len(source):
+        char = source[i]
+        if source.startswith("//", i):
+            end = source.find("\n", i)
+            end = len(source) if end < 0 else end
+            if last_line_comment and last_line_comment[2] == line - 1:
+                last_line_comment[1] += "\n" + source[i + 2:end]
+                last_line_comment[2] = line
+            else:
+                last_line_comment = [line, source[i + 2:end], line]
+                texts.append(last_line_comment)
+            i = end
+        elif source.startswith("/*", i):
+            end = source.find("*/", i + 2)
+            end = len(source) if end < 0 else end
+            block = source[i + 2:end]
+            texts.append([line, "\n".join(part.strip().lstrip("*") for part in block.split("\n")), None])
+            line += block.count("\n")
+            i = end + 2
+        elif char in "\"'":
+            end = i + 1
+            while end < len(source) and source[end] != char and source[end] != "\n":
+                end += 2 if source[end] == "\\" else 1
+            i = end + 1
+        else:
+            line += char == "\n"
+            i += 1
+    return [(first, text) for first, text, _ in texts]
+
+
+CPP_SUFFIXES = (".cpp", ".h")
+
+
+def comment_texts(path: Path) -> list[tuple[int, str]]:
+    """The docstrings and comments of a Python or C++ file."""
+    return cpp_comments(path) if path.suffix in CPP_SUFFIXES else docs_and_comments(path)
 
 
 def slug(heading: str) -> str:
@@ -150,8 +204,8 @@ def test_protocol_tables_match_the_schemas():
 
 def test_every_md_named_in_python_exists():
     problems = []
-    for path in repo_files(".py"):
-        for line, text in docs_and_comments(path):
+    for path in [*repo_files(".py"), *(path for suffix in CPP_SUFFIXES for path in repo_files(suffix))]:
+        for line, text in comment_texts(path):
             text = URL.sub(lambda url: " " * len(url.group()), text)  # same offsets, for line numbers
             for match in MD_NAME.finditer(text):
                 problem = check_reference(path, match.group(1), (match.group(2) or "#")[1:] or None)
@@ -177,6 +231,12 @@ def test_every_relative_link_in_markdown_exists():
                 if problem:
                     problems.append(f"{path.relative_to(ROOT)}:{number}: {link}: {problem}")
     assert not problems, "dangling links:\n" + "\n".join(problems)
+
+
+def test_readme_is_a_five_minute_read():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, (f"README.md: {lines} lines (at most {MAX_README_LINES}): move the detail into "
+                                       f"docs/ (GUIDE, HTTP_API, OPERATIONS, PERFORMANCE, RUNTIME) and link it")
 
 
 def test_paths_named_in_docs_exist():
@@ -308,8 +368,8 @@ def test_tests_mirror_the_packages():
     assert not problems, "test modules that mirror no module (move them, or to tests/system/):\n" + "\n".join(problems)
 
 
-def code_files() -> list[Path]:
-    return [path for path in repo_files(".py") if path.relative_to(ROOT).parts[0] in CODE]
+def code_files(suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
+    return [path for suffix in suffixes for path in repo_files(suffix) if path.relative_to(ROOT).parts[0] in CODE]
 
 
 def test_modules_classes_and_functions_stay_small():
@@ -355,12 +415,12 @@ def test_class_names_are_unique():
 
 
 def offences(rules: dict[str, str]) -> list[str]:
-    """file:line: what: 'the words', for every stretch of a docstring or comment of the code that
-    a rule matches (overlapping matches of several rules are one stretch, named by each)."""
+    """file:line: what: 'the words', for every stretch of a docstring or comment of the code (its
+    Python and C++ files) that a rule matches (overlapping matches of several rules are one stretch, named by each)."""
     patterns = {what: re.compile(rule, re.IGNORECASE) for what, rule in rules.items()}
     found = []
-    for path in code_files():
-        for line, text in docs_and_comments(path):
+    for path in code_files((".py", *CPP_SUFFIXES)):
+        for line, text in comment_texts(path):
             spans = sorted((match.start(), match.end(), what) for what, pattern in patterns.items()
                            for match in pattern.finditer(text))
             merged: list[list] = []  # [start, end, whats]
@@ -373,6 +433,14 @@ def offences(rules: dict[str, str]) -> list[str]:
             found += [(path.relative_to(ROOT), line + text[:start].count("\n"),
                        f"{', '.join(whats)}: {' '.join(text[start:end].split())!r}") for start, end, whats in merged]
     return [f"{name}:{at}: {what}" for name, at, what in sorted(found)]
+
+
+def test_cpp_comments_are_read(tmp_path):
+    """The guards see a C++ file's comments (a run of // lines as one text), and not its strings."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text('int a = 1;  // first\n// second\nconst char* s = "// no comment";\n/* a block\n * 3 ms per call */\n')
+    assert cpp_comments(source) == [(1, " first\n second"), (4, "a block\n 3 ms per call")]
+    assert re.search(MEASURED_FIGURE["a time per operation"], cpp_comments(source)[1][1])
 
 
 def test_docstrings_and_comments_carry_no_measured_figures():

@@ -70,7 +70,7 @@ def resolve_dtype(name: str, device: str, blocks_dir: str | None = None, weights
     serves on this device: the published weights as stored, bit for bit the float32 model, at a
     fifth of its bytes (bfloat16 would round them, a changed model); float32 for weights "int8"
     and "int8dot" (their blocks take float32 activations); else bfloat16 on CUDA and on CPUs with native bf16 (a
-    verify of 5 tokens then costs about one fp32 decode step), else float32."""
+    verify of a few tokens then costs what an fp32 decode step does: ops/bench/RESULTS.md), else float32."""
     if name == "auto":
         if blocks_dir is not None and serves_blocks(blocks_dir, torch.float32, device) or weights in ("int8", "int8dot"):
             return torch.float32

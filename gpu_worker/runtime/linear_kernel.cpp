@@ -66,7 +66,7 @@ static inline const T* chunk(const T* w, int64_t K, int i, int64_t k) {
 // asks for `next`'s NB rows of w (the block this thread takes next, or nullptr), so that memory
 // streams weights while the multiply-adds run: a one-pass block of 5 rows is far from the memory
 // bandwidth on its own. Not in a block of one float32 row of x: there the hardware prefetchers
-// keep up alone, and requests of ours only compete with theirs (measured: 10% slower).
+// keep up alone, and requests of ours only compete with theirs (slower: ops/bench/RESULTS.md).
 template <typename T, bool PAIRED, int NB, int MB>
 static inline __attribute__((always_inline)) void block(const Args<T>& a, const T* w, int64_t n0, int64_t m0,
                                                         const T* next) {
@@ -506,8 +506,9 @@ static void quant_buffered_avx512(const Args<float>& a, const QuantRows& q, int6
 // zeroed C, then + b[n], then residual + that, rounded once to bfloat16. How the hardware adds a
 // chunk's 32 products is its own (not a chain of FMAs: measured), so the bits are not the AVX
 // code's; they are the same at every row count and thread count, which is what the forward's
-// identities need (and the bits of each CPU kind are its own: docs/PROTOCOL.md). Why: a 16-row
-// verify costs about what a one-row step does, 16 x 16 x 32 multiply-adds an instruction.
+// identities need (and the bits of each CPU kind are its own: docs/PROTOCOL.md). Why: 16 x 16 x
+// 32 multiply-adds an instruction, so a 16-row verify reads the weights once at tile speed
+// (figures: ops/bench/RESULTS.md, "bfloat16 on AMX tiles").
 using BF = at::BFloat16;
 static bool cpu_has_amx() {  // CPUID.(7, 0):EDX bit 24 AMX-TILE, bit 22 AMX-BF16
   unsigned a, b, c, d;

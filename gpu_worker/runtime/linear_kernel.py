@@ -4,8 +4,8 @@ output, whatever the number of rows (linear_kernel.cpp says the order), compiled
 Why our own: a row's bits must not depend on how many rows share the call (a decode step's one
 row, a verify step's k+1, a prefill chunk's hundreds), and no CPU library promises that: MKL
 picks its kernel and split by the row count, oneDNN's packed GEMM is row-invariant where it
-serves the dtype but costs ~25% more than a GEMV at one row with the weights cold (as in a
-forward), and emulates bfloat16 slowly without AVX512-BF16. This kernel streams each weight row
+serves the dtype but costs more than a GEMV at one row with the weights cold (as in a forward;
+figures: ops/bench/RESULTS.md, "Figures behind gpu_worker's choices"), and emulates bfloat16 slowly without AVX512-BF16. This kernel streams each weight row
 from memory once for up to 12 rows of x, prefetching the next block while it multiplies, so a
 one-row step costs what a GEMV does and a verify step of k+1 rows little more; `model.pack_weight`
 stores weights with rows paired (`model.pair_rows`) so that a block is a few sequential streams. It needs AVX2 and FMA (both CPU kinds this project runs on have them, and the same code,

@@ -300,8 +300,8 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     of rows (a GEMV at one row, other kernels and thread splits at a few rows), each summing over
     `in` in its own order, so a row's bits depend on how many rows share the call. oneDNN's
     kernel for a packed weight is one blocked GEMM for every row count (packed for 4 rows: a
-    layout packed for one row sends one-row calls to a GEMV of oneDNN's own), at ~25% more than
-    a GEMV at one row with the weights cold; our kernel costs a GEMV's at one row. Its bfloat16
+    layout packed for one row sends one-row calls to a GEMV of oneDNN's own), dearer than a GEMV
+    at one row with the weights cold; our kernel costs a GEMV's (ops/bench/RESULTS.md). Its bfloat16
     GEMM does not keep that on an AMX CPU (it picks a kernel by the row count), so bfloat16 goes
     through its float32 one (twice the weights' bytes, on a fallback). A GPU needs
     batch-invariant matmul kernels instead (a fixed tile configuration, no split-K chosen from

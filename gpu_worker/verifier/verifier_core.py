@@ -1,63 +1,33 @@
 """The verifier's step, NATS-free: one VerifyRequest against the target model and its KV cache.
 
 `load_verifier(config) -> Verifier`; `verify_batch(verifier, request) -> (VerifyResponse,
-[(postprocessor_id, SideChannelRecord)])`. In order (docs/PROTOCOL.md#receiver-rule-and-resync),
-each step in the module that does it:
+[(postprocessor_id, SideChannelRecord)])`. The contract:
 
-1. free the slots `request.release` names (idle slots: gpu_worker/batching/slots.py `evict_idle`, called
-   by the service);
-2. per row (gpu_worker/verifier/verifier_rows.py `prepare_row`): a row with the (request_id, step) of
-   the stored answer is a retry and gets that answer and side record again. Otherwise the row is
-   checked (token ids inside the vocabulary, proposal, room in the slot) and the receiver rule
-   applied (gpu_worker/batching/receiver_rule.py): an unknown request with cached_len > 0, or a slot
-   holding fewer than cached_len tokens, answers need_resync; else the slot is truncated to
-   cached_len. KV memory (gpu_worker/runtime/kv_cache.py): a new request is admitted with room for
-   its prompt, a running one grows as it needs; either failing is an `overloaded` row error (a
-   running request's slot is then freed). A row that fails gets its own `error`; the other rows
-   go on;
-   Then the prefix cache (gpu_worker/batching/prefix_cache.py) gives what it holds of the row's new
-   tokens, copied into its slot (`take_hit`; the result's cached_tokens), and released slots are
-   kept there;
-3. feed new_token_ids (those the prefix cache did not give) then the draft tokens through the target, in chunks of prefill_chunk
-   tokens (gpu_worker/verifier/verifier_forwards.py `run_forwards`). Chunks of similar length share
-   one padded forward; a short decode chunk never pads up to a long prefill chunk: a forward's
-   cost is a fixed part per call plus a part per token, so beyond FREE_PADDING_TOKENS the padding
-   costs more than another call (see ops/bench/RESULTS.md, Figures behind gpu_worker's choices).
-   `logits_index` asks only for the positions needed: the last k+1 (last new token, each draft)
-   of emitting rows, and prompt positions when prompt logprobs are asked. Tree rows (a decode
-   step whose drafts have `parents`: the root, its one new token, then the nodes) go through
-   `tree_forward` instead, rows of similar size together (gpu_worker/verifier/verifier_trees.py
-   `run_trees`): every column's logits and hidden states those of decoding its path;
-4. emitting rows, batched (gpu_worker/verifier/verifier_drafts.py `verify_each`): logit_bias and
-   penalties (`penalise`: verified position t counts the request's output then drafts 0..t-1,
-   the history the target's distribution there is conditioned on; the output comes from the
-   tokens the slot holds, which the receiver rule keeps equal to the scheduler's history, so a
-   resync or a migration rebuilds it with the cache), target distributions and samples (`sample`,
-   row params, uniforms STREAM_TARGET at the absolute position each sampled token would occupy),
-   proposal -> draft_probs, `rejection_sample` (STREAM_ACCEPT / STREAM_RESIDUAL at the draft
-   positions; greedy rows take the argmax path and use no uniform; a batch of greedy rows
-   computes nothing but the argmaxes), then the slot is trimmed to
-   cached_len + len(new) + num_accepted: the last emitted token is not in the cache yet.
-   Tree rows, batched apart (verifier_trees.py `verify_trees`): the same with each column's
-   penalties over the output then its path, draws at the node's position (root + depth), and
-   `tree_rejection_sample`; `keep_tree_path` then keeps the root and the accepted path (K/V,
-   ids, features) and drops the other nodes;
-5. logprobs of the emitted tokens (with the K the sampler used), prompt logprobs (the logprob
-   of prompt token j given tokens < j, for j = 1..prompt_len-1, computed chunk by chunk and
-   kept in the request's state until the row that completes the prompt) and sampling masks
-   become one SideChannelRecord per row that wants the side channel
-   (gpu_worker/verifier/verifier_side_channel.py);
-6. target features (docs/PROTOCOL.md#feature-level-drafts, gpu_worker/verifier/verifier_features.py):
-   every forward also returns the final-normed hidden states of every position it computes
-   (`forward(return_hidden=True)`), and each row's are kept, as bf16, in its slot's feature
-   buffer (`store_features`), whether the row asked or not (a request whose drafter changes to
-   an eagle one later needs the positions computed before). A row with features_from gets the
-   block of positions features_from .. its committed length - 1 from the buffer
-   (`feature_block`, at most MAX_FEATURE_BLOCK_BYTES: the scheduler asks the rest next step).
-   Nothing else reads them: tokens and logprobs are the same with and without.
+- the slots `request.release` names are freed first; then every row gets exactly one
+  VerifyResult, in order. A row that fails (a bad token id or proposal, no room in its slot, KV
+  memory that cannot hold it: `overloaded`, a running request's slot then freed) gets its own
+  `error`, and the other rows go on;
+- a row whose (request_id, step) is the stored answer's is a retry: it gets that answer and side
+  record again, and nothing runs twice;
+- the receiver rule (docs/PROTOCOL.md#receiver-rule-and-resync): an unknown request with
+  cached_len > 0, or a slot holding fewer than cached_len tokens, answers need_resync; else the
+  slot is truncated to cached_len before the row runs;
+- an emitting row's tokens follow the speculative-decoding contract
+  (docs/PROTOCOL.md#speculative-decoding-contract): the target's logits at each position are the
+  same whatever the batch, its chunks, the prefix cache or the drafts, greedy rows take their
+  argmaxes, sampled rows the row's law with seeded draws at absolute positions; afterwards its
+  slot holds cached_len + new + accepted tokens (the last emitted token is not in the cache yet);
+- a row that wants the side channel gets one SideChannelRecord (logprobs, prompt logprobs,
+  masks) when it emits or completes its prompt; an earlier prefill chunk keeps its prompt
+  logprobs for the chunk that completes it. Every row's final-normed hidden states are kept for
+  feature-level drafters (docs/PROTOCOL.md#feature-level-drafts), and nothing else reads them.
 
-The state these steps share (`Verifier`, `VerifierSlot`, `VerifyRowWork`, `Verified`) is
-gpu_worker/verifier/verifier_state.py's.
+The stages, in order, each in its own module: per-row checks
+(verifier_rows.py `prepare_row`, with gpu_worker/batching/receiver_rule.py and prefix_cache.py),
+forwards (verifier_forwards.py `run_forwards`, tree rows verifier_trees.py `run_trees`),
+acceptance (verifier_drafts.py `verify_each`, verifier_trees.py `verify_trees`), side records
+(verifier_side_channel.py) and features (verifier_features.py). The state they share
+(`Verifier`, `VerifierSlot`, `VerifyRowWork`, `Verified`) is gpu_worker/verifier/verifier_state.py's.
 """
 
 from __future__ import annotations

@@ -372,8 +372,8 @@ def start_draft(target: Path, resume: bool):
 def calibrate_norm(draft, examples: list[dict], t2d: torch.Tensor, other_id: int) -> None:
     """Scale the final norm's weight by the factor in NORM_SCALES with the lowest loss on a few
     answers. The target's final norm is made for the residual stream after 30 layers; after two,
-    it gives logits about 4x too large (cross-entropy ~16 nats at 1.0, ~7 at 0.25), and Adam would
-    need thousands of steps of lr-sized moves to shrink 576 norm weights that far."""
+    it gives logits several times too large (the losses per scale: models/README.md), and Adam
+    would need thousands of steps of lr-sized moves to shrink 576 norm weights that far."""
     inputs, rows, cols, labels, _ = batch_tensors(examples, t2d, other_id, "cpu")
     hidden = draft.model(input_ids=inputs).last_hidden_state[rows, cols]
     losses = {scale: F.cross_entropy(draft.lm_head(hidden * scale), labels).item() for scale in NORM_SCALES}

@@ -6,8 +6,8 @@
 Steps, each a subcommand (`all` runs them in order):
 1. `tokenizer`: a byte-level BPE (vocabulary 4096) trained on the Python standard library's own
    source files (present on every machine with Python; `test`/`tests` directories and
-   site-packages are left out). About 5% of the files, chosen by a hash of their path, are held out
-   for evaluation and never trained on.
+   site-packages are left out). One file in 20, chosen by a hash of its path (`_held_out`), is held
+   out for evaluation and never trained on.
 2. `target`: a Llama-architecture decoder trained from scratch on the training files (next-token
    cross-entropy, AdamW, warmup then cosine decay). Checkpoints (model + optimizer) go to
    `.train/` every few minutes, so `--resume` continues an interrupted run; the HF-layout export

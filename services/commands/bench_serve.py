@@ -19,8 +19,8 @@ Every request runs under --request-timeout: one that errors, is refused (429, 50
 is counted as failed with its reason (HTTP status, OpenAI error type/code) and the run goes on.
 As each request completes, a line on stderr gives its output tokens and tokens/s, the run's output
 rate so far and an ETA for the rest at that rate (--quiet: none). ShareGPT's own reply lengths,
-the default, are long for a CPU-served model: README.md ("Load-testing the API") says what they
-cost.
+the default, are long for a CPU-served model: docs/PERFORMANCE.md#load-testing-the-api says what
+they cost.
 Statistics: services/commands/bench_serve_core.py. `--multi-turn` (conversations turn by turn,
 TTFT by turn) and `--overload N` (N at once: completed / 429 / errors) are
 services/commands/bench_turns.py's.
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--sharegpt-output-len", type=int, metavar="N",
                       help="ask every ShareGPT request for N tokens (default: its reply's length, often hundreds "
                            "of tokens: on a CPU each such request takes minutes with the default pair, so a quick "
-                           "run passes e.g. 64; README.md, 'Load-testing the API')")
+                           "run passes e.g. 64; docs/PERFORMANCE.md, 'Load-testing the API')")
     data.add_argument("--random-input-len", type=int, default=1024, metavar="N", help="prompt tokens (default 1024)")
     data.add_argument("--random-output-len", type=int, default=128, metavar="N", help="output tokens (default 128)")
     data.add_argument("--tokenizer", metavar="DIR",
@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--seed", type=int, default=0, help="for sampling the prompts and the arrival times (default 0)")
     load.add_argument("--temperature", type=float, default=0.0, help="sent with each request (default 0: greedy)")
     load.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
-                      help="more body fields, e.g. '{\"num_speculative_tokens\": 4}' (specbus's are in README.md)")
+                      help="more body fields, e.g. '{\"num_speculative_tokens\": 4}' (specbus's are in docs/HTTP_API.md)")
     load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                       help="do not send ignore_eos: true (outputs may then stop before max_tokens)")
     load.add_argument("--num-warmups", type=int, default=0, metavar="N",

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP gateway: `specbus serve gateway` (README.md, "OpenAI-compatible API").
+"""The OpenAI-compatible HTTP gateway: `specbus serve gateway` (docs/HTTP_API.md#openai-compatible-api).
 
     GET  /v1/models             the target (with the draft as an extra field)
     GET  /v1/models/{id}        that entry (the SDK's models.retrieve)

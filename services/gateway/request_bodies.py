@@ -5,7 +5,7 @@ Bodies are pydantic models (FastAPI validates them): an unknown field is refused
 rather than silently ignored, and types are strict, as OpenAI's own server takes them: a number
 given as a string (`"max_tokens": "8"`), a bool as 0/1 or a string for a number is refused naming
 the field, never coerced (an integer is taken where a float is asked). Besides the OpenAI fields,
-every body takes specbus's own (documented in README.md, "OpenAI-compatible API"): top_k, min_p,
+every body takes specbus's own (documented in docs/HTTP_API.md#specbuss-own-fields-and-usage): top_k, min_p,
 ignore_eos, stop_token_ids, num_speculative_tokens, draft_mode, draft_method, logprobs_mode,
 sampling_mask, timeout_s, vLLM's prompt_logprobs and structured_outputs (json, regex, choice,
 grammar, json_object). OpenAI's response_format (json_object, json_schema) is taken on both

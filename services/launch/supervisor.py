@@ -5,7 +5,7 @@
 A service process that exits while the stack runs (a crash, an OOM kill, a SIGKILL, or a clean
 exit nobody asked for) is replaced by a fresh process of the same role with a new instance id
 (`drafter-0` -> `drafter-1`; a gateway keeps its HTTP port): the scheduler sees a new instance
-appear by its heartbeat and the old one fall silent, which is exactly the fallback path of the README's guarantees table
+appear by its heartbeat and the old one fall silent, which is exactly the fallback path of docs/OPERATIONS.md#guarantees
 (resync from the history, migration, postprocessor replay). A new id, not the old one, so a
 restarted instance is never mistaken for the one whose state died with it.
 

@@ -60,8 +60,8 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "for histories that start the same, per client user, with the same output bits)")
     for role in ("verifier", "drafter"):
         parser.add_argument(f"--{role}-threads", type=int, default=0, metavar="N",
-                            help=f"torch threads per {role} (default 0: from the machine's cores, see README "
-                                 f"'Threads per role')")
+                            help=f"torch threads per {role} (default 0: from the machine's cores, see "
+                                 f"docs/PERFORMANCE.md, 'Threads and memory')")
     for role in ROLES:
         parser.add_argument(f"--{role}s", type=int, default=1, metavar="N", help=f"{role} processes (default 1)")
     parser.add_argument("--log-dir", default=None, help="keep each service's log here (default: a temp dir)")

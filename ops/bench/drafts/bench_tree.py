@@ -18,7 +18,8 @@ of as many nodes: the root's topk children, theirs, ...) after a 128-token conte
 `forward` of one token: the verify's share of a step.
 
 Predicted speed against k=0: tokens per step / verify cost, the draft's time left out (a head
-step, ops/bench/RESULTS.md: about 8% of a target step per drafted depth). Beside each tree's
+step per drafted depth; its cost against a target step: ops/bench/RESULTS.md, "What a head step
+costs"). Beside each tree's
 cost, a chain of as many positions: what the tree's attention adds.
 
 Prompt lookup (`--drafter ngram`): the input-grounded held-out turns of ops/bench/drafts/bench_ngram.py,

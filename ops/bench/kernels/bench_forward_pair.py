@@ -1,6 +1,7 @@
 """This tree's `gpu_worker.runtime.model.forward` against another git revision's, paired in one process.
 
-Runs in separate processes minutes apart swing by up to 1.5x on a shared machine, so the figure
+Runs in separate processes minutes apart swing widely on a shared machine (ops/bench/RESULTS.md,
+"Batch-invariant forward"), so the figure
 to read is a paired one: both versions' models loaded in this process, `bench_forward.bench`
 rounds alternating between them (process CPU time), the median of the per-round ratios
 this/other per T. The other revision's `gpu_worker` and `schemas` are extracted with

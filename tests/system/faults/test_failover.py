@@ -215,8 +215,8 @@ async def test_a_restarted_nats_server_loses_no_stream(stack, client, prompts, t
     server dropped meanwhile is recovered by the client's failover (every scheduler's heartbeats
     stopped with it) and the schedulers' fallbacks: every stream whole and unchanged. Greedy
     streams only: a draft reply lost in the restart makes that step run without drafts
-    (`draft_timeout`), which changes which seeded draws a sampled stream uses (README,
-    Guarantees, first row)."""
+    (`draft_timeout`), which changes which seeded draws a sampled stream uses
+    (docs/OPERATIONS.md#guarantees, first row)."""
     reference = await Load(client, requests(prompts, "restart-reference", with_sampled=False)).finish()
     load = await Load.start(client, requests(prompts, "nats-restart", with_sampled=False))
     await asyncio.to_thread(stack.server.restart)
