@@ -60,6 +60,7 @@ from schemas.config import CLIENT_ENV_FILE, load_config
 from schemas.config import ROLES as CONFIGS
 from schemas.bus.control import Heartbeat
 from schemas.bus.subjects import DEFAULT_PREFIX, Subjects
+from schemas.draft_kinds import DRAFT_KINDS
 from services.client import Client as SpecbusClient
 from services.launch.credentials import CREDENTIALS_FILE, StackCredentials
 from services.launch.health import HeartbeatWatch, accepts_http, wait_ready
@@ -177,14 +178,13 @@ MODEL_SETTINGS = ("target_model", "draft_model", "draft_method", "eagle_head")
 def role_model(role: str, config: StackConfig) -> Path | None:
     """The model directory a verifier or drafter of this stack loads, resolved as the service
     resolves it (`load_config`: the stack's setting, else its SPECBUS_ one, else the default);
-    None for an ngram drafter."""
+    None for a drafter of a kind that loads no model (ngram)."""
     fields = {f.name for f in dataclasses.fields(CONFIGS[role])}
     service = load_config(CONFIGS[role], **{name: getattr(config, name) for name in MODEL_SETTINGS if name in fields})
     if role == "verifier":
         return Path(service.target_model)
-    if service.draft_method == "ngram":
-        return None
-    return Path(service.eagle_head if service.draft_method == "eagle" else service.draft_model)
+    setting = DRAFT_KINDS[service.draft_method].model_setting  # the field naming what the drafter loads
+    return None if setting is None else Path(getattr(service, setting))
 
 
 def is_small_model(path: Path | None) -> bool:
