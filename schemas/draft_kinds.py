@@ -23,21 +23,24 @@ class DraftKind:
     it loads no model). fits: which targets its drafts serve: "any" (its drafts are ids of the
     request's own history), "tokenizer" (a target with its tokenizer: placement compares the
     heartbeats' tokenizer hashes) or "target" (only the target it was trained for, whose embedding
-    it reads: its heartbeat's model_ids["target"] must be the verifier's). trial: its place in
-    "auto"'s trial order among the drafter kinds, cheapest first (a tie in acceptance goes to the
-    earlier)."""
+    it reads: its heartbeat's model_ids["target"] must be the verifier's). reads_features: its
+    draft rows carry the target's features (FeatureBlocks, services/scheduler/features.py).
+    trial: its place in "auto"'s trial order among the drafter kinds, cheapest first (a tie in
+    acceptance goes to the earlier)."""
 
     name: str
     proposer: Literal["drafter", "scheduler"]
     model_setting: str | None = None
     fits: Literal["any", "tokenizer", "target"] = "any"
+    reads_features: bool = False
     trial: int = 0
 
 
 DRAFT_KINDS: dict[str, DraftKind] = {kind.name: kind for kind in (
     DraftKind("model", "drafter", model_setting="draft_model", fits="tokenizer", trial=2),  # a draft model
     DraftKind("ngram", "drafter", trial=0),  # prompt lookup, no model (gpu_worker/drafter/ngram.py)
-    DraftKind("eagle", "drafter", model_setting="eagle_head", fits="target", trial=1),  # an EAGLE head
+    DraftKind("eagle", "drafter", model_setting="eagle_head", fits="target", reads_features=True,
+              trial=1),  # an EAGLE head over the target's features (gpu_worker/drafter/eagle_drafter.py)
     DraftKind("suffix", "scheduler"),  # the scheduler's suffix index (services/scheduler/drafts/suffix_index.py)
 )}
 # A drafter's kind when none is given, and a heartbeat's without model_ids["draft_method"]
@@ -53,6 +56,12 @@ DRAFT_METHOD_CHOICES = ("auto", *DRAFT_METHODS, *(name for name, kind in DRAFT_K
 
 
 def proposes_in_scheduler(draft_method: str) -> bool:
-    """Whether a request of this draft_method drafts with the scheduler's own index only (no drafter)."""
+    """Whether a request of this draft_method drafts in the scheduler only (no drafter is asked)."""
     kind = DRAFT_KINDS.get(draft_method)
     return kind is not None and kind.proposer == "scheduler"
+
+
+def reads_features(draft_method: str) -> bool:
+    """Whether a drafter of this draft_method wants the target's features in its rows."""
+    kind = DRAFT_KINDS.get(draft_method)
+    return kind is not None and kind.reads_features

@@ -172,7 +172,9 @@ MAX_DRAFTER_THREADS = 4  # a small draft's forward is mostly per-call overhead p
 SMALL_MODEL_BYTES = 16 << 20
 
 
-MODEL_SETTINGS = ("target_model", "draft_model", "draft_method", "eagle_head")
+# the settings that say which model a verifier or drafter loads: the drafter kinds' model settings among them
+MODEL_SETTINGS = ("target_model", "draft_method",
+                  *(kind.model_setting for kind in DRAFT_KINDS.values() if kind.model_setting is not None))
 
 
 def role_model(role: str, config: StackConfig) -> Path | None:
