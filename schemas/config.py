@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
+from schemas.draft_kinds import DEFAULT_DRAFT_METHOD, DRAFT_METHODS
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.bus.protocol import MAX_TREE_NODES
 from schemas.bus.subjects import DEFAULT_PREFIX, check_instance_id
@@ -30,9 +31,6 @@ DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 DEFAULT_DRAFT = REPO_MODELS / "smollm2-draft"
 # The EAGLE head trained on the default target's features (models/README.md), shipped in git.
 DEFAULT_EAGLE_HEAD = REPO_MODELS / "smollm2-eagle"
-# a drafter's: a draft model, prompt lookup (gpu_worker/drafter/ngram.py), or an EAGLE head over the
-# target's features (gpu_worker/drafter/eagle_drafter.py)
-DRAFT_METHODS = ("model", "ngram", "eagle")
 # One owner each, imported wherever the value is needed (never written again as a literal):
 NATS_PORT = 4222                      # nats-server's client port, the default of every URL and flag
 DEFAULT_NATS_URL = f"nats://127.0.0.1:{NATS_PORT}"
@@ -226,7 +224,7 @@ class DrafterConfig(ModelServiceConfig):
     # request's own history; it fits every target; "eagle": the EAGLE head in eagle_head over the
     # target's own features (gpu_worker/drafter/eagle_drafter.py), with target_model's embedding; it fits
     # that target only.
-    draft_method: str = "model"
+    draft_method: str = DEFAULT_DRAFT_METHOD  # a kind of schemas/draft_kinds.py DRAFT_METHODS
     ngram_max: int = 4
     ngram_min: int = 1
     eagle_head: str = str(DEFAULT_EAGLE_HEAD)

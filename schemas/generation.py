@@ -18,7 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from schemas.arrays import TokenIds, empty_ids
-from schemas.config import DRAFT_METHODS
+from schemas.draft_kinds import DRAFT_METHOD_CHOICES
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.bus.protocol import (MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROB_TOKEN_IDS,
                               MAX_MASK_SIZE, MAX_PENALTY, MAX_PROMPT_CHARS, MAX_REPETITION_PENALTY,
@@ -272,11 +272,6 @@ class LogprobOptions(WireModel):
     def wants_side_channel(self) -> bool:
         return (self.logprobs is not None or self.prompt_logprobs is not None
                 or len(self.logprob_token_ids) > 0 or self.sampling_mask)
-
-
-# What a request's draft_method may be: a drafter kind, "auto" or "suffix" (SpeculativeOptions);
-# the gateway's body and the CLI take this list.
-DRAFT_METHOD_CHOICES = ("auto", *DRAFT_METHODS, "suffix")
 
 
 class SpeculativeOptions(WireModel):

@@ -25,9 +25,9 @@ from text.tokenizer import load_tokenizer
 from schemas.bus.codec import validate
 from schemas.config import (DEFAULT_NATS_URL, ENV_PREFIX, MAX_MESSAGE_BYTES, NATS_PORT, ROLES, BusConfig,
                             default_target_model, load_config)
+from schemas.draft_kinds import DRAFT_METHOD_CHOICES
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.generation import (DRAFT_METHOD_CHOICES, ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions,
-                                new_request_id)
+from schemas.generation import ChatMessage, GenerateRequest, SamplingParams, SpeculativeOptions, new_request_id
 from schemas.streams import StreamChunk
 from schemas.bus.subjects import DEFAULT_PREFIX
 from services.client import Client

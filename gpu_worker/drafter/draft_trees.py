@@ -3,8 +3,8 @@ gpu_worker/drafter/drafter_core.py's docstring): which rows that ask a tree get 
 (`tree_plan`), how a Gumbel-coupled row ranks children (`tree_rank`), the draft model's EAGLE-2
 tree (`draft_model_tree`, one `tree_forward` a level; the eagle head's is
 gpu_worker/runtime/eagle.py `draft_tree`), and the DraftResult a tree goes out as (`tree_result`).
-`drafter` is a Drafter (drafter_core.py) or an EagleDrafter (eagle_drafter.py) throughout, and
-`work` a drafter_core.DraftRowWork (not imported: drafter_core imports this module).
+`drafter` is a ModelDrafter (drafter_core.py) or an EagleDrafter (eagle_drafter.py) throughout (a
+drafter_protocol.VocabularyDrafter).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_worker.drafter.drafter_protocol import DraftRowWork, VocabularyDrafter
 from gpu_worker.runtime.tree_draft import DraftNode, best_first_tree, column_parents, preorder
 from gpu_worker.runtime.tree_forward import tree_forward
 from gpu_worker.sampling.coupling import gumbel_noise, proposal_law
@@ -23,7 +24,7 @@ from schemas.steps import DraftResult, Proposal, chain_parents
 MAX_TREE_TOPK = 4
 
 
-def tree_plan(work, verifier_room: int, own_room: int, columns_needed) -> tuple[int, int] | None:
+def tree_plan(work: DraftRowWork, verifier_room: int, own_room: int, columns_needed) -> tuple[int, int] | None:
     """(max_nodes, topk) of the EAGLE-2 tree a row that asked one gets (drafter_core.py's step 7),
     or None: it gets a chain. verifier_room: positions the verifier has past the
     row's history; own_room: positions the drafter's slot has past what it holds;
@@ -37,7 +38,7 @@ def tree_plan(work, verifier_room: int, own_room: int, columns_needed) -> tuple[
     return (max_nodes, topk) if columns_needed(topk, work.num_draft) <= own_room else None
 
 
-def tree_result(drafter, work, tokens: list[int], parents: list[int]) -> DraftResult:
+def tree_result(drafter: VocabularyDrafter, work: DraftRowWork, tokens: list[int], parents: list[int]) -> DraftResult:
     """A drafted tree's DraftResult (point masses); a tree that is one path goes as that chain."""
     chain = parents == chain_parents(len(parents)).tolist()
     drafter.counters["rows_tree"] += not chain
@@ -53,11 +54,12 @@ def model_tree_columns(topk: int, depth: int) -> int:
 
 
 @torch.inference_mode()
-def draft_model_tree(drafter, work, first_logits: torch.Tensor, max_nodes: int,
+def draft_model_tree(drafter: VocabularyDrafter, work: DraftRowWork, first_logits: torch.Tensor, max_nodes: int,
                      topk: int) -> DraftResult:
     """An EAGLE-2 tree from the draft model (gpu_worker/runtime/tree_draft.py): a level is one
     `tree_forward` over the root (the history's last token, written again at its place) and every
-    expanded node so far. first_logits (V_draft,): after the history. The slot ends as it was."""
+    expanded node so far. first_logits (V_draft,): after the history. The slot ends as it was.
+    drafter: a ModelDrafter (its model and KV cache; not imported: drafter_core imports this module)."""
     slot, history = work.state.slot, work.state.token_ids
     slots, columns = torch.tensor([slot]), []
     if work.num_draft > 1:
@@ -78,14 +80,14 @@ def draft_model_tree(drafter, work, first_logits: torch.Tensor, max_nodes: int,
     return tree_result(drafter, work, *preorder(nodes, kept, drafter.d2t))
 
 
-def tree_rank(drafter, work):
+def tree_rank(drafter: VocabularyDrafter, work: DraftRowWork):
     """What a row's tree ranks children by (`best_first_tree`'s rank): a greedy row its draft
     logits (None); a Gumbel-coupled row log q + G, q its draft law as `choose` proposes from
     (`coupling.proposal_law`) and G the target's noise at the children's stream position, keyed
     by target ids: a node's first child is what the chain would propose, the next the runner-up
     under the same noise, which the target's draw there picks when its law differs enough from
     the draft's.
-    drafter: a Drafter or an EagleDrafter."""
+    drafter: a ModelDrafter or an EagleDrafter."""
     if work.greedy:
         return None
     temperature = torch.tensor([work.row.sampling.temperature], dtype=torch.float32)
@@ -99,7 +101,7 @@ def tree_rank(drafter, work):
     return rank
 
 
-def mask_other(drafter, logits: torch.Tensor) -> torch.Tensor:
+def mask_other(drafter: VocabularyDrafter, logits: torch.Tensor) -> torch.Tensor:
     """logits (n, V_draft) with other_id at -inf ("not in my vocabulary": never proposed)."""
     if drafter.other_id is not None:
         logits[:, drafter.other_id] = float("-inf")

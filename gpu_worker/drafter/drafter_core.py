@@ -1,10 +1,11 @@
 """The drafter: owns the draft model and its KV cache slots, proposes draft tokens per request.
 
 Tensor code, NATS-free and testable alone (docs/ARCHITECTURE.md#naming): `load_drafter(config)
--> Drafter`, `draft_batch(drafter, request) -> DraftResponse`. services/drafter/drafter.py
-`run_drafter(config, stop)` serves it.
+-> ModelDrafter`, `draft_batch(drafter, request) -> DraftResponse`. services/drafter/drafter.py
+`run_drafter(config, stop)` serves it. `draft_batch` is every drafter kind's skeleton
+(gpu_worker/drafter/drafter_protocol.py); `receive_row`, the receiver rule, every kind's too.
 
-`draft_batch`, in order (docs/PROTOCOL.md#receiver-rule-and-resync):
+`draft_batch` for the draft model, in order (docs/PROTOCOL.md#receiver-rule-and-resync):
 1. check every row's token ids against the target vocabulary (Error naming the field) before
    touching any state;
 2. free the slots named in `request.release`, then slots idle longer than slot_idle_ttl_s;
@@ -64,6 +65,7 @@ from gpu_worker.runtime.model import Model, forward
 from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensors, add_tokens, make_uniforms, penalise,
                                          row_seed, sample)
 from gpu_worker.drafter.draft_trees import draft_model_tree, mask_other, model_tree_columns, tree_plan
+from gpu_worker.drafter.drafter_protocol import Drafter, DraftRowWork, DraftSlot, VocabularyDrafter
 from gpu_worker.batching.grammar_masks import allowed_now, grammars_of, mask_logits
 from gpu_worker.batching.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.batching.receiver_rule import receiver_rule
@@ -86,23 +88,10 @@ log = structlog.get_logger(__name__)
 SHORT_FEED = 32
 
 
-@dataclass
-class DraftSlot:
-    """One request's cache slot. token_ids: the draft ids the slot holds, position by position
-    (len == cache.lengths[slot]); the first committed_len are committed history, the rest are
-    drafts fed last step (kept so accepted ones need not be recomputed)."""
-
-    slot: int
-    token_ids: list[int]
-    committed_len: int
-    last_used: float  # time.monotonic()
-    grammar: OutputMatcher | None = None  # a row with structured_outputs: its output in target ids
-    prefix_root: bytes | None = None  # its prefix cache's root key (take_hit); None: none
-
-
 @dataclass(kw_only=True)
-class Drafter(SlotOwner):
-    """The draft model, its KV cache and the request_id -> slot map.
+class ModelDrafter(SlotOwner):
+    """The draft model, its KV cache and the request_id -> slot map: the drafter kind "model" of
+    drafter_protocol.py (a VocabularyDrafter), loaded by `load_drafter`.
 
     d2t: (V_draft,) int64, draft id -> target id. t2d: (V_target,) int64, target id -> draft id
     (other_id for target ids outside the draft vocabulary). other_id is None when the draft
@@ -114,6 +103,16 @@ class Drafter(SlotOwner):
     t2d: torch.Tensor
     other_id: int | None
     prefill_chunk: int
+
+    def check(self, request: DraftRequest) -> None:
+        check_token_ids(self, request)
+
+    def prepare(self, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
+                now: float) -> DraftRowWork | DraftResult:
+        return prepare_row(self, scheduler_id, row, batch_keys, now)
+
+    def propose(self, works: list[DraftRowWork]) -> dict[str, DraftResult]:
+        return run_model(self, works)
 
     def kept(self, state: DraftSlot) -> tuple[array, list[bytes], None]:
         """A released slot's entry: its committed history (drafts fed after it left out), no
@@ -134,21 +133,10 @@ class Drafter(SlotOwner):
         return torch.arange(self.draft_vocab_size)
 
 
-@dataclass
-class DraftRowWork:
-    """A row that needs the model: feed (draft ids) is appended to its slot, then num_draft
-    drafts are proposed; the first lands at absolute position `start` of the history."""
-
-    row: DraftRow
-    state: DraftSlot
-    feed: list[int]
-    num_draft: int
-    start: int
-    greedy: bool
-
-
-def load_drafter(config: DrafterConfig) -> Drafter:
+def load_drafter(config: DrafterConfig) -> ModelDrafter:
     """Load the draft model, its d2t map (identity when the directory has none) and a KV cache.
+    Its heartbeat's model_ids: {"draft", "tokenizer", "target_vocab_size"}, no "draft_method" (a
+    scheduler reads its absence as schemas/draft_kinds.py DEFAULT_DRAFT_METHOD).
 
     dtype "auto" is bfloat16 for a draft on every device: a draft step reads every weight for a
     few rows, so half the bytes is what it costs, even where bf16 arithmetic is emulated (see
@@ -168,7 +156,7 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         "tokenizer": tokenizer_id(config.draft_model),
         "target_vocab_size": str(t2d.numel()),
     }
-    drafter = Drafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d,
+    drafter = ModelDrafter(instance_id=config.instance_id, model=model, cache=cache, d2t=d2t, t2d=t2d,
                       other_id=other_id, model_ids=model_ids, prefill_chunk=config.prefill_chunk,
                       slot_idle_ttl_s=config.slot_idle_ttl_s, tokenizer_dir=config.draft_model)
     if config.prefix_caching:
@@ -180,7 +168,7 @@ def load_drafter(config: DrafterConfig) -> Drafter:
 # slots
 
 
-def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, str]],
+def allocate(drafter: ModelDrafter, key: tuple[str, str], batch_keys: set[tuple[str, str]],
              now: float) -> DraftSlot | None:
     """A fresh slot for key (scheduler_id, request_id). With none free, the least recently used
     slot of a request outside this batch is taken (that request resyncs when it comes back);
@@ -203,7 +191,7 @@ def allocate(drafter: Drafter, key: tuple[str, str], batch_keys: set[tuple[str, 
 # one batch
 
 
-def check_token_ids(drafter: Drafter, request: DraftRequest) -> None:
+def check_token_ids(drafter: VocabularyDrafter, request: DraftRequest) -> None:
     for index, row in enumerate(request.rows):
         check_in_vocabulary(row.new_token_ids, drafter.target_vocab_size, f"rows[{index}].new_token_ids")
 
@@ -217,7 +205,7 @@ def common_prefix(a: list[int], b: list[int], start: int) -> int:
     return i
 
 
-def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
+def prepare_row(drafter: ModelDrafter, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
                 now: float) -> DraftRowWork | DraftResult:
     """Apply the receiver rule to one row: a DraftRowWork for the model, or the row's final answer."""
     new_ids = drafter.t2d[torch.from_numpy(row.new_token_ids).long()].tolist()
@@ -228,7 +216,7 @@ def prepare_row(drafter: Drafter, scheduler_id: str, row: DraftRow, batch_keys: 
     return work
 
 
-def take_hit(drafter: Drafter, work: DraftRowWork) -> None:
+def take_hit(drafter: ModelDrafter, work: DraftRowWork) -> None:
     """A slot that holds nothing yet (a new request's first draft row: its whole history) takes
     from the prefix cache the longest prefix of its feed another request's released slot held,
     up to the last token it must feed for its first draft's logits; its feed then starts after
@@ -255,14 +243,14 @@ def take_hit(drafter: Drafter, work: DraftRowWork) -> None:
     drafter.counters["prefix_tokens_hit"] += end
 
 
-def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], batch_keys: set[tuple[str, str]],
+def receive_row(drafter: Drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], batch_keys: set[tuple[str, str]],
                 now: float) -> DraftRowWork | DraftResult:
     """The receiver rule for one row whose new tokens are new_ids (already in the drafter's own
     ids): a DraftRowWork (its feed: what the slot still lacks), or the row's final answer. drafter:
     any slot owner (gpu_worker/batching/slots.py) whose cache can allocate, reserve and free slots and
-    whose requests hold DraftSlots: a Drafter, the model-free NgramDrafter (gpu_worker/drafter/ngram.py)
+    whose requests hold DraftSlots: a ModelDrafter, the model-free NgramDrafter (gpu_worker/drafter/ngram.py)
     or the EagleDrafter (gpu_worker/drafter/eagle_drafter.py). The slot's token_ids end cut to the tokens
-    kept; the caller rolls its cache back to match (a Drafter's holds one position a token)."""
+    kept; the caller rolls its cache back to match (a ModelDrafter's holds one position a token)."""
     key = (scheduler_id, row.request_id)
     state = drafter.requests.get(key)
     verdict = receiver_rule(0 if state is None else state.committed_len, row.cached_len, len(new_ids),
@@ -301,7 +289,7 @@ def receive_row(drafter, scheduler_id: str, row: DraftRow, new_ids: list[int], b
                         greedy=not draft_is_sampled(row.sampling, row.draft_mode))
 
 
-def forward_last(drafter: Drafter, slots: torch.Tensor, token_ids: torch.Tensor,
+def forward_last(drafter: ModelDrafter, slots: torch.Tensor, token_ids: torch.Tensor,
                  num_new: torch.Tensor) -> torch.Tensor:
     """Append token_ids[b, :num_new[b]] (B, T) to cache slots[b] (B,) in one forward; return
     the logits of each row's last new token (B, V_draft). Rows with num_new 0 ride along: their
@@ -339,7 +327,7 @@ def feed_groups(lengths: list[int], chunk: int):
                     offsets[i] = end
 
 
-def feed(drafter: Drafter, works: list[DraftRowWork]) -> list[torch.Tensor | None]:
+def feed(drafter: ModelDrafter, works: list[DraftRowWork]) -> list[torch.Tensor | None]:
     """Append every row's feed to its slot (chunked, `feed_groups`); the (V_draft,) logits of each
     row's last fed token, or None for rows that fed nothing."""
     last_logits: list[torch.Tensor | None] = [None] * len(works)
@@ -356,11 +344,11 @@ def feed(drafter: Drafter, works: list[DraftRowWork]) -> list[torch.Tensor | Non
     return last_logits
 
 
-def draft_penalties(drafter, work: DraftRowWork) -> Penalties:
+def draft_penalties(drafter: VocabularyDrafter, work: DraftRowWork) -> Penalties:
     """A row's logit_bias and penalties in draft ids, over the history its slot holds. Bias ids
     outside the target vocabulary are skipped here (the verifier fails that row, naming the
     field; failing the draft batch would cost every other row its drafts), and so are ids the
-    draft has no id of its own for (other_id). drafter: a Drafter or an EagleDrafter (its
+    draft has no id of its own for (other_id). drafter: a ModelDrafter or an EagleDrafter (its
     slot_to_draft maps the ids its slots hold to draft ids)."""
     bias_ids, bias_values = logit_bias_tensors(work.row.sampling)
     if bias_ids is not None:
@@ -405,7 +393,7 @@ class DraftChoice:
         return torch.stack(self.step_probs, 1) if self.step_probs else None
 
 
-def draft_grammars(drafter, works: list[DraftRowWork]) -> dict[int, OutputMatcher]:
+def draft_grammars(drafter: VocabularyDrafter, works: list[DraftRowWork]) -> dict[int, OutputMatcher]:
     """row -> the matcher of each row with structured_outputs, at the state after its output
     (docs/PROTOCOL.md#structured-outputs: the draft proposes under the mask the target's law
     has, so it wastes no position on a token the grammar refuses). The slot's matcher holds the
@@ -429,7 +417,7 @@ def draft_grammars(drafter, works: list[DraftRowWork]) -> dict[int, OutputMatche
     return matchers
 
 
-def mask_by_grammar(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> None:
+def mask_by_grammar(drafter: VocabularyDrafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> None:
     """Draft position j's logits (B, V_draft) of the rows with a matcher at -inf where the
     grammar refuses the target id (in place); a row whose allowed ids are all outside the draft's
     vocabulary is left as it is, and drafts on unmasked. A row whose grammar forces position j
@@ -459,9 +447,9 @@ def follows(matcher: OutputMatcher, target_id: int) -> bool:
         return False
 
 
-def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
+def start_choice(drafter: VocabularyDrafter, works: list[DraftRowWork]) -> DraftChoice:
     """The choosing state of a batch of rows that draft (num_draft >= 1 each). drafter: a
-    Drafter or an EagleDrafter."""
+    ModelDrafter or an EagleDrafter."""
     B, K = len(works), max(work.num_draft for work in works)
     penalised = [b for b, work in enumerate(works) if work.row.sampling.penalised]
     choice = DraftChoice(num_draft=torch.tensor([work.num_draft for work in works]),
@@ -481,7 +469,7 @@ def start_choice(drafter, works: list[DraftRowWork]) -> DraftChoice:
     return choice
 
 
-def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.Tensor:
+def choose(drafter: VocabularyDrafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.Tensor:
     """Draft position j of every row from its logits (B, V_draft) float32 (changed in place:
     other_id set to -inf, the row's penalties applied): greedy rows take the argmax; sampled rows
     draw from process_logits(row params, top_k at most MAX_DRAFT_SUPPORT) with their uniforms;
@@ -519,7 +507,7 @@ def choose(drafter, choice: DraftChoice, logits: torch.Tensor, j: int) -> torch.
     return ids
 
 
-def propose(drafter: Drafter, works: list[DraftRowWork], first_logits: torch.Tensor):
+def propose(drafter: ModelDrafter, works: list[DraftRowWork], first_logits: torch.Tensor):
     """Choose num_draft drafts per row (`choose`), one batched forward per position.
 
     first_logits: (B, V_draft), the logits after each row's last fed token (changed in place).
@@ -543,7 +531,7 @@ def propose(drafter: Drafter, works: list[DraftRowWork], first_logits: torch.Ten
     return choice.draft_ids, choice.probs
 
 
-def sparse_supports(drafter, probs: torch.Tensor):
+def sparse_supports(drafter: VocabularyDrafter, probs: torch.Tensor):
     """The supports of draft distributions probs (N, V_draft), in target ids.
 
     Returns ids (N, S) int64 (-1 padding), probs (N, S) (0 at padding) and sizes (N,): draft
@@ -562,7 +550,7 @@ def sparse_supports(drafter, probs: torch.Tensor):
     return ids, values, sizes
 
 
-def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
+def draft_results(drafter: VocabularyDrafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
                   probs: torch.Tensor | None) -> dict[str, DraftResult]:
     """request_id -> DraftResult for rows that drafted: draft_ids (B, K) in draft ids (-1 past a
     row's num_draft) mapped to target ids with d2t; greedy and Gumbel-coupled rows send a point
@@ -591,7 +579,7 @@ def draft_results(drafter, works: list[DraftRowWork], draft_ids: torch.Tensor,
 
 
 @torch.inference_mode()
-def run_model(drafter: Drafter, works: list[DraftRowWork]) -> dict[str, DraftResult]:
+def run_model(drafter: ModelDrafter, works: list[DraftRowWork]) -> dict[str, DraftResult]:
     """Feed every row, then propose for the rows that want drafts: request_id -> DraftResult."""
     first_logits = feed(drafter, works)
     results = {}
@@ -612,22 +600,20 @@ def run_model(drafter: Drafter, works: list[DraftRowWork]) -> dict[str, DraftRes
     return results | draft_results(drafter, draft_works, draft_ids, probs)
 
 
-def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = None, prepare=prepare_row,
-                run=run_model) -> DraftResponse:
-    """Answer one DraftRequest (steps in the module docstring). Raises SpecbusError naming the
-    field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests.
-    prepare(drafter, scheduler_id, row, batch_keys, now) -> a work item (with .row) or the row's
-    DraftResult, and run(drafter, works) -> {request_id: DraftResult}: the model drafter's by
-    default, the EagleDrafter's (gpu_worker/drafter/eagle_drafter.py) otherwise."""
+def draft_batch(drafter: Drafter, request: DraftRequest, now: float | None = None) -> DraftResponse:
+    """Answer one DraftRequest with any drafter kind (gpu_worker/drafter/drafter_protocol.py: its
+    check, the releases and idle evictions, its prepare per row, its propose; the model
+    drafter's steps are the module docstring's). Raises SpecbusError naming the field for a bad
+    row (nothing changed then). `now` is time.monotonic(), for idle tests."""
     now = time.monotonic() if now is None else now
-    check_token_ids(drafter, request)
+    drafter.check(request)
     release(drafter, [(request.scheduler_id, request_id) for request_id in request.release])
     evict_idle(drafter, now)
     batch_keys = {(request.scheduler_id, row.request_id) for row in request.rows}
-    prepared = [prepare(drafter, request.scheduler_id, row, batch_keys, now) for row in request.rows]
+    prepared = [drafter.prepare(request.scheduler_id, row, batch_keys, now) for row in request.rows]
     works = [item for item in prepared if not isinstance(item, DraftResult)]
     try:
-        drafts = run(drafter, works)
+        drafts = drafter.propose(works)
     except Exception:
         # Slots half-fed by a failed forward no longer match their records: drop them (resync).
         for work in works:

@@ -4,8 +4,9 @@ the DraftRequest protocol, NATS-free; services/drafter/drafter.py serves it.
 `load_eagle_drafter(config) -> EagleDrafter`: the head in config.eagle_head and, of the target
 in config.target_model, only its config and embedding (the head reads the target's embedding and
 lm_head rows, frozen); a head that does not fit the target is refused, naming both.
-`eagle_draft_batch(drafter, request) -> DraftResponse` runs drafter_core.draft_batch's steps
-(token ids checked, releases, idle eviction, a failed batch drops its rows' slots) with:
+The EagleDrafter is a drafter kind (gpu_worker/drafter/drafter_protocol.py): drafter_core.py
+`draft_batch(drafter, request) -> DraftResponse` runs its steps (token ids checked, releases,
+idle eviction, a failed batch drops its rows' slots) with:
 
 1. every row's FeatureBlock checked first (its width must be the head's hidden size): a bad one
    refuses the batch with an Error naming `rows[i].features.shape`, nothing changed;
@@ -33,7 +34,7 @@ lm_head rows, frozen); a head that does not fit the target is refused, naming bo
    parent's predicted feature and its token. Tree rows draft one at a time after the feed; the
    other rows draft chains.
 
-Its heartbeat's model_ids: {"draft": "eagle:<head dir name>", "draft_method": "eagle",
+Its heartbeat's model_ids: {"draft": "<its kind>:<head dir name>", "draft_method": <its kind>,
 "tokenizer": the target's tokenizer hash, "target": the target's model id, "hidden_size",
 "target_vocab_size"}: a scheduler pins it only for requests whose verifier serves that very
 target (services/scheduler/drafts/draft_method.py), since its drafts are worthless on any other's features.
@@ -49,8 +50,9 @@ import torch
 
 from gpu_worker.runtime.checkpoint import model_id
 from gpu_worker.drafter.draft_trees import tree_plan, tree_rank, tree_result
-from gpu_worker.drafter.drafter_core import (SHORT_FEED, DraftRowWork, choose, draft_batch, draft_results,
-                                          feed_groups, receive_row, start_choice)
+from gpu_worker.drafter.drafter_core import (SHORT_FEED, check_token_ids, choose, draft_results, feed_groups,
+                                             receive_row, start_choice)
+from gpu_worker.drafter.drafter_protocol import DraftRowWork
 from gpu_worker.runtime.eagle import (EagleHead, build_head, draft_chain, draft_tree, head_forward, load_head_weights,
                                       load_target_pieces, new_cache, tree_columns_needed, unpack_features)
 from gpu_worker.runtime.model import ConfigError
@@ -58,7 +60,7 @@ from gpu_worker.batching.slots import SlotOwner, free_request, model_settings
 from text.tokenizer import tokenizer_id
 from schemas.config import DrafterConfig, check_model_dir
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.steps import DraftRequest, DraftResponse, DraftResult, DraftRow
+from schemas.steps import DraftRequest, DraftResult, DraftRow
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +68,8 @@ log = structlog.get_logger(__name__)
 @dataclass(kw_only=True)
 class EagleDrafter(SlotOwner):
     """The head, its KV cache (one layer; a slot's length is the pairs it holds) and the
-    request_id -> DraftSlot map (token_ids: the history, target ids).
+    request_id -> DraftSlot map (token_ids: the history, target ids): a VocabularyDrafter
+    (drafter_protocol.py).
 
     t2d: (V_target,) int64, target id -> draft id; last_features (max_slots, E) bf16: each slot's
     newest pair's feature, to feed it again when a step repeats.
@@ -76,6 +79,17 @@ class EagleDrafter(SlotOwner):
     t2d: torch.Tensor
     last_features: torch.Tensor
     prefill_chunk: int
+
+    def check(self, request: DraftRequest) -> None:
+        check_features(self, request)
+        check_token_ids(self, request)
+
+    def prepare(self, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
+                now: float) -> PairWork | DraftResult:
+        return prepare_pairs(self, scheduler_id, row, batch_keys, now)
+
+    def propose(self, works: list[PairWork]) -> dict[str, DraftResult]:
+        return run_head(self, works)
 
     @property
     def d2t(self) -> torch.Tensor:
@@ -139,7 +153,8 @@ def load_eagle_drafter(config: DrafterConfig) -> EagleDrafter:
         raise SpecbusError(ErrorCode.invalid_field, f"eagle_head {config.eagle_head} cannot serve target_model "
                                                     f"{config.target_model}: {exc}", "eagle_head") from None
     cache = new_cache(head, config.max_slots, config.max_seq_len, memory_bytes)
-    model_ids = {"draft": f"eagle:{Path(config.eagle_head).resolve().name}", "draft_method": "eagle",
+    model_ids = {"draft": f"{config.draft_method}:{Path(config.eagle_head).resolve().name}",
+                 "draft_method": config.draft_method,
                  "tokenizer": tokenizer_id(config.target_model), "target": model_id(config.target_model),
                  "hidden_size": str(head_config.hidden_size), "target_vocab_size": str(maps.target_vocab_size)}
     last = torch.zeros(config.max_slots, head_config.hidden_size, dtype=torch.bfloat16, device=head.embed.device)
@@ -266,10 +281,3 @@ def run_head(drafter: EagleDrafter, items: list[PairWork]) -> dict[str, DraftRes
                 choose=lambda logits, j: choose(drafter, choice, logits.float().cpu(), j))
     drafter.counters["fed_pairs"] += int(num_new.sum())
     return results | draft_results(drafter, works, choice.draft_ids, choice.probs)
-
-
-def eagle_draft_batch(drafter: EagleDrafter, request: DraftRequest, now: float | None = None) -> DraftResponse:
-    """Answer one DraftRequest (steps in the module docstring). Raises SpecbusError naming the
-    field for a bad row (nothing changed then). `now` is time.monotonic(), for idle tests."""
-    check_features(drafter, request)
-    return draft_batch(drafter, request, now, prepare=prepare_pairs, run=run_head)

@@ -5,8 +5,10 @@ that occurred before: text that copies from its input (a code block to fix, a pa
 rewrite or translate) is proposed for free. The idea is prompt lookup decoding (Saxena, 2023;
 transformers' `prompt_lookup_num_tokens`, vLLM's ngram proposer); this is its own code.
 
-`load_ngram_drafter(config) -> NgramDrafter`, `ngram_draft_batch(drafter, request) -> DraftResponse`:
-1. free the slots named in `request.release`, then slots idle longer than slot_idle_ttl_s;
+`load_ngram_drafter(config) -> NgramDrafter`, a drafter kind (gpu_worker/drafter/drafter_protocol.py):
+drafter_core.py `draft_batch(drafter, request) -> DraftResponse` answers a DraftRequest with it:
+1. free the slots named in `request.release`, then slots idle longer than slot_idle_ttl_s (token
+   ids are not checked: none is looked up in a table);
 2. per row, the model drafter's receiver rule (drafter_core.receive_row: need_resync when the
    slot holds fewer than cached_len committed tokens, too_long, slot allocation and eviction);
    a slot is the request's token list only (TokenSlots: no tensors);
@@ -21,26 +23,26 @@ transformers' `prompt_lookup_num_tokens`, vLLM's ngram proposer); this is its ow
 
 Token ids are the target's (no vocabulary of its own, nothing to map): drafts are ids the
 history holds, so the instance fits every target. Its heartbeat says so with model_ids
-{"draft": "ngram", "draft_method": "ngram", "tokenizer": ANY_TOKENIZER}
+{"draft": <its kind>, "draft_method": <its kind>, "tokenizer": ANY_TOKENIZER}
 (services/scheduler/placement.py). Logit bias and penalties are not looked at: a banned token
 proposed is rejected by the verifier, which changes speed, never the output.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from gpu_worker.drafter.drafter_core import DraftRowWork, receive_row
+from gpu_worker.drafter.drafter_core import receive_row
+from gpu_worker.drafter.drafter_protocol import DraftRowWork
 from gpu_worker.runtime.kv_cache import CacheFullError, SlotError
-from gpu_worker.batching.slots import SlotOwner, evict_idle, release
+from gpu_worker.batching.slots import SlotOwner
 from schemas.config import DrafterConfig
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.bus.protocol import ANY_TOKENIZER
-from schemas.steps import DraftRequest, DraftResponse, DraftResult, Proposal, chain_parents
+from schemas.steps import DraftRequest, DraftResult, DraftRow, Proposal, chain_parents
 
 
 def continuations(history: np.ndarray, depth: int, max_n: int, min_n: int = 1):
@@ -149,10 +151,21 @@ class TokenSlots:
 @dataclass(kw_only=True)
 class NgramDrafter(SlotOwner):
     """The slot owner of a prompt-lookup drafter (gpu_worker/batching/slots.py SlotOwner): request slots
-    keyed (scheduler_id, request_id), holding each request's committed history."""
+    keyed (scheduler_id, request_id), holding each request's committed history. A Drafter
+    (drafter_protocol.py) whose rows need the receiver rule only and propose one at a time."""
 
     max_n: int
     min_n: int
+
+    def check(self, request: DraftRequest) -> None:
+        """Nothing to check: token ids are not looked up in a table."""
+
+    def prepare(self, scheduler_id: str, row: DraftRow, batch_keys: set[tuple[str, str]],
+                now: float) -> DraftRowWork | DraftResult:
+        return receive_row(self, scheduler_id, row, row.new_token_ids.tolist(), batch_keys, now)
+
+    def propose(self, works: list[DraftRowWork]) -> dict[str, DraftResult]:
+        return {work.row.request_id: propose_row(self, work) for work in works}
 
 
 def load_ngram_drafter(config: DrafterConfig) -> NgramDrafter:
@@ -164,7 +177,7 @@ def load_ngram_drafter(config: DrafterConfig) -> NgramDrafter:
     for name in ("max_slots", "max_seq_len"):
         if getattr(config, name) < 1:
             raise SpecbusError(ErrorCode.invalid_field, f"{name} must be >= 1, got {getattr(config, name)}", name)
-    model_ids = {"draft": "ngram", "draft_method": "ngram", "tokenizer": ANY_TOKENIZER,
+    model_ids = {"draft": config.draft_method, "draft_method": config.draft_method, "tokenizer": ANY_TOKENIZER,
                  "ngram": f"{config.ngram_min}-{config.ngram_max}"}
     return NgramDrafter(instance_id=config.instance_id, cache=TokenSlots(config.max_slots, config.max_seq_len),
                         model_ids=model_ids, slot_idle_ttl_s=config.slot_idle_ttl_s, max_n=config.ngram_max,
@@ -189,18 +202,3 @@ def propose_row(drafter: NgramDrafter, work: DraftRowWork) -> DraftResult:
     drafter.counters["rows_unmatched"] += work.num_draft > 0 and not drafts
     return DraftResult(request_id=work.row.request_id, draft_token_ids=np.array(drafts, dtype=np.int32),
                        parents=None if parents is None else np.array(parents, dtype=np.int32), proposal=Proposal())
-
-
-def ngram_draft_batch(drafter: NgramDrafter, request: DraftRequest, now: float | None = None) -> DraftResponse:
-    """Answer one DraftRequest (steps in the module docstring). `now` is time.monotonic(), for idle tests."""
-    now = time.monotonic() if now is None else now
-    release(drafter, [(request.scheduler_id, request_id) for request_id in request.release])
-    evict_idle(drafter, now)
-    batch_keys = {(request.scheduler_id, row.request_id) for row in request.rows}
-    results = []
-    for row in request.rows:
-        item = receive_row(drafter, request.scheduler_id, row, row.new_token_ids.tolist(), batch_keys, now)
-        results.append(propose_row(drafter, item) if isinstance(item, DraftRowWork) else item)
-    drafter.counters["batches"] += 1
-    drafter.counters["rows"] += len(request.rows)
-    return DraftResponse(batch_id=request.batch_id, drafter_id=drafter.instance_id, rows=results)

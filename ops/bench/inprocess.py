@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from gpu_worker.drafter.drafter_core import Drafter, draft_batch, load_drafter
+from gpu_worker.drafter.drafter_core import ModelDrafter, draft_batch, load_drafter
 from gpu_worker.drafter.drafter_core import heartbeat as drafter_heartbeat
 from text.tokenizer import load_tokenizer, tokenizer_id
 from gpu_worker.verifier.verifier_core import Verifier, load_verifier, verify_batch
@@ -46,7 +46,7 @@ HEARTBEAT_INTERVAL_S = 0.5  # only a field of the heartbeats fed to the schedule
 @dataclass
 class InProcess:
     state: SchedulerState
-    drafter: Drafter
+    drafter: ModelDrafter
     verifier: Verifier
     post: Postprocessor
 

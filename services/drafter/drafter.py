@@ -1,8 +1,8 @@
-"""The drafter service: serves `<prefix>.draft.<instance_id>` with the draft logic of
-gpu_worker/drafter/drafter_core.py (`load_drafter`, `draft_batch`: draft_method "model"), of
-gpu_worker/drafter/ngram.py (`load_ngram_drafter`, `ngram_draft_batch`: draft_method "ngram", prompt
-lookup, no model) or of gpu_worker/drafter/eagle_drafter.py (`load_eagle_drafter`, `eagle_draft_batch`:
-draft_method "eagle", an EAGLE head over the target's features).
+"""The drafter service: serves `<prefix>.draft.<instance_id>` with the drafter kind its config's
+draft_method names (gpu_worker/drafter/registry.py `DRAFTERS`: "model", a draft model,
+gpu_worker/drafter/drafter_core.py; "ngram", prompt lookup, no model, gpu_worker/drafter/ngram.py;
+"eagle", an EAGLE head over the target's features, gpu_worker/drafter/eagle_drafter.py), every
+kind's batches answered by drafter_core.py `draft_batch`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import asyncio
 
 import structlog
 
-from gpu_worker.drafter.drafter_core import draft_batch, load_drafter
-from gpu_worker.drafter.eagle_drafter import eagle_draft_batch, load_eagle_drafter
-from gpu_worker.batching.grammar_masks import warm_grammars
-from gpu_worker.drafter.ngram import load_ngram_drafter, ngram_draft_batch
+from gpu_worker.drafter.drafter_core import draft_batch
+from gpu_worker.drafter.registry import DRAFTERS
 from schemas.config import DrafterConfig
 from schemas.steps import DraftRequest
 from schemas.bus.subjects import Subjects
@@ -27,30 +25,18 @@ async def run_drafter(config: DrafterConfig, stop: asyncio.Event) -> None:
     """Serve `<prefix>.draft.<instance_id>` until `stop` is set, then drain.
 
     services/runtime/model_service.py `run_slot_service` does the serving: nats.micro service "drafter"
-    ($SRV.PING/INFO/STATS.drafter), heartbeats every heartbeat_interval_s with model_ids
-    ({"draft", "tokenizer", "target_vocab_size"} for a model; {"draft": "ngram", "draft_method":
-    "ngram", "tokenizer": "any", "ngram"} for prompt lookup; {"draft", "draft_method": "eagle",
-    "tokenizer", "target", "hidden_size", "target_vocab_size"} for an EAGLE head), idle slot
-    eviction, metrics on metrics_port.
+    ($SRV.PING/INFO/STATS.drafter), heartbeats every heartbeat_interval_s with the kind's model_ids
+    (its module's docstring says which), idle slot eviction, metrics on metrics_port.
     """
     subjects = Subjects(config.prefix)
-    if config.draft_method == "ngram":
-        drafter = load_ngram_drafter(config)
-        run_batch, description = ngram_draft_batch, "proposes draft tokens by prompt lookup (n-gram, no model)"
-        log.info("drafter_loaded", instance_id=config.instance_id, max_slots=config.max_slots, **drafter.model_ids)
-    elif config.draft_method == "eagle":
-        drafter = await on_model_thread(load_eagle_drafter, config)
-        run_batch = eagle_draft_batch
-        description = "proposes draft tokens with an EAGLE head over the target's features"
-        log.info("drafter_loaded", instance_id=config.instance_id, head=config.eagle_head,
-                 target_model=config.target_model, max_slots=config.max_slots, **drafter.model_ids)
-    else:
-        drafter = await on_model_thread(load_drafter, config)
-        await on_model_thread(warm_grammars, drafter, drafter.target_vocab_size)
-        run_batch, description = draft_batch, "proposes draft tokens with the draft model"
-        log.info("drafter_loaded", instance_id=config.instance_id, model=config.draft_model,
-                 max_slots=config.max_slots, **drafter.model_ids)
+    kind = DRAFTERS[config.draft_method]
+    drafter = await on_model_thread(kind.load, config)
+    if kind.warm is not None:
+        await on_model_thread(kind.warm, drafter)
+    log.info("drafter_loaded", instance_id=config.instance_id,
+             **{key: getattr(config, setting) for key, setting in kind.logged}, max_slots=config.max_slots,
+             **drafter.model_ids)
     await run_slot_service(drafter, config, SlotService(
-        role="drafter", endpoint="draft", description=description,
+        role="drafter", endpoint="draft", description=kind.description,
         subject=subjects.draft(config.instance_id), request_type=DraftRequest,
-        run_batch=lambda request: (run_batch(drafter, request), None)), stop)
+        run_batch=lambda request: (draft_batch(drafter, request), None)), stop)

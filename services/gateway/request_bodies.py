@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.draft_kinds import DRAFT_METHOD_CHOICES
 from schemas.errors import SpecbusError
-from schemas.generation import DRAFT_METHOD_CHOICES, GenerateRequest
+from schemas.generation import GenerateRequest
 from schemas.bus.protocol import MAX_TOP_LOGPROBS
 from services.client import make_request
 from services.gateway.api_errors import ApiError

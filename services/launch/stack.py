@@ -60,6 +60,7 @@ from schemas.config import CLIENT_ENV_FILE, load_config
 from schemas.config import ROLES as CONFIGS
 from schemas.bus.control import Heartbeat
 from schemas.bus.subjects import DEFAULT_PREFIX, Subjects
+from schemas.draft_kinds import DRAFT_KINDS
 from services.client import Client as SpecbusClient
 from services.launch.credentials import CREDENTIALS_FILE, StackCredentials
 from services.launch.health import HeartbeatWatch, accepts_http, wait_ready
@@ -171,20 +172,21 @@ MAX_DRAFTER_THREADS = 4  # a small draft's forward is mostly per-call overhead p
 SMALL_MODEL_BYTES = 16 << 20
 
 
-MODEL_SETTINGS = ("target_model", "draft_model", "draft_method", "eagle_head")
+# the settings that say which model a verifier or drafter loads: the drafter kinds' model settings among them
+MODEL_SETTINGS = ("target_model", "draft_method",
+                  *(kind.model_setting for kind in DRAFT_KINDS.values() if kind.model_setting is not None))
 
 
 def role_model(role: str, config: StackConfig) -> Path | None:
     """The model directory a verifier or drafter of this stack loads, resolved as the service
     resolves it (`load_config`: the stack's setting, else its SPECBUS_ one, else the default);
-    None for an ngram drafter."""
+    None for a drafter of a kind that loads no model (ngram)."""
     fields = {f.name for f in dataclasses.fields(CONFIGS[role])}
     service = load_config(CONFIGS[role], **{name: getattr(config, name) for name in MODEL_SETTINGS if name in fields})
     if role == "verifier":
         return Path(service.target_model)
-    if service.draft_method == "ngram":
-        return None
-    return Path(service.eagle_head if service.draft_method == "eagle" else service.draft_model)
+    setting = DRAFT_KINDS[service.draft_method].model_setting  # the field naming what the drafter loads
+    return None if setting is None else Path(getattr(service, setting))
 
 
 def is_small_model(path: Path | None) -> bool:

@@ -4,13 +4,14 @@ the credentials are, or the error, and gives up when Ctrl-C comes first."""
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from contextlib import AsyncExitStack
 
 from text.tokenizer import draft_misfit, eagle_misfit
-from schemas.config import (DEFAULT_DRAFT, DEFAULT_EAGLE_HEAD, DRAFT_METHODS, ENV_PREFIX, ROLES, check_model_dir,
-                            default_target_model)
+from schemas.config import ENV_PREFIX, ROLES, DrafterConfig, check_model_dir, default_target_model
+from schemas.draft_kinds import DEFAULT_DRAFT_METHOD, DRAFT_KINDS, DRAFT_METHODS, DraftKind
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.bus.subjects import DEFAULT_PREFIX
 from services.launch.natsserver import NatsServerConfig, NatsServerError
@@ -23,6 +24,27 @@ from services.runtime.tasks import until_stopped
 def print_error(exc: SpecbusError) -> None:
     where = f" (field: {exc.field})" if exc.field else ""
     print(f"error: {exc.code.value}: {exc.message}{where}", file=sys.stderr)
+
+
+# Why a drafter's model cannot serve the target, by its kind's DraftKind.fits (schemas/draft_kinds.py).
+MISFITS = {"tokenizer": draft_misfit, "target": eagle_misfit}
+
+
+def check_drafter_model(config: StackConfig, kind: DraftKind, target: str) -> None:
+    """SpecbusError naming the setting when the directory a drafter of kind loads is missing or
+    does not serve the target: a kind that reads the target (fits "target") needs the target's
+    directory too and is checked against it always; one that fits by tokenizer is checked
+    against the verifiers' target when the stack has verifiers."""
+    default = next(f.default for f in dataclasses.fields(DrafterConfig) if f.name == kind.model_setting)
+    model_dir = getattr(config, kind.model_setting) or default
+    check_model_dir(model_dir, kind.model_setting)
+    if kind.fits == "target":
+        check_model_dir(target, "target_model")  # the head reads its embedding
+    elif not config.verifiers:
+        return
+    misfit = MISFITS[kind.fits](target, model_dir)
+    if misfit is not None:
+        raise SpecbusError(ErrorCode.invalid_field, misfit, kind.model_setting)
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,20 +135,9 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
     try:  # a missing model dir fails here, naming it, rather than in each child's log
         if config.verifiers or config.schedulers or config.postprocessors:
             check_model_dir(config.target_model or default_target_model(), "target_model")
-        target = config.target_model or default_target_model()
-        model_drafters = config.drafters and config.draft_method in (None, "model")
-        if model_drafters:
-            check_model_dir(config.draft_model or DEFAULT_DRAFT, "draft_model")
-        if model_drafters and config.verifiers:
-            misfit = draft_misfit(target, config.draft_model or DEFAULT_DRAFT)
-            if misfit is not None:
-                raise SpecbusError(ErrorCode.invalid_field, misfit, "draft_model")
-        if config.drafters and config.draft_method == "eagle":
-            check_model_dir(config.eagle_head or DEFAULT_EAGLE_HEAD, "eagle_head")
-            check_model_dir(target, "target_model")  # the head reads its embedding
-            misfit = eagle_misfit(target, config.eagle_head or DEFAULT_EAGLE_HEAD)
-            if misfit is not None:
-                raise SpecbusError(ErrorCode.invalid_field, misfit, "eagle_head")
+        kind = DRAFT_KINDS.get(config.draft_method or DEFAULT_DRAFT_METHOD)  # an unknown one fails in the drafters
+        if config.drafters and kind is not None and kind.model_setting is not None:
+            check_drafter_model(config, kind, config.target_model or default_target_model())
     except SpecbusError as exc:
         print_error(exc)
         return None

@@ -24,6 +24,7 @@ drafts, never exactness.
 """
 
 from schemas.bus.protocol import MAX_FEATURE_BLOCK_BYTES
+from schemas.draft_kinds import reads_features
 from schemas.steps import FeatureBlock
 from services.scheduler.drafts.draft_method import method_of
 
@@ -31,10 +32,11 @@ BLOCK_OVERHEAD_BYTES = 64  # a FeatureBlock's keys, start, shape and dtype
 
 
 def drafted_by_eagle(placement, request) -> bool:
-    """Whether the request's drafter is a live eagle drafter that wants its features (a scoring
-    request never drafts)."""
+    """Whether the request's drafter is a live one of a kind that reads the target's features (an
+    eagle drafter: schemas/draft_kinds.py), which wants its features (a scoring request never
+    drafts)."""
     instance = placement.registry.instances.get(request.drafter_id) if request.drafter_id else None
-    return (instance is not None and placement.alive(request.drafter_id) and method_of(instance.info) == "eagle"
+    return (instance is not None and placement.alive(request.drafter_id) and reads_features(method_of(instance.info))
             and not request.scoring)
 
 

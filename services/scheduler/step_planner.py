@@ -46,6 +46,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from schemas.config import SchedulerConfig
+from schemas.draft_kinds import proposes_in_scheduler
 from schemas.steps import DraftRequest, DraftResponse, DraftTokens, VerifyRequest, VerifyResponse, VerifyResult
 from schemas.bus.wire import Error
 from services.scheduler.drafts.adaptive_k import AdaptiveK
@@ -200,7 +201,7 @@ class StepPlanner:
             return PlannedRow(request, request.verifier_len, len(request.history), emit=True, num_draft=len(drafts),
                               decode=True, draft=DraftTokens(draft_token_ids=np.asarray(drafts, dtype=np.int32)),
                               suffix=step)
-        if request.speculative.draft_method == "suffix":
+        if proposes_in_scheduler(request.speculative.draft_method):
             wanted = 0  # no drafter: the index's drafts or none
         nodes = 0
         if alive and wanted and self.config.max_tree_nodes:  # trees off (the default): nothing more per row

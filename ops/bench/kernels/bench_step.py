@@ -37,6 +37,7 @@ from ops.bench.bench_pipeline import held_out_prompts
 from ops.bench.drafts.bench_ngram import input_grounded_prompts
 from ops.train.distill_draft import chat_ids, held_out_chat_prompts
 from schemas.config import DEFAULT_DRAFT, TINY_TARGET, default_target_model
+from schemas.draft_kinds import DEFAULT_DRAFT_METHOD, DRAFT_METHODS
 from services.client import make_request
 from services.launch.stack import Stack, StackConfig, role_threads, usable_cores
 from text.tokenizer import load_tokenizer
@@ -135,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-model", default=default_target_model())
     parser.add_argument("--draft-model", default=str(DEFAULT_DRAFT))
-    parser.add_argument("--draft-method", choices=("model", "eagle", "ngram"), default="model",
+    parser.add_argument("--draft-method", choices=DRAFT_METHODS, default=DEFAULT_DRAFT_METHOD,
                         help="the drafter's: the draft model, the shipped EAGLE head over the target's features, "
                              "or prompt lookup")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 4])
@@ -153,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    draft = args.draft_model if args.draft_method == "model" else args.draft_method
+    draft = args.draft_model if args.draft_method == DEFAULT_DRAFT_METHOD else args.draft_method
     print(f"{args.target_model} + {draft}; greedy, batch 1, {args.prompts} prompts x {args.max_tokens} "
           f"tokens x {args.rounds} rounds; ms per step (a chunk the client received); CPU ms per step per process")
     print(asyncio.run(run(args)))

@@ -27,13 +27,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from schemas.bus.control import Heartbeat
+from schemas.draft_kinds import AUTO_TRIAL_ORDER, DEFAULT_DRAFT_METHOD, DRAFT_KINDS, proposes_in_scheduler
 
 TRIAL_STEPS = 8
-METHODS = ("ngram", "eagle", "model")  # "auto"'s trial order, and its order of preference on a tie
+METHODS = AUTO_TRIAL_ORDER  # "auto"'s trial order, and its order of preference on a tie
 
 
 def method_of(heartbeat: Heartbeat) -> str:
-    return heartbeat.model_ids.get("draft_method", "model")
+    return heartbeat.model_ids.get("draft_method", DEFAULT_DRAFT_METHOD)
 
 
 @dataclass
@@ -61,13 +62,14 @@ class DraftTrial:
 
 
 def fits(state, request, method: str):
-    """The heartbeat filter of drafters of method that can draft for request: an eagle drafter
-    only for the target of the request's verifier."""
-    if method != "eagle":
+    """The heartbeat filter of drafters of method that can draft for request: one of a kind that
+    fits only its own target (an eagle drafter, schemas/draft_kinds.py) only for the target of the
+    request's verifier."""
+    if DRAFT_KINDS[method].fits != "target":
         return lambda beat: method_of(beat) == method
     verifier = state.placement.registry.instances.get(request.verifier_id) if request.verifier_id else None
     target = None if verifier is None else verifier.info.model_ids.get("target")
-    return lambda beat: method_of(beat) == "eagle" and target is not None and beat.model_ids.get("target") == target
+    return lambda beat: method_of(beat) == method and target is not None and beat.model_ids.get("target") == target
 
 
 def pick_method(state, request, method: str) -> str | None:
@@ -85,7 +87,7 @@ def pin_drafter(state, request) -> str | None:
     """The drafter for a request (module docstring), counted as a pin; None when none fits.
     state: the SchedulerState; request: its Request."""
     method = request.speculative.draft_method
-    if method == "suffix":
+    if proposes_in_scheduler(method):
         return None
     if method != "auto":
         return state.placement.count_pin(pick_method(state, request, method))

@@ -13,7 +13,8 @@ import torch
 from gpu_worker.runtime.checkpoint import load_d2t, read_config
 from gpu_worker.runtime.eagle import EagleConfig, draft_chain, draft_tree, load_head, new_cache, unpack_features
 from ops.train.eagle_training import init_weights, save_head
-from gpu_worker.drafter.eagle_drafter import eagle_draft_batch, load_eagle_drafter
+from gpu_worker.drafter.drafter_core import draft_batch
+from gpu_worker.drafter.eagle_drafter import load_eagle_drafter
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
 from gpu_worker.verifier.verifier_core import load_verifier, verify_batch
@@ -60,7 +61,7 @@ def verify(verifier, request_id, history, cached_len, drafts=(), features_from=N
 def draft(drafter, *rows):
     request = DraftRequest(batch_id=1, scheduler_id="sched-test", deadline=time.time() + 30,
                            rows=[r.model_copy(update={"row": i}) for i, r in enumerate(rows)])
-    return {r.request_id: r for r in eagle_draft_batch(drafter, request).rows}
+    return {r.request_id: r for r in draft_batch(drafter, request).rows}
 
 
 def drow(request_id, history, cached_len=0, features=None, num_draft=4, **sampling):

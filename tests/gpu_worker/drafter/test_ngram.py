@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from gpu_worker.drafter.ngram import load_ngram_drafter, ngram_draft_batch, propose_ngram, propose_ngram_tree
+from gpu_worker.drafter.drafter_core import draft_batch
+from gpu_worker.drafter.ngram import load_ngram_drafter, propose_ngram, propose_ngram_tree
 from schemas.config import DrafterConfig, load_config
 from schemas.errors import SpecbusError
 from schemas.steps import DraftRequest, DraftRow, DraftTokens, Proposal
@@ -85,7 +86,7 @@ def row(request_id, new_token_ids, num_draft=4, cached_len=0, index=0, max_nodes
 def results(drafter, *rows, release=(), now=None):
     request = DraftRequest(batch_id=1, scheduler_id="sched-test", deadline=time.time() + 30, rows=list(rows),
                            release=list(release))
-    return {r.request_id: r for r in ngram_draft_batch(drafter, request, now=now).rows}
+    return {r.request_id: r for r in draft_batch(drafter, request, now=now).rows}
 
 
 PROMPT = [11, 12, 13, 14, 15, 16, 11, 12]  # ends with a 2-gram seen at the start: drafts 13, 14, 15, 16
