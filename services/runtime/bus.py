@@ -566,8 +566,10 @@ async def cancel_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> Non
     await asyncio.wait(tasks, timeout=timeout_s)
 
 
-async def heartbeat_loop(nc: Client, subject: str, make_payload: Callable[[], bytes], interval_s: float) -> None:
-    """Publish make_payload() every interval_s until cancelled (run it as a task).
+async def heartbeat_loop(nc: Client, subject: str, make_payloads: Callable[[], bytes | list[bytes]],
+                         interval_s: float) -> None:
+    """Publish make_payloads() (one payload, or a beat's copy per version: codec.encode_beats)
+    every interval_s until cancelled (run it as a task).
 
     A failing beat is logged and the loop goes on (a missed beat is what the registry is for);
     the loop ends when the connection is closed for good.
@@ -576,7 +578,9 @@ async def heartbeat_loop(nc: Client, subject: str, make_payload: Callable[[], by
         raise ValueError(f"interval_s: must be > 0, got {interval_s}")
     while True:
         try:
-            await publish(nc, subject, make_payload())
+            payloads = make_payloads()
+            for payload in [payloads] if isinstance(payloads, bytes) else payloads:
+                await publish(nc, subject, payload)
         except BusUnavailable as exc:
             if nc.is_closed:
                 log.warning("heartbeat_stopped_connection_closed", subject=subject)
