@@ -23,8 +23,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from schemas.protocol import PROTOCOL_VERSION
-from schemas.versions import VERSION_ENV, Window
+from schemas.bus.protocol import PROTOCOL_VERSION
+from schemas.bus.versions import VERSION_ENV, Window
 from services.client import Client, ClientError, make_request
 from services.launch.stack import Stack
 from tests.system.faults.test_faults import GUMBEL_SAMPLED, HEARTBEAT_TIMEOUT_S, K, TIMEOUT_S, fault_settings, wait_until
