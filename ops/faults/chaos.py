@@ -29,7 +29,10 @@ The nemesis (FAULTS, each injected, held `hold_s`, healed, then the stack settle
 - kill-drafter-and-node: the drafter and the NATS node it is on, SIGKILLed together;
 - kill-schedulers-and-node: every scheduler and the node of the first, SIGKILLed together (the
   supervisor brings schedulers back; the node restarts at the heal);
-- rolling-restart: every service stopped (SIGTERM) and replaced, one after the other.
+- rolling-restart: every service stopped (SIGTERM) and replaced, one after the other;
+- rolling-upgrade: the same, each replacement speaking the next protocol version too
+  (SPECBUS_PROTOCOL_VERSION, window [N, N+1]: schemas/bus/versions.py), and on its next turn back
+  to this release's window [N, N]: versions mix while it runs (docs/PROTOCOL.md#version-rule).
 
 Recovery times (ops/faults/chaos_check.py `recovery`): for the streams in flight when a fault began,
 the wait from its heal to their next chunk.
@@ -55,6 +58,8 @@ from ops.faults.chaos_check import FaultEvent, Record, Verdict, check, write_his
 from ops.faults.netns import Namespaces
 from ops.train.train_models import read_text, source_files
 from schemas.bus.clock import CLOCK_OFFSET_ENV
+from schemas.bus.protocol import PROTOCOL_VERSION
+from schemas.bus.versions import VERSION_ENV
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.client import Client, ClientError, make_request
 from services.launch.natsserver import NatsServer, NatsServerConfig
@@ -78,7 +83,7 @@ REFUSED_PAUSE_S = 0.5  # a worker's pause after a request was refused (not admit
 CLOCK_OFFSETS = {"scheduler": -3.0, "verifier": 6.0, "drafter": -6.0, "postprocessor": 4.0}
 FAULTS = ("partition-scheduler-minority", "partition-scheduler-majority", "cut-scheduler", "cut-verifier",
           "throttle-verifier", "stall-node", "gray-verifier", "kill-drafter-and-node", "kill-schedulers-and-node",
-          "rolling-restart")
+          "rolling-restart", "rolling-upgrade")
 REGEX = "[a-z_]{2,10}( [a-z_]{2,10}){3,8}"
 SAMPLED = dict(temperature=0.8, top_p=0.95, draft_mode="sample", coupling="gumbel")
 
@@ -265,6 +270,8 @@ class Harness:
             return [*victims, self.node_name(node)], lambda: asyncio.to_thread(node.restart)
         if name == "rolling-restart":
             return ["every service"], self.rolling_restart
+        if name == "rolling-upgrade":
+            return ["every service"], self.rolling_upgrade
         raise ValueError(f"fault: unknown {name!r}, expected one of {FAULTS}")
 
     async def heal_net(self) -> None:
@@ -282,6 +289,18 @@ class Harness:
             self.stack.kill(proc.instance_id, signal.SIGTERM)
             await self.stack.wait_exit(proc.instance_id, timeout_s=60)
             await self.settle()
+
+    async def rolling_upgrade(self) -> None:
+        """rolling_restart, the supervisor's replacements speaking [N, N+1] (or, when the last run
+        upgraded, [N, N] again): every window holds N throughout, the rule of an upgrade."""
+        envs = [self.stack.config.role_env.setdefault(role, {}) for role in CLOCK_OFFSETS]
+        upgrade = not any(VERSION_ENV in env for env in envs)
+        for env in envs:
+            if upgrade:
+                env[VERSION_ENV] = str(PROTOCOL_VERSION + 1)
+            else:
+                env.pop(VERSION_ENV, None)
+        await self.rolling_restart()
 
     async def settle(self) -> None:
         """Until every NATS node runs and every service of the configured counts heartbeats."""
