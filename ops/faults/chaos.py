@@ -345,7 +345,7 @@ class Harness:
 
 async def chaos(streams: int, specs: int, max_tokens: int, faults: list[str], hold_s: float, every_s: float,
                 duration_s: float, out: Path, target: str = str(TINY_TARGET), draft: str = str(TINY_DRAFT),
-                allow_errors: bool = False) -> Verdict:
+                allow_errors: bool = False, client_idle_s: float = CLIENT_IDLE_S) -> Verdict:
     """Start the stack, record the references, run load and nemesis for duration_s (every fault
     at least once), let the streams end, write out/history.jsonl and out/summary.json."""
     out.mkdir(parents=True, exist_ok=True)
@@ -356,7 +356,7 @@ async def chaos(streams: int, specs: int, max_tokens: int, faults: list[str], ho
             stop_supervisor = asyncio.Event()
             supervisor = asyncio.create_task(supervise(stack, stop_supervisor))
             try:
-                async with stack.client(idle_timeout_s=CLIENT_IDLE_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as client:
+                async with stack.client(idle_timeout_s=client_idle_s, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as client:
                     api = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key(), max_retries=0,
                                              timeout=REQUEST_TIMEOUT_S)
                     model = (await api.models.list()).data[0].id
@@ -393,9 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-s", type=float, default=3.0, help="quiet time between a heal and the next fault")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma separated, from {','.join(FAULTS)}")
     parser.add_argument("--out", type=Path, default=Path("chaos-out"))
+    parser.add_argument("--client-idle-s", type=float, default=CLIENT_IDLE_S,
+                        help="the workload client's idle bound (services/client.py idle_timeout_s)")
     args = parser.parse_args(argv)
     verdict = asyncio.run(chaos(args.streams, args.specs, args.max_tokens, args.faults.split(","), args.hold_s,
-                                args.every_s, args.duration_s, args.out))
+                                args.every_s, args.duration_s, args.out, client_idle_s=args.client_idle_s))
     print(json.dumps(verdict.summary(), indent=1))
     return 0 if verdict.ok else 1
 
