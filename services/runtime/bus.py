@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.micro.service import EndpointConfig, EndpointStats, Service, ServiceConfig
 
 from schemas.bus.clock import wall as wall_clock
-from schemas.bus.codec import error_reply
+from schemas.bus.codec import error_reply, reply_version
 from schemas.config import BusConfig
 from schemas.errors import ErrorCode, SpecbusError
 from services.runtime.auth import PermissionWatch, inbox_prefix
@@ -311,7 +311,7 @@ async def respond(nc: Client, msg: Any, payload: bytes, counters: Counter) -> No
     except BusError as exc:
         counters["reply_too_large"] += 1
         log.warning("reply_too_large", subject=msg.subject, error=str(exc))
-        payload = error_reply(exc)
+        payload = error_reply(exc, v=reply_version(msg.data))  # in the version of what it answers
     try:
         await msg.respond(payload)
     except (ValueError, nats.errors.Error) as exc:  # ValueError: the message had no reply subject
