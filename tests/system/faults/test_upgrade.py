@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 N = PROTOCOL_VERSION
 STREAMS = 6  # lanes: 0, 3 the old client; 1, 4 the new client; 2, 5 the gateway
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 # the scheduler first: from then on it must address its old peers in N, and every later step mixes versions
 ROLL_ORDER = ("scheduler", "postprocessor", "verifier", "drafter", "gateway")
 ENDED_PER_STEP = 4  # requests that end between two replacements: each mixed stage serves load
