@@ -45,7 +45,7 @@ import asyncio
 import math
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,15 +53,15 @@ import nats.errors
 import numpy as np
 import structlog
 
-from schemas.bus.codec import decode, decode_any, encode, validate
+from schemas.bus.codec import decode_any, decode_heartbeat, encode
 from schemas.config import DEFAULT_NATS_URL, HEARTBEAT_TIMEOUT_S, BusConfig, load_config
-from schemas.bus.control import Heartbeat
 from schemas.errors import CodecError, ErrorCode, SpecbusError
-from schemas.generation import (CancelRequest, GenerateRequest, LogprobOptions, SamplingParams, SpeculativeOptions,
-                                new_request_id)
+from schemas.generation import CancelRequest, GenerateRequest
 from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
 from schemas.bus.subjects import DEFAULT_CLIENT_USER, DEFAULT_PREFIX, Subjects
+from schemas.bus.versions import WINDOW, Window
 from schemas.bus.wire import Error
+from services.client_requests import make_request, score_request  # the library's API, as before
 from services.runtime.auth import CLIENT_MAX_PAYLOAD, PermissionDenied, inbox_prefix
 from services.runtime.bus import NO_RESPONDERS_STATUS, BusError, connect, permission_watch, publish, tls_context
 
@@ -107,53 +107,6 @@ class StreamBroken(ClientError):
 
     def __init__(self, message: str):
         super().__init__(ErrorCode.internal, message)
-
-
-# ---------------------------------------------------------------------------------------------
-# building requests
-
-REQUEST_FIELDS = {"request_id", "timeout_s", "stream"}
-GROUPS = {"sampling": SamplingParams, "logprobs": LogprobOptions, "speculative": SpeculativeOptions}
-
-
-def make_request(prompt: str | Sequence[int] | np.ndarray | None = None, *,
-                 messages: Sequence[Mapping[str, str]] | None = None, **options: Any) -> GenerateRequest:
-    """A GenerateRequest from a prompt (text, or token ids) or a chat (messages=[{"role": "user",
-    "content": ...}, ...]: the scheduler applies the target's chat template, and generation stops
-    at its end-of-turn token, the model's EOS) and flat options: any field of
-    SamplingParams (max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_token_ids,
-    ignore_eos, the penalties, logit_bias, coupling), LogprobOptions (logprobs, prompt_logprobs,
-    logprobs_mode, logprob_token_ids, sampling_mask, max_mask_size), SpeculativeOptions
-    (num_speculative_tokens, draft_mode, draft_method),
-    and request_id, timeout_s, stream. Options given as None keep their defaults.
-    Raises CodecError naming the field (e.g. "sampling.top_p") for a bad value or name.
-    """
-    raw: dict[str, Any] = {"request_id": new_request_id(), **{group: {} for group in GROUPS}}
-    if messages is not None:
-        raw["messages"] = [dict(message) for message in messages]
-    if isinstance(prompt, str):
-        raw["prompt"] = prompt
-    elif prompt is not None:
-        raw["prompt_token_ids"] = np.asarray(prompt)
-    for name, value in options.items():
-        if value is None:
-            continue
-        group = next((g for g, model in GROUPS.items() if name in model.model_fields), None)
-        if group is not None:
-            raw[group][name] = value
-        elif name in REQUEST_FIELDS:
-            raw[name] = value
-        else:
-            raise CodecError(ErrorCode.invalid_field, f"unknown request option {name!r}", name)
-    # no max_tokens cap here: the scheduler's (its max_tokens_cap and the verifiers' max_seq_len) decides
-    return validate(GenerateRequest, raw, context={"max_tokens_cap": None})
-
-
-def score_request(prompt: str | Sequence[int] | np.ndarray, prompt_logprobs: int = 0,
-                  **options: Any) -> GenerateRequest:
-    """A request that generates nothing and returns the logprob of every prompt token
-    (max_tokens=0 with prompt_logprobs): scores a sequence."""
-    return make_request(prompt, max_tokens=0, prompt_logprobs=prompt_logprobs, **options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +345,7 @@ class Stream:
             raise RequestError(ErrorCode.unavailable, f"no scheduler listens on {self.client.generate_subject!r}",
                                request_id=self.request.request_id)
         try:
-            message = decode_any(msg.data)
+            message = decode_any(msg.data, window=self.client.window)
             if not isinstance(message, (StreamChunk, Admitted)):
                 raise CodecError(ErrorCode.wrong_message_type, f"a {message.type} message on a stream inbox", "type")
         except CodecError as exc:
@@ -500,7 +453,8 @@ class Stream:
         except nats.errors.Error as exc:
             log.warning("unsubscribe_failed", request_id=self.request.request_id, error=type(exc).__name__)
         await self.client.cancel(old_run)  # in case it lives on after all
-        await publish(self.client.nc, self.client.generate_subject, encode(run), reply=self.subscription.subject)
+        await publish(self.client.nc, self.client.generate_subject, encode(run, self.client.version()),
+                      reply=self.subscription.subject)
         return True
 
     def _ignore(self, chunk: StreamChunk) -> None:
@@ -596,7 +550,8 @@ class Client:
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  name: str = "specbus-client", connect_timeout_s: float = 5.0, timeout_margin_s: float = 5.0,
                  idle_timeout_s: float = 30.0, gap_grace_s: float = 1.0, failover: bool = True,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, admission_timeout_s: float = 5.0):
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, admission_timeout_s: float = 5.0,
+                 window: Window = WINDOW):
         self.url = url
         self.subjects = Subjects(prefix)
         self.user, self.password = user, password
@@ -613,6 +568,8 @@ class Client:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.admission_timeout_s = admission_timeout_s
         self.scheduler_beats: dict[str, float] = {}  # scheduler instance id -> time.monotonic() of its last beat
+        self.window = window  # the protocol versions this client speaks (version())
+        self.scheduler_highs: dict[str, int] = {}  # scheduler instance id -> the high end of its version window
         self.nc = None
 
     @classmethod
@@ -641,11 +598,19 @@ class Client:
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:
-            beat = decode(msg.data, Heartbeat)
+            beat = decode_heartbeat(msg.data, self.window)
         except CodecError:
             return  # the services count bad heartbeats; a client only needs the good ones
-        if beat.role == "scheduler":
+        if beat is not None and beat.role == "scheduler":
             self.scheduler_beats[beat.instance_id] = time.monotonic()
+            self.scheduler_highs[beat.instance_id] = beat.protocol_version
+
+    def version(self) -> int:
+        """The version to send a request or cancel in: the highest this client and every live
+        scheduler speak (any of them may take it), the window's low end before one is heard
+        (or without failover, which is what reads their heartbeats)."""
+        live = self.live_schedulers()
+        return self.window.toward(*(self.scheduler_highs[i] for i in live)) if live else self.window.low
 
     def live_schedulers(self) -> list[str]:
         """Schedulers heard from within heartbeat_timeout_s."""
@@ -664,7 +629,7 @@ class Client:
         subscription = await self.nc.subscribe(inbox)
         stream = Stream(self, request, subscription)
         try:
-            await publish(self.nc, self.generate_subject, encode(request), reply=inbox)
+            await publish(self.nc, self.generate_subject, encode(request, self.version()), reply=inbox)
         except BaseException:
             stream.finished = True  # never sent: nothing to cancel
             await stream.close()
@@ -694,6 +659,6 @@ class Client:
     async def cancel(self, request_id: str) -> None:
         """Ask the schedulers to stop a request (best effort: a failure to send is logged)."""
         try:
-            await publish(self.nc, self.cancel_subject, encode(CancelRequest(request_id=request_id)))
+            await publish(self.nc, self.cancel_subject, encode(CancelRequest(request_id=request_id), self.version()))
         except BusError as exc:
             log.warning("cancel_not_sent", request_id=request_id, error=str(exc))

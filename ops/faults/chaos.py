@@ -29,7 +29,10 @@ The nemesis (FAULTS, each injected, held `hold_s`, healed, then the stack settle
 - kill-drafter-and-node: the drafter and the NATS node it is on, SIGKILLed together;
 - kill-schedulers-and-node: every scheduler and the node of the first, SIGKILLed together (the
   supervisor brings schedulers back; the node restarts at the heal);
-- rolling-restart: every service stopped (SIGTERM) and replaced, one after the other.
+- rolling-restart: every service stopped (SIGTERM) and replaced, one after the other;
+- rolling-upgrade: the same, each replacement speaking the next protocol version too
+  (SPECBUS_PROTOCOL_VERSION, window [N, N+1]: schemas/bus/versions.py), and on its next turn back
+  to this release's window [N, N]: versions mix while it runs (docs/PROTOCOL.md#version-rule).
 
 Recovery times (ops/faults/chaos_check.py `recovery`): for the streams in flight when a fault began,
 the wait from its heal to their next chunk.
@@ -55,6 +58,8 @@ from ops.faults.chaos_check import FaultEvent, Record, Verdict, check, write_his
 from ops.faults.netns import Namespaces
 from ops.train.train_models import read_text, source_files
 from schemas.bus.clock import CLOCK_OFFSET_ENV
+from schemas.bus.protocol import PROTOCOL_VERSION
+from schemas.bus.versions import VERSION_ENV
 from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.client import Client, ClientError, make_request
 from services.launch.natsserver import NatsServer, NatsServerConfig
@@ -78,7 +83,7 @@ REFUSED_PAUSE_S = 0.5  # a worker's pause after a request was refused (not admit
 CLOCK_OFFSETS = {"scheduler": -3.0, "verifier": 6.0, "drafter": -6.0, "postprocessor": 4.0}
 FAULTS = ("partition-scheduler-minority", "partition-scheduler-majority", "cut-scheduler", "cut-verifier",
           "throttle-verifier", "stall-node", "gray-verifier", "kill-drafter-and-node", "kill-schedulers-and-node",
-          "rolling-restart")
+          "rolling-restart", "rolling-upgrade")
 REGEX = "[a-z_]{2,10}( [a-z_]{2,10}){3,8}"
 SAMPLED = dict(temperature=0.8, top_p=0.95, draft_mode="sample", coupling="gumbel")
 
@@ -265,6 +270,8 @@ class Harness:
             return [*victims, self.node_name(node)], lambda: asyncio.to_thread(node.restart)
         if name == "rolling-restart":
             return ["every service"], self.rolling_restart
+        if name == "rolling-upgrade":
+            return ["every service"], self.rolling_upgrade
         raise ValueError(f"fault: unknown {name!r}, expected one of {FAULTS}")
 
     async def heal_net(self) -> None:
@@ -282,6 +289,18 @@ class Harness:
             self.stack.kill(proc.instance_id, signal.SIGTERM)
             await self.stack.wait_exit(proc.instance_id, timeout_s=60)
             await self.settle()
+
+    async def rolling_upgrade(self) -> None:
+        """rolling_restart, the supervisor's replacements speaking [N, N+1] (or, when the last run
+        upgraded, [N, N] again): every window holds N throughout, the rule of an upgrade."""
+        envs = [self.stack.config.role_env.setdefault(role, {}) for role in CLOCK_OFFSETS]
+        upgrade = not any(VERSION_ENV in env for env in envs)
+        for env in envs:
+            if upgrade:
+                env[VERSION_ENV] = str(PROTOCOL_VERSION + 1)
+            else:
+                env.pop(VERSION_ENV, None)
+        await self.rolling_restart()
 
     async def settle(self) -> None:
         """Until every NATS node runs and every service of the configured counts heartbeats."""
@@ -326,7 +345,7 @@ class Harness:
 
 async def chaos(streams: int, specs: int, max_tokens: int, faults: list[str], hold_s: float, every_s: float,
                 duration_s: float, out: Path, target: str = str(TINY_TARGET), draft: str = str(TINY_DRAFT),
-                allow_errors: bool = False) -> Verdict:
+                allow_errors: bool = False, client_idle_s: float = CLIENT_IDLE_S) -> Verdict:
     """Start the stack, record the references, run load and nemesis for duration_s (every fault
     at least once), let the streams end, write out/history.jsonl and out/summary.json."""
     out.mkdir(parents=True, exist_ok=True)
@@ -337,7 +356,7 @@ async def chaos(streams: int, specs: int, max_tokens: int, faults: list[str], ho
             stop_supervisor = asyncio.Event()
             supervisor = asyncio.create_task(supervise(stack, stop_supervisor))
             try:
-                async with stack.client(idle_timeout_s=CLIENT_IDLE_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as client:
+                async with stack.client(idle_timeout_s=client_idle_s, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as client:
                     api = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key(), max_retries=0,
                                              timeout=REQUEST_TIMEOUT_S)
                     model = (await api.models.list()).data[0].id
@@ -374,9 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-s", type=float, default=3.0, help="quiet time between a heal and the next fault")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma separated, from {','.join(FAULTS)}")
     parser.add_argument("--out", type=Path, default=Path("chaos-out"))
+    parser.add_argument("--client-idle-s", type=float, default=CLIENT_IDLE_S,
+                        help="the workload client's idle bound (services/client.py idle_timeout_s)")
     args = parser.parse_args(argv)
     verdict = asyncio.run(chaos(args.streams, args.specs, args.max_tokens, args.faults.split(","), args.hold_s,
-                                args.every_s, args.duration_s, args.out))
+                                args.every_s, args.duration_s, args.out, client_idle_s=args.client_idle_s))
     print(json.dumps(verdict.summary(), indent=1))
     return 0 if verdict.ok else 1
 

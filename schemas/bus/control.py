@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from schemas.bus.protocol import PROTOCOL_VERSION
+from schemas.bus.versions import WINDOW
 from schemas.bus.wire import Count, InstanceId, Message
 
 
@@ -20,6 +20,9 @@ class Heartbeat(Message):
     # e.g. {"target": "...", "draft": "...", "tokenizer": hash}; a drafter's "draft_method" ("model"
     # when absent, "ngram" or "eagle"); "tokenizer": ANY_TOKENIZER for an instance that fits every target
     model_ids: dict[str, str] = Field(default_factory=dict)
-    protocol_version: int = PROTOCOL_VERSION
+    # the sender's version window [protocol_min, protocol_version] (schemas/bus/versions.py); a beat goes
+    # out once per version of it, and each receiver keeps the copy addressed to it (Window.keeps)
+    protocol_version: int = WINDOW.high
+    protocol_min: int = WINDOW.low
     sent_at: float = Field(ge=0, allow_inf_nan=False)
     interval_s: float = Field(gt=0, allow_inf_nan=False)

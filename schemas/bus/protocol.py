@@ -5,8 +5,10 @@ and `python -m schemas.doc_tables` lists them in docs/PROTOCOL.md. Constants onl
 """
 
 # 2 adds trees of draft tokens (DraftTokens.parents) and a scheduler's ask for one (DraftRow.max_nodes);
-# a peer of another version is refused (docs/PROTOCOL.md#version-rule)
-PROTOCOL_VERSION = 2
+# 3 adds version windows (Heartbeat.protocol_min): a process speaks every version from PROTOCOL_MIN to
+# PROTOCOL_VERSION and refuses the others (docs/PROTOCOL.md#version-rule; schemas/bus/versions.py)
+PROTOCOL_VERSION = 3
+PROTOCOL_MIN = 3  # the oldest version this release still speaks: 2 knows no windows
 MAX_TOKENS_CAP = 4096  # default cap on max_tokens; a scheduler passes its own via decode(context=...)
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 64

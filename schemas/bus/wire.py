@@ -1,6 +1,7 @@
 """The base of every model on the bus, the field types they share, and the Error reply.
 
-Each top-level message (a `Message`) carries `v` (PROTOCOL_VERSION) and a `type` string;
+Each top-level message (a `Message`) carries `v` (the version it is sent in, schemas/bus/versions.py)
+and a `type` string;
 sub-models (a `WireModel`) carry neither. Token ids and probability/logprob vectors are packed
 numpy arrays (schemas/arrays.py). Rows are always keyed by `request_id`, never by position.
 
@@ -17,7 +18,8 @@ from pydantic_core import PydanticCustomError
 
 from schemas.arrays import Packed, same_value
 from schemas.errors import ErrorCode, SpecbusError
-from schemas.bus.protocol import PROTOCOL_VERSION
+from schemas.bus.protocol import PROTOCOL_MIN
+from schemas.bus.versions import REHEARSAL_VERSION, WINDOW
 from schemas.bus.subjects import INSTANCE_ID_PATTERN
 
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -58,17 +60,18 @@ class WireModel(BaseModel):
 
 
 class Message(WireModel):
-    v: int = PROTOCOL_VERSION
+    # the version it is (to be) sent in: the low end of this process's window unless set (docs/PROTOCOL.md#version-rule)
+    v: int = WINDOW.low
 
     @field_validator("v")
     @classmethod
     def _known_version(cls, v: int) -> int:
-        if v != PROTOCOL_VERSION:
+        # which of these a process accepts is its window's business (codec.decode)
+        if not PROTOCOL_MIN <= v <= REHEARSAL_VERSION:
             raise PydanticCustomError("unsupported_version",
-                                      "protocol version {v} not supported (this side speaks {ours})",
-                                      {"v": v, "ours": PROTOCOL_VERSION})
+                                      "protocol version {v} not supported (this code knows {low} to {high})",
+                                      {"v": v, "low": PROTOCOL_MIN, "high": REHEARSAL_VERSION})
         return v
-
 
 
 class Error(Message):

@@ -13,7 +13,7 @@ from typing import Any
 
 from schemas.bus.codec import field_path
 from schemas.errors import ErrorCode, SpecbusError
-from services.client import GROUPS
+from services.client_requests import GROUPS
 
 # An input echoed in an error message is cut to this many characters (an 8 MB model name must not
 # come back whole); a whole message and its param are cut too, whatever they hold.

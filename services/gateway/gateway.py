@@ -67,9 +67,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from text.tokenizer import Tokenizer, load_tokenizer
-from schemas.bus.codec import CodecError, decode
+from schemas.bus.codec import CodecError, decode_heartbeat
 from schemas.config import GatewayConfig
-from schemas.bus.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.bus.subjects import DEFAULT_CLIENT_USER, Subjects
 from services.client import Client, Stream
@@ -143,9 +142,11 @@ class Gateway:
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:
-            self.limits.observe(decode(msg.data, Heartbeat), time.monotonic())
+            beat = decode_heartbeat(msg.data)
         except CodecError:
-            pass  # the services count bad heartbeats; the gateway only needs the good ones
+            return  # the services count bad heartbeats; the gateway only needs the good ones
+        if beat is not None:  # None: the beat's copy for other versions
+            self.limits.observe(beat, time.monotonic())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from contextlib import AsyncExitStack
 import structlog
 
 from text.tokenizer import load_tokenizer, tokenizer_id
-from schemas.bus.codec import decode, encode
+from schemas.bus.codec import decode, encode, encode_beats
 from schemas.bus.clock import wall as wall_clock
 from schemas.commits import Commit, SideChannelRecord
 from schemas.config import PostprocessorConfig, service_version
@@ -115,9 +115,9 @@ class PostprocessorService:
         return {"active_requests": self.post.load, "send_failures": self.num_send_failures,
                 **self.post.counters.as_dict()}
 
-    def heartbeat(self) -> bytes:
+    def heartbeat(self) -> list[bytes]:
         load = self.post.load
-        return encode(Heartbeat(instance_id=self.config.instance_id, role="postprocessor",
+        return encode_beats(Heartbeat(instance_id=self.config.instance_id, role="postprocessor",
                                 capacity=self.post.max_requests, load=load,
                                 free_slots=max(0, self.post.max_requests - load), model_ids=self.model_ids,
                                 sent_at=wall_clock(), interval_s=self.config.heartbeat_interval_s))
@@ -185,12 +185,12 @@ class PostprocessorService:
 
     async def send(self, out: Outgoing) -> None:
         if isinstance(out, NoticeToScheduler):
-            await publish(self.nc, self.subjects.stop_notice(out.scheduler_id), encode(out.notice))
+            await publish(self.nc, self.subjects.stop_notice(out.scheduler_id), encode(out.notice, out.v))
             return
         chunk = out.chunk
         reply = f"{self.bounce_prefix}.{chunk.request_id}"
         try:
-            await publish(self.nc, out.inbox, encode(chunk), reply=reply)
+            await publish(self.nc, out.inbox, encode(chunk, out.v), reply=reply)
         except BusPayloadTooLarge as exc:
             # The client must not wait for a chunk that cannot be sent: it gets a small final
             # error in its place and stops reading; the next chunk bounces and ends the request.
@@ -198,7 +198,7 @@ class PostprocessorService:
             log.warning("chunk_too_large", request_id=chunk.request_id, seq=chunk.seq, error=str(exc))
             error = Error(code=ErrorCode.too_large, message=str(exc), request_id=chunk.request_id)
             replacement = StreamChunk(request_id=chunk.request_id, seq=chunk.seq, finish_reason="error", error=error)
-            await publish(self.nc, out.inbox, encode(replacement), reply=reply)
+            await publish(self.nc, out.inbox, encode(replacement, out.v), reply=reply)
 
 
 async def run_postprocessor(config: PostprocessorConfig, stop: asyncio.Event) -> None:

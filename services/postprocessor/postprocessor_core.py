@@ -53,16 +53,20 @@ from services.postprocessor.text_stream import TextStream
 log = structlog.get_logger(__name__)
 
 
+# `v` of an outgoing message: the version it goes out in, its commit's (the scheduler sends a
+# commit in a version the client and this postprocessor both speak; docs/PROTOCOL.md#version-rule).
 @dataclass
 class ChunkToClient:
     inbox: str
     chunk: StreamChunk
+    v: int
 
 
 @dataclass
 class NoticeToScheduler:
     scheduler_id: str
     notice: StopNotice
+    v: int
 
 
 Outgoing = ChunkToClient | NoticeToScheduler
@@ -111,6 +115,7 @@ class StreamState:
     next_seq: int
     text: TextStream
     last_active: float
+    version: int  # what its chunks and notices go out in: its commits' (ChunkToClient.v)
     prompt_token_ids: np.ndarray | None = None
     num_tokens: int = 0
     commits: dict[int, PendingCommit] = field(default_factory=dict)  # by seq, not yet processed
@@ -239,7 +244,7 @@ class Postprocessor:
             request_id=commit.request_id, scheduler_id=commit.scheduler_id, client_inbox=commit.client_inbox,
             options=commit.logprobs, stream=commit.stream, next_seq=commit.seq if resume is not None else 0,
             text=TextStream.start(commit.prompt_token_ids, commit.stop), last_active=now,
-            prompt_token_ids=commit.prompt_token_ids)
+            prompt_token_ids=commit.prompt_token_ids, version=commit.v)
         self.requests[commit.request_id] = state
         if resume is not None:
             self._resume(state, resume)
@@ -282,7 +287,7 @@ class Postprocessor:
         chunk = StreamChunk(request_id=commit.request_id, seq=seq, finish_reason="error", error=error)
         notice = StopNotice(request_id=commit.request_id, batch_id=commit.batch_id, step=commit.step,
                             postprocessor_id=self.instance_id, reason="error")
-        return [ChunkToClient(commit.client_inbox, chunk), NoticeToScheduler(commit.scheduler_id, notice)]
+        return [ChunkToClient(commit.client_inbox, chunk, commit.v), NoticeToScheduler(commit.scheduler_id, notice, commit.v)]
 
     def _missing_commit(self, state: StreamState, now: float) -> list[Outgoing]:
         self.counters.missing_commits += 1
@@ -296,7 +301,7 @@ class Postprocessor:
         chunk = StreamChunk(request_id=state.request_id, seq=0 if not state.stream else seq, text="",
                             finish_reason="error", error=error)
         self._finish(state, now)
-        return [ChunkToClient(state.client_inbox, chunk), self._notice(state, "error")]
+        return [ChunkToClient(state.client_inbox, chunk, state.version), self._notice(state, "error")]
 
     def _finish(self, state: StreamState, now: float) -> None:
         state.finished_at = now
@@ -309,7 +314,7 @@ class Postprocessor:
         notice = StopNotice(request_id=state.request_id, batch_id=state.last_batch_id or 0, step=state.last_step,
                             postprocessor_id=self.instance_id, reason=reason, stop=stop,
                             text_offset=text_offset, num_tokens=state.num_tokens)
-        return NoticeToScheduler(state.scheduler_id, notice)
+        return NoticeToScheduler(state.scheduler_id, notice, state.version)
 
     # ------------------------------------------------------------------ side-channel records
 
@@ -426,11 +431,11 @@ class Postprocessor:
 
     def _deliver(self, state: StreamState, chunk: StreamChunk) -> list[Outgoing]:
         if state.stream:
-            return [ChunkToClient(state.client_inbox, chunk)]
+            return [ChunkToClient(state.client_inbox, chunk, state.version)]
         state.pieces.append(chunk)
         if not chunk.final:
             return []
-        return [ChunkToClient(state.client_inbox, merge_chunks(state.pieces))]
+        return [ChunkToClient(state.client_inbox, merge_chunks(state.pieces), state.version)]
 
 
 def merge_chunks(pieces: list[StreamChunk]) -> StreamChunk:

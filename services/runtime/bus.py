@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.micro.service import EndpointConfig, EndpointStats, Service, ServiceConfig
 
 from schemas.bus.clock import wall as wall_clock
-from schemas.bus.codec import error_reply
+from schemas.bus.codec import error_reply, reply_version
 from schemas.config import BusConfig
 from schemas.errors import ErrorCode, SpecbusError
 from services.runtime.auth import PermissionWatch, inbox_prefix
@@ -311,7 +311,7 @@ async def respond(nc: Client, msg: Any, payload: bytes, counters: Counter) -> No
     except BusError as exc:
         counters["reply_too_large"] += 1
         log.warning("reply_too_large", subject=msg.subject, error=str(exc))
-        payload = error_reply(exc)
+        payload = error_reply(exc, v=reply_version(msg.data))  # in the version of what it answers
     try:
         await msg.respond(payload)
     except (ValueError, nats.errors.Error) as exc:  # ValueError: the message had no reply subject
@@ -566,8 +566,10 @@ async def cancel_tasks(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> Non
     await asyncio.wait(tasks, timeout=timeout_s)
 
 
-async def heartbeat_loop(nc: Client, subject: str, make_payload: Callable[[], bytes], interval_s: float) -> None:
-    """Publish make_payload() every interval_s until cancelled (run it as a task).
+async def heartbeat_loop(nc: Client, subject: str, make_payloads: Callable[[], bytes | list[bytes]],
+                         interval_s: float) -> None:
+    """Publish make_payloads() (one payload, or a beat's copy per version: codec.encode_beats)
+    every interval_s until cancelled (run it as a task).
 
     A failing beat is logged and the loop goes on (a missed beat is what the registry is for);
     the loop ends when the connection is closed for good.
@@ -576,7 +578,9 @@ async def heartbeat_loop(nc: Client, subject: str, make_payload: Callable[[], by
         raise ValueError(f"interval_s: must be > 0, got {interval_s}")
     while True:
         try:
-            await publish(nc, subject, make_payload())
+            payloads = make_payloads()
+            for payload in [payloads] if isinstance(payloads, bytes) else payloads:
+                await publish(nc, subject, payload)
         except BusUnavailable as exc:
             if nc.is_closed:
                 log.warning("heartbeat_stopped_connection_closed", subject=subject)

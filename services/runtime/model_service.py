@@ -24,7 +24,7 @@ from nats.aio.client import Client
 
 from gpu_worker.batching.slots import SlotOwner, evict_idle, instance_heartbeat
 from schemas.bus.clock import MAX_CLOCK_SKEW_S
-from schemas.bus.codec import decode, encode, error_reply
+from schemas.bus.codec import decode, encode, encode_beats, error_reply, reply_version
 from schemas.config import ModelServiceConfig, service_version
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.bus.subjects import Subjects
@@ -63,8 +63,9 @@ MAX_PENDING_MESSAGES = 64
 @dataclass(frozen=True)
 class SlotService:
     """What differs between the verifier and the drafter service. run_batch(request) ->
-    (response, extra) runs on the model thread; after_reply(nc, extra) runs once the reply is out
-    (the verifier publishes its side records there)."""
+    (response, extra) runs on the model thread; after_reply(nc, extra, v) runs once the reply is out
+    (the verifier publishes its side records there, in the request's version v). Replies go in the
+    request's version."""
 
     role: str  # nats.micro service name, heartbeat role, metric prefix
     endpoint: str  # the nats.micro endpoint's name
@@ -72,7 +73,7 @@ class SlotService:
     subject: str
     request_type: type
     run_batch: Callable[[Any], tuple[Any, Any]]
-    after_reply: Callable[[Client, Any], Awaitable[None]] | None = None
+    after_reply: Callable[[Client, Any, int], Awaitable[None]] | None = None
 
 
 async def evict_idle_loop(owner: SlotOwner, lock: asyncio.Lock) -> None:
@@ -88,7 +89,7 @@ async def evict_idle_loop(owner: SlotOwner, lock: asyncio.Lock) -> None:
 async def refuse(owner: SlotOwner, service: SlotService, nc: Client, msg, counter: str, exc: SpecbusError) -> None:
     owner.counters[counter] += 1
     log.warning(f"{service.role}_request_{counter}", code=exc.code.value, field=exc.field, error=exc.message)
-    await respond(nc, msg, error_reply(exc), owner.counters)
+    await respond(nc, msg, error_reply(exc, v=reply_version(msg.data)), owner.counters)
 
 
 async def handle_batch(owner: SlotOwner, service: SlotService, metrics: ModelServiceMetrics, nc: Client,
@@ -115,14 +116,14 @@ async def handle_batch(owner: SlotOwner, service: SlotService, metrics: ModelSer
             except Exception as exc:
                 owner.counters["failed_batches"] += 1
                 log.exception(f"{service.role}_batch_failed")
-                await respond(nc, msg, error_reply(exc), owner.counters)
+                await respond(nc, msg, error_reply(exc, v=request.v), owner.counters)
                 return
             metrics.batch_seconds.observe(time.monotonic() - started)
         if expired(request.deadline, skew_s=MAX_CLOCK_SKEW_S) is not None:
             owner.counters["late_replies"] += 1  # sent anyway: the scheduler may still use it
-        await respond(nc, msg, encode(response), owner.counters)
+        await respond(nc, msg, encode(response, request.v), owner.counters)
         if service.after_reply is not None:
-            await service.after_reply(nc, extra)
+            await service.after_reply(nc, extra, request.v)
 
 
 def slot_counts(owner: SlotOwner, handler: BoundedHandler) -> dict[str, int]:
@@ -159,7 +160,7 @@ async def run_slot_service(owner: SlotOwner, config: ModelServiceConfig, service
             metadata={"instance_id": config.instance_id, **owner.model_ids}, stats_data=lambda _: metrics.stats())
         stack.push_async_callback(micro.stop)
         tasks = [
-            asyncio.create_task(heartbeat_loop(nc, subjects.heartbeat, lambda: encode(
+            asyncio.create_task(heartbeat_loop(nc, subjects.heartbeat, lambda: encode_beats(
                 instance_heartbeat(owner, service.role, config.heartbeat_interval_s)), config.heartbeat_interval_s),
                 name=f"{service.role}-heartbeat"),
             asyncio.create_task(evict_idle_loop(owner, lock), name=f"{service.role}-evict-idle"),

@@ -131,7 +131,7 @@ class Admission:
         state = Request(request_id=request.request_id, client_inbox=client_inbox, history=[*prompt_ids, *resumed],
                         prompt_len=len(prompt_ids), sampling=request.sampling, logprobs=request.logprobs,
                         speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s,
-                        admitted_at=self.monotonic(), resumed_len=len(resumed), user=user)
+                        admitted_at=self.monotonic(), resumed_len=len(resumed), user=user, client_version=request.v)
         if victim is not None:  # refused in the newcomer's place, at the next boundary
             victim.end_reason = "error"
             victim.end_error = Error(code=ErrorCode.overloaded, request_id=victim.request_id,

@@ -134,7 +134,7 @@ class Committer:
             error = Error(code=code, message=f"request ended ({reason}) with no postprocessor available",
                           request_id=request.request_id)
         chunk = StreamChunk(request_id=request.request_id, seq=request.seq, finish_reason=reason, error=error,
-                            usage=request.usage())
+                            usage=request.usage(), v=request.client_version)
         request.seq += 1
         return chunk
 
@@ -144,7 +144,9 @@ class Committer:
         """The Commit for tokens already appended to the history (seq numbered here)."""
         first = request.seq == 0
         completion_len = len(request.completion) - len(tokens)
-        commit = Commit(request_id=request.request_id, batch_id=batch_id, step=request.step, seq=request.seq,
+        # in the client's version; sent in one its postprocessor speaks too (scheduler.send)
+        commit = Commit(v=request.client_version, request_id=request.request_id, batch_id=batch_id, step=request.step,
+                        seq=request.seq,
                         scheduler_id=self.config.instance_id, client_inbox=request.client_inbox, token_ids=tokens,
                         num_draft=num_draft, num_accepted=num_accepted, finish_reason=finish_reason,
                         degraded=list(dict.fromkeys(degraded)), expect_side_channel=expect_side_channel,

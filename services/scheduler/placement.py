@@ -14,7 +14,8 @@ from typing import Any
 import structlog
 
 from schemas.bus.control import Heartbeat
-from schemas.bus.protocol import ANY_TOKENIZER, PROTOCOL_VERSION
+from schemas.bus.protocol import ANY_TOKENIZER
+from schemas.bus.versions import WINDOW, Window
 
 log = structlog.get_logger(__name__)
 
@@ -84,15 +85,17 @@ class InstanceRegistry:
 class Placement:
     """The instances a scheduler has heard of and its pins on them.
 
-    Compatible = alive, the same protocol version and the same tokenizer hash as the scheduler's
+    Compatible = alive, a protocol version window that overlaps the scheduler's (`window`; a
+    message to it goes in `version_toward`: the highest both speak), the same tokenizer hash as the scheduler's
     own tokenizer (so text prompts, EOS ids and every instance agree), or, for a drafter with no
     vocabulary of its own (the ngram drafter), tokenizer ANY_TOKENIZER, and not avoided (a
     verifier that failed a batch twice is avoided for heartbeat_timeout_s).
     """
 
     def __init__(self, heartbeat_timeout_s: float, tokenizer_hash: str,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, window: Window = WINDOW):
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.window = window
         self.tokenizer_hash = tokenizer_hash
         self.monotonic = monotonic
         self.registry = InstanceRegistry(heartbeat_timeout_s)
@@ -117,12 +120,25 @@ class Placement:
 
     def misfit(self, heartbeat: Heartbeat) -> str | None:
         """Why an instance can never take this scheduler's requests, or None when it can."""
-        if heartbeat.protocol_version != PROTOCOL_VERSION:
-            return f"protocol version {heartbeat.protocol_version}, this scheduler speaks {PROTOCOL_VERSION}"
+        if not self.speaks_with(heartbeat):
+            return (f"protocol versions {heartbeat.protocol_min} to {heartbeat.protocol_version}, this scheduler "
+                    f"speaks {self.window.low} to {self.window.high}")
         theirs = heartbeat.model_ids.get("tokenizer")
         if heartbeat.role != "scheduler" and not self.fits_tokenizer(heartbeat):
             return f"tokenizer {theirs}, this scheduler's (the target's) is {self.tokenizer_hash}"
         return None
+
+    def speaks_with(self, heartbeat: Heartbeat) -> bool:
+        """Whether the instance's version window overlaps ours."""
+        return heartbeat.protocol_min <= self.window.high and self.window.low <= heartbeat.protocol_version
+
+    def version_toward(self, *instance_ids: str | None, cap: int | None = None) -> int:
+        """The version of a message that reaches these instances (and a client that reads at most
+        `cap`): the highest that we and all of them speak (schemas/bus/versions.py). One not heard of
+        counts as speaking only our low end."""
+        highs = [self.window.low if (inst := self.registry.instances.get(i)) is None else inst.info.protocol_version
+                 for i in instance_ids if i is not None]
+        return self.window.toward(*highs, *([] if cap is None else [cap]))
 
     def fits_tokenizer(self, heartbeat: Heartbeat) -> bool:
         theirs = heartbeat.model_ids.get("tokenizer")
@@ -132,7 +148,7 @@ class Placement:
         """Compatible live instances of role (class docstring) whose heartbeat `accept`s, if given."""
         now = self.monotonic()
         return [inst for inst in self.registry.alive(role, now=now)
-                if inst.info.protocol_version == PROTOCOL_VERSION and self.fits_tokenizer(inst.info)
+                if self.speaks_with(inst.info) and self.fits_tokenizer(inst.info)
                 and self.avoid_until.get(inst.instance_id, 0.0) <= now and (accept is None or accept(inst.info))]
 
     def pick(self, role: str, pinned_count: Callable[[str], int], exclude: str | None = None,

@@ -28,7 +28,8 @@ from nats.aio.client import Client
 from pydantic import TypeAdapter, ValidationError
 
 from text.tokenizer import load_tokenizer, tokenizer_id
-from schemas.bus.codec import MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, encode
+from schemas.bus.codec import (MAX_ARRAY_LEN, MAX_MAP_LEN, decode, decode_any, decode_heartbeat, encode, encode_beats,
+                           reply_version)
 from schemas.bus.clock import wall as wall_clock
 from schemas.commits import StopNotice
 from schemas.config import SchedulerConfig, service_version
@@ -166,9 +167,9 @@ class Scheduler:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             await self.send(self.state.keepalives())
 
-    def heartbeat(self) -> bytes:
+    def heartbeat(self) -> list[bytes]:
         config = self.config
-        return encode(Heartbeat(instance_id=config.instance_id, role="scheduler",
+        return encode_beats(Heartbeat(instance_id=config.instance_id, role="scheduler",
                                 capacity=config.max_running + config.max_queue, load=self.state.load,
                                 model_ids={"tokenizer": self.state.tokenizer_hash}, sent_at=wall_clock(),
                                 interval_s=config.heartbeat_interval_s))
@@ -213,10 +214,10 @@ class Scheduler:
                 log.exception("generate_failed", request_id=request_id)
             chunk = StreamChunk(request_id=request_id or "unknown", seq=0, finish_reason="error",
                                 error=Error.from_exception(exc, request_id))
-            await self.publish(msg.reply, encode(chunk))
+            await self.publish(msg.reply, encode(chunk, reply_version(msg.data)))
             return
         # The client resends a request it hears nothing about (schemas.streams.Admitted).
-        await self.publish(msg.reply, encode(self.state.admitted(request_id, started=False)))
+        await self.publish(msg.reply, encode(self.state.admitted(request_id, started=False, v=generate.v)))
         self.wake()
 
     async def on_cancel(self, msg) -> None:
@@ -231,7 +232,7 @@ class Scheduler:
             log.warning("cancel_refused", request_id=cancel.request_id, user=user, code=exc.code.value,
                         field=exc.field, message=exc.message, refused=self.state.counters["refused_cancel_not_owner"])
             if msg.reply and msg.reply.startswith(inbox_prefix(user) + "."):
-                await self.publish(msg.reply, encode(Error.from_exception(exc, cancel.request_id)))
+                await self.publish(msg.reply, encode(Error.from_exception(exc, cancel.request_id), cancel.v))
             return
         if cancelled:
             self.wake()
@@ -244,15 +245,16 @@ class Scheduler:
             self.wake()
 
     async def on_heartbeat(self, msg) -> None:
-        heartbeat = self.decode_or_drop(msg, Heartbeat)
+        heartbeat = self.decode_or_drop(msg, Heartbeat, decode_heartbeat)
         if heartbeat is not None and heartbeat.instance_id != self.config.instance_id \
                 and self.state.observe(heartbeat):
             self.wake()  # a new instance: queued requests may start now
 
-    def decode_or_drop(self, msg, message_type):
-        """The message, or None for a bad one (counted and logged; these subjects have no reply)."""
+    def decode_or_drop(self, msg, message_type, decoder=None):
+        """The message, or None for a bad one (counted and logged; these subjects have no reply)
+        or one the decoder (default `decode`) passes over (a heartbeat's copy for other versions)."""
         try:
-            return decode(msg.data, message_type)
+            return decoder(msg.data) if decoder is not None else decode(msg.data, message_type)
         except SpecbusError as exc:
             kind = message_type.model_fields["type"].default
             self.state.counters[f"dropped_bad_{kind}"] += 1
@@ -341,7 +343,8 @@ class Scheduler:
         """The drafter's answer, or None when it was late, gone or answered with an error."""
         subject = self.subjects.draft(drafter_id)
         try:
-            msg = await request(self.nc, subject, encode(message), timeout_s=self.config.draft_timeout_s)
+            msg = await request(self.nc, subject, encode(message, self.state.placement.version_toward(drafter_id)),
+                                timeout_s=self.config.draft_timeout_s)
             reply = decode_any(msg.data)
         except SpecbusError as exc:
             self.state.counters["draft_failures"] += 1
@@ -362,6 +365,8 @@ class Scheduler:
         verifier is not sent the batch again, a silent one is."""
         subject = self.subjects.verify(verifier_id)
         attempt_s = plan.attempt_s.get(verifier_id, self.config.verify_timeout_s)
+        # the verifier sends side records to the rows' postprocessors in the batch's version
+        v = self.state.placement.version_toward(verifier_id, *{row.postprocessor_id for row in message.rows})
         for attempt in range(self.config.verify_retries + 1):
             if attempt:
                 plan.retried.add(verifier_id)
@@ -369,7 +374,7 @@ class Scheduler:
                                                               for r in message.rows]})
             with log_context(verifier_id=verifier_id, batch_id=message.batch_id, attempt=attempt):
                 try:
-                    msg = await self.await_reply(verifier_id, subject, encode(message), attempt_s, message.deadline)
+                    msg = await self.await_reply(verifier_id, subject, encode(message, v), attempt_s, message.deadline)
                     reply = decode_any(msg.data)
                 except BusDeadlineExpired:
                     break
@@ -413,8 +418,9 @@ class Scheduler:
     # ------------------------------------------------------------------ output
 
     async def send(self, outbox: Outbox) -> None:
-        for postprocessor_id, commit in outbox.commits:
-            await self.publish(self.subjects.post_commit(postprocessor_id), encode(commit))
+        for postprocessor_id, commit in outbox.commits:  # commit.v: its client's version
+            v = self.state.placement.version_toward(postprocessor_id, cap=commit.v)
+            await self.publish(self.subjects.post_commit(postprocessor_id), encode(commit, v))
         for inbox, message in [*outbox.acks, *outbox.chunks]:
             await self.publish(inbox, encode(message))
 

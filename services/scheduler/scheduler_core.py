@@ -159,9 +159,10 @@ class SchedulerState:
         """Queue a valid request, or raise SpecbusError before any work (admission.py)."""
         return self.admission.admit(request, client_inbox, prompt_ids, now)
 
-    def admitted(self, request_id: str, *, started: bool) -> Admitted:
-        """The answer to the client that its request is here (queued) or running (started)."""
-        return Admitted(request_id=request_id, scheduler_id=self.config.instance_id, started=started)
+    def admitted(self, request_id: str, *, started: bool, v: int) -> Admitted:
+        """The answer to the client that its request is here (queued) or running (started), in
+        its request's version v."""
+        return Admitted(request_id=request_id, scheduler_id=self.config.instance_id, started=started, v=v)
 
     def cancel(self, request_id: str, owner_inbox: str | None = None) -> bool:
         """Mark for the next step boundary; False when this scheduler does not own the request.
@@ -219,7 +220,8 @@ class SchedulerState:
                 self.counters["started"] += 1
                 request.told_at = self.monotonic()
                 self.queue_seconds.observe(request.told_at - request.admitted_at)
-                outbox.acks.append((request.client_inbox, self.admitted(request.request_id, started=True)))
+                outbox.acks.append((request.client_inbox,
+                                    self.admitted(request.request_id, started=True, v=request.client_version)))
         return outbox
 
     def keepalives(self) -> Outbox:
@@ -230,7 +232,8 @@ class SchedulerState:
         for request in self.running.values():
             if now - request.told_at >= self.config.heartbeat_interval_s:
                 request.told_at = now
-                outbox.acks.append((request.client_inbox, self.admitted(request.request_id, started=True)))
+                outbox.acks.append((request.client_inbox,
+                                    self.admitted(request.request_id, started=True, v=request.client_version)))
         return outbox
 
     def start(self, request: Request) -> bool:

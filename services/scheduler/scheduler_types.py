@@ -14,6 +14,7 @@ from schemas.commits import Commit
 from schemas.generation import LogprobOptions, SamplingParams, SpeculativeOptions
 from schemas.steps import DraftTokens, FeatureBlock, VerifyRequest
 from schemas.streams import Admitted, StreamChunk, Usage
+from schemas.bus.versions import WINDOW
 from schemas.bus.wire import Error, FinishReason
 from services.scheduler.drafts.adaptive_k import RowState
 from services.scheduler.drafts.draft_method import DraftTrial
@@ -75,6 +76,8 @@ class Request:
     user: str = ""  # the client user it streams to (fair_share.user_of_inbox)
     awaiting_postprocessor: bool = False  # ended with its postprocessor dead: the final commit waits for one
     end_error: Error | None = None  # why, with end_reason "error" (a queued request refused for fair share)
+    # the GenerateRequest's `v`: the version its client reads (docs/PROTOCOL.md#version-rule)
+    client_version: int = WINDOW.low
     adaptive: RowState = field(default_factory=RowState)  # its acceptance per draft position, its probes (adaptive_k)
     tree: TreeRow = field(default_factory=TreeRow)  # its tree steps, its probes (tree_choice.py)
     speculative_lengths: Counter = field(default_factory=Counter)  # k -> its decode steps that verified k drafts

@@ -34,11 +34,13 @@ def heartbeat(verifier: Verifier, interval_s: float) -> Heartbeat:
     return instance_heartbeat(verifier, "verifier", interval_s)
 
 
-async def publish_side_records(verifier: Verifier, subjects: Subjects, nc: Client, records: list[SideRecord]) -> None:
-    """Publish a batch's side records once its reply is out (off the scheduler's critical path)."""
+async def publish_side_records(verifier: Verifier, subjects: Subjects, nc: Client, records: list[SideRecord],
+                               v: int) -> None:
+    """Publish a batch's side records once its reply is out (off the scheduler's critical path), in
+    the batch's version v: the scheduler sends it in one every postprocessor speaks."""
     for postprocessor_id, record in records:
         try:
-            await publish(nc, subjects.post_side(postprocessor_id), encode(record))
+            await publish(nc, subjects.post_side(postprocessor_id), encode(record, v))
         except BusError as exc:
             verifier.counters["side_records_dropped"] += 1
             log.warning("side_record_dropped", request_id=record.request_id, error=str(exc))
@@ -54,8 +56,8 @@ async def run_verifier(config: VerifierConfig, stop: asyncio.Event) -> None:
     log.info("verifier_loaded", instance_id=config.instance_id, model=config.target_model, device=config.device,
              dtype=config.dtype, max_slots=config.max_slots, **verifier.model_ids)
 
-    async def after_reply(nc: Client, records: list[SideRecord]) -> None:
-        await publish_side_records(verifier, subjects, nc, records)
+    async def after_reply(nc: Client, records: list[SideRecord], v: int) -> None:
+        await publish_side_records(verifier, subjects, nc, records, v)
 
     await run_slot_service(verifier, config, SlotService(
         role="verifier", endpoint="verify", description="verifies draft tokens with the target model",

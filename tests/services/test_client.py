@@ -6,17 +6,20 @@ import contextlib
 import json
 import math
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from schemas.bus.codec import decode, encode
+from schemas.bus.codec import decode, encode, encode_beats
 from schemas.config import BusConfig
 from schemas.bus.control import Heartbeat
+from schemas.bus.protocol import PROTOCOL_VERSION as N
 from schemas.errors import CodecError, ErrorCode
 from schemas.generation import CancelRequest, GenerateRequest, seed_from_request_id
 from schemas.streams import Admitted, SamplingMask, StreamChunk, TokenLogprob, Usage
 from schemas.bus.subjects import Subjects
+from schemas.bus.versions import Window
 from schemas.bus.wire import Error
 from services.client import (
     Client,
@@ -404,3 +407,24 @@ async def test_a_scheduler_silent_before_the_first_chunk_gets_the_request_sent_a
     assert first.request_id == "req-1" and resumed.resume_token_ids is None
     assert (result.text, result.finish_reason, result.degraded) == ("a", "length", ["failover"])
     assert decode((await asyncio.wait_for(cancel.get(), timeout=2)).data, CancelRequest).request_id == "req-1"
+
+
+async def test_a_client_sends_in_the_highest_version_every_live_scheduler_speaks():
+    """Client.version (docs/PROTOCOL.md#version-rule): its low end before a scheduler is heard,
+    then the highest that it and every live scheduler speak, read from the heartbeat copy
+    addressed to its window."""
+    client = Client(window=Window(N, N + 1), heartbeat_timeout_s=60.0)
+    assert client.version() == N
+
+    async def beats_from(instance_id: str, window: Window) -> None:
+        beat = Heartbeat(instance_id=instance_id, role="scheduler", capacity=4, load=0, protocol_min=window.low,
+                         protocol_version=window.high, sent_at=time.time(), interval_s=1.0)
+        for copy in encode_beats(beat, window):
+            await client.on_heartbeat(SimpleNamespace(data=copy))
+
+    await beats_from("new-0", Window(N, N + 1))
+    assert client.version() == N + 1
+    await beats_from("old-0", Window(N, N))
+    assert client.version() == N  # either may take the request
+    client.scheduler_beats["old-0"] = time.monotonic() - 120.0  # silent past heartbeat_timeout_s
+    assert client.version() == N + 1
