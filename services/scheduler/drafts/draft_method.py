@@ -1,7 +1,10 @@
 """Which drafter a request drafts with: its SpeculativeOptions.draft_method against the drafters
 alive (docs/PROTOCOL.md#draft-methods). No NATS, no awaits: the scheduler's core
-(scheduler_core.py) calls `pin_drafter` where it pins a drafter (start, and recovery.py's
-replacement of a dead one) and `drafted` once a step whose drafts a drafter answered is verified.
+(scheduler_core.py) calls `pin_drafter` where it pins a drafter (start, and the replacement of a
+dead one) and `drafted` once a step whose drafts a drafter answered is verified. Both read the
+core (state) and change nothing of it: they return the drafter chosen (`DraftSwitch` for
+`drafted`, with what to count), and the core pins it; only the request's own trial
+(Request.draft_trial) is kept here.
 
 A drafter's method is its heartbeat's model_ids["draft_method"]: "ngram" (prompt lookup,
 gpu_worker/drafter/ngram.py), "eagle" (an EAGLE head over the target's features,
@@ -81,26 +84,35 @@ def live_methods(state, request) -> list[str]:
     return [m for m in METHODS if state.placement.compatible("drafter", accept=fits(state, request, m))]
 
 
+@dataclass
+class DraftSwitch:
+    """What a verified drafted step decided (`drafted`): counters to add, and the drafter to move
+    the request to (None: it stays), not yet pinned."""
+
+    counts: Counter = field(default_factory=Counter)
+    drafter_id: str | None = None
+
+
 def pin_drafter(state, request) -> str | None:
-    """The drafter for a request (module docstring), counted as a pin; None when none fits.
-    state: the SchedulerState; request: its Request."""
+    """The drafter for a request (module docstring), not counted as a pin (the caller pins it);
+    None when none fits. state: the SchedulerState, read only; request: its Request."""
     method = request.speculative.draft_method
     if method == "suffix":
         return None
     if method != "auto":
-        return state.placement.count_pin(pick_method(state, request, method))
+        return pick_method(state, request, method)
     wanted = request.draft_trial.wanted(live_methods(state, request))
     others = [m for m in METHODS if m != wanted]
-    picked = next((d for m in [wanted, *others] if m is not None and (d := pick_method(state, request, m))), None)
-    return state.placement.count_pin(picked)
+    return next((d for m in [wanted, *others] if m is not None and (d := pick_method(state, request, m))), None)
 
 
-def drafted(state, request, drafter_id: str, num_accepted: int) -> None:
-    """Count a verified step drafted by drafter_id for an "auto" request and move it to another
-    method when its trial says so (module docstring)."""
+def drafted(state, request, drafter_id: str, num_accepted: int) -> DraftSwitch:
+    """Count a verified step drafted by drafter_id in an "auto" request's trial, and the drafter
+    of another method to move it to when its trial says so (module docstring)."""
+    switch = DraftSwitch()
     instance = state.placement.registry.instances.get(drafter_id)
     if request.speculative.draft_method != "auto" or instance is None:
-        return
+        return switch
     trial = request.draft_trial
     current = method_of(instance.info)
     trial.steps[current] += 1
@@ -108,14 +120,11 @@ def drafted(state, request, drafter_id: str, num_accepted: int) -> None:
     live = live_methods(state, request)
     if trial.settled is None and len(live) > 1 and all(trial.steps[m] >= TRIAL_STEPS for m in live):
         trial.settled = trial.best(live)
-        state.counters[f"draft_method_chose_{trial.settled}"] += 1
+        switch.counts[f"draft_method_chose_{trial.settled}"] += 1
     wanted = trial.wanted(live)
     if wanted is None or wanted == current or request.drafter_id != drafter_id:
-        return
-    new_id = pick_method(state, request, wanted)
-    if new_id is None:  # none live with room: stay, and ask again after the next step
-        return
-    state.releases.release(request.drafter_id, request.request_id)
-    request.drafter_id = state.placement.count_pin(new_id)
-    request.restart_drafter()
-    state.counters["draft_method_switches"] += 1
+        return switch
+    switch.drafter_id = pick_method(state, request, wanted)  # None (none live with room): stay, ask again next step
+    if switch.drafter_id is not None:
+        switch.counts["draft_method_switches"] += 1
+    return switch
