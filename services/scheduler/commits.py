@@ -190,7 +190,7 @@ class Committer:
                 yield Changes(ended=[Ending(planned.request, "error", {"error": client_error(
                     response, planned.request.request_id, planned.request.seq == 0)})])
             return
-        yield Changes(counts=Counter({"steps": bool(plan.rows.get(verifier_id))}))
+        yield Changes(counts=Counter({"steps": int(bool(plan.rows.get(verifier_id)))}))
         results = {r.request_id: r for r in response.rows}
         for planned in plan.rows.get(verifier_id, []):
             request = planned.request
