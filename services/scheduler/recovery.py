@@ -3,8 +3,10 @@ No NATS, no awaits: services/scheduler/scheduler_core.py owns one `Recovery` and
 every step boundary and when a verify batch got no answer, with the tables it reads (its running
 requests, the ids in a step, ended requests kept for a replay) as arguments; each call returns
 `Changes` (scheduler_types.py: what to count, which requests end, what to forget) that the core
-applies. (A dead drafter is replaced by the core itself, draft_method.py choosing the new one,
-which gets the whole history: Request.restart_drafter.)
+applies.
+
+- A dead drafter is replaced by the core at the boundary (draft_method.py chooses another
+  compatible one, which gets the whole history: Request.restart_drafter).
 - A dead postprocessor is replaced and the request's recent commits are replayed to the new one
   (`repin_postprocessor`, `replay`): commits are fire-and-forget, so which ones reached the
   client is not known; the first replay carries resume_token_ids (the completion before it),
@@ -86,6 +88,7 @@ class Recovery:
                     changes.outbox.commits += replayed
                     changes.forget.append(request_id)
         return changes
+
     @staticmethod
     def replay(request: Request) -> list[Commit]:
         replays = []
