@@ -203,7 +203,8 @@ class SchedulerState:
             else:
                 if request.speculative.num_speculative_tokens > 0 and not self.placement.alive(request.drafter_id):
                     # another drafter (draft_method.py), which gets the whole history
-                    request.drafter_id = self.placement.count_pin(pin_drafter(self, request))
+                    new_id = pin_drafter(self.placement, self.pinned_count, request)
+                    request.drafter_id = self.placement.count_pin(new_id)
                     request.restart_drafter()
                 outbox.extend(self.apply(self.recovery.replace_dead(request, self.pinned_count), now))
         outbox.extend(self.apply(self.recovery.replay_lost_finals(self.committer.finishing, now, self.pinned_count),
@@ -260,7 +261,7 @@ class SchedulerState:
             request.sampling = request.sampling.model_copy(update={"max_tokens": capped})
             self.counters["max_tokens_capped"] += 1
         if request.speculative.num_speculative_tokens > 0:
-            request.drafter_id = self.placement.count_pin(pin_drafter(self, request))
+            request.drafter_id = self.placement.count_pin(pin_drafter(self.placement, self.pinned_count, request))
         lane_sizes = Counter(r.lane for r in self.running.values())
         request.lane = min(range(self.config.lanes), key=lambda lane: lane_sizes[lane])
         return True
@@ -335,7 +336,8 @@ class SchedulerState:
                                       "suffix_drafts_accepted": result.drafts_accepted})
             if planned.drafted_by is not None:
                 request = planned.request
-                switch = drafted(self, request, planned.drafted_by, result.drafts_accepted)
+                switch = drafted(self.placement, self.pinned_count, request, planned.drafted_by,
+                                 result.drafts_accepted)
                 self.counters.update(switch.counts)
                 if switch.drafter_id is not None:
                     self.releases.release(request.drafter_id, request.request_id)
