@@ -15,11 +15,14 @@ asks it on every GenerateRequest and at every step boundary.
 - The queue is in arrival order; at a boundary its cancelled, refused and expired requests
   leave it (`sweep`), and the others start fairest first (`start_order`) while fewer than
   max_running run.
+
+The queue is Admission's own table; the core's running requests are an argument, read only, and
+what an admission counts comes back as `Changes` (scheduler_types.py) for the core to apply.
 """
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import structlog
 
@@ -37,7 +40,7 @@ from schemas.bus.wire import Error, FinishReason
 from services.scheduler.budget.fair_share import most_over_share, parse_user_weights, share, start_order_key, user_of_inbox
 from services.scheduler.budget.payload import first_commit_bytes
 from services.scheduler.placement import Placement
-from services.scheduler.scheduler_types import Request
+from services.scheduler.scheduler_types import Changes, Request
 from services.runtime.metrics import SchedulerMetrics
 
 log = structlog.get_logger(__name__)
@@ -91,19 +94,16 @@ class RecentIds:
 
 class Admission:
     """The queue (`waiting`, in arrival order) and the checks a request passes to join it
-    (module docstring). `running` is the core's table of running requests, read for the loads."""
+    (module docstring). `running`, where an argument, is the core's table of running requests,
+    read for the loads."""
 
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, placement: Placement,
-                 running: dict[str, Request], counters: Counter, metrics: SchedulerMetrics,
-                 monotonic: Callable[[], float], max_payload: Callable[[], int | None]):
+                 metrics: SchedulerMetrics, monotonic: Callable[[], float]):
         self.config = config
         self.tokenizer = tokenizer
         self.placement = placement
-        self.running = running
-        self.counters = counters
         self.metrics = metrics
         self.monotonic = monotonic
-        self.max_payload = max_payload
         self.user_weights = parse_user_weights(config.user_weights)
         self.waiting: deque[Request] = deque()
         self.recent = RecentIds(monotonic)
@@ -114,12 +114,14 @@ class Admission:
     def capacity(self) -> int:
         return self.config.max_running + self.config.max_queue
 
-    def admit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int], now: float) -> Request:
-        """Queue a valid request (deadline: now + timeout_s, so time queued counts against it),
-        or raise SpecbusError before any work (module docstring)."""
+    def admit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int], now: float,
+              running: Mapping[str, Request], max_payload: int | None) -> tuple[Request, Changes]:
+        """Queue a valid request (deadline: now + timeout_s, so time queued counts against it)
+        and count it, or raise SpecbusError before any work (module docstring); max_payload: the
+        bus's (None: unchecked)."""
         user = user_of_inbox(client_inbox)
-        victim = self.check_capacity(user)
-        self.check_request_id(request.request_id)
+        victim = self.check_capacity(user, running)
+        self.check_request_id(request.request_id, running)
         if len(client_inbox) > MAX_INBOX_LEN:
             raise SpecbusError(ErrorCode.invalid_field, f"the reply subject is {len(client_inbox)} characters, "
                                                         f"at most {MAX_INBOX_LEN}", "reply_subject")
@@ -127,32 +129,33 @@ class Admission:
         if length_error is not None:
             raise length_error
         resumed = self.check_resume(request)
-        self.check_first_commit(request, client_inbox, prompt_ids)
+        self.check_first_commit(request, client_inbox, prompt_ids, max_payload)
         state = Request(request_id=request.request_id, client_inbox=client_inbox, history=[*prompt_ids, *resumed],
                         prompt_len=len(prompt_ids), sampling=request.sampling, logprobs=request.logprobs,
                         speculative=request.speculative, stream=request.stream, deadline=now + request.timeout_s,
                         admitted_at=self.monotonic(), resumed_len=len(resumed), user=user, client_version=request.v)
+        changes = Changes()
         if victim is not None:  # refused in the newcomer's place, at the next boundary
             victim.end_reason = "error"
             victim.end_error = Error(code=ErrorCode.overloaded, request_id=victim.request_id,
                                      message=f"refused for fair share: client user {victim.user!r} is over its share "
                                              f"of {self.capacity} requests")
-            self.counters["refused_fair_share"] += 1
+            changes.counts["refused_fair_share"] += 1
             self.metrics.requests_by_user.labels(victim.user, "fair_share").inc()
         self.waiting.append(state)
-        self.counters["admitted"] += 1
+        changes.counts["admitted"] += 1
         self.metrics.requests_by_user.labels(user, "admitted").inc()
-        return state
+        return state, changes
 
-    def user_loads(self) -> Counter:
+    def user_loads(self, running: Mapping[str, Request]) -> Counter:
         """Requests running or queued per client user, those already refused left out."""
-        return Counter(r.user for r in [*self.running.values(), *self.waiting] if r.end_error is None)
+        return Counter(r.user for r in [*running.values(), *self.waiting] if r.end_error is None)
 
-    def check_capacity(self, user: str) -> Request | None:
+    def check_capacity(self, user: str, running: Mapping[str, Request]) -> Request | None:
         """None when there is room; else the queued request to refuse in favour of user, who is
         under its fair share (fair_share.py). SpecbusError overloaded when user is at or over its
         share, or nothing queued can be refused."""
-        loads = self.user_loads()
+        loads = self.user_loads(running)
         if sum(loads.values()) < self.capacity:
             return None
         fair = share(user, loads, self.user_weights, self.capacity)
@@ -178,9 +181,9 @@ class Admission:
         check_in_vocabulary(resumed, self.tokenizer.vocab_size, "resume_token_ids")
         return resumed
 
-    def check_request_id(self, request_id: str) -> None:
+    def check_request_id(self, request_id: str, running: Mapping[str, Request]) -> None:
         """SpecbusError duplicate_request_id for an id in use or finished in the last FINISHED_ID_TTL_S."""
-        if request_id in self.running or self.queued(request_id) is not None:
+        if request_id in running or self.queued(request_id) is not None:
             raise SpecbusError(ErrorCode.duplicate_request_id, f"request {request_id} is already running",
                                "request_id")
         if request_id in self.recent:
@@ -257,10 +260,10 @@ class Admission:
                                                         f"max_seq_len {limit} holds at most {most}",
                                prompt_field(request))
 
-    def check_first_commit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int]) -> None:
+    def check_first_commit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int],
+                           max_payload: int | None) -> None:
         """SpecbusError too_large when the first commit (it carries the prompt, and a replay also
-        the completion) or its prompt logprobs could not fit in one NATS message."""
-        max_payload = self.max_payload()
+        the completion) or its prompt logprobs could not fit in one NATS message of max_payload."""
         if max_payload is None:
             return
         commit = Commit(request_id=request.request_id, batch_id=0, step=0, seq=0, scheduler_id=self.config.instance_id,
@@ -275,7 +278,15 @@ class Admission:
     def queued(self, request_id: str) -> Request | None:
         return next((r for r in self.waiting if r.request_id == request_id), None)
 
-    def sweep(self, now: float) -> list[tuple[Request, FinishReason, Error | None]]:
+    def started(self, request: Request) -> None:
+        """A queued request the core started: it leaves the queue."""
+        self.waiting.remove(request)
+
+    def clear(self) -> None:
+        """The queue emptied (the core ended every queued request: shutdown)."""
+        self.waiting.clear()
+
+    def sweep(self, now: float, running: Mapping[str, Request]) -> list[tuple[Request, FinishReason, Error | None]]:
         """Take out of the queue, and return with the reason each ends with, the queued requests
         that end at this boundary (now: time.time()): cancelled or refused for fair share,
         past their deadline, or, when one could start, with a prompt the verifiers known now
@@ -284,7 +295,7 @@ class Admission:
         for request in list(self.waiting):
             if request.end_reason is not None or now >= request.deadline:
                 ended.append((request, request.end_reason or "timeout", request.end_error))
-            elif len(self.running) < self.config.max_running and (length_error := self.check_prompt(
+            elif len(running) < self.config.max_running and (length_error := self.check_prompt(
                     request.prompt_len, request.sampling.max_tokens, "prompt_token_ids")) is not None:
                 ended.append((request, "error", Error.from_exception(length_error, request.request_id)))
             else:
@@ -292,13 +303,14 @@ class Admission:
             self.waiting.remove(request)
         return ended
 
-    def start_order(self) -> Iterator[Request]:
+    def start_order(self, running: Mapping[str, Request]) -> Iterator[Request]:
         """The queued requests that may start now, fairest first (fair_share.start_order_key over
         the requests running at each pick; arrival order between equals), while fewer than
-        max_running run. The caller starts each (or leaves it queued) before taking the next."""
+        max_running run (running: the core's running requests, read at each pick). The caller
+        starts each (or leaves it queued) before taking the next."""
         candidates = list(self.waiting)
-        while candidates and len(self.running) < self.config.max_running:
-            fairness = start_order_key(Counter(r.user for r in self.running.values()), self.user_weights)
+        while candidates and len(running) < self.config.max_running:
+            fairness = start_order_key(Counter(r.user for r in running.values()), self.user_weights)
             request = min(candidates, key=lambda r: fairness(r.user))
             candidates.remove(request)
             yield request

@@ -23,9 +23,6 @@ NATS, no awaits: services/scheduler/scheduler_core.py owns one `BatchBuilder`.
   and counted (`dropped_excess_drafts`), the row running k=0.
 """
 
-from collections import Counter
-from collections.abc import Callable
-
 import structlog
 
 from schemas.config import SchedulerConfig
@@ -45,7 +42,7 @@ from services.scheduler.budget.payload import (
 )
 from services.scheduler.placement import Placement
 from services.scheduler.drafts.prefix_hints import cache_salt
-from services.scheduler.scheduler_types import Outbox, PlannedRow, StepPlan
+from services.scheduler.scheduler_types import Changes, Ending, PlannedRow, StepPlan
 from services.scheduler.slot_release import SlotReleases
 from services.scheduler.budget.step_budget import StepBudget
 
@@ -75,21 +72,13 @@ def fits_plan(planned: PlannedRow, result: DraftResult) -> bool:
 
 
 class BatchBuilder:
-    """Builds a plan's batches (module docstring). end(request, reason, now, error=...) ends a
-    request (commits.Committer.end); max_payload() is the bus's, None while unknown; budget: the
-    verifiers' paces (the step planner's)."""
+    """Builds a plan's batches (module docstring); budget: the verifiers' paces (the step planner's)."""
 
-    def __init__(self, config: SchedulerConfig, placement: Placement, budget: StepBudget, releases: SlotReleases,
-                 in_flight: set[str], counters: Counter, end: Callable[..., Outbox],
-                 max_payload: Callable[[], int | None]):
+    def __init__(self, config: SchedulerConfig, placement: Placement, budget: StepBudget, releases: SlotReleases):
         self.config = config
         self.placement = placement
         self.budget = budget
         self.releases = releases
-        self.in_flight = in_flight
-        self.counters = counters
-        self.end = end
-        self.max_payload = max_payload
         self.next_batch_id = 0
 
     def new_batch_id(self) -> int:
@@ -97,21 +86,22 @@ class BatchBuilder:
         self.next_batch_id += 1
         return batch_id
 
-    def draft_batches(self, plan: StepPlan, now: float) -> dict[str, DraftRequest]:
+    def draft_batches(self, plan: StepPlan, now: float,
+                      max_payload: int | None) -> tuple[dict[str, DraftRequest], Changes]:
         """One DraftRequest per drafter with rows, plus release-only batches for drafters with
         slots to free and nothing else to do (module docstring)."""
-        batches = {}
+        batches, changes = {}, Changes()
         deadline = now + self.config.draft_timeout_s
         for drafter_id in sorted(set(plan.draft_rows) | self.releases.live("drafter")):
             release = self.releases.take(drafter_id)
-            room = PayloadRoom.of(self.max_payload(), len(release))
+            room = PayloadRoom.of(max_payload, len(release))
             rows, kept = [], []
             for planned in plan.draft_rows.get(drafter_id, []):
                 row = self.draft_row(planned, len(rows), room)
                 if row is None:
                     planned.num_draft = 0
                     planned.degraded.append("draft_timeout")
-                    self.counters["rows_undrafted_payload"] += 1
+                    changes.counts["rows_undrafted_payload"] += 1
                     continue
                 rows.append(row)
                 kept.append(planned)
@@ -119,7 +109,7 @@ class BatchBuilder:
                 plan.draft_rows[drafter_id] = kept
             batches[drafter_id] = DraftRequest(batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id,
                                                deadline=deadline, rows=rows, release=release)
-        return batches
+        return batches, changes
 
     def draft_row(self, planned: PlannedRow, index: int, room: PayloadRoom) -> DraftRow | None:
         """The draft row of a planned row, with as many of its pending target features as the
@@ -144,9 +134,10 @@ class BatchBuilder:
                         cache_salt=cache_salt(self.config, request.user))
 
     def apply_draft(self, plan: StepPlan, drafter_id: str, request: DraftRequest,
-                    response: DraftResponse | None) -> None:
+                    response: DraftResponse | None) -> Changes:
         """Drafts into the plan. No answer (late, dead, error reply): its rows run k=0 flagged
         draft_timeout; a need_resync row runs k=0 flagged resync and is resent whole next step."""
+        changes = Changes()
         if response is None:
             self.releases.restore(drafter_id, request.release)
         results = {} if response is None else {r.request_id: r for r in response.rows}
@@ -166,7 +157,7 @@ class BatchBuilder:
                     features.delivered(request, planned.features_sent)
                 planned.drafted_by = drafter_id
                 if not fits_plan(planned, result):
-                    self.counters["dropped_excess_drafts"] += 1
+                    changes.counts["dropped_excess_drafts"] += 1
                     log.warning("drafts_over_plan", request_id=request.request_id, drafter_id=drafter_id,
                                 num_draft=len(result.draft_token_ids), tree=result.parents is not None,
                                 planned=planned.num_draft, max_nodes=planned.max_nodes)
@@ -176,21 +167,24 @@ class BatchBuilder:
                     parents = result.parents if planned.num_draft else None  # no nodes: no tree
                     planned.draft = DraftTokens(draft_token_ids=result.draft_token_ids, parents=parents,
                                                 proposal=result.proposal)
+        return changes
 
-    def verify_batches(self, plan: StepPlan, now: float) -> dict[str, VerifyRequest]:
-        """One VerifyRequest per verifier with rows (or only slots to release), its deadline by
-        its tokens (module docstring; plan.attempt_s: a try's wait). Rows past the payload room
-        wait; one too large alone ends its request (plan.outbox)."""
+    def verify_batches(self, plan: StepPlan, now: float, max_payload: int | None) -> Changes:
+        """One VerifyRequest per verifier with rows (or only slots to release) into
+        plan.verify_requests, its deadline by its tokens (module docstring; plan.attempt_s: a
+        try's wait). Rows past the payload room wait (out of the step); one too large alone ends
+        its request."""
+        changes = Changes()
         for verifier_id in sorted(set(plan.rows) | self.releases.live("verifier")):
             release = self.releases.take(verifier_id)
-            room = PayloadRoom.of(self.max_payload(), len(release))
+            room = PayloadRoom.of(max_payload, len(release))
             per_position = features.bytes_per_position(self.placement, verifier_id)
             rows, kept = [], []
             for planned in plan.rows.get(verifier_id, []):
-                row, answer = self.verify_row(planned, len(rows), room, per_position)
+                row, answer = self.verify_row(planned, len(rows), room, per_position, changes)
                 size = verify_row_bytes(row)
                 if not room.fits(request=size):
-                    plan.outbox.extend(self.defer_oversized_row(planned, size, room.request, now, alone=not rows))
+                    self.defer_oversized_row(planned, size, room.request, max_payload, not rows, changes)
                     continue
                 room.take(size, answer)
                 planned.features_from = row.features_from
@@ -204,10 +198,10 @@ class BatchBuilder:
             plan.verify_requests[verifier_id] = VerifyRequest(
                 batch_id=self.new_batch_id(), scheduler_id=self.config.instance_id, deadline=deadline, rows=rows,
                 release=release)
-        return plan.verify_requests
+        return changes
 
-    def verify_row(self, planned: PlannedRow, index: int, room: PayloadRoom,
-                   per_position: int) -> tuple[VerifyRow, int]:
+    def verify_row(self, planned: PlannedRow, index: int, room: PayloadRoom, per_position: int,
+                   changes: Changes) -> tuple[VerifyRow, int]:
         """The verify row of a planned row and the bytes of its answer. A request drafted by an
         eagle drafter asks for the target's features from its features_end, unless the answer
         has no room for them left: then it asks next step (features.py)."""
@@ -221,7 +215,7 @@ class BatchBuilder:
                 answer += feature_bytes
             else:
                 features_from = None
-                self.counters["features_deferred_payload"] += 1
+                changes.counts["features_deferred_payload"] += 1
         wants_side = request.logprobs.wants_side_channel
         row = VerifyRow(request_id=request.request_id, row=index, step=request.step, cached_len=planned.cached_len,
                         new_token_ids=request.history[planned.cached_len:planned.end],
@@ -233,17 +227,19 @@ class BatchBuilder:
                         max_forced=max_forced, cache_salt=cache_salt(self.config, request.user))
         return row, answer
 
-    def defer_oversized_row(self, planned: PlannedRow, size: int, room: int, now: float, alone: bool) -> Outbox:
-        """A row that does not fit in its batch's room: it waits for the next step, or, when it
-        does not fit even alone, its request ends with `too_large`."""
+    def defer_oversized_row(self, planned: PlannedRow, size: int, room: int, max_payload: int | None, alone: bool,
+                            changes: Changes) -> None:
+        """A row that does not fit in its batch's room: its request leaves the step and waits for
+        the next one, or, when it does not fit even alone, ends with `too_large` (changes: the
+        batch's)."""
         request = planned.request
-        self.in_flight.discard(request.request_id)
+        changes.left_step.append(request.request_id)
         if not alone:
-            self.counters["rows_deferred_payload"] += 1
+            changes.counts["rows_deferred_payload"] += 1
             log.info("row_deferred_payload", request_id=request.request_id, row_bytes=size, budget=room)
-            return Outbox()
-        log.warning("row_too_large", request_id=request.request_id, row_bytes=size, max_payload=self.max_payload())
-        return self.end(request, "error", now, error=Error(
+            return
+        log.warning("row_too_large", request_id=request.request_id, row_bytes=size, max_payload=max_payload)
+        changes.ended.append(Ending(request, "error", {"error": Error(
             code=ErrorCode.too_large, request_id=request.request_id,
             message=f"one step of this request needs a {size}-byte message, over the bus's max_payload of "
-                    f"{self.max_payload()}"))
+                    f"{max_payload}")}))

@@ -5,14 +5,19 @@ request ends. No NATS, no awaits: services/scheduler/scheduler_core.py owns one 
 - `Committer.commit_batch` / `commit_result`: a verifier's answer into the history, one numbered
   Commit per request that got tokens (or finished); a row's error, an inconsistent result or an
   Error reply for the whole batch ends those requests with "error".
-- `Committer.end`: a request leaves the scheduler, its slots are released with the next
-  batches, and its final commit goes to its postprocessor (or, with none alive, a final chunk
-  straight to its client). Each request keeps its recent commits (`Request.sent`) for a replay
-  to a replacement postprocessor (services/scheduler/recovery.py).
+- `Committer.end`: the final commit of a request the core ends (SchedulerState.end takes it out
+  of the running table): its slots are released with the next batches, and its final commit
+  goes to its postprocessor (or, with none alive, a final chunk straight to its client,
+  `direct_final_chunk`). Each request keeps its recent commits (`Request.sent`) for a replay to
+  a replacement postprocessor (services/scheduler/recovery.py).
+
+The core owns the running table and the counters (docs/ARCHITECTURE.md#one-owner-per-table):
+each method returns `Changes` (scheduler_types.py) saying what to count, which rows were
+verified and which requests end, and the core applies them.
 """
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import structlog
@@ -25,10 +30,10 @@ from schemas.steps import VerifyResponse, VerifyResult
 from schemas.streams import StreamChunk
 from schemas.bus.wire import Error, FinishReason
 from services.scheduler import features
-from services.scheduler.admission import RecentIds
 from services.scheduler.placement import Placement
 from services.scheduler.drafts.prefix_hints import PrefixHints, cache_salt
-from services.scheduler.scheduler_types import Outbox, PlannedRow, Request, StepPlan, client_error, internal_error
+from services.scheduler.scheduler_types import (Changes, Ending, PlannedRow, Request, StepPlan, client_error,
+                                                internal_error)
 from services.scheduler.slot_release import SlotReleases
 from services.runtime.metrics import SchedulerMetrics
 
@@ -57,50 +62,60 @@ def cut_tokens(tokens: list[int], num_completion: int, sampling: SamplingParams,
     return kept, "length" if num_completion + len(kept) >= sampling.max_tokens else None
 
 
-class Committer:
-    """Commits and ends (module docstring). `running` is the core's table of running requests;
-    `finishing` holds ended requests whose final commit went to a postprocessor, by monotonic
-    end time, for as long as that postprocessor could die unnoticed (recovery.py replays them).
-    on_verified(planned, result) hears every consistent verified row (adaptive k, draft method),
-    on_ended(request) every request that ends (the suffix index takes its last tokens)."""
+def direct_final_chunk(request: Request, reason: FinishReason, error: Error | None = None) -> StreamChunk:
+    """A request ending with no live postprocessor: the client still gets a final chunk.
+    A cancelled one (often still queued, so it never had a postprocessor) ends as a running
+    one does, with no error: the client asked for it, and an error would make the client
+    library raise for a cancel that worked."""
+    code = {"timeout": ErrorCode.timeout, "cancelled": ErrorCode.cancelled}.get(reason, ErrorCode.unavailable)
+    if error is None and reason != "cancelled":
+        error = Error(code=code, message=f"request ended ({reason}) with no postprocessor available",
+                      request_id=request.request_id)
+    chunk = StreamChunk(request_id=request.request_id, seq=request.seq, finish_reason=reason, error=error,
+                        usage=request.usage(), v=request.client_version)
+    request.seq += 1
+    return chunk
 
-    def __init__(self, config: SchedulerConfig, placement: Placement, running: dict[str, Request],
-                 releases: SlotReleases, recent: RecentIds, counters: Counter, metrics: SchedulerMetrics,
-                 monotonic: Callable[[], float], eos_ids: tuple[int, ...],
-                 on_verified: Callable[[PlannedRow, VerifyResult], None], hints: PrefixHints,
-                 on_ended: Callable[[Request], None] = lambda request: None):
+
+def count_degraded(request: Request, reasons: list[str], counts: Counter) -> None:
+    """A step's degraded reasons, each once, into the request's usage and counts (degraded_<reason>)."""
+    for reason in set(reasons):
+        request.degraded_steps[reason] += 1
+        counts[f"degraded_{reason}"] += 1
+
+
+class Committer:
+    """Commits and final commits (module docstring). `finishing` holds ended requests whose final
+    commit went to a postprocessor, by monotonic end time, for as long as that postprocessor could
+    die unnoticed (recovery.py replays them; the core forgets those it needs no more)."""
+
+    def __init__(self, config: SchedulerConfig, placement: Placement, releases: SlotReleases,
+                 metrics: SchedulerMetrics, monotonic: Callable[[], float], eos_ids: tuple[int, ...],
+                 hints: PrefixHints):
         self.config = config
         self.placement = placement
-        self.running = running
         self.releases = releases
-        self.recent = recent
-        self.counters = counters
         self.metrics = metrics
         self.monotonic = monotonic
         self.eos_ids = eos_ids
-        self.on_verified = on_verified
         self.hints = hints
-        self.on_ended = on_ended
         self.finishing: dict[str, tuple[Request, float]] = {}
 
     def end(self, request: Request, reason: FinishReason | None, now: float, *, batch_id: int | None = None,
             tokens: list[int] = (), num_draft: int = 0, num_accepted: int = 0, degraded: list[str] = (),
-            expect_side_channel: bool = False, error: Error | None = None) -> Outbox:
-        """Remove the request, free its slots on the next batches, and send its final commit
-        (reason None: a StopNotice ended it, nothing is sent). error: the reason the client must
-        read, carried by the final commit into the final chunk. With no live postprocessor the
-        final chunk goes straight to the client."""
-        self.running.pop(request.request_id, None)
+            expect_side_channel: bool = False, error: Error | None = None) -> Changes:
+        """A request the core took out of its running table: free its slots on the next batches,
+        and send its final commit (reason None: a StopNotice ended it, nothing is sent). error:
+        the reason the client must read, carried by the final commit into the final chunk. With
+        no live postprocessor the final chunk goes straight to the client."""
         self.releases.release(request.verifier_id, request.request_id)
         self.releases.release(request.drafter_id, request.request_id)
         if reason != "error" and self.placement.keeps_prefixes(request.verifier_id):  # its slot becomes an entry
             self.hints.record(request.verifier_id, cache_salt(self.config, request.user),
                               request.history[:request.verifier_len])
-        self.recent.remember(request.request_id)
-        self.on_ended(request)
-        self.counters[f"finished_{reason or 'stop_notice'}"] += 1
+        changes = Changes(counts=Counter({f"finished_{reason or 'stop_notice'}": 1}))
         if reason is None:
-            return Outbox()
+            return changes
         if reason == "error" and error is None:
             error = internal_error(request.request_id, "the request failed in the scheduler (see its log)")
         alive = self.placement.alive(request.postprocessor_id)
@@ -118,25 +133,18 @@ class Committer:
             else:
                 self.finishing[request.request_id] = (request, self.monotonic())
                 if alive:
-                    return Outbox(commits=[(request.postprocessor_id, commit)])
+                    changes.outbox.commits.append((request.postprocessor_id, commit))
+                    return changes
                 request.awaiting_postprocessor = True
-                self.counters["postprocessor_awaited"] += 1
-                return Outbox()
-        return Outbox(chunks=[(request.client_inbox, self.direct_final_chunk(request, reason, error))])
+                changes.counts["postprocessor_awaited"] += 1
+                return changes
+        changes.outbox.chunks.append((request.client_inbox, direct_final_chunk(request, reason, error)))
+        return changes
 
-    def direct_final_chunk(self, request: Request, reason: FinishReason, error: Error | None = None) -> StreamChunk:
-        """A request ending with no live postprocessor: the client still gets a final chunk.
-        A cancelled one (often still queued, so it never had a postprocessor) ends as a running
-        one does, with no error: the client asked for it, and an error would make the client
-        library raise for a cancel that worked."""
-        code = {"timeout": ErrorCode.timeout, "cancelled": ErrorCode.cancelled}.get(reason, ErrorCode.unavailable)
-        if error is None and reason != "cancelled":
-            error = Error(code=code, message=f"request ended ({reason}) with no postprocessor available",
-                          request_id=request.request_id)
-        chunk = StreamChunk(request_id=request.request_id, seq=request.seq, finish_reason=reason, error=error,
-                            usage=request.usage(), v=request.client_version)
-        request.seq += 1
-        return chunk
+    def forget(self, request_ids: list[str]) -> None:
+        """Ended requests no longer kept for a replay (recovery.py replay_lost_finals)."""
+        for request_id in request_ids:
+            del self.finishing[request_id]
 
     def commit(self, request: Request, batch_id: int, tokens: list[int], num_draft: int, num_accepted: int,
                degraded: list[str], finish_reason: FinishReason | None, expect_side_channel: bool,
@@ -170,75 +178,77 @@ class Committer:
             request.last_token_at = now
         return commit
 
-    def count_degraded(self, request: Request, reasons: list[str]) -> None:
-        for reason in set(reasons):
-            request.degraded_steps[reason] += 1
-            self.counters[f"degraded_{reason}"] += 1
-
-    def commit_batch(self, plan: StepPlan, verifier_id: str, response: VerifyResponse | Error, now: float) -> Outbox:
-        """Commit a verifier's answer to the plan's batch. An Error reply (the verifier refused
-        the message itself): its requests end with "error"."""
+    def commit_batch(self, plan: StepPlan, verifier_id: str, response: VerifyResponse | Error, now: float,
+                     running: Mapping[str, Request]) -> Iterator[Changes]:
+        """Commit a verifier's answer to the plan's batch, one `Changes` per row in row order (the
+        first: the step counted), each applied by the core before the next row is committed.
+        running: the core's running requests (a row's request ended meanwhile is skipped). An
+        Error reply (the verifier refused the message itself): its requests end with "error"."""
         request_message = plan.verify_requests[verifier_id]
         if isinstance(response, Error):
             log.error("verify_batch_refused", verifier_id=verifier_id, batch_id=request_message.batch_id,
                       code=response.code.value, field=response.field, message=response.message)
-            outbox = Outbox()
             for planned in plan.rows.get(verifier_id, []):
-                outbox.extend(self.end(planned.request, "error", now, error=client_error(
-                    response, planned.request.request_id, planned.request.seq == 0)))
-            return outbox
-        self.counters["steps"] += bool(plan.rows.get(verifier_id))
+                yield Changes(ended=[Ending(planned.request, "error", {"error": client_error(
+                    response, planned.request.request_id, planned.request.seq == 0)})])
+            return
+        yield Changes(counts=Counter({"steps": int(bool(plan.rows.get(verifier_id)))}))
         results = {r.request_id: r for r in response.rows}
-        outbox = Outbox()
         for planned in plan.rows.get(verifier_id, []):
             request = planned.request
-            if request.request_id not in self.running:  # ended while the step ran (cannot today; cheap guard)
+            if request.request_id not in running:  # ended while the step ran (cannot today; cheap guard)
                 continue
             result = results.get(request.request_id)
             request.last_batch_id = request_message.batch_id
             if result is None or result.step != request.step:
-                self.counters["dropped_missing_results"] += 1
                 log.warning("verify_result_missing", request_id=request.request_id, verifier_id=verifier_id,
                             batch_id=request_message.batch_id)
                 request.step += 1
+                yield Changes(counts=Counter({"dropped_missing_results": 1}))
                 continue
             try:
-                outbox.extend(self.commit_result(planned, result, request_message.batch_id,
-                                                 verifier_id in plan.retried, now))
+                changes = self.commit_result(planned, result, request_message.batch_id, verifier_id in plan.retried,
+                                             now)
             except Exception:  # this request's bug ends this request; the batch's other rows go on
                 log.exception("commit_result_failed", request_id=request.request_id)
-                outbox.extend(self.end(request, "error", now, error=internal_error(
-                    request.request_id, "the scheduler failed to commit a step (see its log)")))
-        return outbox
+                changes = Changes(ended=[Ending(request, "error", {"error": internal_error(
+                    request.request_id, "the scheduler failed to commit a step (see its log)")})])
+            yield changes
 
     def commit_result(self, planned: PlannedRow, result: VerifyResult, batch_id: int, retried: bool,
-                      now: float) -> Outbox:
+                      now: float) -> Changes:
         """One row's result: a row error ends the request, need_resync re-prefills it, else the
-        tokens kept (cut_tokens) are appended and committed, the final commit when it finishes."""
+        tokens kept (cut_tokens) are appended and committed, the final commit when it finishes
+        (Changes.ended); a consistent row is reported verified (adaptive k, draft method)."""
         request = planned.request
         request.step += 1
         request.num_steps += 1
         degraded = planned.degraded + (["verifier_retry"] if retried else [])
+        changes = Changes()
         if result.error is not None:
             log.warning("verify_row_failed", request_id=request.request_id, code=result.error.code.value,
                         field=result.error.field, message=result.error.message)
             error = client_error(result.error, request.request_id, first=request.seq == 0)
-            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded, error=error)
+            changes.ended.append(Ending(request, "error", {"batch_id": batch_id, "degraded": degraded,
+                                                           "error": error}))
+            return changes
         if result.need_resync:
             request.verifier_len = 0
             request.carried_degraded += [*degraded, "resync"]
-            self.count_degraded(request, [*degraded, "resync"])
-            return Outbox()
+            count_degraded(request, [*degraded, "resync"], changes.counts)
+            return changes
         if planned.features_from is not None and not features.receive(request, result.features):
-            self.counters["features_dropped"] += 1
+            changes.counts["features_dropped"] += 1
         tokens = result.token_ids.tolist()
         if planned.emit != bool(tokens) or result.num_draft != planned.num_draft:
-            self.counters["bad_verify_results"] += 1
+            changes.counts["bad_verify_results"] += 1
             log.warning("verify_result_inconsistent", request_id=request.request_id, emit=planned.emit,
                         num_tokens=len(tokens), num_draft=result.num_draft, planned=planned.num_draft)
-            return self.end(request, "error", now, batch_id=batch_id, degraded=degraded, error=internal_error(
+            changes.ended.append(Ending(request, "error", {"batch_id": batch_id, "degraded": degraded,
+                                                           "error": internal_error(
                 request.request_id, f"the verifier's result does not match the step ({len(tokens)} tokens, "
-                                    f"{result.num_draft} drafts for {planned.num_draft} planned)"))
+                                    f"{result.num_draft} drafts for {planned.num_draft} planned)")}))
+            return changes
         request.verifier_len = planned.end + result.num_accepted
         drafted = planned.num_draft + result.num_forced  # the drafter's drafts and the grammar's forced tokens
         request.num_draft_proposed += drafted
@@ -250,7 +260,7 @@ class Committer:
             whole = result.cached_tokens >= planned.end - planned.cached_len
             request.hit_run = request.hit_run_at(planned.cached_len) + result.cached_tokens if whole else 0
             request.hit_run_end = planned.end
-        self.on_verified(planned, result)
+        changes.verified.append((planned, result))
         self.metrics.verified(request.sampling.greedy, request.speculative.draft_mode,
                               drafted, result.num_accepted)
         if result.residual_fallback:
@@ -265,15 +275,18 @@ class Committer:
             finish_reason = "timeout"
         if not kept and finish_reason is None:
             request.carried_degraded += degraded
-            self.count_degraded(request, degraded)
-            return Outbox()
-        self.count_degraded(request, degraded)
+            count_degraded(request, degraded, changes.counts)
+            return changes
+        count_degraded(request, degraded, changes.counts)
         degraded = request.carried_degraded + degraded
         request.carried_degraded = []
         expect_side = request.logprobs.wants_side_channel and (bool(kept) or request.awaits_prompt_logprobs)
         num_accepted = min(result.num_accepted, len(kept))
         if finish_reason is not None:
-            return self.end(request, finish_reason, now, batch_id=batch_id, tokens=kept, num_draft=drafted,
-                            num_accepted=num_accepted, degraded=degraded, expect_side_channel=expect_side)
-        return Outbox(commits=[(request.postprocessor_id, self.commit(
-            request, batch_id, kept, drafted, num_accepted, degraded, None, expect_side))])
+            changes.ended.append(Ending(request, finish_reason, {
+                "batch_id": batch_id, "tokens": kept, "num_draft": drafted, "num_accepted": num_accepted,
+                "degraded": degraded, "expect_side_channel": expect_side}))
+            return changes
+        changes.outbox.commits.append((request.postprocessor_id, self.commit(
+            request, batch_id, kept, drafted, num_accepted, degraded, None, expect_side)))
+        return changes

@@ -21,6 +21,7 @@ library hands the request over to another scheduler (docs/PROTOCOL.md#scheduler-
 
 import asyncio
 import time
+from collections import Counter
 
 import msgpack
 import structlog
@@ -104,6 +105,9 @@ class Scheduler:
         self.step_loops: list[asyncio.Task] = []
         self.tasks: list[asyncio.Task] = []  # the step loops and the heartbeat
         self.service = None
+        # what the shell counts (messages dropped or refused, failed round trips); the core's
+        # decisions are counted by SchedulerState (docs/ARCHITECTURE.md#one-owner-per-table)
+        self.counters: Counter = Counter()
 
     async def start(self) -> None:
         subjects = self.subjects
@@ -154,11 +158,12 @@ class Scheduler:
         if self.service is not None:
             await self.service.stop()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        log.info("scheduler_stopped", **self.state.stats())
+        log.info("scheduler_stopped", **self.state.stats(), **self.counters)
 
     def stats(self) -> dict:
         """The counters and gauges (running, queued) of $SRV.STATS, before the metrics' own."""
-        return {**self.state.stats(), **{f"generate_{k}": v for h in self.handlers for k, v in h.stats().items()}}
+        return {**self.state.stats(), **self.counters,
+                **{f"generate_{k}": v for h in self.handlers for k, v in h.stats().items()}}
 
     async def keepalive_loop(self) -> None:
         """Every heartbeat_interval_s, Admitted `started` to the clients of running requests that
@@ -178,18 +183,18 @@ class Scheduler:
 
     async def on_generate(self, msg) -> None:
         if not msg.reply:
-            self.state.counters["dropped_generate_no_reply"] += 1
-            log.warning("generate_without_reply_subject", dropped=self.state.counters["dropped_generate_no_reply"])
+            self.counters["dropped_generate_no_reply"] += 1
+            log.warning("generate_without_reply_subject", dropped=self.counters["dropped_generate_no_reply"])
             return
         user = self.subjects.user_of(msg.subject)
         if not msg.reply.startswith(inbox_prefix(user) + "."):
             # Only the sender's own inbox: `<p>.verify.x` would aim our answers at a service,
             # `_INBOX.<another user>.x` a stream at another client. Nothing is sent: an error
             # chunk to that subject would be the redirect itself.
-            self.state.counters["refused_generate_reply_not_own_inbox"] += 1
+            self.counters["refused_generate_reply_not_own_inbox"] += 1
             log.warning("generate_refused", code=ErrorCode.forbidden.value, field="reply_subject", user=user,
                         message=f"the reply subject is not in the inbox of {user!r}", reply=msg.reply[:200],
-                        refused=self.state.counters["refused_generate_reply_not_own_inbox"])
+                        refused=self.counters["refused_generate_reply_not_own_inbox"])
             return
         request_id = None
         try:
@@ -206,11 +211,11 @@ class Scheduler:
             if request_id is None and getattr(exc, "code", None) not in (ErrorCode.malformed, ErrorCode.too_large):
                 request_id = request_id_of(msg.data)
             if isinstance(exc, SpecbusError):
-                self.state.counters[f"refused_{exc.code.value}"] += 1
+                self.counters[f"refused_{exc.code.value}"] += 1
                 log.warning("generate_refused", request_id=request_id, code=exc.code.value, field=exc.field,
                             message=exc.message)
             else:
-                self.state.counters["refused_internal"] += 1
+                self.counters["refused_internal"] += 1
                 log.exception("generate_failed", request_id=request_id)
             chunk = StreamChunk(request_id=request_id or "unknown", seq=0, finish_reason="error",
                                 error=Error.from_exception(exc, request_id))
@@ -228,9 +233,9 @@ class Scheduler:
         try:
             cancelled = self.state.cancel(cancel.request_id, owner_inbox=inbox_prefix(user) + ".")
         except SpecbusError as exc:  # another user's request: refused, counted, and answered if asked
-            self.state.counters["refused_cancel_not_owner"] += 1
+            self.counters["refused_cancel_not_owner"] += 1
             log.warning("cancel_refused", request_id=cancel.request_id, user=user, code=exc.code.value,
-                        field=exc.field, message=exc.message, refused=self.state.counters["refused_cancel_not_owner"])
+                        field=exc.field, message=exc.message, refused=self.counters["refused_cancel_not_owner"])
             if msg.reply and msg.reply.startswith(inbox_prefix(user) + "."):
                 await self.publish(msg.reply, encode(Error.from_exception(exc, cancel.request_id), cancel.v))
             return
@@ -257,7 +262,7 @@ class Scheduler:
             return decoder(msg.data) if decoder is not None else decode(msg.data, message_type)
         except SpecbusError as exc:
             kind = message_type.model_fields["type"].default
-            self.state.counters[f"dropped_bad_{kind}"] += 1
+            self.counters[f"dropped_bad_{kind}"] += 1
             log.warning("bad_message_dropped", kind=kind, code=exc.code.value, field=exc.field, message=exc.message)
             return None
 
@@ -347,12 +352,12 @@ class Scheduler:
                                 timeout_s=self.config.draft_timeout_s)
             reply = decode_any(msg.data)
         except SpecbusError as exc:
-            self.state.counters["draft_failures"] += 1
+            self.counters["draft_failures"] += 1
             log.warning("draft_failed", drafter_id=drafter_id, batch_id=message.batch_id, code=exc.code.value,
                         message=exc.message)
             return None
         if not isinstance(reply, DraftResponse) or reply.batch_id != message.batch_id:
-            self.state.counters["draft_failures"] += 1
+            self.counters["draft_failures"] += 1
             log.warning("draft_unexpected_reply", drafter_id=drafter_id, batch_id=message.batch_id,
                         reply=getattr(reply, "code", reply.type))
             return None
@@ -379,18 +384,18 @@ class Scheduler:
                 except BusDeadlineExpired:
                     break
                 except BusPayloadTooLarge as exc:  # our message, not the verifier: no retry, nobody is dead
-                    self.state.counters["verify_too_large"] += 1
+                    self.counters["verify_too_large"] += 1
                     log.warning("verify_too_large", message=exc.message)
                     return Error.from_exception(exc)
                 except SpecbusError as exc:
-                    self.state.counters["verify_failures"] += 1
+                    self.counters["verify_failures"] += 1
                     log.warning("verify_failed", code=exc.code.value, message=exc.message)
                     continue
                 if isinstance(reply, VerifyResponse) and reply.batch_id == message.batch_id:
                     return reply
                 if isinstance(reply, Error) and reply.code not in RETRYABLE_CODES:
                     return reply
-                self.state.counters["verify_failures"] += 1
+                self.counters["verify_failures"] += 1
                 log.warning("verify_unexpected_reply", reply=getattr(reply, "code", reply.type))
         return None
 
@@ -407,7 +412,7 @@ class Scheduler:
                     raise BusTimeout(f"no reply on {subject!r} within {attempt_s:.3f} s, and {instance_id} is silent")
                 if not extended:
                     extended = True
-                    self.state.counters["verify_waits_past_timeout"] += 1
+                    self.counters["verify_waits_past_timeout"] += 1
                     log.info("verify_slow_verifier_alive", instance_id=instance_id, waited_s=round(attempt_s, 3))
                 wait_s = self.config.heartbeat_interval_s
             return reply.result()
@@ -428,7 +433,7 @@ class Scheduler:
         try:
             await publish(self.nc, subject, payload)
         except BusError as exc:
-            self.state.counters["dropped_publish_failed"] += 1
+            self.counters["dropped_publish_failed"] += 1
             log.warning("publish_failed", subject=subject, code=exc.code.value, message=exc.message)
 
 

@@ -4,8 +4,10 @@ it hands each job to.
 `SchedulerState` is driven by the scheduler's step loops (services/scheduler/scheduler.py), one
 step at a time per lane: boundary, plan_step, draft_batches / apply_draft, verify_batches /
 apply_verify, end_step. The loop, lanes and in-flight rule are told once, in
-docs/ARCHITECTURE.md#the-step-loop. The core holds the tables they share (the running requests,
-those in a step now, the counters) and delegates:
+docs/ARCHITECTURE.md#the-step-loop. The core owns the tables the collaborators read (the running
+requests, those in a step now, the counters) and is the only one that changes them
+(docs/ARCHITECTURE.md#one-owner-per-table): a collaborator gets what it reads as arguments and
+returns `Changes` (scheduler_types.py), which `SchedulerState.apply` applies. It delegates:
 - admission.py `Admission`: the queue, fair share, the checks a request passes to join it;
 - placement.py `Placement`: instances, heartbeats, the one with the most room for a pin;
 - step_planner.py `StepPlanner`: the rows of each step, decode rows first, each row's k;
@@ -30,7 +32,7 @@ from schemas.config import SchedulerConfig
 from schemas.bus.control import Heartbeat
 from schemas.errors import ErrorCode, SpecbusError
 from schemas.generation import GenerateRequest
-from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse, VerifyResult
+from schemas.steps import DraftRequest, DraftResponse, VerifyRequest, VerifyResponse
 from schemas.streams import Admitted
 from schemas.bus.wire import Error, FinishReason
 from services.scheduler.admission import Admission
@@ -40,7 +42,7 @@ from services.scheduler.drafts.draft_method import drafted, pin_drafter
 from services.scheduler.placement import Placement
 from services.scheduler.drafts.prefix_hints import PrefixHints, cache_salt
 from services.scheduler.recovery import Recovery
-from services.scheduler.scheduler_types import Outbox, PlannedRow, Request, StepPlan
+from services.scheduler.scheduler_types import Changes, Outbox, Request, StepPlan
 from services.scheduler.slot_release import SlotReleases
 from services.scheduler.step_planner import StepPlanner
 from services.runtime.metrics import SchedulerMetrics
@@ -112,19 +114,14 @@ class SchedulerState:
         self.metrics = SchedulerMetrics()  # histograms and acceptance by mode; the service exposes counters too
         self.max_payload: int | None = None  # the NATS server's, set by the service; None: unchecked
         self.releases = SlotReleases(self.placement)
-        self.admission = Admission(config, tokenizer, self.placement, self.running, self.counters, self.metrics,
-                                   monotonic, lambda: self.max_payload)
-        self.waiting = self.admission.waiting
+        self.admission = Admission(config, tokenizer, self.placement, self.metrics, monotonic)
+        self.waiting = self.admission.waiting  # the queue, Admission's: read here
         self.planner = StepPlanner(config, self.placement)
         self.hints = PrefixHints()
-        self.committer = Committer(config, self.placement, self.running, self.releases, self.admission.recent,
-                                   self.counters, self.metrics, monotonic, tokenizer.eos_ids, self.row_verified,
-                                   self.hints, self.planner.suffix_ended)
-        self.recovery = Recovery(config, self.placement, self.running, self.in_flight, self.releases,
-                                 self.committer, self.counters, lambda request: pin_drafter(self, request),
-                                 self.pinned_count)
-        self.builder = BatchBuilder(config, self.placement, self.planner.budget, self.releases, self.in_flight,
-                                    self.counters, self.committer.end, lambda: self.max_payload)
+        self.committer = Committer(config, self.placement, self.releases, self.metrics, monotonic, tokenizer.eos_ids,
+                                   self.hints)
+        self.recovery = Recovery(config, self.placement, self.releases)
+        self.builder = BatchBuilder(config, self.placement, self.planner.budget, self.releases)
         self.queue_seconds = self.metrics.histogram(
             "queue_seconds", "admission to start: time a request waited in the queue (it counts against its "
             "deadline)", QUEUE_BUCKETS)
@@ -157,7 +154,9 @@ class SchedulerState:
 
     def admit(self, request: GenerateRequest, client_inbox: str, prompt_ids: list[int], now: float) -> Request:
         """Queue a valid request, or raise SpecbusError before any work (admission.py)."""
-        return self.admission.admit(request, client_inbox, prompt_ids, now)
+        state, changes = self.admission.admit(request, client_inbox, prompt_ids, now, self.running, self.max_payload)
+        self.apply(changes, now)
+        return state
 
     def admitted(self, request_id: str, *, started: bool, v: int) -> Admitted:
         """The answer to the client that its request is here (queued) or running (started), in
@@ -203,19 +202,25 @@ class SchedulerState:
             elif now >= request.deadline:
                 outbox.extend(self.end(request, "timeout", now))
             else:
-                outbox.extend(self.recovery.replace_dead(request, now))
-        outbox.extend(self.recovery.replay_lost_finals(now))
+                if request.speculative.num_speculative_tokens > 0 and not self.placement.alive(request.drafter_id):
+                    # another drafter (draft_method.py), which gets the whole history
+                    new_id = pin_drafter(self.placement, self.pinned_count, request)
+                    request.drafter_id = self.placement.count_pin(new_id)
+                    request.restart_drafter()
+                outbox.extend(self.apply(self.recovery.replace_dead(request, self.pinned_count), now))
+        outbox.extend(self.apply(self.recovery.replay_lost_finals(self.committer.finishing, now, self.pinned_count),
+                                 now))
         return outbox.extend(self.start_queued(now))
 
     def start_queued(self, now: float) -> Outbox:
         """End the queued requests that end now (Admission.sweep), then start the others in the
         queue's order while there is room; each started one's client hears Admitted `started`."""
         outbox = Outbox()
-        for request, reason, error in self.admission.sweep(now):
+        for request, reason, error in self.admission.sweep(now, self.running):
             outbox.extend(self.end(request, reason, now, error=error))
-        for request in self.admission.start_order():
+        for request in self.admission.start_order(self.running):
             if self.start(request):
-                self.waiting.remove(request)
+                self.admission.started(request)
                 self.running[request.request_id] = request
                 self.counters["started"] += 1
                 request.told_at = self.monotonic()
@@ -259,7 +264,7 @@ class SchedulerState:
             request.sampling = request.sampling.model_copy(update={"max_tokens": capped})
             self.counters["max_tokens_capped"] += 1
         if request.speculative.num_speculative_tokens > 0:
-            request.drafter_id = pin_drafter(self, request)
+            request.drafter_id = self.placement.count_pin(pin_drafter(self.placement, self.pinned_count, request))
         lane_sizes = Counter(r.lane for r in self.running.values())
         request.lane = min(range(self.config.lanes), key=lambda lane: lane_sizes[lane])
         return True
@@ -270,6 +275,7 @@ class SchedulerState:
         """Rows per verifier for the lane's requests (None: every lane's) not in a step already
         (step_planner.py). The planned requests are in flight until end_step(plan)."""
         plan = self.planner.plan(self.running.values(), self.in_flight, lane)
+        self.in_flight.update(plan.request_ids())
         for budget in plan.budgets.values():
             self.last_step_budget = budget
         return plan
@@ -277,20 +283,22 @@ class SchedulerState:
     def end_step(self, plan: StepPlan) -> None:
         """The plan's step is over (committed, failed or cancelled): its requests may be planned,
         ended or moved again."""
-        for planned_rows in plan.rows.values():
-            for planned in planned_rows:
-                self.in_flight.discard(planned.request.request_id)
+        self.in_flight.difference_update(plan.request_ids())
 
     def draft_batches(self, plan: StepPlan, now: float) -> dict[str, DraftRequest]:
-        return self.builder.draft_batches(plan, now)
+        batches, changes = self.builder.draft_batches(plan, now, self.max_payload)
+        self.apply(changes, now)
+        return batches
 
     def apply_draft(self, plan: StepPlan, drafter_id: str, request: DraftRequest,
                     response: DraftResponse | None) -> None:
-        self.builder.apply_draft(plan, drafter_id, request, response)
+        self.apply(self.builder.apply_draft(plan, drafter_id, request, response), time.time())
 
     def verify_batches(self, plan: StepPlan, now: float) -> dict[str, VerifyRequest]:
-        """The plan's VerifyRequests (batch_builder.py); their tokens by row kind are observed."""
-        batches = self.builder.verify_batches(plan, now)
+        """The plan's VerifyRequests (batch_builder.py); their tokens by row kind are observed.
+        Requests ended while building them (too large) leave their messages in plan.outbox."""
+        plan.outbox.extend(self.apply(self.builder.verify_batches(plan, now, self.max_payload), now))
+        batches = plan.verify_requests
         for rows in plan.rows.values():
             decode = sum(1 + p.num_draft for p in rows if p.decode)
             prefill = sum(p.end - p.cached_len for p in rows if not p.decode)
@@ -306,20 +314,43 @@ class SchedulerState:
         message = plan.verify_requests[verifier_id]
         if response is None or isinstance(response, Error):
             self.releases.restore(verifier_id, message.release)
+        outbox = Outbox()
         if response is None:
-            return self.recovery.verifier_failed(verifier_id, now, plan)
-        return self.committer.commit_batch(plan, verifier_id, response, now)
+            running = list(self.running.values())
+            for changes in self.recovery.verifier_failed(verifier_id, now, plan, running, self.in_flight,
+                                                         self.pinned_count):
+                outbox.extend(self.apply(changes, now))
+            return outbox
+        for changes in self.committer.commit_batch(plan, verifier_id, response, now, self.running):
+            outbox.extend(self.apply(changes, now))
+        return outbox
 
-    def row_verified(self, planned: PlannedRow, result: VerifyResult) -> None:
-        """A consistent verified row: its acceptance for adaptive k, and for draft_method "auto";
-        a row of suffix drafts is counted (suffix_rows, suffix_drafts, suffix_drafts_accepted)."""
-        self.planner.verified(planned, result)
-        if planned.suffix is not None:
-            self.counters["suffix_rows"] += 1
-            self.counters["suffix_drafts"] += planned.num_draft
-            self.counters["suffix_drafts_accepted"] += result.drafts_accepted
-        if planned.drafted_by is not None:
-            drafted(self, planned.request, planned.drafted_by, result.drafts_accepted)
+    def apply(self, changes: Changes, now: float) -> Outbox:
+        """Apply what a collaborator decided (scheduler_types.Changes), in its order, and return
+        the messages to send. A verified row: its acceptance for adaptive k and for draft_method
+        "auto" (which may move it to another drafter); a row of suffix drafts is counted
+        (suffix_rows, suffix_drafts, suffix_drafts_accepted)."""
+        self.counters.update(changes.counts)
+        self.in_flight.difference_update(changes.left_step)
+        for planned, result in changes.verified:
+            self.planner.verified(planned, result)
+            if planned.suffix is not None:
+                self.counters.update({"suffix_rows": 1, "suffix_drafts": planned.num_draft,
+                                      "suffix_drafts_accepted": result.drafts_accepted})
+            if planned.drafted_by is not None:
+                request = planned.request
+                switch = drafted(self.placement, self.pinned_count, request, planned.drafted_by,
+                                 result.drafts_accepted)
+                self.counters.update(switch.counts)
+                if switch.drafter_id is not None:
+                    self.releases.release(request.drafter_id, request.request_id)
+                    request.drafter_id = self.placement.count_pin(switch.drafter_id)
+                    request.restart_drafter()
+        self.committer.forget(changes.forget)
+        outbox = changes.outbox
+        for ending in changes.ended:
+            outbox.extend(self.end(ending.request, ending.reason, now, **ending.final))
+        return outbox
 
     def draft_timed(self, drafter_id: str, message: DraftRequest, response: DraftResponse | None,
                     seconds: float) -> None:
@@ -336,8 +367,13 @@ class SchedulerState:
     # ------------------------------------------------------------------ ending
 
     def end(self, request: Request, reason: FinishReason | None, now: float, **final) -> Outbox:
-        """End a request (commits.Committer.end; final: the final commit's fields)."""
-        return self.committer.end(request, reason, now, **final)
+        """End a request: out of the running table, its id kept from reuse a while (admission.py),
+        its prompt and output into the suffix index, its final commit sent (commits.Committer.end;
+        final: the final commit's fields)."""
+        self.running.pop(request.request_id, None)
+        self.admission.recent.remember(request.request_id)
+        self.planner.suffix_ended(request)
+        return self.apply(self.committer.end(request, reason, now, **final), now)
 
     def drain(self, now: float) -> Outbox:
         """On shutdown: every running and queued request ends with finish_reason "error", code
@@ -348,7 +384,7 @@ class SchedulerState:
             error = Error(code=ErrorCode.shutting_down, request_id=request.request_id,
                           message=f"scheduler {self.config.instance_id} is stopping; send the request again")
             outbox.extend(self.end(request, "error", now, error=error))
-        self.waiting.clear()
+        self.admission.clear()
         return outbox
 
     def stats(self) -> dict:

@@ -1,8 +1,9 @@
 """The scheduler's typed state and outputs: one admitted `Request`, one request's `PlannedRow`
-in a step, a `StepPlan` (rows per verifier, rows per drafter, the messages built for them) and
-the `Outbox` every decision returns (Commits to postprocessors, StreamChunks and Admitted
-answers straight to client inboxes). Plain data, no NATS: services/scheduler/scheduler_core.py
-and its collaborators fill them.
+in a step, a `StepPlan` (rows per verifier, rows per drafter, the messages built for them), the
+`Outbox` every decision returns (Commits to postprocessors, StreamChunks and Admitted answers
+straight to client inboxes) and the `Changes` a collaborator returns for the core's tables (its
+`Ending`s among them). Plain data, no NATS: services/scheduler/scheduler_core.py and its
+collaborators fill them.
 """
 
 import re
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from schemas.errors import ErrorCode
 from schemas.commits import Commit
 from schemas.generation import LogprobOptions, SamplingParams, SpeculativeOptions
-from schemas.steps import DraftTokens, FeatureBlock, VerifyRequest
+from schemas.steps import DraftTokens, FeatureBlock, VerifyRequest, VerifyResult
 from schemas.streams import Admitted, StreamChunk, Usage
 from schemas.bus.versions import WINDOW
 from schemas.bus.wire import Error, FinishReason
@@ -177,6 +178,10 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.rows
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests with a row in the plan: in flight while its step runs."""
+        return [planned.request.request_id for rows in self.rows.values() for planned in rows]
+
 
 @dataclass
 class Outbox:
@@ -189,3 +194,30 @@ class Outbox:
         self.chunks += other.chunks
         self.acks += other.acks
         return self
+
+
+@dataclass
+class Ending:
+    """A request a collaborator ends: SchedulerState.end(request, reason, now, **final), final
+    being the final commit's fields (commits.Committer.end's keywords)."""
+
+    request: Request
+    reason: FinishReason | None
+    final: dict = field(default_factory=dict)
+
+
+@dataclass
+class Changes:
+    """What a collaborator decided for the tables SchedulerState owns (its running requests, the
+    ids in a step now, its counters: docs/ARCHITECTURE.md#one-owner-per-table), returned for
+    SchedulerState.apply to apply in this order: `counts` added to its counters; `left_step` ids
+    out of the step in flight; `verified` rows told to the step planner and the draft method;
+    `forget` ended requests no longer kept for a replay (Committer.finishing); `ended` requests
+    ended (SchedulerState.end); then `outbox` goes out with the ended requests' messages."""
+
+    counts: Counter = field(default_factory=Counter)
+    left_step: list[str] = field(default_factory=list)
+    verified: list[tuple[PlannedRow, VerifyResult]] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+    ended: list[Ending] = field(default_factory=list)
+    outbox: Outbox = field(default_factory=Outbox)

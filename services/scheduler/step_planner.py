@@ -1,6 +1,8 @@
 """The step planner: which rows a lane's next step gives each verifier, and each decode row's k.
 No NATS, no awaits, no clocks: services/scheduler/scheduler_core.py owns one `StepPlanner` and
-asks it once per step, and tells it what each verified row accepted and what each batch cost.
+asks it once per step (the running requests and the ids in flight as arguments, read only; the
+plan it returns is the step's), and tells it what each verified row accepted and what each batch
+cost.
 
 Per verifier, of the lane's requests that are not in a step already and whose verifier and
 postprocessor are alive (the others wait: see recovery.py), decode first (vLLM's decode
@@ -41,7 +43,7 @@ tree_choice.py prefers it, or in every step with adaptive_k off (docs/PROTOCOL.m
 """
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 
 import numpy as np
 
@@ -76,9 +78,10 @@ class StepPlanner:
         self.weights = parse_user_weights(config.user_weights)
         self.num_plans = 0
 
-    def plan(self, requests: Iterable[Request], in_flight: set[str], lane: int | None = None) -> StepPlan:
+    def plan(self, requests: Iterable[Request], in_flight: Set[str], lane: int | None = None) -> StepPlan:
         """Rows per verifier for the lane's requests (None: every lane's) not in a step already
-        (module docstring). The planned requests join in_flight until the core's end_step."""
+        (in_flight: the core's ids in a step now; module docstring). The core puts the planned
+        requests in flight (StepPlan.request_ids) until its end_step."""
         draft_rows: dict[str, list[PlannedRow]] = {}
         by_verifier: dict[str, list[Request]] = {}
         for request in requests:
@@ -94,7 +97,6 @@ class StepPlanner:
             planned = self.plan_verifier(waiting, budgets[verifier_id], draft_rows)
             for row in planned:
                 row.request.last_planned = self.num_plans
-                in_flight.add(row.request.request_id)
             if planned:
                 rows[verifier_id] = planned
         return StepPlan(rows, draft_rows, budgets=budgets)

@@ -150,3 +150,36 @@ def test_a_running_request_whose_client_heard_nothing_for_a_heartbeat_interval_i
     assert not state.keepalives().acks
     sample = state.metrics.registry.get_sample_value
     assert sample("specbus_scheduler_queue_seconds_count") == 2 and sample("specbus_scheduler_queue_seconds_sum") == 6.0
+
+
+# ------------------------------------------------------------------ one owner per table
+
+
+def test_no_collaborator_holds_the_cores_tables_or_a_callback_into_it(tokenizer):
+    """docs/ARCHITECTURE.md#one-owner-per-table: the running requests, the ids in flight and the
+    counters are the core's alone; its collaborators get them as arguments, never keep them."""
+    state = new_state(tokenizer)
+    tables = (state.running, state.in_flight, state.counters)
+    for collaborator in (state.admission, state.planner, state.builder, state.committer, state.recovery,
+                         state.releases, state.placement):
+        for name, value in vars(collaborator).items():
+            where = f"{type(collaborator).__name__}.{name}"
+            assert not any(value is table for table in tables), where
+            assert getattr(value, "__self__", None) is not state, where  # a bound method of the core
+            assert getattr(value, "__name__", "") != "<lambda>", where
+
+
+def test_a_finishing_row_changes_nothing_of_the_core_until_it_applies_it(tokenizer):
+    """Committer.commit_batch returns what a row changed (the request to end, with its final
+    commit's fields); the request leaves the running table only when the core applies it."""
+    state = new_state(tokenizer)
+    submit(state, sampling={"max_tokens": 1})
+    state.boundary(time.time())
+    plan = state.plan_step(time.time())
+    message = state.verify_batches(plan, time.time())["v1"]
+    counters = dict(state.counters)
+    [counted, row] = list(state.committer.commit_batch(plan, "v1", verified(message), time.time(), state.running))
+    assert counted.counts == {"steps": 1} and [(e.request.request_id, e.reason) for e in row.ended] == [("r1", "length")]
+    assert "r1" in state.running and "r1" in state.in_flight and dict(state.counters) == counters
+    [final] = commits_of(state.apply(row, time.time()))
+    assert final.finish_reason == "length" and "r1" not in state.running and state.counters["finished_length"] == 1
