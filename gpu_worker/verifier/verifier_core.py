@@ -68,13 +68,13 @@ import structlog
 
 from gpu_worker.batching.prefix_cache import PrefixCache
 from gpu_worker.batching.slots import load_model_and_cache, release, resolve_weights
-from gpu_worker.verifier.verifier_drafts import verify_drafts, verify_each
+from gpu_worker.verifier.verifier_drafts import verify_each
 from gpu_worker.verifier.verifier_features import FEATURE_BYTES, feature_block
 from gpu_worker.verifier.verifier_forwards import run_forwards
 from gpu_worker.verifier.verifier_rows import prepare_row
 from gpu_worker.verifier.verifier_side_channel import concat_arrays, side_record
 from gpu_worker.verifier.verifier_state import SideRecord, Verified, Verifier, VerifyRowWork
-from gpu_worker.verifier.verifier_trees import keep_tree_path, run_trees, verify_trees
+from gpu_worker.verifier.verifier_trees import keep_tree_path, run_trees
 from gpu_worker.runtime.checkpoint import model_id
 from text.tokenizer import tokenizer_id
 from schemas.config import VerifierConfig
@@ -179,10 +179,9 @@ def verify_batch(verifier: Verifier, request: VerifyRequest,
     run_forwards(verifier, chains)
     run_trees(verifier, trees)
     verified: dict[str, Verified | None] = {}
-    for group, verify in ((chains, verify_drafts), (trees, verify_trees)):
+    for group in (chains, trees):
         emitting = [w for w in group if w.error is None and w.row.emit]
-        verified.update(zip((w.row.request_id for w in emitting),
-                            verify_each(verifier, emitting, verify) if emitting else []))
+        verified.update(zip((w.row.request_id for w in emitting), verify_each(verifier, emitting) if emitting else []))
     for work in works:
         row = work.row
         if work.error is None:
