@@ -1,4 +1,6 @@
-"""Speculative-decoding rejection sampler (docs/PROTOCOL.md#speculative-decoding-contract), in target-vocabulary space.
+"""Speculative-decoding rejection sampler (docs/PROTOCOL.md#speculative-decoding-contract), in target-vocabulary space:
+the chain kernel of gpu_worker/sampling/acceptance.py `accept` (which callers use), and the
+proposals' decoding into draft laws (`proposal_to_draft_probs`).
 
 Per row with n = num_draft draft tokens d_1..d_n, proposal distributions p_i (draft_probs),
 target distributions q_1..q_{n+1} (target_probs: what the target sampler draws from) and the

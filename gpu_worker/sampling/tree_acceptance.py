@@ -1,5 +1,6 @@
 """Exact acceptance over a tree of draft tokens, in target-vocabulary space: `rejection_sample`
-(gpu_worker/sampling/rejection.py) with the chain of drafts generalised to a tree.
+(gpu_worker/sampling/rejection.py) with the chain of drafts generalised to a tree; the tree kernel
+of gpu_worker/sampling/acceptance.py `accept` (which callers use).
 
 Letters: N draft nodes per row (padded), D the deepest node of the batch. Per row:
 draft_token_ids[:, i] is node i's draft token x_i; parents[:, i] its parent (ROOT = -1: a child

@@ -33,15 +33,13 @@ each step in the module that does it:
    the history the target's distribution there is conditioned on; the output comes from the
    tokens the slot holds, which the receiver rule keeps equal to the scheduler's history, so a
    resync or a migration rebuilds it with the cache), target distributions and samples (`sample`,
-   row params, uniforms STREAM_TARGET at the absolute position each sampled token would occupy),
-   proposal -> draft_probs, `rejection_sample` (STREAM_ACCEPT / STREAM_RESIDUAL at the draft
-   positions; greedy rows take the argmax path and use no uniform; a batch of greedy rows
-   computes nothing but the argmaxes), then the slot is trimmed to
-   cached_len + len(new) + num_accepted: the last emitted token is not in the cache yet.
-   Tree rows, batched apart (verifier_trees.py `verify_trees`): the same with each column's
-   penalties over the output then its path, draws at the node's position (root + depth), and
-   `tree_rejection_sample`; `keep_tree_path` then keeps the root and the accepted path (K/V,
-   ids, features) and drops the other nodes;
+   row params, uniforms STREAM_TARGET at the absolute position each sampled token would occupy)
+   and acceptance by the row's law, all in gpu_worker/sampling/acceptance.py `accept`, then the
+   slot is trimmed to cached_len + len(new) + num_accepted: the last emitted token is not in the
+   cache yet. Tree rows, batched apart, the same with each column's penalties over the output
+   then its path and draws at the node's position (root + depth); `keep_tree_path`
+   (verifier_trees.py) then keeps the root and the accepted path (K/V, ids, features) and drops
+   the other nodes;
 5. logprobs of the emitted tokens (with the K the sampler used), prompt logprobs (the logprob
    of prompt token j given tokens < j, for j = 1..prompt_len-1, computed chunk by chunk and
    kept in the request's state until the row that completes the prompt) and sampling masks
