@@ -11,7 +11,7 @@ at position L = cached_len) and its k nodes come in depth-first preorder, node i
    gpu_worker/sampling/acceptance.py `accept` over the rows' trees. Its Verified carries the
    accepted path, and its logits the root's column then the path's: the laws its emitted tokens
    were drawn from.
-   `keep_tree_path` (from finish_row): `keep_path` moves the path's K/V next to the root and
+   `keep_tree_path` (from verifier_core.py `commit_row`): `keep_path` moves the path's K/V next to the root and
    commits root + path, the slot's ids become the root then the path's tokens (no rejected
    node), and the features of those positions are stored from the tree forward's hidden states.
 """
