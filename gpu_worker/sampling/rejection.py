@@ -1,4 +1,6 @@
-"""Speculative-decoding rejection sampler (docs/PROTOCOL.md#speculative-decoding-contract), in target-vocabulary space.
+"""Speculative-decoding rejection sampler (docs/PROTOCOL.md#speculative-decoding-contract), in target-vocabulary space:
+the chain kernel of gpu_worker/sampling/acceptance.py `accept` (which callers use), and the
+proposals' decoding into draft laws (`proposal_to_draft_probs`).
 
 Per row with n = num_draft draft tokens d_1..d_n, proposal distributions p_i (draft_probs),
 target distributions q_1..q_{n+1} (target_probs: what the target sampler draws from) and the
@@ -40,7 +42,7 @@ class RejectionResult:
         return int(self.residual_fallback.sum())
 
 
-def _check_probs(x: torch.Tensor, name: str) -> None:
+def check_probs(x: torch.Tensor, name: str) -> None:
     check(x.is_floating_point(), name, f"expected a float tensor, got {x.dtype}")
     # one pass: amin propagates NaN, so a NaN shows up as a non-finite minimum
     low = x.amin()
@@ -48,7 +50,7 @@ def _check_probs(x: torch.Tensor, name: str) -> None:
     check(bool(low >= 0), name, "contains negative probabilities")
 
 
-def _check_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, name: str) -> None:
+def check_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, name: str) -> None:
     check(ids.dtype == torch.int64, name, f"expected int64, got {ids.dtype}")
     in_range = (ids >= 0) & (ids < vocab_size)
     check(bool((in_range | ~valid).all()), name, f"ids out of range [0, {vocab_size})")
@@ -59,13 +61,6 @@ def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
     """accepted [B, K] bool, per draft slot -> [B] int64, the length of the accepted prefix (a
     draft counts only when every draft before it was accepted)."""
     return accepted.long().cumprod(-1).sum(-1)
-
-
-def greedy_accepted(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor) -> torch.Tensor:
-    """The greedy rule: draft_token_ids [B, K] (-1 padded) against the target's draws
-    target_token_ids [B, K+1]; [B] int64, drafts accepted while they equal the target's draw."""
-    K = draft_token_ids.shape[1]
-    return accepted_prefix(draft_token_ids == target_token_ids[:, :K])
 
 
 def rejection_sample(
@@ -100,15 +95,15 @@ def rejection_sample(
     device = target_probs.device
     slot = torch.arange(K + 1, device=device)
     valid = slot < num_draft[:, None]  # (B, K+1): draft slots in use
-    _check_ids(draft_token_ids, valid[:, :K], V, "draft_token_ids")
-    _check_ids(target_token_ids, slot <= num_draft[:, None], V, "target_token_ids")
+    check_ids(draft_token_ids, valid[:, :K], V, "draft_token_ids")
+    check_ids(target_token_ids, slot <= num_draft[:, None], V, "target_token_ids")
     if draft_probs is not None:
         check_shape(draft_probs, (B, K, V), "draft_probs")
     if check_values:
-        _check_probs(target_probs, "target_probs")
+        check_probs(target_probs, "target_probs")
         if draft_probs is not None:
-            _check_probs(draft_probs, "draft_probs")
-    uniforms, residual_uniforms = _draw_uniforms(B, K, device, generator, uniforms, residual_uniforms)
+            check_probs(draft_probs, "draft_probs")
+    uniforms, residual_uniforms = draw_uniforms(B, K, device, generator, uniforms, residual_uniforms)
 
     draft_ids = draft_token_ids.clamp_min(0)  # -1 padding gathers id 0, masked out by `valid`
     target_at_draft = target_probs[:, :K].gather(-1, draft_ids[..., None]).squeeze(-1)  # (B, K)
@@ -154,7 +149,7 @@ def _check_shapes(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target
     return B, K, V
 
 
-def _draw_uniforms(B: int, K: int, device, generator: torch.Generator | None, uniforms: torch.Tensor | None,
+def draw_uniforms(B: int, K: int, device, generator: torch.Generator | None, uniforms: torch.Tensor | None,
                    residual_uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The acceptance and residual uniforms (B, K) float64: those given (checked), the others
     drawn from generator (a fresh unseeded one when it is None), acceptance first."""
@@ -198,7 +193,7 @@ def map_draft_probs_to_target(draft_probs: torch.Tensor, d2t: torch.Tensor, targ
     check(draft_probs.dim() == 3, "draft_probs", f"expected [B, K, Vd], got {tuple(draft_probs.shape)}")
     B, K, Vd = draft_probs.shape
     check_shape(d2t, (Vd,), "d2t")
-    _check_ids(d2t, torch.ones_like(d2t, dtype=torch.bool), target_vocab_size, "d2t")
+    check_ids(d2t, torch.ones_like(d2t, dtype=torch.bool), target_vocab_size, "d2t")
     out = draft_probs.new_zeros(B, K, target_vocab_size)
     return out.index_add_(-1, d2t, draft_probs)
 
@@ -231,7 +226,7 @@ def proposal_to_draft_probs(
         check(dense_probs is not None, "dense_probs", "required for a dense proposal")
         check(dense_probs.dim() == 3 and dense_probs.shape[:2] == (B, K), "dense_probs",
               f"expected [{B}, {K}, V], got {tuple(dense_probs.shape)}")
-        _check_probs(dense_probs, "dense_probs")
+        check_probs(dense_probs, "dense_probs")
         if d2t is not None:
             return map_draft_probs_to_target(dense_probs, d2t, target_vocab_size)
         check_shape(dense_probs, (B, K, target_vocab_size), "dense_probs")
@@ -240,14 +235,14 @@ def proposal_to_draft_probs(
     check(sparse_ids.dim() == 3 and sparse_ids.shape[:2] == (B, K), "sparse_ids",
           f"expected [{B}, {K}, S], got {tuple(sparse_ids.shape)}")
     check_shape(sparse_probs, sparse_ids.shape, "sparse_probs")
-    _check_probs(sparse_probs, "sparse_probs")
+    check_probs(sparse_probs, "sparse_probs")
     source_vocab = target_vocab_size if d2t is None else d2t.shape[0]
-    _check_ids(sparse_ids, sparse_ids >= 0, source_vocab, "sparse_ids")
+    check_ids(sparse_ids, sparse_ids >= 0, source_vocab, "sparse_ids")
     check(bool((sparse_probs[sparse_ids < 0] == 0).all()), "sparse_probs", "padding slots must hold 0")
     ids = sparse_ids.clamp_min(0)
     if d2t is not None:
         check(d2t.dim() == 1, "d2t", f"expected [Vd], got {tuple(d2t.shape)}")
-        _check_ids(d2t, torch.ones_like(d2t, dtype=torch.bool), target_vocab_size, "d2t")
+        check_ids(d2t, torch.ones_like(d2t, dtype=torch.bool), target_vocab_size, "d2t")
         ids = d2t[ids]
     out = sparse_probs.new_zeros(B, K, target_vocab_size)
     return out.scatter_add_(-1, ids, sparse_probs)

@@ -1,5 +1,6 @@
 """Exact acceptance over a tree of draft tokens, in target-vocabulary space: `rejection_sample`
-(gpu_worker/sampling/rejection.py) with the chain of drafts generalised to a tree.
+(gpu_worker/sampling/rejection.py) with the chain of drafts generalised to a tree; the tree kernel
+of gpu_worker/sampling/acceptance.py `accept` (which callers use).
 
 Letters: N draft nodes per row (padded), D the deepest node of the batch. Per row:
 draft_token_ids[:, i] is node i's draft token x_i; parents[:, i] its parent (ROOT = -1: a child
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.sampling.rejection import RejectionResult, _check_ids, _check_probs, _draw_uniforms
+from gpu_worker.sampling.rejection import RejectionResult, check_ids, check_probs, draw_uniforms
 from gpu_worker.sampling.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, check, check_shape, make_uniforms,
                                          sample_from_probs)
 from schemas.arrays import PAD_TOKEN_ID, ROOT_PARENT
@@ -148,7 +149,7 @@ def tree_rejection_sample(
     B, N, V = _check_tree(draft_token_ids, parents, num_nodes, draft_probs, target_probs, target_token_ids, greedy,
                           check_values)
     device = target_probs.device
-    uniforms, residual_uniforms = _draw_uniforms(B, N, device, generator, uniforms, residual_uniforms)
+    uniforms, residual_uniforms = draw_uniforms(B, N, device, generator, uniforms, residual_uniforms)
 
     depth = node_depths(parents, num_nodes)  # (B, N)
     D = int(depth.max()) if depth.numel() else 0
@@ -254,12 +255,12 @@ def _check_tree(draft_token_ids: torch.Tensor, parents: torch.Tensor, num_nodes:
     valid = node[:N] < num_nodes[:, None]  # (B, N)
     before = (parents >= ROOT) & (parents < node[:N])
     check(bool((before | ~valid).all()), "parents", "a node's parent must be -1 (the root) or an earlier node")
-    _check_ids(draft_token_ids, valid, V, "draft_token_ids")
-    _check_ids(target_token_ids, node <= num_nodes[:, None], V, "target_token_ids")
+    check_ids(draft_token_ids, valid, V, "draft_token_ids")
+    check_ids(target_token_ids, node <= num_nodes[:, None], V, "target_token_ids")
     if draft_probs is not None:
         check_shape(draft_probs, (B, N, V), "draft_probs")
     if check_values:
-        _check_probs(target_probs, "target_probs")
+        check_probs(target_probs, "target_probs")
         if draft_probs is not None:
-            _check_probs(draft_probs, "draft_probs")
+            check_probs(draft_probs, "draft_probs")
     return B, N, V

@@ -1,14 +1,16 @@
-"""The verifier's rows before the model (step 2 of gpu_worker/verifier/verifier_core.py, whose
-verify_batch answers a retry itself): every row checked before any state changes (`check_row`:
-token ids inside the vocabulary, proposal, room in the slot, a tree row a decode step:
-`check_tree_row`), its sampling tensors, penalties
-and draft distributions built, then the receiver rule (gpu_worker/batching/receiver_rule.py) and
-KV admission (`prepare_row`).
+"""The verifier's rows before the model (stages 1 and 2 of gpu_worker/verifier/verifier_core.py,
+whose verify_batch answers a retry itself): `check_row` checks every row before any state
+changes (`check_fields`: token ids inside the vocabulary, proposal, room in the slot, a tree row
+a decode step: `check_tree_row`) and builds its sampling tensors, penalties, draft
+distributions and grammar step (a CheckedRow); `prepare_row` then applies the receiver rule
+(gpu_worker/batching/receiver_rule.py), admits the request to a slot and reserves its KV, and
+hands the forwards a VerifyRowWork.
 """
 
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,7 +20,7 @@ from gpu_worker.batching.receiver_rule import ReceiverVerdict, receiver_rule
 from gpu_worker.batching.row_sampling import logit_bias_tensors, row_params, row_penalties
 from gpu_worker.batching.slots import free_request
 from gpu_worker.verifier.verifier_features import store_features
-from gpu_worker.verifier.verifier_grammar import row_grammar
+from gpu_worker.verifier.verifier_grammar import GrammarStep, row_grammar
 from gpu_worker.verifier.verifier_side_channel import continue_prompt
 from gpu_worker.verifier.verifier_state import Verifier, VerifierSlot, VerifyRowWork
 from gpu_worker.runtime.kv_cache import CacheFullError, CacheMemoryError
@@ -37,7 +39,7 @@ def invalid(message: str, field_name: str) -> SpecbusError:
     return SpecbusError(ErrorCode.invalid_field, message, field_name)
 
 
-def check_row(verifier: Verifier, row: VerifyRow, verdict: ReceiverVerdict, prefix: str) -> None:
+def check_fields(verifier: Verifier, row: VerifyRow, verdict: ReceiverVerdict, prefix: str) -> None:
     """Everything about a row that can be wrong before touching any state; SpecbusError naming
     the field (prefix is "rows[i]"). verdict: the receiver rule's on the row (its room)."""
     V = verifier.vocab_size
@@ -150,25 +152,49 @@ def point_mass_after(draft_probs: torch.Tensor | None, kept: int, forced: list[i
     return torch.cat([draft_probs, one_hot])
 
 
-def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow,
-                now: float) -> VerifyRowWork | VerifyResult:
-    """A VerifyRowWork for a row that goes through the model, else its final VerifyResult."""
+@dataclass
+class CheckedRow:
+    """A row past the check stage (`check_row`), nothing changed yet: its prefix ("rows[i]") in
+    its request, key (scheduler_id, request_id), the slot state it has (None: a new request),
+    the receiver rule's verdict, and what the kernels will take: draft_probs (k, V) or None,
+    params, penalties, the grammar's step (None: no structured outputs, or a resync)."""
+
+    row: VerifyRow
+    prefix: str
+    key: tuple[str, str]
+    state: VerifierSlot | None
+    verdict: ReceiverVerdict
+    draft_probs: torch.Tensor | None
+    params: SamplingTensors
+    penalties: Penalties | None
+    grammar: GrammarStep | None
+
+
+def check_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow) -> CheckedRow:
+    """Stage 1: everything about the row that can be wrong, before any state changes (a value the
+    kernels refuse fails this row alone, naming its field; a row that then answers need_resync
+    just wastes the work). The grammar's matcher, if the slot has one, is brought to the output."""
     prefix = f"rows[{index}]"
     key = (scheduler_id, row.request_id)
     state = verifier.requests.get(key)
     held = 0 if state is None else int(verifier.cache.lengths[state.slot])
     verdict = receiver_rule(held, row.cached_len, len(row.new_token_ids), verifier.cache.max_seq_len)
-    check_row(verifier, row, verdict, prefix)
+    check_fields(verifier, row, verdict, prefix)
     draft_probs = decode_proposal(verifier, row, prefix)
     params = sampling_params(verifier, row, prefix)
-    # before any state changes, so a value the kernels refuse leaves none behind (a row that
-    # then answers need_resync just wastes it)
     penalties = history_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
     grammar = None
     if row.emit and row.sampling.structured_outputs is not None and not verdict.need_resync:
         grammar = row_grammar(verifier, row, None if state is None else state.grammar, output_before(row, state),
                               prefix, max(0, min(row.max_forced, verdict.room - len(row.draft_token_ids))),
                               replace=draft_probs is None or row.sampling.gumbel)
+    return CheckedRow(row, prefix, key, state, verdict, draft_probs, params, penalties, grammar)
+
+
+def prepare_row(verifier: Verifier, checked: CheckedRow, now: float) -> VerifyRowWork | VerifyResult:
+    """Stage 2: the row's slot (the receiver rule, admission, KV room, its ids) and its
+    VerifyRowWork for the forwards; a need_resync row's final VerifyResult instead."""
+    row, key, state, verdict, grammar = checked.row, checked.key, checked.state, checked.verdict, checked.grammar
     drafts = row.draft_token_ids if grammar is None else row.draft_token_ids[:grammar.kept]
     forced = [] if grammar is None else grammar.forced
     length = row.cached_len + len(row.new_token_ids) + len(drafts) + len(forced)
@@ -186,7 +212,7 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
         free_request(verifier, key, "memory")
         raise SpecbusError(ErrorCode.overloaded, str(exc)) from None
     verifier.cache.truncate(state.slot, row.cached_len)
-    # the same for the ids: the drafts are dropped again in finish_row unless accepted
+    # the same for the ids: the drafts are dropped again in commit_row (verifier_core.py) unless accepted
     tokens_np = np.concatenate([row.new_token_ids, drafts, np.array(forced, dtype=np.int32)]).astype(np.int32)
     del state.token_ids[row.cached_len:]
     state.token_ids.frombytes(tokens_np.tobytes())
@@ -196,9 +222,9 @@ def prepare_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRo
     num_prompt = max(0, min(row.prompt_len - 1 - row.cached_len, num_new)) if wants_prompt else 0
     work = VerifyRowWork(row=row, state=state, tokens=tokens, start=row.cached_len, num_new=num_new,
                          num_draft=len(drafts) + len(forced), num_prompt=num_prompt,
-                         params=params,
-                         draft_probs=point_mass_after(draft_probs, len(drafts), forced, verifier.vocab_size),
-                         penalties=penalties, allowed=None if grammar is None else grammar.allowed,
+                         params=checked.params,
+                         draft_probs=point_mass_after(checked.draft_probs, len(drafts), forced, verifier.vocab_size),
+                         penalties=checked.penalties, allowed=None if grammar is None else grammar.allowed,
                          num_forced=len(forced), num_replaced=len(row.draft_token_ids) - len(drafts),
                          parents=None if row.parents is None else torch.from_numpy(row.parents).long())
     if wants_prompt and row.cached_len < row.prompt_len:

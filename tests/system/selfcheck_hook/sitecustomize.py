@@ -6,7 +6,7 @@ SPECBUS_TEST_REJECTION_RULE=same_token_bypass. Nothing shipped reads either.
 The bad rule (the same-token bypass): a draft token is also accepted whenever the target's own
 sample at its position equals it. Done by zeroing the acceptance uniform there, so u * p < q holds
 (q(d) > 0, since the target drew d). The rejection sampler's module attribute is replaced before
-gpu_worker.verifier.verifier_drafts imports it by name.
+gpu_worker.sampling.acceptance imports it by name.
 """
 
 import os
