@@ -10,18 +10,12 @@ it). Features go to $SPECBUS_HOME/eagle-data (shards of --shard-convs conversati
 interrupted run resumes at the next missing shard); checkpoints to .train/smollm2-eagle/; the head
 is exported to models/smollm2-eagle/ at every checkpoint. `--device cuda` runs any stage on a GPU.
 
-`accumulate`: training that adds up across runs and machines. Its checkpoint (eagle_training.save_state)
-holds the weights, Adam's second moments, the step and the data position; it lives outside git, in
-state_home() ($SPECBUS_HOME/train/smollm2-eagle, or --state DIR): models/ holds only what is
-served. Each run goes on with the next conversations of the seeded order (prefilled unless on
-disk) for --tokens new tokens (a progress bar with tokens/s and ETA), saving and exporting every
---save-every seconds and on SIGINT / SIGTERM. `nice -n 19` beside other work; SIGSTOP / SIGCONT
-are harmless. Without a checkpoint there, a run starts from the served head (models/smollm2-eagle,
-taken to have consumed the first SERVED_CONVS conversations; a fresh optimizer, warmed up again)
-unless --init-head names another head directory (--init-convs: the conversations it saw) or
---fresh asks for a new one; the last checkpoint committed before training state left git is in
-its history (models/README.md, "Accumulating training", says how to restore it).
---state / --out: another checkpoint and head directory (for an experiment).
+`accumulate`: training that adds up across runs and machines. Its checkpoint (eagle_training.save_state:
+weights, Adam's second moments, step, data position) lives in $SPECBUS_HOME/train/smollm2-eagle or
+--state DIR, never in models/ (what is served); without one a run starts from the served head
+(eagle_training.accumulate_start), --init-head (--init-convs: the conversations it saw) or, --fresh,
+a new head. Each run trains on the next conversations of the seeded order (prefilled unless on disk)
+for --tokens new tokens, saving and exporting (--out) every --save-every seconds and on SIGINT / SIGTERM.
 --data FILE: the target's own answers to the same prompts (ops/train/regenerate_answers.py) instead of
 ShareGPT's: shard n of FILE answers the prompts of ShareGPT's shard n, so the data position
 counts alike; its features go to $SPECBUS_HOME/eagle-data/regen-<stem of FILE>.
@@ -70,17 +64,15 @@ from services.commands.bench_serve_core import load_sharegpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_draft import COPIED_FILES, DRAFT_VOCAB  # noqa: E402
-from eagle_training import (batch_tensors, calibrate_out_norm, chain_losses, init_weights, load_shards,  # noqa: E402
-                             load_state, new_optimizer, regenerated_shards, restore_optimizer, round_plan, save_head,
-                             save_state, start_counters, train_step, write_shard)
+from eagle_training import (accumulate_start, batch_tensors, calibrate_out_norm, chain_losses, init_weights,  # noqa: E402
+                             load_shards, load_state, new_optimizer, regenerated_shards, restore_optimizer, round_plan,
+                             save_head, save_state, start_counters, train_step, write_shard)
 from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "models" / "smollm2-eagle"
 WORK = REPO / ".train" / "smollm2-eagle"
 SEED = 1234
-# the data position of the served head: the conversations its last checkpoint had consumed
-SERVED_CONVS = 8576
 REPLAY_SHARDS = 8  # accumulate replays conversations of the shards just before the new one
 WARMUP = 50  # accumulate: Adam steps of linear learning-rate warmup from a fresh optimizer
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -89,12 +81,6 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 
 def data_dir() -> Path:
     return specbus_home() / "eagle-data"
-
-
-def state_home() -> Path:
-    """Where `accumulate` keeps its checkpoint by default: training state is not served, so it
-    lives under $SPECBUS_HOME (read when called), never in models/."""
-    return specbus_home() / "train" / "smollm2-eagle"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,19 +628,6 @@ def evaluate(target: Path, head_dir: Path, prompts_count: int, max_new: int, k: 
     return result
 
 
-def accumulate_start(state: Path | None, init_head: Path | None, init_convs: int,
-                     fresh: bool) -> tuple[Path, Path | None, int]:
-    """(checkpoint directory, head to seed from, its conversations) for `accumulate` from the
-    command line: the checkpoint in state (default state_home()) when there is one; else
-    init_head if given, else the served head at SERVED_CONVS unless fresh (then a new head)."""
-    state = state_home() if state is None else state
-    if load_state(state) is not None or init_head is not None or fresh:
-        return state, init_head, init_convs
-    print(f"no checkpoint in {state}: starting from the served head {OUT} at {SERVED_CONVS} conversations "
-          f"(a fresh optimizer; --fresh for a new head)", flush=True)
-    return state, OUT, SERVED_CONVS
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=["features", "train", "accumulate", "eval"])
@@ -676,10 +649,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2_000_000, help="accumulate: new training tokens this run")
     parser.add_argument("--replay", type=float, default=0.0,
                         help="accumulate: replayed conversations (of the shards just before) per new one")
-    parser.add_argument("--state", type=Path, default=None,
-                        help="accumulate: the checkpoint directory (default $SPECBUS_HOME/train/smollm2-eagle)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="accumulate without a checkpoint: a new head, not the served one")
+    parser.add_argument("--state", type=Path, default=None, help="accumulate: the checkpoint dir (default: state_home)")
+    parser.add_argument("--fresh", action="store_true", help="accumulate without a checkpoint: a new head")
     parser.add_argument("--out", type=Path, default=OUT, help="accumulate: where the head is exported")
     parser.add_argument("--data", type=Path, default=None,
                         help="accumulate: a regenerated-answers file (ops/train/regenerate_answers.py), not ShareGPT's")
@@ -713,7 +684,7 @@ def main() -> None:
         stop = threading.Event()  # SIGINT / SIGTERM: finish the step, save, exit
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        state, init_head, init_convs = accumulate_start(args.state, args.init_head, args.init_convs, args.fresh)
+        state, init_head, init_convs = accumulate_start(args.state, args.init_head, args.init_convs, args.fresh, OUT)
         accumulate(args.target, args.tokens, args.batch, args.lr, args.unroll, args.reg_weight, args.replay,
                    args.device, state, init_head, init_convs, args.shard_convs, args.max_len,
                    args.vocab_convs, args.save_every, stop.is_set, out=args.out,
