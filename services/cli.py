@@ -37,8 +37,9 @@ from services.commands.selfcheck import add_selfcheck_arguments, run_selfcheck_c
 from services.launch.natsserver import NatsServer, NatsServerConfig
 from services.launch.processes import PARENT_PID_ENV
 from services.launch.supervisor import CrashLoop, supervise
-from services.launch.up import add_stack_arguments, print_error, stack_config, start_stack
+from services.launch.up import add_stack_arguments, print_error, print_kernel_paths, stack_config, start_stack
 from services.runtime.auth import users_from_env
+from services.runtime.bus import cancel_tasks
 from services.runtime.logs import LEVELS, configure_logging
 from services.runtime.tasks import shutdown_event, until_stopped
 
@@ -171,9 +172,13 @@ async def run_up(args: argparse.Namespace) -> int:
     (services/launch/supervisor.py); exit 1 when one role keeps crashing."""
     stop = shutdown_event()
     async with AsyncExitStack() as exit_stack:
-        stack = await start_stack(stack_config(args, args.port), stop, exit_stack)
+        config = stack_config(args, args.port)
+        stack = await start_stack(config, stop, exit_stack)
         if stack is None:
             return 0 if stop.is_set() else 1
+        if config.verifiers:  # beside the supervision: a restart does not wait for it
+            paths = asyncio.create_task(print_kernel_paths(config), name="kernel-paths")
+            exit_stack.push_async_callback(cancel_tasks, [paths])
         try:
             await supervise(stack, stop)
         except CrashLoop as exc:

@@ -18,13 +18,16 @@
   over MAX_FUNCTION_LINES lines;
 - its docstrings and comments (C++ ones too) state contracts, not measurements or history: no measured figure
   (MEASURED_FIGURE below says which) and no issue or session number. Figures live in
-  ops/bench/RESULTS.md, history in git.
+  ops/bench/RESULTS.md, history in git;
+- models/ holds what is served, never training state (TRAINING_STATE: checkpoints, optimizer
+  moments), which lives under $SPECBUS_HOME or in a release artifact.
 
 Each check lists every offence as file:line and what, so one run shows all that is left.
 """
 
 import ast
 import io
+import json
 import re
 import subprocess
 import sys
@@ -452,3 +455,22 @@ def test_docstrings_and_comments_carry_no_measured_figures():
 def test_docstrings_and_comments_carry_no_issue_or_session_numbers():
     problems = offences(HISTORY)
     assert not problems, "work history in docstrings or comments (say what holds now):\n" + "\n".join(problems)
+
+
+# a file or folder name, or a tensor name in a safetensors file, that is training state, not weights
+TRAINING_STATE = re.compile(r"train_state|optimi[sz]er|checkpoint|exp_avg|adam|\.ckpt$|\.pt$|\.pth$", re.IGNORECASE)
+
+
+def test_models_hold_what_is_served_not_training_state():
+    problems = []
+    for path in sorted((ROOT / "models").rglob("*")):
+        name = path.relative_to(ROOT)
+        if TRAINING_STATE.search(path.name):
+            problems.append(f"{name}: named like training state")
+        elif path.suffix == ".safetensors" and path.is_file():
+            with path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            state = sorted(key for key in header if key != "__metadata__" and TRAINING_STATE.search(key))
+            problems += [f"{name}: holds {', '.join(state[:3])}"] if state else []
+    assert not problems, ("models/ holds what is served; training state goes under $SPECBUS_HOME or a release "
+                          "artifact (models/README.md, Accumulating training):\n" + "\n".join(problems))

@@ -31,7 +31,8 @@ import structlog
 import torch
 
 from gpu_worker.batching.prefix_cache import PrefixCache
-from gpu_worker.runtime.checkpoint import load_model
+from gpu_worker.runtime.checkpoint import load_model, read_config
+from gpu_worker.runtime.kernel_paths import KernelReport, report
 from gpu_worker.runtime.kv_cache import KVCache
 from text.grammar import Grammars
 from gpu_worker.runtime.model import Model
@@ -164,6 +165,15 @@ def model_settings(config: ModelServiceConfig, blocks_dir: str | None = None) ->
         # process-wide; worker threads (asyncio.to_thread) pick it up on their first parallel op
         torch.set_num_threads(config.torch_threads)
     return dtype, memory_bytes
+
+
+def kernel_report(config: ModelServiceConfig, model_dir: str) -> KernelReport:
+    """Which path each op runs for a service of config serving model_dir, its dtype and weights
+    resolved as `load_model_and_cache` resolves them (gpu_worker/runtime/kernel_paths.py)."""
+    dtype = resolve_dtype(config.dtype, config.device, model_dir if config.weights != "dense" else None, config.weights)
+    weights = resolve_weights(config.weights, model_dir, dtype, config.device, config.dtype)
+    return report(config.device.split(":")[0], str(dtype).removeprefix("torch."), weights,
+                  read_config(model_dir).head_dim)
 
 
 def load_model_and_cache(model_dir: str, config: ModelServiceConfig,

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime.kernel_paths import fixed_kernel
 
 # Attention windows are whole blocks of KEY_BLOCK keys: model.attention reduces each block with
 # one shape wherever a row's keys end and combines the blocks in a fixed order. Much less than the
@@ -362,7 +362,7 @@ class KVCache:
         """Write k, v (B, T, Hkv, D) of `layer` into the plan's slots at its write_pos (B, T).
         All on the cache's device; a slot's last column is its scratch column for padding."""
         assert len(plan.keys) == k.shape[0] == plan.write_pos.shape[0], (len(plan.keys), k.shape)
-        kernel = linear_kernel.fixed_kernel(k)
+        kernel = fixed_kernel(k)
         for keys, values, columns, k_row, v_row in zip(plan.keys, plan.values, plan.write_columns,
                                                        k.unbind(0), v.unbind(0)):
             if kernel is not None:  # one call a row instead of two index_put_ (each op costs microseconds)

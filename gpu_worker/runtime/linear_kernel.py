@@ -10,7 +10,7 @@ from memory once for up to 12 rows of x, prefetching the next block while it mul
 one-row step costs what a GEMV does and a verify step of k+1 rows little more; `model.pack_weight`
 stores weights with rows paired (`model.pair_rows`) so that a block is a few sequential streams. It needs AVX2 and FMA (both CPU kinds this project runs on have them, and the same code,
 hence the same bits, runs on both); elsewhere `load` returns None and `model.linear` keeps
-oneDNN. A GPU needs its own batch-invariant matmul instead (fixed tiles, no split-K chosen by
+oneDNN (gpu_worker/runtime/kernel_paths.py decides each op's path). A GPU needs its own batch-invariant matmul instead (fixed tiles, no split-K chosen by
 shape).
 
 `quant_linear(x, blocks, kind, b, residual)` does the same for a weight held as GGUF blocks
@@ -113,6 +113,16 @@ def turned_off() -> bool:
     return os.environ.get("SPECBUS_LINEAR_KERNEL", "1") == "0"
 
 
+def amx_wanted() -> bool:
+    """SPECBUS_AMX: 0 keeps bfloat16 weights off AMX tiles."""
+    return os.environ.get("SPECBUS_AMX", "1") != "0"
+
+
+def int_isa_wanted() -> str:
+    """SPECBUS_INT_ISA: int_linear's ISA (best, vnni, avx2, scalar)."""
+    return os.environ.get("SPECBUS_INT_ISA", "best")
+
+
 def import_built():
     """The built module imported as a file, or None where that fails (a build still being written).
 
@@ -146,19 +156,9 @@ def load():
     if module is None:
         module = build()
     if module is not None:
-        module.use_amx(os.environ.get("SPECBUS_AMX", "1") != "0")
-        module.use_int_isa(os.environ.get("SPECBUS_INT_ISA", "best"))
+        module.use_amx(amx_wanted())
+        module.use_int_isa(int_isa_wanted())
     return module
-
-
-def fixed_kernel(t):
-    """The compiled module (`load`) where it serves tensor t's device and dtype (the CPU, float32
-    or bfloat16), else None."""
-    import torch
-
-    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16):
-        return load()
-    return None
 
 
 def build():

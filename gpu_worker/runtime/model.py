@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.runtime.linear_kernel import fixed_kernel
+from gpu_worker.runtime.kernel_paths import amx_tiles, attention_kernel, fixed_kernel
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, ForwardPlan, KVCache
 from gpu_worker.runtime.quantized import IntWeight, QuantizedWeight, block_linear, fuse, to_int, usable
 
@@ -243,12 +243,6 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device="c
                  rope_cos=cos, rope_sin=sin)
 
 
-def block_kernel(t: torch.Tensor, head_dim: int):
-    """The kernel module whose `unit_blocks` and `combine_units` serve attention over t's device and dtype with
-    heads of head_dim (a multiple of 8), else None (torch's flash kernel, or plain ops off the CPU)."""
-    return fixed_kernel(t) if head_dim % 8 == 0 else None
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm of each row of x (..., E) with weight w (E,): x's shape and dtype. A row's
     bits do not depend on how many rows share the call: the fixed-order kernel's sum of squares
@@ -294,7 +288,7 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     (`pair_rows`) where its shape allows and w is not `shared` (read as it is elsewhere too, as a
     tied lm_head is the embedding: pairing would hold a second copy), else w itself (contiguous);
     where that kernel cannot run, oneDNN's packed float32 copy (bfloat16 w too), else w itself
-    for a BLAS matmul.
+    for a BLAS matmul (gpu_worker/runtime/kernel_paths.py decides which).
 
     Why not a library's matmul: MKL, torch's float32 BLAS on x86, picks its kernel by the number
     of rows (a GEMV at one row, other kernels and thread splits at a few rows), each summing over
@@ -310,7 +304,7 @@ def pack_weight(w: torch.Tensor, shared: bool = False) -> torch.Tensor:
     kernel = fixed_kernel(w)
     if kernel is not None:
         out, inner = w.shape
-        if w.dtype == torch.bfloat16 and kernel.amx() and out % 16 == 0 and inner % 32 == 0:
+        if amx_tiles(kernel, w):
             return amx_rows(w)  # shared too: tiles are worth a copy of a tied lm_head (E*V*2 bytes)
         return pair_rows(w) if not shared and out % 2 == 0 and inner % 8 == 0 else w.contiguous()
     if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -475,7 +469,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attention
     """
     B, T, H, D = q.shape
     out, lse = block_outputs(q, k, v, plan)
-    kernel = block_kernel(q, D)
+    kernel = attention_kernel(q, D)
     if kernel is not None:
         U, nb, M = out.shape[0], plan.nb, plan.nq * QUERY_TILE
         out = kernel.combine_units(out.view(U, nb, M, D), lse.view(U, nb, M), plan.unit_out, B * T * H)
@@ -493,7 +487,7 @@ def block_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plan.out_rows' numbering)."""
     B, D = q.shape[0], q.shape[-1]
     U, nq, nb = B * k.shape[1], plan.nq, plan.nb
-    kernel = block_kernel(q, D)
+    kernel = attention_kernel(q, D)
     if kernel is not None:  # our fixed-order kernel (linear_kernel.cpp `unit_blocks`)
         out, lse = kernel.unit_blocks(q.flatten(0, 1), k, v, plan.mask, plan.unit_q, D ** -0.5)
         return out.view(U, nb, nq, QUERY_TILE, D), lse.view(U, nb, nq, QUERY_TILE, 1)
@@ -522,7 +516,7 @@ def combine_blocks(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     Where our block kernel serves, its `combine_units` (the same tree, its own exp): the bits of
     `attention`'s combine there."""
     U, nb, D = out.shape[0], out.shape[1], out.shape[-1]
-    kernel = block_kernel(out, D)
+    kernel = attention_kernel(out, D)
     if kernel is not None:
         rows = out.shape[2:-1].numel()
         own = torch.arange(U * rows, device=out.device).view(U, rows)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from gpu_worker.runtime import linear_kernel
+from gpu_worker.runtime import kernel_paths, linear_kernel
 from schemas.config import GGUF_BLOCKS_FILE
 
 # the kernel's QuantKind and each block's bytes (linear_kernel.cpp)
@@ -132,7 +132,8 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 def usable(dtype: torch.dtype, device: str) -> bool:
     """Whether `quant_linear` serves a model of this dtype on this device here."""
-    return dtype == torch.float32 and device == "cpu" and linear_kernel.load() is not None
+    # the rule asked before the kernel is loaded (a load may build it)
+    return kernel_paths.blocks_serve(device, str(dtype).removeprefix("torch."), True) and linear_kernel.load() is not None
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None = None,

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gpu_worker.runtime.kv_cache import KEY_BLOCK, KVCache, SlotError, WindowGroup
+from gpu_worker.runtime.kernel_paths import attention_kernel
 from gpu_worker.runtime.model import (
     MASKED,
     QUERY_TILE,
@@ -51,7 +52,6 @@ from gpu_worker.runtime.model import (
     block_outputs,
     by_group,
     check_cache,
-    block_kernel,
     combine_blocks,
     read_out,
     rope_rows,
@@ -231,7 +231,7 @@ def tree_step(cfg, cache: KVCache, slots: torch.Tensor, parents: torch.Tensor, n
     depth = torch.tensor([[len(p) - 1 for p in row] for row in paths])
     plan = replace(plan, rope_pos=(torch.tensor(starts).view(-1, 1) + depth).to(cache.device))
     G = cfg.num_heads // cfg.num_kv_heads
-    in_place = block_kernel(weights, cfg.head_dim) is not None  # `block_outputs` runs our kernel
+    in_place = attention_kernel(weights, cfg.head_dim) is not None  # `block_outputs` runs our kernel
     groups = [tree_group_plan(g, starts if g.rows is None else [starts[b] for b in g.rows.tolist()],
                               paths if g.rows is None else [paths[b] for b in g.rows.tolist()],
                               cfg.num_kv_heads, G, cache.device, in_place) for g in plan.groups]

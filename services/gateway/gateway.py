@@ -50,7 +50,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -84,6 +84,7 @@ from services.gateway.tools import shape_choices, stream_shapers
 from services.runtime.auth import MONITOR, check_user_names, env_file_text, generate_api_keys, inbox_prefix, password_env
 from services.runtime.bus import connect_service
 from services.runtime.metrics import LATENCY_BUCKETS, Metrics, serve_metrics
+from services.runtime.tasks import Serving, serve_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -462,7 +463,15 @@ async def connect_clients(config: GatewayConfig, exit_stack: AsyncExitStack) -> 
 
 
 async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
-    """Serve the API on http_host:http_port until stop is set."""
+    """Serve the API on http_host:http_port until stop is set (services/runtime/tasks.py's
+    lifecycle; an HTTP server that ends by itself exits non-zero)."""
+    await serve_until_stopped(gateway_service(config), stop)
+
+
+@asynccontextmanager
+async def gateway_service(config: GatewayConfig) -> AsyncIterator[Serving]:
+    """The HTTP server serving, its NATS clients connected; on exit it finishes its responses
+    (within STOP_GRACE_S), then the clients close."""
     check_gateway_limits(config)
     tokenizer = load_tokenizer(config.target_model)
     model = config.served_model_name or Path(config.target_model).name
@@ -481,14 +490,15 @@ async def run_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
             http=protocol_class(config.header_timeout_s), timeout_keep_alive=config.keep_alive_timeout_s,
             h11_max_incomplete_event_size=config.max_header_bytes))
         with serve_metrics(gateway.metrics.registry, config.metrics_port):
-            serving = asyncio.create_task(server.serve(sockets=[listener]))
+            serving = asyncio.create_task(server.serve(sockets=[listener]), name="gateway-http")
             log.info("gateway_listening", url=f"http://{config.http_host}:{listener.getsockname()[1]}/v1",
                      model=model, users=sorted(clients), auth=logins is not None)
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            server.should_exit = True
-            stopping.cancel()
-            await serving
+            try:
+                yield Serving([serving])
+            finally:
+                server.should_exit = True
+                await asyncio.wait({serving})
+            serving.result()  # an error of its shutdown
 
 
 def http_socket(host: str, port: int) -> socket.socket:

@@ -1,6 +1,7 @@
 """The embedded stack as the commands start it (`specbus up`, `demo`, `selfcheck --local`): the
 stack flags, the StackConfig they give, and a start that prints the URL, a ready line and where
-the credentials are, or the error, and gives up when Ctrl-C comes first."""
+the credentials are, or the error, and gives up when Ctrl-C comes first; `specbus up` then prints
+the verifiers' kernel paths (`print_kernel_paths`)."""
 
 import argparse
 import asyncio
@@ -19,6 +20,8 @@ from services.launch.processes import StackError
 from services.launch.stack import Stack, StackConfig
 from services.runtime.auth import CLIENT
 from services.runtime.tasks import until_stopped
+
+KERNEL_PATHS_TIMEOUT_S = 300.0  # a torch import and the kernel's load (built by then) on a busy machine
 
 
 def print_error(exc: SpecbusError) -> None:
@@ -166,3 +169,21 @@ async def start_stack(config: StackConfig, stop: asyncio.Event, exit_stack: Asyn
         print(f"openai: {config.gateways} gateway(s), the first on {stack.openai_base_url} (OPENAI_BASE_URL and "
               f"OPENAI_API_KEY in {stack.client_env_path})", flush=True)
     return stack
+
+
+async def print_kernel_paths(config: StackConfig) -> None:
+    """Print which path each op runs in the stack's verifiers (gpu_worker/runtime/kernel_paths.py:
+    the report the verifier logs, for the same settings), from a subprocess: this process never
+    imports torch. A report that cannot be made is a line saying so; the stack runs on."""
+    args = [f"--{name.replace('_', '-')}={value}" for name in ("target_model", "dtype", "weights")
+            if (value := getattr(config, name)) is not None]
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.verifier.verifier", "kernel-paths", *args,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), KERNEL_PATHS_TIMEOUT_S)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        process.kill()
+        await process.wait()
+        raise
+    text = out.decode().rstrip() if process.returncode == 0 else f"kernel paths: not known ({err.decode()[-300:]})"
+    print(text, flush=True)

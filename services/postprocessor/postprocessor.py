@@ -16,7 +16,8 @@ the request is dropped with a StopNotice(reason="error") to its scheduler.
 
 import asyncio
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import structlog
 
@@ -42,7 +43,7 @@ from services.runtime.bus import (
     publish,
 )
 from services.runtime.metrics import POSTPROCESSOR_GAUGES, Metrics, serve_metrics
-from services.runtime.tasks import run_until_stopped
+from services.runtime.tasks import serve_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -202,7 +203,14 @@ class PostprocessorService:
 
 
 async def run_postprocessor(config: PostprocessorConfig, stop: asyncio.Event) -> None:
-    """Serve as one postprocessor until `stop` is set, then drain."""
+    """Serve as one postprocessor until `stop` is set, then drain (services/runtime/tasks.py's
+    lifecycle; a crashed send, tick or heartbeat loop exits non-zero)."""
+    await serve_until_stopped(postprocessor_service(config), stop)
+
+
+@asynccontextmanager
+async def postprocessor_service(config: PostprocessorConfig) -> AsyncIterator[PostprocessorService]:
+    """A started PostprocessorService, connected and its metrics served; on exit stopped, then drained."""
     tokenizer = load_tokenizer(config.tokenizer)
     model_ids = {"tokenizer": tokenizer_id(config.tokenizer)}
     post = Postprocessor(tokenizer, config.instance_id, side_channel_timeout_s=config.side_channel_timeout_s,
@@ -212,4 +220,4 @@ async def run_postprocessor(config: PostprocessorConfig, stop: asyncio.Event) ->
         stack.push_async_callback(nc.drain)
         service = await stack.enter_async_context(PostprocessorService(nc, post, config, model_ids))
         stack.enter_context(serve_metrics(service.metrics.registry, config.metrics_port))
-        await run_until_stopped(stop, service.tasks)  # a crashed send, tick or heartbeat loop: exit non-zero
+        yield service

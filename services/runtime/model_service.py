@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from services.runtime.bus import (
 )
 from services.runtime.logs import log_context
 from services.runtime.metrics import MODEL_SERVICE_GAUGES, ModelServiceMetrics, serve_metrics
-from services.runtime.tasks import run_until_stopped
+from services.runtime.tasks import Serving, serve_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -135,6 +135,13 @@ def slot_counts(owner: SlotOwner, handler: BoundedHandler) -> dict[str, int]:
 async def run_slot_service(owner: SlotOwner, config: ModelServiceConfig, service: SlotService,
                            stop: asyncio.Event) -> None:
     """Serve service.subject for a loaded owner until `stop` is set, then drain."""
+    await serve_until_stopped(slot_service(owner, config, service), stop)
+
+
+@asynccontextmanager
+async def slot_service(owner: SlotOwner, config: ModelServiceConfig, service: SlotService) -> AsyncIterator[Serving]:
+    """The service of a loaded owner (services/runtime/tasks.py's lifecycle): connected, its
+    endpoint, metrics, heartbeats and idle eviction running; on exit stopped in reverse order."""
     subjects = Subjects(config.prefix)
     lock = asyncio.Lock()
     metrics = ModelServiceMetrics(service.role)
@@ -167,5 +174,5 @@ async def run_slot_service(owner: SlotOwner, config: ModelServiceConfig, service
         ]
         stack.push_async_callback(cancel_tasks, tasks)
         log.info(f"{service.role}_serving", subject=service.subject, metrics_port=config.metrics_port)
-        await run_until_stopped(stop, tasks)  # a crashed heartbeat or eviction loop: exit non-zero
+        yield Serving(tasks)  # a crashed heartbeat or eviction loop: exit non-zero
         log.info(f"{service.role}_stopping", **owner.counters)

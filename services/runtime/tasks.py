@@ -1,4 +1,9 @@
-"""Supervision of a service's long-lived tasks (step loops, heartbeats, idle eviction).
+"""Supervision of a service's long-lived tasks (step loops, heartbeats, idle eviction), and the
+one lifecycle every service (scheduler, verifier, drafter, postprocessor, gateway) runs:
+`serve_until_stopped(service, stop)`. A service is an async context manager whose entry connects,
+subscribes and starts its loops and yields what it runs (`.tasks`), and whose exit stops admitting,
+drains and closes, in the reverse order of entry (an AsyncExitStack inside); it serves until `stop`
+is set, by SIGINT or SIGTERM (`shutdown_event`) where the caller passes none.
 
 A loop that ends while its service is meant to run (it raised, or returned) must not leave a
 process that looks alive, answers heartbeats or holds requests, and steps nothing: the service
@@ -9,6 +14,9 @@ whoever supervises processes (`specbus up`, compose, systemd) sees the crash and
 import asyncio
 import signal
 from collections.abc import Awaitable, Iterable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -17,6 +25,26 @@ log = structlog.get_logger(__name__)
 
 class TaskEnded(RuntimeError):
     """A supervised task ended before the service was told to stop."""
+
+
+class Supervised(Protocol):
+    """What a service's context yields: the tasks that must run while it serves."""
+    tasks: list[asyncio.Task]
+
+
+@dataclass
+class Serving:
+    """A Supervised for a service whose context holds no object of its own to yield."""
+    tasks: list[asyncio.Task]
+
+
+async def serve_until_stopped(service: AbstractAsyncContextManager[Supervised],
+                              stop: asyncio.Event | None = None) -> None:
+    """Enter service, serve until stop is set (None: SIGINT or SIGTERM) or one of its tasks ends
+    (TaskEnded, after the exit has run), then exit it."""
+    stop = shutdown_event() if stop is None else stop
+    async with service as running:
+        await run_until_stopped(stop, running.tasks)
 
 
 async def run_until_stopped(stop: asyncio.Event, tasks: Iterable[asyncio.Task]) -> None:

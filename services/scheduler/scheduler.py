@@ -22,6 +22,8 @@ library hands the request over to another scheduler (docs/PROTOCOL.md#scheduler-
 import asyncio
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import msgpack
 import structlog
@@ -61,7 +63,7 @@ from services.runtime.bus import (
 )
 from services.runtime.logs import log_context
 from services.runtime.metrics import SCHEDULER_GAUGES, serve_metrics
-from services.runtime.tasks import run_until_stopped
+from services.runtime.tasks import serve_until_stopped
 
 log = structlog.get_logger(__name__)
 
@@ -134,6 +136,17 @@ class Scheduler:
             self.nc, subjects.heartbeat, self.heartbeat, self.config.heartbeat_interval_s), name="scheduler-heartbeat"),
             asyncio.create_task(self.keepalive_loop(), name="scheduler-keepalives")]
         log.info("scheduler_started", instance_id=self.config.instance_id, prefix=self.config.prefix)
+
+    async def __aenter__(self) -> "Scheduler":
+        try:
+            await self.start()
+        except BaseException:  # what started stops
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def stop(self) -> None:
         """Close admission, let the step in flight finish, end every request, stop. Idempotent."""
@@ -438,15 +451,19 @@ class Scheduler:
 
 
 async def run_scheduler(config: SchedulerConfig, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set, then drain (module docstring)."""
+    """Serve until `stop` is set, then drain (module docstring): services/runtime/tasks.py's
+    lifecycle; a crashed lane or heartbeat exits non-zero."""
+    await serve_until_stopped(scheduler_service(config), stop)
+
+
+@asynccontextmanager
+async def scheduler_service(config: SchedulerConfig) -> AsyncIterator[Scheduler]:
+    """A started Scheduler, connected and its metrics served; on exit stopped, then drained."""
     tokenizer = load_tokenizer(config.tokenizer)
     state = SchedulerState(config, tokenizer, tokenizer_id(config.tokenizer))
-    nc = await connect_service(config, config.instance_id)
-    scheduler = Scheduler(config, nc, state)
-    try:
-        await scheduler.start()
-        with serve_metrics(state.metrics.registry, config.metrics_port):
-            await run_until_stopped(stop, scheduler.tasks)  # a crashed lane or heartbeat: exit non-zero
-    finally:
-        await scheduler.stop()
-        await nc.drain()
+    async with AsyncExitStack() as stack:
+        nc = await connect_service(config, config.instance_id)
+        stack.push_async_callback(nc.drain)
+        scheduler = await stack.enter_async_context(Scheduler(config, nc, state))
+        stack.enter_context(serve_metrics(state.metrics.registry, config.metrics_port))
+        yield scheduler

@@ -6,21 +6,29 @@ it with services/runtime/model_service.py `run_slot_service`: nats.micro service
 ($SRV.PING/INFO/STATS.verifier), heartbeats (role verifier, capacity = max_slots, free_slots,
 load = slots in use, model_ids {"target", "tokenizer"}), idle slot eviction, metrics on
 metrics_port, one batch at a time on the model thread; once a VerifyResponse is sent, the batch's
-side records are published.
+side records are published. Once loaded it logs which path each op runs (`kernel_paths`).
+
+`python -m services.verifier.verifier kernel-paths [--target-model DIR --dtype D --weights W --json]`
+prints that report for a verifier's settings (flags, else SPECBUS_* as `specbus serve verifier`
+reads them) without serving: `specbus up` runs it and prints its lines.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import sys
 
 import structlog
 from nats.aio.client import Client
 
 from gpu_worker.batching.grammar_masks import warm_grammars
-from gpu_worker.batching.slots import instance_heartbeat
+from gpu_worker.batching.slots import instance_heartbeat, kernel_report
+from gpu_worker.runtime import kernel_paths
 from gpu_worker.verifier.verifier_core import SideRecord, Verifier, load_verifier, verify_batch
 from schemas.bus.codec import encode
-from schemas.config import VerifierConfig
+from schemas.config import VerifierConfig, load_config
 from schemas.bus.control import Heartbeat
 from schemas.steps import VerifyRequest
 from schemas.bus.subjects import Subjects
@@ -55,6 +63,9 @@ async def run_verifier(config: VerifierConfig, stop: asyncio.Event) -> None:
     subjects = Subjects(config.prefix)
     log.info("verifier_loaded", instance_id=config.instance_id, model=config.target_model, device=config.device,
              dtype=config.dtype, max_slots=config.max_slots, **verifier.model_ids)
+    paths = kernel_paths.report(config.device.split(":")[0], str(verifier.model.embed.dtype).removeprefix("torch."),
+                                verifier.weights, verifier.model.config.head_dim)
+    log.info("kernel_paths", **paths.as_dict())  # which path each op runs here (`specbus up` prints it)
 
     async def after_reply(nc: Client, records: list[SideRecord], v: int) -> None:
         await publish_side_records(verifier, subjects, nc, records, v)
@@ -63,3 +74,22 @@ async def run_verifier(config: VerifierConfig, stop: asyncio.Event) -> None:
         role="verifier", endpoint="verify", description="verifies draft tokens with the target model",
         subject=subjects.verify(config.instance_id), request_type=VerifyRequest,
         run_batch=lambda request: verify_batch(verifier, request), after_reply=after_reply), stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kernel-paths`: print the kernel report of a verifier's settings (module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m services.verifier.verifier")
+    command = parser.add_subparsers(dest="command", required=True).add_parser("kernel-paths")
+    for name in ("target-model", "dtype", "weights", "device"):
+        command.add_argument(f"--{name}", default=None)
+    command.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    config = load_config(VerifierConfig, target_model=args.target_model, dtype=args.dtype, weights=args.weights,
+                         device=args.device)
+    report = kernel_report(config, config.target_model)
+    print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

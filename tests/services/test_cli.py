@@ -339,3 +339,22 @@ async def test_up_with_a_nats_cluster_gives_every_node_and_stops_cleanly_on_ctrl
         stderr = (await process.stderr.read()).decode()
     assert "stack_process_stopped          instance_id=postprocessor-0 returncode=0" in stderr
     assert stderr.count("nats_server_stopped") == 3
+
+
+async def test_up_prints_which_path_each_op_runs_in_its_verifiers():
+    async with specbus_process("up", "--port", "0", "--http-port", "0", "--schedulers", "0", "--verifiers", "1",
+                               "--drafters", "0", "--postprocessors", "0", "--gateways", "0", "--no-auth",
+                               "--target-model", str(TINY_TARGET), "--dtype", "float32", "--weights", "dense",
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as process:
+        lines = []
+        async with asyncio.timeout(300):
+            while not (lines and lines[-1].startswith("kernel paths")):
+                line = await process.stdout.readline()
+                assert line, f"up ended its output without the kernel paths: {lines}"
+                lines.append(line.decode().rstrip())
+            paths = [(await process.stdout.readline()).decode().split() for _ in range(7)]
+        assert lines[1].startswith("ready: 0 scheduler, 1 verifier, 0 drafter, 0 postprocessor")
+        assert lines[-1].startswith("kernel paths (loaded): ISA ") and "dtype float32, weights dense" in lines[-1]
+        assert [p[0] for p in paths] == ["projection", "dequantization", "norms", "rope", "attention", "kv", "gumbel"]
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=60) == 0

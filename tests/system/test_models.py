@@ -251,3 +251,15 @@ async def test_real_pair_answers_and_greedy_k4_equals_k0_in_bf16(start_stack, sm
     assert results[4][0].finish_reason == "eos" and results[4][0].token_ids[-1] == 2  # <|im_end|> ends the turn
     assert sum(r.usage.draft_tokens_accepted for r in results[4]) > 0
     assert np.mean([r.usage.completion_tokens for r in results[4]]) > 1
+
+
+def test_models_list_ends_with_this_machines_kernel_paths_without_importing_torch(tmp_path):
+    code = ("import argparse, sys\nfrom services.commands.models import run_list\n"
+            "run_list(argparse.Namespace(json=False))\nassert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SPECBUS_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    paths = done.stdout.split("\n\n")[-1].splitlines()
+    assert paths[0].startswith("kernel paths (predicted): ISA ") and "AMX " in paths[0]
+    named = [line.split()[0] for line in paths[1:]]
+    assert {"projection", "norms", "rope", "attention", "kv", "gumbel"} <= set(named)

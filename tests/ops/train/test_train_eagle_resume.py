@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
-from ops.train.eagle_training import load_state
+from ops.train.eagle_training import SERVED_CONVS, accumulate_start, load_state, state_home
 from schemas.config import TINY_TARGET
 from tests.ops_scripts import load_train_eagle
 
@@ -98,3 +98,14 @@ def test_a_head_directory_seeds_the_first_run(ops, tmp_path):
     with pytest.raises(SystemExit, match="shards of 3 conversations"):
         ops.accumulate(TINY_TARGET, 1, batch=2, lr=3e-3, unroll=2, reg_weight=1.0, replay=0.0, device="cpu",
                        state_dir=tmp_path / "state", shard_convs=4, max_len=128)
+
+
+def test_the_command_line_resumes_from_specbus_home_else_the_served_head(ops, tmp_path):
+    """Training state lives under $SPECBUS_HOME, not in models/: with none there a run seeds from
+    the served head at its data position, or a fresh head with --fresh; with one, it resumes it."""
+    home_state = tmp_path / "home" / "train" / "smollm2-eagle"
+    assert state_home() == home_state
+    assert accumulate_start(None, None, 0, False, ops.OUT) == (home_state, ops.OUT, SERVED_CONVS)
+    assert accumulate_start(None, None, 0, True, ops.OUT) == (home_state, None, 0)
+    run(ops, home_state, shard_tokens(ops, 0))
+    assert accumulate_start(None, None, 0, False, ops.OUT) == (home_state, None, 0)
