@@ -192,8 +192,10 @@ void group_scalar(const Packed& w, const XQ& x, const Out& o, int64_t g, int64_t
 // AVX2: each half of a group (8 rows, 32 bytes of each 64-byte vector) in turn; a block's integer
 // sums by VPMADDUBSW (unsigned by signed byte pairs into int16, which saturates: the unsigned
 // operand is at most 15 (Q4_1) or |w| <= 128 with x's sign moved onto it (Q8_0), so |pair| <=
-// 2 * 128 * 127 < 32767) then VPMADDWD by ones into int32.
-template <int MB>
+// 2 * 128 * 127 < 32767) then VPMADDWD by ones into int32. Q4_1's pairs (|pair| <= 2 * 15 * 127)
+// are summed over the block's 8 vectors in int16 first (|sum| <= 30480 < 32767: exact), so one
+// VPMADDWD a block and row.
+template <int64_t KIND, int MB>
 void half_avx2(const Packed& w, const XQ& x, int64_t g, int h, int64_t m0, float* acc_out) {
   const int64_t K = w.K;
   const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(-128);
@@ -201,11 +203,11 @@ void half_avx2(const Packed& w, const XQ& x, int64_t g, int h, int64_t m0, float
   for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / QK; ++c) {
     const uint8_t* blk = w.at(g, c);
-    const uint8_t* quants = blk + quant_offset(w.kind) + 32 * h;
+    const uint8_t* quants = blk + quant_offset(KIND) + 32 * h;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
     __m256 mw = _mm256_setzero_ps();
     __m256i u[8], sgn[8];  // unsigned operands; Q8_0: the weights whose signs x takes
-    if (w.kind == Q4_1) {
+    if (KIND == Q4_1) {
       mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * G + 16 * h)));
       for (int j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 64 * j));
@@ -221,33 +223,41 @@ void half_avx2(const Packed& w, const XQ& x, int64_t g, int h, int64_t m0, float
     for (int r = 0; r < MB; ++r) {
       const int64_t m = m0 + r;
       const int8_t* q = x.q.data() + m * K + c * QK;
-      __m256i i32 = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        __m256i xv = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
-        if (w.kind == Q8_0) xv = _mm256_sign_epi8(xv, sgn[j]);
-        i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], xv), ones));
+      __m256i i32;
+      if (KIND == Q4_1) {
+        __m256i i16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int j = 0; j < 8; ++j)
+          i16[j % 2] = _mm256_add_epi16(i16[j % 2], _mm256_maddubs_epi16(u[j], _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j))));
+        i32 = _mm256_madd_epi16(_mm256_add_epi16(i16[0], i16[1]), ones);
+      } else {
+        i32 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xv = _mm256_sign_epi8(_mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j)), sgn[j]);
+          i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], xv), ones));
+        }
       }
       __m256 s = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.dx[m * K / QK + c])), _mm256_cvtepi32_ps(i32));
-      if (w.kind == Q4_1) s = _mm256_add_ps(s, _mm256_mul_ps(mw, _mm256_set1_ps(x.dxs[m * K / QK + c])));
+      if (KIND == Q4_1) s = _mm256_add_ps(s, _mm256_mul_ps(mw, _mm256_set1_ps(x.dxs[m * K / QK + c])));
       acc[r] = _mm256_add_ps(acc[r], s);
     }
   }
   for (int r = 0; r < MB; ++r) _mm256_storeu_ps(acc_out + r * G + 8 * h, acc[r]);
 }
 
-template <int MB>
+template <int64_t KIND, int MB>
 void tile_avx2(const Packed& w, const XQ& x, const Out& o, int64_t g, int64_t m0) {
   float acc[MB * G];
-  half_avx2<MB>(w, x, g, 0, m0, acc);
-  half_avx2<MB>(w, x, g, 1, m0, acc);
+  half_avx2<KIND, MB>(w, x, g, 0, m0, acc);
+  half_avx2<KIND, MB>(w, x, g, 1, m0, acc);
   for (int r = 0; r < MB; ++r) finish(o, acc + r * G, m0 + r, g * G);
 }
 
+template <int64_t KIND>
 void group_avx2(const Packed& w, const XQ& x, const Out& o, int64_t g, int64_t m0, int64_t m1) {
   constexpr int MB = 4;
   int64_t m = m0;
-  for (; m + MB <= m1; m += MB) tile_avx2<MB>(w, x, o, g, m);
-  for (; m < m1; ++m) tile_avx2<1>(w, x, o, g, m);
+  for (; m + MB <= m1; m += MB) tile_avx2<KIND, MB>(w, x, o, g, m);
+  for (; m < m1; ++m) tile_avx2<KIND, 1>(w, x, o, g, m);
 }
 
 #pragma GCC push_options
@@ -385,7 +395,8 @@ void run_groups(Isa run, const Packed& w, const XQ& x, const Out& o, int64_t fir
   for (int64_t g = first; g < last; ++g) {
     if (run == VNNI && w.kind == Q4_1) group_vnni<Q4_1>(w, x, o, g, 0, M);
     else if (run == VNNI) group_vnni<Q8_0>(w, x, o, g, 0, M);
-    else if (run == AVX2) group_avx2(w, x, o, g, 0, M);
+    else if (run == AVX2 && w.kind == Q4_1) group_avx2<Q4_1>(w, x, o, g, 0, M);
+    else if (run == AVX2) group_avx2<Q8_0>(w, x, o, g, 0, M);
     else group_scalar(w, x, o, g, 0, M);
   }
 }
