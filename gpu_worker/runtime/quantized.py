@@ -22,8 +22,9 @@ bits still depend on nothing beside it (nor on the instruction set: scalar, AVX2
 give the same bits), so every identity the forward promises holds for this model; but it is
 another model than the float32 one: the one llama.cpp computes from the file, up to its rounding
 of the activation scales to fp16 (ours stay float32) and its order of float sums. It reads the
-same bytes and multiplies bytes, not floats: on a CPU with VNNI a step costs about the weights'
-bytes, and a verify of many rows little more.
+same bytes and multiplies bytes, not floats: on a CPU with VNNI a one-row step costs about the
+weights' bytes, and a verify's rows share each weight read (8 rows a pass over a group of w), so
+it costs the integer arithmetic of its rows, not their bytes again (ops/bench/RESULTS.md).
 
 Activations stay float32: the widened weights need fp32's mantissa (an fp16 d times q plus an
 fp16 m), so `gguf` goes with dtype float32, on a CPU where the kernel runs. The embedding lookup

@@ -8,11 +8,13 @@ holding a 128-token context (the slot is truncated back after each call, so ever
 same context), the median of --reps calls after a warm-up round, and its ratio to T = 1. The T
 values are timed round-robin, so load from other processes on a shared machine skews no ratio.
 Last column: the bytes of weights a T=1 step reads over its time, against the machine's copy
-bandwidth at the same threads (a 256 MiB torch copy, bytes read plus written per second).
+bandwidth at the same threads (a 256 MiB torch copy, bytes read plus written per second, by
+the same clock).
 Default model: SmolLM2-135M-Instruct when pulled, else the tiny target.
 
     PYTHONPATH=. .venv/bin/python ops/bench/kernels/bench_forward.py
     PYTHONPATH=. .venv/bin/python ops/bench/kernels/bench_forward.py --model models/tiny/target --reps 20
+    PYTHONPATH=. .venv/bin/python ops/bench/kernels/bench_forward.py --formats int8dot --projections --clock cpu
 
 --clock cpu times the process's CPU seconds instead of wall time: on a machine shared with other
 work it is far less noisy (with 2 threads it is the sum over both). To compare with another
@@ -30,7 +32,7 @@ import torch
 from gpu_worker.runtime.checkpoint import load_model
 from gpu_worker.runtime.kv_cache import KVCache
 from gpu_worker.runtime.model import forward
-from gpu_worker.runtime.quantized import IntWeight, QuantizedWeight, has_blocks
+from gpu_worker.runtime.quantized import IntWeight, QuantizedWeight, block_linear, has_blocks
 from schemas.config import TINY_TARGET, default_target_model
 
 # name -> (activation dtype, weights format)
@@ -48,19 +50,20 @@ def weight_bytes(model) -> int:
     return layers + size(model.lm_head)
 
 
-def copy_bandwidth(threads: int, size: int = 256 << 20, reps: int = 5) -> float:
-    """Bytes read plus written per second by a torch copy of `size` bytes at this thread count."""
+def copy_bandwidth(threads: int, size: int = 256 << 20, reps: int = 5, clock=time.perf_counter) -> float:
+    """Bytes read plus written per second by a torch copy of `size` bytes at this thread count (per
+    CPU second with the cpu clock: the forward's own measure on a shared machine)."""
     torch.set_num_threads(threads)
     src, dst = torch.ones(size // 4), torch.empty(size // 4)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    best = min(_timed(lambda: dst.copy_(src), clock) for _ in range(reps))
     return 2 * size / best
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -91,6 +94,23 @@ def bench(model, config, tokens: list[int], context: int | list[int], reps: int,
     return {T: statistics.median(t) * 1e3 for T, t in times.items()}
 
 
+def projections(model, tokens: list[int], reps: int, clock=time.perf_counter) -> dict[int, float]:
+    """{T: median ms} of the projections alone (each layer's four and lm_head, as a forward calls
+    them, on random rows): a forward's time less this is the work around the weights."""
+    weights = [w for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    weights.append(model.lm_head)
+    times = {T: [] for T in tokens}
+    for rep in range(reps + 1):
+        for T in tokens:
+            xs = [torch.randn(T, w.shape[1]) for w in weights]
+            start = clock()
+            for x, w in zip(xs, weights):
+                block_linear(x, w)
+            if rep:
+                times[T].append(clock() - start)
+    return {T: statistics.median(t) * 1e3 for T, t in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,12 +124,14 @@ def main():
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall time or process CPU time")
+    parser.add_argument("--projections", action="store_true",
+                        help="also time the block formats' projections alone at each T (random rows)")
     args = parser.parse_args()
 
     print(f"{args.model}; torch {torch.__version__}; batch 1, {args.context}-token context; "
           f"median {args.clock} ms per forward of {args.reps} (ratio to T={args.tokens[0]})")
-    copy = {threads: copy_bandwidth(threads) for threads in args.threads}
-    print("copy bandwidth: " + ", ".join(f"{t} threads {copy[t] / 1e9:.1f} GB/s" for t in args.threads))
+    copy = {threads: copy_bandwidth(threads, clock=CLOCKS[args.clock]) for threads in args.threads}
+    print(f"copy bandwidth ({args.clock} clock): " + ", ".join(f"{t} threads {copy[t] / 1e9:.1f} GB/s" for t in args.threads))
     print("| weights | threads | " + " | ".join(f"T={T}" for T in args.tokens) + " | weights read at T=1 |")
     print("|---|---|" + "---|" * len(args.tokens) + "---|")
     for name in args.formats:
@@ -126,6 +148,10 @@ def main():
             rate = weight_bytes(model) / (ms[args.tokens[0]] / 1e3)
             read = f"{weight_bytes(model) / 1e6:.0f} MB, {rate / 1e9:.1f} GB/s ({rate / copy[threads]:.0%} of copy)"
             print(f"| {name} | {threads} | " + " | ".join(cells) + f" | {read} |", flush=True)
+            if args.projections and weights in ("gguf", "int8", "int8dot"):
+                ms = projections(model, args.tokens, args.reps, CLOCKS[args.clock])
+                cells = [f"{ms[T]:.1f} ({ms[T] / ms[args.tokens[0]]:.2f})" for T in args.tokens]
+                print(f"| {name}, projections only | {threads} | " + " | ".join(cells) + " | |", flush=True)
 
 
 if __name__ == "__main__":

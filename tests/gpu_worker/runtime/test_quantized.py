@@ -265,6 +265,48 @@ def test_int_linear_gives_a_row_the_same_bits_at_every_row_count_and_thread_coun
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_int_linear_passes_of_rows_give_each_row_its_own_bits_on_every_isa(kernel, int_isa, kind):
+    """The kernel takes rows of x in passes (8 at a time on VNNI, the first pass of several
+    prefetching, then the rest; 4 at a time on AVX2): at every row count 1..64 and offset a row's
+    outputs are the documented arithmetic's, for rows of w not a multiple of the 16-row groups."""
+    w = random_weight(kind, 40, 96, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x, b, residual = torch.randn(64, 96, generator=g), torch.randn(40, generator=g), torch.randn(64, 40, generator=g)
+    want = integer_reference(x, w, b, residual)
+    packed = to_int(w)
+    for rows in range(1, 65):
+        start = (rows * 5) % (65 - rows)
+        got = int_linear(x[start:start + rows], packed, b, residual[start:start + rows])
+        assert torch.equal(got, want[start:start + rows]), (int_isa, rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int_linear_quantizes_edge_blocks_alike_on_every_isa(kernel, kind):
+    """Activation blocks of zeros, of subnormals (127 / max|x| overflows: q = 0), of huge values,
+    and with an inf or a NaN (that row's outputs NaN, no other row's): the same bits on every ISA
+    (the vector quantization against the scalar reference)."""
+    w = to_int(random_weight(kind, 20, 96, seed=7))
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(8))
+    x[1, :32] = 0
+    x[2, 32:64] = 1e-42
+    x[3] = x[3] * 1e30
+    x[4, 40] = float("inf")
+    x[5, 70] = float("nan")
+    x[6, 3] = 1e-30
+    results = {}
+    for isa in INT_ISAS:
+        if kernel.use_int_isa(isa) == isa:
+            results[isa] = int_linear(x, w)
+    kernel.use_int_isa("best")
+    assert results["scalar"][[4, 5]].isnan().all()
+    finite = [0, 1, 2, 3, 6]
+    assert results["scalar"][finite].isfinite().all()
+    for isa, got in results.items():
+        assert torch.equal(got[finite], results["scalar"][finite]), isa
+        assert got[[4, 5]].isnan().all(), isa
+
+
 def test_int_linear_refuses_a_bad_shape(kernel):
     w = to_int(random_weight("q8_0", 20, 64))
     with pytest.raises(RuntimeError, match="packed blocks of 32 weights along K = 96"):
