@@ -12,7 +12,9 @@ with the openai SDK and LangChain, batch 1, in this order:
 3. The overhead of tool calling at k=0 (grammar, rendering and parsing), `--overhead-pairs`
    times: a greedy required call (run twice, timed the second time, its prompt cached) against a
    plain completion of the same prompt text with as many tokens (/v1/completions, ignore_eos,
-   cached too), back to back, neither with logprobs; the ratio of the summed times.
+   cached too), back to back, neither with logprobs; the ratio of the summed times, and the
+   median of the pairs' ratios (on a shared machine one pair caught by a burst of load moves
+   the sum, not the median). The 1-minute load average is printed at the start and the end.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_tools.py --calls 50 --out /tmp/tools.json
 
@@ -23,6 +25,8 @@ model is the grammar's hardest user, and fast); --no-agent skips step 1.
 import argparse
 import asyncio
 import json
+import os
+import statistics
 import time
 from pathlib import Path
 
@@ -164,6 +168,7 @@ async def agent(stack) -> dict:
 
 
 async def bench(args: argparse.Namespace) -> dict:
+    load_start = os.getloadavg()[0]
     config = StackConfig(target_model=str(args.target), draft_model=str(args.draft), gateways=1)
     async with Stack(config) as stack:
         api = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key(), max_retries=0, timeout=600)
@@ -187,8 +192,11 @@ async def bench(args: argparse.Namespace) -> dict:
     summary = {mode: {"calls": 2 * len(r), "valid": sum((x["k0"]["error"] is None) + (x["k"]["error"] is None) for x in r),
                       "k_equals_k0": sum(x["same"] for x in r), "pairs": len(r)} for mode, r in runs.items()}
     tool_total, plain_total = sum(o["tool_s"] for o in overhead), sum(o["plain_s"] for o in overhead)
+    ratios = [o["tool_s"] / o["plain_s"] for o in overhead]
     summary["overhead_k0"] = {"requests": len(overhead), "tool_s": tool_total, "plain_s": plain_total,
-                              "ratio": tool_total / plain_total if plain_total else None}
+                              "ratio": tool_total / plain_total if plain_total else None,
+                              "median_pair_ratio": statistics.median(ratios) if ratios else None}
+    summary["load_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
     summary["agent"] = agent_run
     return {"summary": summary, "runs": runs, "overhead": overhead}
 
