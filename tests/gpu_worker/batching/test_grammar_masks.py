@@ -1,11 +1,11 @@
-"""gpu_worker/roles/grammar_masks.py: llguidance's bitmask unpacked bit for bit (numpy), and the
+"""gpu_worker/batching/grammar_masks.py: llguidance's bitmask unpacked bit for bit (numpy), and the
 in-place mask equal to torch's masked_fill in every dtype."""
 
 import numpy as np
 import pytest
 import torch
 
-from gpu_worker.roles.grammar_masks import mask_logits, mask_logits_, unpack
+from gpu_worker.batching.grammar_masks import mask_logits, mask_logits_, unpack
 
 
 @pytest.mark.parametrize("vocab_size", [32, 100, 4096 + 7])
