@@ -15,9 +15,9 @@ with the openai SDK and LangChain, batch 1, in this order:
    cached too), back to back, neither with logprobs; the ratio of the summed times, and the
    median of the pairs' ratios (on a shared machine one pair caught by a burst of load moves
    the sum, not the median); and the same for the CPU time (user + system) the stack's
-   processes spent on each request, which another program's load on the machine hardly moves
-   (requests run one at a time, so a process's CPU time between a request's start and end is
-   that request's, heartbeats aside). The 1-minute load average is printed at the start and the end.
+   processes spent on each request (requests run one at a time, so a process's CPU time between
+   a request's start and end is that request's, heartbeats aside), which waiting for a core does
+   not add to, though torch's threads spinning for a starved peer still do. The 1-minute load average is printed at the start and the end.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_tools.py --calls 50 --out /tmp/tools.json
 
