@@ -200,7 +200,12 @@ class RowSampling(WireModel):
     @property
     def penalised(self) -> bool:
         """logit_bias, a penalty or a grammar is on: a position's logits are more than the model's."""
-        return (self.logit_bias is not None or self.structured_outputs is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.penalties_on or self.structured_outputs is not None
+
+    @property
+    def penalties_on(self) -> bool:
+        """logit_bias or a penalty is on (a grammar aside): the row needs its history's counts."""
+        return (self.logit_bias is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
     def arrays(self) -> tuple[np.ndarray, ...]:

@@ -21,6 +21,17 @@ The grammar (`call_grammar`, llguidance's Lark dialect with embedded JSON schema
 tool_choice "required" and a named function send as structured outputs: one call (or several,
 one per line, with parallel calls) of a declared tool whose arguments follow its schema, in
 the JSON layout of text/grammar.py, so every separator and the call's frame are forced tokens.
+
+A grammar makes a call valid, not finished: a model may keep writing digits of a number the
+schema leaves unbounded (JSON numbers have no length) until max_tokens cuts the call. So the call
+grammar bounds the numbers a schema leaves open (`bounded_numbers`), by what JSON can carry
+between programs anyway (RFC 8259 section 6: integers within +-(2**53 - 1) are the interoperable
+ones, IEEE doubles the usual precision): a number or integer without a maximum (minimum) gets
+MAX_SAFE_INTEGER (its negative), a number without multipleOf at most MAX_FRACTION_DIGITS digits
+after the point and no exponent (multipleOf 10**-MAX_FRACTION_DIGITS). Every call it allows is
+still valid for the declared schema. Strings are left as declared: an argument's text may be
+long on purpose (code, a document), and max_tokens is its bound (close a schema with maxLength
+to bound it).
 """
 
 from __future__ import annotations
@@ -39,6 +50,16 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 MAX_CACHED_SCHEMAS = 1024  # checked tool schemas remembered per process
+MAX_SAFE_INTEGER = 2**53 - 1  # RFC 8259 section 6: the integers every JSON parser holds exactly
+# digits after a number's point that the call grammar allows where a schema sets no multipleOf;
+# llguidance's multipleOf takes a decimal step of at most 10 digits
+MAX_FRACTION_DIGITS = 9
+NUMBER_TYPES = ("number", "integer")
+# the keywords whose values are subschemas (a dict of them, a list of them, or one)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "unevaluatedProperties",
+               "unevaluatedItems", "propertyNames")
 SYSTEM_PREAMBLE = ("You are a function calling AI model. You are provided with function signatures within "
                    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
                    "Don't make assumptions about what values to plug into functions. Here are the available tools: "
@@ -115,13 +136,45 @@ def call_grammar(tools: Sequence[dict], parallel: bool) -> str:
     names = []
     rules = []
     for i, tool in enumerate(tools):
-        schema = {"type": "object", "properties": {"name": {"const": tool["name"]},
-                                                   "arguments": tool.get("parameters") or EMPTY_PARAMETERS},
+        arguments = tool.get("parameters") or EMPTY_PARAMETERS
+        bounded = bounded_numbers(arguments)
+        arguments = arguments if schema_error(bounded) else bounded  # a bound the schema cannot take: as declared
+        schema = {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": arguments},
                   "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_LAYOUT}
         names.append(f"call_{i}")
         rules.append(f"call_{i}: %json {json.dumps(schema)}")
     start = "start: call (\"\\n\" call)*" if parallel else "start: call"
     return "\n".join([start, f'call: "{OPEN}" body "{CLOSE}"', "body: " + " | ".join(names), *rules])
+
+
+def bounded_numbers(schema: dict) -> dict:
+    """schema with the bounds of the module docstring on each number and integer it leaves open
+    (a copy; values under enum, const, default and examples are data, left alone)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_numbers(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_numbers(sub) for sub in out[key]]
+    for key in SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = bounded_numbers(out[key])
+    types = out.get("type")
+    types = types if isinstance(types, list) else [types]
+    if not any(t in NUMBER_TYPES for t in types) or "enum" in out or "const" in out:
+        return out
+    low = max((out[k] for k in ("minimum", "exclusiveMinimum") if isinstance(out.get(k), (int, float))), default=None)
+    high = min((out[k] for k in ("maximum", "exclusiveMaximum") if isinstance(out.get(k), (int, float))), default=None)
+    if high is None and (low is None or low < MAX_SAFE_INTEGER):
+        out["maximum"] = MAX_SAFE_INTEGER
+    if low is None and (high is None or high > -MAX_SAFE_INTEGER):
+        out["minimum"] = -MAX_SAFE_INTEGER
+    if "number" in types and "multipleOf" not in out:
+        out["multipleOf"] = float(f"1e-{MAX_FRACTION_DIGITS}")
+    return out
 
 
 def schema_error(parameters: dict) -> str:

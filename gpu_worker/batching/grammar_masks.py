@@ -18,9 +18,6 @@ from text.tokenizer import load_tokenizer
 
 log = structlog.get_logger(__name__)
 
-BITS = torch.arange(32, dtype=torch.int32)
-
-
 def grammars_of(owner, vocab_size: int) -> Grammars:
     """owner's compiled grammars (a slot owner with tokenizer_dir and grammars), made on first
     use over a vocabulary of vocab_size ids (an owner that never sees a grammar loads no tokenizer)."""
@@ -45,9 +42,13 @@ def warm_grammars(owner, vocab_size: int) -> None:
 
 
 def unpack(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """llguidance's bitmask (n, ceil(V/32)) int32, bit j of word w = token 32w + j -> (n, V) bool."""
-    words = torch.from_numpy(bitmask)
-    return ((words[..., None] >> BITS) & 1).view(words.shape[0], -1)[:, :vocab_size].bool()
+    """llguidance's bitmask (n, ceil(V/32)) int32, bit j of word w = token 32w + j -> (n, V) bool.
+    In numpy (unpackbits over the words' little-endian bytes), as the masks below: a step's mask
+    is one V-sized pass, which a torch op may hand to its thread pool, and waking the pool on a
+    busy CPU costs more than the pass."""
+    words = np.ascontiguousarray(bitmask, dtype="<i4")
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def allowed_now(matcher: OutputMatcher, vocab_size: int) -> torch.Tensor:
@@ -60,3 +61,12 @@ def allowed_now(matcher: OutputMatcher, vocab_size: int) -> torch.Tensor:
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits (T, V) with the tokens outside allowed (T, V) bool at -inf."""
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor) -> None:
+    """mask_logits in place: numpy's where-copy for CPU float32 logits (unpack's reason), else
+    torch's masked_fill_."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and allowed.device.type == "cpu":
+        np.copyto(logits.numpy(), np.float32(-np.inf), where=~allowed.numpy())
+    else:
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from gpu_worker.batching.grammar_masks import mask_logits
+from gpu_worker.batching.grammar_masks import mask_logits_
 from gpu_worker.runtime.tree_forward import ROOT, tree_paths
 from gpu_worker.sampling.acceptance import DraftTree, Law, RowLaws, accept
 from gpu_worker.sampling.sampler import Penalties, SamplingInputError, SamplingTensors, penalise, row_seed
@@ -44,7 +44,7 @@ def verify_drafts(verifier: Verifier, works: list[VerifyRowWork]) -> list[Verifi
     accepted = accept(tree, penalised, row_laws(works, device))
     return [Verified(token_ids=accepted.token_ids[b], num_accepted=accepted.num_accepted[b],
                      residual_fallback=accepted.residual_fallback[b], logits=penalised[b, cols],
-                     raw_logits=None if w.penalties is None else logits[b, cols], processed=accepted.laws[b],
+                     raw_logits=logits[b, cols] if w.adjusted else None, processed=accepted.laws[b],
                      accepted_nodes=None if tree.chain else accepted.paths[b])
             for b, (w, cols) in enumerate(zip(works, accepted.columns))]
 
@@ -88,19 +88,20 @@ def padded_drafts(works: list[VerifyRowWork], K: int, device) -> torch.Tensor:
 
 
 def penalised_logits(works: list[VerifyRowWork], logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """logits (B, K+1, V) with each penalised row's grammar mask (verifier_grammar.py), logit_bias and
-    penalties applied (float32),
-    verify position t counting drafts 0..t-1; the same tensor when no row has any.
-    draft_ids (B, K), -1 padded."""
-    rows = [b for b, w in enumerate(works) if w.penalties is not None]
-    if not rows:
+    """logits (B, K+1, V) with each row's grammar mask (verifier_grammar.py), logit_bias and
+    penalties applied (float32), verify position t counting drafts 0..t-1; the same tensor when
+    no row has any. A row with a grammar only gets its mask alone (no penalties to build: adding
+    zeros changes no logit's value). draft_ids (B, K), -1 padded."""
+    if not any(w.adjusted for w in works):
         return logits
     out = logits.to(torch.float32, copy=True)
     for b, w in enumerate(works):  # the grammar first, as vLLM applies its bitmask before the penalties
         if w.allowed is not None:
-            out[b, :w.num_draft + 1] = mask_logits(out[b, :w.num_draft + 1], w.allowed)
-    index = torch.tensor(rows, device=logits.device)
-    out[index] = penalise(out[index], Penalties.cat([works[b].penalties for b in rows]), draft_ids[index])
+            mask_logits_(out[b, :w.num_draft + 1], w.allowed)
+    rows = [b for b, w in enumerate(works) if w.penalties is not None]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = penalise(out[index], Penalties.cat([works[b].penalties for b in rows]), draft_ids[index])
     return out
 
 

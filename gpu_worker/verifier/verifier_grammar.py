@@ -89,6 +89,6 @@ def grammar_step(verifier, row: VerifyRow, matcher: OutputMatcher | None, output
     matcher.back(filled - 1)
     bitmask[filled:len(drafts) + 1] = bitmask[filled - 1]  # after a refused draft: never emitted
     allowed = unpack(bitmask[:len(drafts) + 1 + len(forced)], verifier.vocab_size)
-    if not bool(allowed[:filled].any(-1).all()):
+    if not allowed.numpy()[:filled].any(-1).all():
         raise SpecbusError(ErrorCode.invalid_field, "the grammar allows no token here", FIELD)
     return GrammarStep(matcher, len(drafts), forced, allowed)

@@ -133,8 +133,9 @@ def decode_proposal(verifier: Verifier, row: VerifyRow, prefix: str) -> torch.Te
 def output_before(row: VerifyRow, state: VerifierSlot | None) -> list[int]:
     """The row's output tokens before its first verified position: the slot's first cached_len
     ids, then new_token_ids, from prompt_len on."""
-    held = [] if state is None else state.token_ids[:row.cached_len].tolist()
-    return (held + row.new_token_ids.tolist())[row.prompt_len:]
+    start = min(row.prompt_len, row.cached_len)  # the prompt's held ids are not listed
+    held = [] if state is None else state.token_ids[start:row.cached_len].tolist()
+    return (held + row.new_token_ids.tolist())[row.prompt_len - start:]
 
 
 def point_mass_after(draft_probs: torch.Tensor | None, kept: int, forced: list[int],
@@ -182,7 +183,7 @@ def check_row(verifier: Verifier, scheduler_id: str, index: int, row: VerifyRow)
     check_fields(verifier, row, verdict, prefix)
     draft_probs = decode_proposal(verifier, row, prefix)
     params = sampling_params(verifier, row, prefix)
-    penalties = history_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalised else None
+    penalties = history_penalties(verifier, row, state, prefix) if row.emit and row.sampling.penalties_on else None
     grammar = None
     if row.emit and row.sampling.structured_outputs is not None and not verdict.need_resync:
         grammar = row_grammar(verifier, row, None if state is None else state.grammar, output_before(row, state),

@@ -107,6 +107,12 @@ class VerifyRowWork:
     error: Error | None = None
 
     @property
+    def adjusted(self) -> bool:
+        """Its logits are more than the model's: a grammar's mask, logit_bias or penalties (its
+        raw logits are then kept apart)."""
+        return self.penalties is not None or self.allowed is not None
+
+    @property
     def wanted(self) -> list[int]:
         """Offsets whose logits this row needs, ascending (the two ranges may share one)."""
         verify = range(self.num_new - 1, self.num_new + self.num_draft) if self.row.emit else range(0)

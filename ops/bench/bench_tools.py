@@ -12,7 +12,12 @@ with the openai SDK and LangChain, batch 1, in this order:
 3. The overhead of tool calling at k=0 (grammar, rendering and parsing), `--overhead-pairs`
    times: a greedy required call (run twice, timed the second time, its prompt cached) against a
    plain completion of the same prompt text with as many tokens (/v1/completions, ignore_eos,
-   cached too), back to back, neither with logprobs; the ratio of the summed times.
+   cached too), back to back, neither with logprobs; the ratio of the summed times, and the
+   median of the pairs' ratios (on a shared machine one pair caught by a burst of load moves
+   the sum, not the median); and the same for the CPU time (user + system) the stack's
+   processes spent on each request (requests run one at a time, so a process's CPU time between
+   a request's start and end is that request's, heartbeats aside), which waiting for a core does
+   not add to, though torch's threads spinning for a starved peer still do. The 1-minute load average is printed at the start and the end.
 
     PYTHONPATH=. .venv/bin/python ops/bench/bench_tools.py --calls 50 --out /tmp/tools.json
 
@@ -23,6 +28,8 @@ model is the grammar's hardest user, and fast); --no-agent skips step 1.
 import argparse
 import asyncio
 import json
+import os
+import statistics
 import time
 from pathlib import Path
 
@@ -102,6 +109,15 @@ async def call(api, i: int, k: int, sampled: bool, logprobs: bool = True) -> dic
             "finish_reason": reply.choices[0].finish_reason}
 
 
+def stack_cpu_s(stack) -> float:
+    """CPU seconds (user + system) the stack's processes have used so far (Linux /proc)."""
+    ticks = 0
+    for service in stack.processes.values():
+        fields = Path(f"/proc/{service.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (stat's fields 14 and 15)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 async def plain(api, prompt: str, tokens: int) -> float:
     started = time.perf_counter()
     await api.completions.create(model="", prompt=prompt, max_tokens=tokens, temperature=0,
@@ -164,6 +180,7 @@ async def agent(stack) -> dict:
 
 
 async def bench(args: argparse.Namespace) -> dict:
+    load_start = os.getloadavg()[0]
     config = StackConfig(target_model=str(args.target), draft_model=str(args.draft), gateways=1)
     async with Stack(config) as stack:
         api = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key(), max_retries=0, timeout=600)
@@ -180,15 +197,27 @@ async def bench(args: argparse.Namespace) -> dict:
                       f"k=k0 {runs[mode][-1]['same']}", flush=True)
         for i in range(0, 2 * args.overhead_pairs, 2):  # required calls; the first run caches the prompt
             await call(api, i, 0, False, logprobs=False)
+            cpu = stack_cpu_s(stack)
             again = await call(api, i, 0, False, logprobs=False)  # as the plain one: no logprobs
+            tool_cpu, cpu = stack_cpu_s(stack) - cpu, stack_cpu_s(stack)
             plain_s = await plain(api, rendered_prompt(args.target, i), again["completion_tokens"])
-            overhead.append({"tool_s": again["seconds"], "plain_s": plain_s, "tokens": again["completion_tokens"]})
+            overhead.append({"tool_s": again["seconds"], "plain_s": plain_s, "tokens": again["completion_tokens"],
+                             "tool_cpu_s": tool_cpu, "plain_cpu_s": stack_cpu_s(stack) - cpu,
+                             "load_1min": os.getloadavg()[0]})
             print(f"overhead pair {i}: {overhead[-1]}", flush=True)
     summary = {mode: {"calls": 2 * len(r), "valid": sum((x["k0"]["error"] is None) + (x["k"]["error"] is None) for x in r),
                       "k_equals_k0": sum(x["same"] for x in r), "pairs": len(r)} for mode, r in runs.items()}
     tool_total, plain_total = sum(o["tool_s"] for o in overhead), sum(o["plain_s"] for o in overhead)
+    ratios = [o["tool_s"] / o["plain_s"] for o in overhead]
     summary["overhead_k0"] = {"requests": len(overhead), "tool_s": tool_total, "plain_s": plain_total,
-                              "ratio": tool_total / plain_total if plain_total else None}
+                              "ratio": tool_total / plain_total if plain_total else None,
+                              "median_pair_ratio": statistics.median(ratios) if ratios else None}
+    tool_cpu, plain_cpu = sum(o["tool_cpu_s"] for o in overhead), sum(o["plain_cpu_s"] for o in overhead)
+    summary["overhead_k0_cpu"] = {"tool_cpu_s": tool_cpu, "plain_cpu_s": plain_cpu,
+                                  "ratio": tool_cpu / plain_cpu if plain_cpu else None,
+                                  "median_pair_ratio": statistics.median(o["tool_cpu_s"] / o["plain_cpu_s"]
+                                                                         for o in overhead) if overhead else None}
+    summary["load_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
     summary["agent"] = agent_run
     return {"summary": summary, "runs": runs, "overhead": overhead}
 

@@ -22,17 +22,20 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from services.gateway.api_errors import ApiError, validation_error
-from services.gateway.request_bodies import ChatBody
-from services.gateway.responses_api import OpenChat, answer, chat_pieces, field_error
+from services.gateway.request_bodies import ChatBody, SpecbusFields
+from services.gateway.responses_api import OpenChat, answer, chat_pieces, parts_text
+from services.gateway.tools import field_error
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-class MessagesBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class MessagesBody(SpecbusFields):
+    """Anthropic's fields taken (others are refused, naming them; top_k is Anthropic's too), and
+    specbus's (SpecbusFields, as on the chat route)."""
+
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -40,23 +43,19 @@ class MessagesBody(BaseModel):
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
     stop_sequences: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    # specbus's own
-    seed: int | None = None
-    num_speculative_tokens: int | None = None
-    timeout_s: float | None = None
+
+
+def is_text_block(block: dict) -> bool:
+    return block.get("type") == "text"
 
 
 def block_text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise field_error(param, "a text, or a list of text blocks")
+    """A system prompt's or a tool_result's content: a text, or text blocks."""
+    return parts_text(content, param, is_text_block, "a text, or a list of text blocks")
 
 
 def message_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,9 +111,8 @@ def chat_body(body: MessagesBody) -> ChatBody:
     system = block_text(body.system, "system") if body.system is not None else None
     messages = ([{"role": "system", "content": system}] if system else []) + message_turns(body.messages)
     raw = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
-           "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences, "seed": body.seed,
-           "num_speculative_tokens": body.num_speculative_tokens, "timeout_s": body.timeout_s, "stream": body.stream,
-           **chat_tools(body)}
+           "top_p": body.top_p, "stop": body.stop_sequences, "stream": body.stream,
+           **body.specbus_fields(), **chat_tools(body)}
     try:
         return ChatBody.model_validate({k: v for k, v in raw.items() if v is not None})
     except ValidationError as exc:

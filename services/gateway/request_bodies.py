@@ -80,28 +80,15 @@ class ResponseFormat(BaseModel):
         return {"json": self.json_schema.schema_ if self.json_schema.schema_ is not None else {}}
 
 
-class Body(BaseModel):
-    """What /v1/completions and /v1/chat/completions share, OpenAI's fields then specbus's."""
+class SpecbusFields(BaseModel):
+    """specbus's own fields (module docstring), which every route that generates takes: the
+    completion and chat bodies, and /v1/responses and /v1/messages, which hand them to the chat
+    body they become (`specbus_fields`). seed is OpenAI's on chat and completions, specbus's on
+    the other two."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None  # None: the one model served (as vLLM and SGLang take it)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # {token id: bias}; ranges and ids checked by the schema
-    repetition_penalty: float | None = None  # vLLM's extra
-    response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's; checked by schemas.generation.StructuredOutputs
-    user: str | None = None  # accepted for the SDKs; unused
-    # specbus's own
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
@@ -113,6 +100,31 @@ class Body(BaseModel):
     logprobs_mode: Literal["raw", "processed"] | None = None
     sampling_mask: bool | None = None
     timeout_s: float | None = Field(None, gt=0)  # none: the gateway's; 0 would be no time at all
+
+    def specbus_fields(self) -> dict[str, Any]:
+        """The fields of this mixin that were given, by name."""
+        return {name: value for name in SpecbusFields.model_fields if (value := getattr(self, name)) is not None}
+
+
+class Body(SpecbusFields):
+    """What /v1/completions and /v1/chat/completions share: OpenAI's fields, specbus's
+    (SpecbusFields), vLLM's."""
+
+    model: str | None = None  # None: the one model served (as vLLM and SGLang take it)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias}; ranges and ids checked by the schema
+    repetition_penalty: float | None = None  # vLLM's extra
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's; checked by schemas.generation.StructuredOutputs
+    user: str | None = None  # accepted for the SDKs; unused
     # vLLM's: the prompt's logprobs (top-N per token), module docstring
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 

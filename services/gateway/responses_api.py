@@ -35,17 +35,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.errors import SpecbusError
 from services.gateway.api_errors import ApiError, validation_error
-from services.gateway.request_bodies import ChatBody
+from services.gateway.request_bodies import ChatBody, SpecbusFields
 from services.gateway.response_store import ResponseStore
-from services.gateway.tools import StreamShaper, tool_names
+from services.gateway.tools import StreamShaper, field_error, tool_names
 
 CLIENT_GONE_STATUS = 499
 
 
-class ResponsesBody(BaseModel):
-    """The fields of POST /v1/responses taken (others are refused, naming them), then specbus's."""
+class ResponsesBody(SpecbusFields):
+    """The fields of POST /v1/responses taken (others are refused, naming them), and specbus's
+    (SpecbusFields, as on the chat route)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -61,20 +61,22 @@ class ResponsesBody(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: dict[str, Any] | None = None
-    # specbus's own, as on the chat route
-    seed: int | None = None
-    top_k: int | None = None
-    num_speculative_tokens: int | None = None
-    timeout_s: float | None = None
 
 
-def item_text(content: Any, param: str) -> str:
-    """A message item's content: a text, or parts of type input_text / output_text / text."""
+def parts_text(content: Any, param: str, is_part: Callable[[dict], bool], expected: str) -> str:
+    """A content given as a text, or as a list of parts that each pass is_part (a dict with a
+    `text`), joined; else a 400 naming param that says what was expected. The Responses API's
+    and the Messages API's contents (`is_text_part`, messages_api's `is_text_block`)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise field_error(param, "a message's content is a text or a list of text parts")
+    if isinstance(content, list) and all(isinstance(p, dict) and is_part(p) for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise field_error(param, expected)
+
+
+def is_text_part(part: dict) -> bool:
+    """A message item's part: input_text, output_text or text, each a dict with a text."""
+    return isinstance(part.get("text"), str)
 
 
 def input_turns(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,7 +92,8 @@ def input_turns(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise field_error(f"input[{i}].role", f"{str(role)[:40]!r} is not user, assistant, system or developer")
             turns.append({"role": "system" if role == "developer" else role,
-                          "content": item_text(item.get("content"), f"input[{i}].content")})
+                          "content": parts_text(item.get("content"), f"input[{i}].content", is_text_part,
+                                                "a message's content is a text or a list of text parts")})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise field_error(f"input[{i}]", "a function_call item needs call_id, name and arguments")
@@ -148,17 +151,12 @@ def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[ChatB
     turns = history + input_turns(body.input)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + turns
     raw = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
-           "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
-           "num_speculative_tokens": body.num_speculative_tokens, "timeout_s": body.timeout_s,
-           "stream": body.stream, **chat_tools(body), **text_format(body)}
+           "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
+           **body.specbus_fields(), **chat_tools(body), **text_format(body)}
     try:
         return ChatBody.model_validate({k: v for k, v in raw.items() if v is not None}), turns
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-
-
-def field_error(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_field")
 
 
 def new_id(prefix: str) -> str:

@@ -9,8 +9,8 @@ import pytest
 from schemas.config import TINY_TARGET
 from text.grammar import limits, llg_tokenizer
 from text.tokenizer import load_tokenizer
-from text.tool_calls import CLOSE, OPEN, CallStream, ToolCall, call_grammar, call_text, generic_messages, \
-    parse_output, schema_error, template_reads_tools
+from text.tool_calls import CLOSE, MAX_SAFE_INTEGER, OPEN, CallStream, ToolCall, bounded_numbers, call_grammar, \
+    call_text, generic_messages, parse_output, schema_error, template_reads_tools
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                  "required": ["city"]}}
@@ -34,23 +34,52 @@ def test_generic_messages_put_tools_in_the_system_turn_and_calls_and_results_as_
     assert turns[3]["content"].count("<tool_response>") == 2  # consecutive results in one turn
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_the_call_grammar_takes_valid_calls_only(parallel):
+def call_acceptor(tools: list[dict], parallel: bool):
+    """text -> whether the call grammar of tools takes it whole."""
     tokenizer = load_tokenizer(TINY_TARGET)
-    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar([WEATHER, ADD], parallel))
-    one = call_text(ToolCall("add", '{"a": 3}'))
+    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(tools, parallel))
 
     def accepts(text: str) -> bool:
         matcher = llguidance.LLMatcher(llg_tokenizer(tokenizer, tokenizer.vocab_size), grammar, log_level=0,
                                        limits=limits())
+        assert not matcher.is_error(), matcher.get_error()
         ids = tokenizer.encode(text)
         return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+    return accepts
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_call_grammar_takes_valid_calls_only(parallel):
+    accepts = call_acceptor([WEATHER, ADD], parallel)
+    one = call_text(ToolCall("add", '{"a": 3}'))
 
     assert accepts(one)
     assert not accepts(call_text(ToolCall("add", '{"a": "x"}')))
     assert not accepts(call_text(ToolCall("nope", '{"a": 3}')))
     assert not accepts('{"name": "add", "arguments": {"a": 3}}')
     assert accepts(one + "\n" + one) == parallel
+
+
+def test_the_call_grammar_bounds_the_numbers_a_schema_leaves_open():
+    money = {"name": "pay", "parameters": {"type": "object", "properties": {
+        "amount": {"type": "number"}, "count": {"type": "integer", "minimum": 1},
+        "big": {"type": "integer", "minimum": 0, "maximum": 10**17}, "cents": {"type": "number", "multipleOf": 0.01},
+        "tags": {"type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "string"}]}}}}}
+    accepts = call_acceptor([money], parallel=False)
+
+    def call(**arguments) -> str:
+        return call_text(ToolCall("pay", json.dumps(arguments)))
+
+    assert accepts(call(amount=12.5, count=3, cents=0.25, tags=[1.123456789, "x"]))
+    assert accepts(call(amount=-MAX_SAFE_INTEGER, count=MAX_SAFE_INTEGER, big=10**17))  # declared bounds stay
+    assert not accepts(call(amount=MAX_SAFE_INTEGER + 1))  # RFC 8259's interoperable range
+    assert not accepts(call(amount=1.1234567891))  # ten digits after the point
+    assert not accepts(call(tags=[0.1234567891]))  # nested in items and anyOf too
+    assert not accepts(call(count=MAX_SAFE_INTEGER + 1))
+    assert not accepts(call(cents=0.125))  # the schema's own multipleOf
+    untouched = {"type": "object", "properties": {"n": {"enum": [1.5, 2]}, "s": {"type": "string"}},
+                 "default": {"type": "number"}}
+    assert bounded_numbers(untouched) == untouched
 
 
 def test_schema_error_names_a_bad_schema():

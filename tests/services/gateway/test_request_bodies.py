@@ -7,9 +7,11 @@ from pydantic import ValidationError
 from text.tokenizer import load_tokenizer
 from schemas.config import TINY_TARGET
 from schemas.errors import ErrorCode, SpecbusError
+from schemas.generation import DRAFT_METHOD_CHOICES
+from services.gateway import messages_api, responses_api
 from services.gateway.api_errors import ApiError
 from services.gateway.request_bodies import (MAX_CHOICES, MAX_PROMPT_LOGPROB_VALUES, ChatBody, CompletionBody,
-                                             chat_plans, completion_plans)
+                                             SpecbusFields, chat_plans, completion_plans)
 from services.gateway.token_texts import TokenTexts
 
 
@@ -112,3 +114,24 @@ def test_a_response_past_its_prompt_logprob_values_is_refused_naming_the_field(t
     with pytest.raises(ApiError) as caught:
         chat_plans(ChatBody(messages=[{"role": "user", "content": "x" * 20000}], n=4, prompt_logprobs=20), 16, 30.0)
     assert caught.value.param == "prompt_logprobs"
+
+
+SPECBUS = dict(seed=7, top_k=5, min_p=0.1, ignore_eos=True, stop_token_ids=[3], num_speculative_tokens=2,
+               draft_mode="sample", draft_method=DRAFT_METHOD_CHOICES[0], coupling="gumbel",
+               logprobs_mode="processed", sampling_mask=True, timeout_s=9.0)
+
+
+@pytest.mark.parametrize("route", ["responses", "messages"])
+def test_responses_and_messages_take_every_specbus_field_and_pass_it_on(route):
+    assert set(SPECBUS) == set(SpecbusFields.model_fields)
+
+    def chat(**fields):
+        if route == "responses":
+            return responses_api.chat_body(responses_api.ResponsesBody(input="Hi", **fields), [])[0]
+        return messages_api.chat_body(messages_api.MessagesBody(max_tokens=4, messages=[
+            {"role": "user", "content": "Hi"}], **fields))
+
+    assert chat(**SPECBUS).specbus_fields() == SPECBUS
+    assert chat().specbus_fields() == {}
+    with pytest.raises(ValidationError, match="timeout_s"):
+        chat(timeout_s=0)

@@ -10,9 +10,14 @@ continues (across a gateway restart, and from another gateway on the same NATS),
 another key and deletes. The schemas close
 their objects (additionalProperties false) and bound their values, so a random model still
 finishes a call within max_tokens.
+
+litellm's import is the slowest single thing here: it runs in a thread while the stack starts
+(`litellm_import`), so the file pays it once and mostly while it waits anyway.
 """
 
+import importlib
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -36,8 +41,16 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CHOICES = ["required", {"type": "function", "function": {"name": "add"}}]
 
 
+@pytest.fixture(scope="module")
+def litellm_import():
+    """litellm being imported in a worker thread (module docstring); .result() is the module."""
+    with pytest.MonkeyPatch.context() as env, ThreadPoolExecutor(1) as pool:
+        env.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price list: no download
+        yield pool.submit(importlib.import_module, "litellm")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(start_stack, chatml_pair):
+async def stack(litellm_import, start_stack, chatml_pair):
     async with start_stack(*chatml_pair, gateways=2, client_users=("alice", "bob")) as running:
         yield running
 
@@ -152,10 +165,8 @@ async def test_langchain_bind_tools_gets_a_valid_call(stack):
     assert message.tool_calls[0]["args"]["city"] in ("Paris", "Oslo")
 
 
-async def test_litellm_completion_with_tools(stack, api, monkeypatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price list: no download
-    import litellm
-
+async def test_litellm_completion_with_tools(stack, api, litellm_import: Future):
+    litellm = litellm_import.result(timeout=600)
     model = (await api.models.list()).data[0].id
     reply = await litellm.acompletion(model=f"openai/{model}", api_base=stack.openai_base_url,
                                       api_key=stack.api_key("alice"), messages=ASK, tools=TOOLS,
