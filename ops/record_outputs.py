@@ -6,8 +6,9 @@ A refactor that must change no bit is checked by recording at the commit before 
 comparing the files (`cmp`). The stack is the tiny pair (models/tiny) with the default scheduler;
 the requests cover greedy and seeded sampling at k=0 and k=4, Gumbel and rejection coupling,
 logprobs, sampling masks, prompt logprobs (the side channel), penalties, prompt lookup, the
-suffix index and trees. Per request, every chunk's fields are concatenated; what depends on
-timing (chunk boundaries, from_draft, usage, scheduler ids, degraded reasons) is left out.
+suffix index, trees and grammars (a JSON schema, a regex). Per request, every chunk's fields are
+concatenated; what depends on timing (chunk boundaries, from_draft, usage, scheduler ids,
+degraded reasons) is left out.
 """
 
 import argparse
@@ -20,6 +21,9 @@ from schemas.config import TINY_DRAFT, TINY_TARGET
 from services.client import make_request
 from services.launch.stack import Stack, StackConfig
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "count"], "additionalProperties": False}
 JOINED = ("token_ids", "logprobs", "sampling_masks")  # per-token fields: concatenated over chunks
 LAST = ("finish_reason", "prompt_token_ids", "prompt_logprobs", "error")  # once per request
 
@@ -41,6 +45,11 @@ def requests() -> list[dict]:
         out.append(dict(common, max_tokens=20, num_speculative_tokens=4, draft_method="ngram", temperature=0.0))
         out.append(dict(common, max_tokens=20, num_speculative_tokens=6, temperature=0.8, seed=3))
         out.append(dict(common, max_tokens=20, num_speculative_tokens=4, draft_method="suffix", temperature=0.0))
+        for k in (0, 4):
+            out.append(dict(common, max_tokens=40, num_speculative_tokens=k, temperature=0.0,
+                            structured_outputs={"json": SCHEMA}, logprobs=2))
+            out.append(dict(common, max_tokens=40, num_speculative_tokens=k, temperature=0.8, seed=11 + i,
+                            structured_outputs={"regex": "[a-z]{2,6}( [0-9]{1,3}){1,4}"}, repetition_penalty=1.2))
     return out
 
 
