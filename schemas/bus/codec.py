@@ -80,13 +80,17 @@ def decode_heartbeat(data: bytes, window: Window = WINDOW) -> Heartbeat | None:
 
 
 def _also_sent_for(data: bytes, window: Window) -> bool:
-    """Whether the beat's sender speaks a version of the window too (so it sent a copy in it)."""
+    """Whether the beat is a copy for another version: sent in a version of its sender's window,
+    by a sender that speaks a version of this window too (so it sent a copy in it). A beat whose
+    version lies outside the window it claims is no copy: the caller's error stands."""
     try:
         raw = msgpack.unpackb(data, raw=False)
-        low, high = raw.get("protocol_min"), raw.get("protocol_version")
+        low, high, v = raw.get("protocol_min"), raw.get("protocol_version"), raw.get("v")
     except Exception:  # any garbage: not a copy, the caller's error stands
         return False
-    return type(low) is int and type(high) is int and low <= window.high and window.low <= high
+    if not all(type(n) is int for n in (low, high, v)):
+        return False
+    return low <= v <= high and low <= window.high and window.low <= high
 
 
 def decode_any(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, context: dict[str, Any] | None = None,

@@ -82,6 +82,16 @@ def test_a_heartbeat_goes_once_per_version_and_each_receiver_keeps_one_copy(send
     assert (kept[0].protocol_min, kept[0].protocol_version) == (sender.low, sender.high)
 
 
+@pytest.mark.parametrize("v", [N - 1, N + 1, 0, -1, 2**40])
+def test_a_beat_in_a_version_its_own_window_lacks_is_no_copy_but_a_bad_message(v):
+    """A copy for other versions is passed over in silence; a beat whose version lies outside the
+    window it claims is refused (the receiver counts it), whatever its window shares with ours."""
+    raw = beat(OLD).model_dump()
+    with pytest.raises(CodecError) as refused:
+        decode_heartbeat(msgpack.packb({**raw, "v": v}), OLD)
+    assert refused.value.code == ErrorCode.unsupported_version and refused.value.field == "v"
+
+
 def test_a_reply_goes_in_the_version_of_what_it_answers():
     assert reply_version(request(N + 1), BOTH) == N + 1
     assert reply_version(request(N + 1), OLD) == N  # refused: answered in what the sender likely reads
