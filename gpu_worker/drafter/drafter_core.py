@@ -66,7 +66,7 @@ from gpu_worker.sampling.sampler import (STREAM_DRAFT, Penalties, SamplingTensor
                                          row_seed, sample)
 from gpu_worker.drafter.draft_trees import draft_model_tree, mask_other, model_tree_columns, tree_plan
 from gpu_worker.drafter.drafter_protocol import Drafter, DraftRowWork, DraftSlot, VocabularyDrafter
-from gpu_worker.batching.grammar_masks import allowed_now, grammars_of, mask_logits
+from gpu_worker.batching.grammar_masks import allowed_now, grammars_of, mask_logits_
 from gpu_worker.batching.prefix_cache import PrefixCache, extend_keys, root_key
 from gpu_worker.batching.receiver_rule import receiver_rule
 from gpu_worker.batching.row_sampling import logit_bias_tensors, row_params, row_penalties
@@ -435,7 +435,7 @@ def mask_by_grammar(drafter: VocabularyDrafter, choice: DraftChoice, logits: tor
         if not bool(allowed.any()):
             del choice.grammars[b]
             continue
-        logits[b] = mask_logits(logits[b:b + 1], allowed[None])[0]
+        mask_logits_(logits[b], allowed)
 
 
 def follows(matcher: OutputMatcher, target_id: int) -> bool:
